@@ -1,0 +1,85 @@
+"""The ``adaspec`` command.
+
+User errors (an ``AdaspecError``) end with exit status 2 and exactly one line on stderr that
+names the flag or key, the value and what is expected; stdout stays empty. Anything else is a
+bug in adaspec and keeps its traceback.
+"""
+
+import json
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import MISSING as NO_DEFAULT
+from dataclasses import fields
+
+from adaspec import __version__
+from adaspec.config import LaunchConfig, load_config_from_argv
+from adaspec.config.flags import field_docs
+from adaspec.config.launch import launch_field_types, metavar
+from adaspec.errors import AdaspecError, show_value
+
+USAGE = """usage: adaspec COMMAND [FLAGS]
+
+commands:
+  config    check a launch line and print its effective configuration as JSON
+
+adaspec COMMAND --help shows a command's flags; adaspec --version prints the version."""
+
+
+def config_help() -> str:
+    """Every launch flag with its expected value, default and meaning."""
+    lines = ["usage: adaspec config [--name=value | --name value] ...", "",
+             "Checks the launch line (flags, combination rules, JSON files it names) without",
+             "starting anything, then prints every effective setting and its source as JSON.",
+             "Exit 0 when valid; exit 2 with one line on stderr when not.", "", "flags:"]
+    docs, types = field_docs(), launch_field_types()
+    for f in fields(LaunchConfig):
+        default = "" if f.default is NO_DEFAULT else f" (default {show_value(f.default)})"
+        lines.append(f"  --{f.name}={metavar(types[f.name])}{default}")
+        if f.name in docs:
+            lines.append(f"      {docs[f.name]}")
+    return "\n".join(lines)
+
+
+def run_config(argv: Sequence[str]) -> int:
+    if any(arg in ("-h", "--help") for arg in argv):
+        print(config_help())
+        return 0
+    effective = load_config_from_argv(argv)
+    document = {"adaspec_version": __version__, **effective.as_dict()}
+    print(json.dumps(document, indent=2))
+    return 0
+
+
+COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {"config": run_config}
+
+
+def run(argv: Sequence[str]) -> int:
+    """Dispatch one command line; returns the exit status."""
+    if not argv:
+        print(f"adaspec: error: command: missing; expected one of {', '.join(COMMANDS)} "
+              f"(adaspec --help explains them)", file=sys.stderr)
+        return 2
+    if argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    if argv[0] == "--version":
+        print(f"adaspec {__version__}")
+        return 0
+    command = COMMANDS.get(argv[0])
+    if command is None:
+        print(f"adaspec: error: command={show_value(argv[0])}: unknown; expected one of "
+              f"{', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    try:
+        return command(argv[1:])
+    except AdaspecError as error:
+        print(f"adaspec {argv[0]}: error: {error}", file=sys.stderr)
+        return 2
+
+
+def main() -> None:
+    sys.exit(run(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    main()

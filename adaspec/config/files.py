@@ -1,0 +1,249 @@
+"""The JSON files named by launch flags: read strictly, checked against the launch.
+
+Strict means: duplicate keys, NaN/Infinity, unknown keys, wrong types and retired names are
+errors that name the flag, the file and the key path. A file never half-applies: it is turned
+into frozen dataclasses in one go or rejected.
+"""
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+from adaspec.config.calibration import (
+    DRAFT_STEP_DEFAULT_MAX_BUCKET,
+    CalibrationConfig,
+    ContextInterval,
+    DraftStepConfig,
+    DraftStepPolicyConfig,
+    key_prefix,
+    require_int,
+)
+from adaspec.config.flags import RETIRED_NAMES, retired_name_error
+from adaspec.config.launch import LaunchConfig
+from adaspec.errors import MISSING, ConfigError
+
+CALIBRATION_KEYS = frozenset({
+    "model", "draft_width", "request_buckets", "target_graph_rows", "contexts",
+    "warmup_steps", "window_steps", "windows_per_point", "token_seed",
+})
+CONTEXT_KEYS = ("prefill_tokens", "min_kv_length", "max_kv_length")
+POLICY_KEYS = frozenset({"window_size", "update_interval", "switch_min_gain"})
+DRAFT_STEP_KEYS = frozenset({"version", "policy", "calibration"})
+
+# Keys that look plausible but are refused on purpose, with the reason.
+REFUSED_KEYS = {
+    "step_cost_models": "precomputed cost tables are not accepted by this file; costs are "
+                        "measured at startup for every depth",
+}
+DRAFT_STEP_REFUSED = {
+    **REFUSED_KEYS,
+    "target_graph_rows": "not a key of the draft-step calibration; the target rows follow "
+                         "from each candidate depth",
+}
+
+
+class _DuplicateKeyError(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    data: dict[str, object] = {}
+    for key, value in pairs:
+        if key in data:
+            raise _DuplicateKeyError(key)
+        data[key] = value
+    return data
+
+
+def _no_constants(name: str) -> object:
+    raise ValueError(f"{name} is not JSON")
+
+
+def read_json_object(flag: str, path: str) -> dict[str, object]:
+    """The top-level object of a JSON file, or a ConfigError naming the flag and file."""
+    setting = f"--{flag}"
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(setting, path, "expected an existing JSON file") from None
+    except IsADirectoryError:
+        raise ConfigError(setting, path, "expected a JSON file, got a directory") from None
+    except UnicodeDecodeError:
+        raise ConfigError(setting, path, "expected a UTF-8 JSON file") from None
+    except OSError as error:
+        raise ConfigError(setting, path, f"cannot be read ({error.strerror})") from None
+    try:
+        data = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constants)
+    except json.JSONDecodeError as error:
+        raise ConfigError(setting, path, f"expected valid JSON; {error.msg} at line "
+                                         f"{error.lineno} column {error.colno}") from None
+    except _DuplicateKeyError as error:
+        raise ConfigError(setting, path, f"key {error} appears twice in one object") from None
+    except ValueError as error:
+        raise ConfigError(setting, path, f"expected valid JSON; {error}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(setting, path, "expected a JSON object at the top level")
+    return data
+
+
+def _check_keys(data: Mapping[str, object], allowed: frozenset[str],
+                refused: Mapping[str, str]) -> None:
+    for key, value in data.items():
+        if key in RETIRED_NAMES:
+            raise retired_name_error(key, key, value)
+        if key in refused:
+            raise ConfigError(key, _brief(value), refused[key])
+        if key not in allowed:
+            raise ConfigError(key, _brief(value),
+                              f"unknown key; expected one of {', '.join(sorted(allowed))}")
+
+
+def _brief(value: object) -> object:
+    """Tables and lists are summarised in messages; scalars are shown as given."""
+    if isinstance(value, dict):
+        return "{...}"
+    if isinstance(value, list):
+        return "[...]"
+    return value
+
+
+def _object(key: str, value: object) -> Mapping[str, object]:
+    if not isinstance(value, dict):
+        raise ConfigError(key, _brief(value), "expected a JSON object")
+    return value
+
+
+def _tuple(value: object) -> object:
+    # Lists become tuples so the frozen configs stay hashable; anything else is left for the
+    # dataclass to reject with its own message.
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _contexts(value: object) -> object:
+    if not isinstance(value, list):
+        return value
+    contexts = []
+    for index, item in enumerate(value):
+        if not isinstance(item, dict):
+            raise ConfigError(f"contexts[{index}]", _brief(item),
+                              "expected an object with " + ", ".join(CONTEXT_KEYS))
+        with key_prefix(f"contexts[{index}]."):
+            _check_keys(item, frozenset(CONTEXT_KEYS), {})
+            for key in CONTEXT_KEYS:
+                if key not in item:
+                    raise ConfigError(key, MISSING, "missing; expected an integer")
+            contexts.append(ContextInterval(**item))
+    return tuple(contexts)
+
+
+def calibration_from_mapping(data: Mapping[str, object], *, launch: LaunchConfig,
+                             default_buckets: tuple[int, ...], source: str,
+                             refused: Mapping[str, str] = REFUSED_KEYS) -> CalibrationConfig:
+    """A calibration section, checked against the launch's width and prepared buckets."""
+    _check_keys(data, CALIBRATION_KEYS - set(refused), refused)
+    values: dict[str, object] = {}
+    for key, value in data.items():
+        if key in ("request_buckets", "target_graph_rows"):
+            value = _tuple(value)
+        elif key == "contexts":
+            value = _contexts(value)
+        values[key] = value
+    width = launch.num_speculative_tokens
+    given_width = require_int("draft_width", values.setdefault("draft_width", width), 1, 64)
+    if given_width != width:
+        raise ConfigError("draft_width", given_width,
+                          f"expected {width}, the --num_speculative_tokens of this launch "
+                          f"(costs of different widths must not be mixed)")
+    values.setdefault("request_buckets", default_buckets)
+    config = CalibrationConfig(**values, source=source)  # type: ignore[arg-type]
+    _check_prepared_buckets(config.request_buckets, launch)
+    return config
+
+
+def _check_prepared_buckets(buckets: tuple[int, ...], launch: LaunchConfig) -> None:
+    prepared = launch.captured_request_buckets()
+    for bucket in buckets:
+        if bucket not in prepared:
+            raise ConfigError("request_buckets", list(buckets),
+                              f"{bucket} is not a prepared request bucket; prepared buckets "
+                              f"are {', '.join(map(str, prepared))} (from "
+                              f"--acl_graph_decode_batch_size_limit="
+                              f"{launch.acl_graph_decode_batch_size_limit})")
+
+
+def draft_step_default_buckets(launch: LaunchConfig) -> tuple[int, ...]:
+    return tuple(b for b in launch.captured_request_buckets()
+                 if b <= DRAFT_STEP_DEFAULT_MAX_BUCKET)
+
+
+def load_draft_step_config(launch: LaunchConfig) -> DraftStepConfig:
+    """The adaptive draft-step settings: the file's sections, defaults for omitted ones."""
+    flag = "adaptive_draft_step_config"
+    path = launch.adaptive_draft_step_config
+    buckets = draft_step_default_buckets(launch)
+    default_calibration = CalibrationConfig(draft_width=launch.num_speculative_tokens,
+                                            request_buckets=buckets)
+    if path is None:
+        return DraftStepConfig(policy=DraftStepPolicyConfig(), calibration=default_calibration)
+    data = read_json_object(flag, path)
+    with key_prefix(f"--{flag}={path}: "):
+        _check_keys(data, DRAFT_STEP_KEYS, REFUSED_KEYS)
+        _check_version(data, required=True)
+        policy = DraftStepPolicyConfig()
+        if "policy" in data:
+            section = _object("policy", data["policy"])
+            with key_prefix("policy."):
+                _check_keys(section, POLICY_KEYS, REFUSED_KEYS)
+                policy = DraftStepPolicyConfig(**section, source=path)  # type: ignore[arg-type]
+        calibration = default_calibration
+        if "calibration" in data:
+            section = _object("calibration", data["calibration"])
+            with key_prefix("calibration."):
+                calibration = calibration_from_mapping(
+                    section, launch=launch, default_buckets=buckets, source=path,
+                    refused=DRAFT_STEP_REFUSED)
+    return DraftStepConfig(policy=policy, calibration=calibration)
+
+
+def _check_version(data: Mapping[str, object], *, required: bool) -> None:
+    version = data.get("version", MISSING)
+    if version is MISSING and not required:
+        return
+    if version is MISSING or isinstance(version, bool) or version != 1:
+        raise ConfigError("version", version, "expected 1 (the only file version)")
+
+
+def load_target_verify_calibration(launch: LaunchConfig) -> CalibrationConfig | None:
+    """Calibration settings of adaptive target verify; None when a saved table is reused."""
+    if not launch.enable_adaptive_target_verify or launch.adaptive_target_verify_cost_table:
+        return None
+    buckets = launch.captured_request_buckets()
+    path = launch.adaptive_target_verify_calibration
+    if path is None:
+        return CalibrationConfig(draft_width=launch.num_speculative_tokens,
+                                 request_buckets=buckets)
+    flag = "adaptive_target_verify_calibration"
+    data = read_json_object(flag, path)
+    with key_prefix(f"--{flag}={path}: "):
+        _check_version(data, required=False)
+        section = {key: value for key, value in data.items() if key != "version"}
+        return calibration_from_mapping(section, launch=launch, default_buckets=buckets,
+                                        source=path)
+
+
+def check_cost_table_paths(launch: LaunchConfig) -> None:
+    """The saved table must be a file; the output must be new, in an existing directory."""
+    table = launch.adaptive_target_verify_cost_table
+    if table is not None and not Path(table).is_file():
+        raise ConfigError("--adaptive_target_verify_cost_table", table,
+                          "expected an existing cost-table file")
+    output = launch.adaptive_target_verify_cost_table_output
+    if output is None:
+        return
+    path = Path(output)
+    if path.exists() or path.is_symlink():
+        raise ConfigError("--adaptive_target_verify_cost_table_output", output,
+                          "expected a file that does not exist yet; choose a new output file")
+    if not path.parent.is_dir():
+        raise ConfigError("--adaptive_target_verify_cost_table_output", output,
+                          f"expected an existing directory; create {path.parent} first")

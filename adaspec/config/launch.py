@@ -1,0 +1,277 @@
+"""The launch configuration: one frozen dataclass holding every launch flag.
+
+Flag names follow the specification's launch examples so that an existing launch line ports
+unchanged; ``device`` and ``tp_size`` are what a CPU or CUDA user needs beyond them. A
+``LaunchConfig`` is checked completely when it is built: field types and ranges here, the
+combination rules of the specification in ``adaspec.config.rules``. Settings left unset
+(``None``) are resolved here too, so every consumer sees one effective value.
+"""
+
+import functools
+import typing
+from dataclasses import dataclass, fields
+from typing import Literal
+
+from adaspec.errors import ConfigError
+
+Device = Literal["cpu", "cuda", "npu"]
+Algorithm = Literal["none", "MTP", "DSpark"]
+GraphBackend = Literal["aclgraph", "cudagraph", "eager_buckets"]
+
+BUILTIN_TARGET = "builtin:target"
+BUILTIN_DRAFTS: dict[str, str] = {"MTP": "builtin:mtp", "DSpark": "builtin:dspark"}
+
+# Which graph backend each device can replay. On the CPU there is no graph capture; the
+# equivalent is a set of fixed shapes prewarmed eagerly, so padded costs stay step functions.
+GRAPH_BACKEND_FOR_DEVICE: dict[str, GraphBackend] = {
+    "cpu": "eager_buckets",
+    "cuda": "cudagraph",
+    "npu": "aclgraph",
+}
+GRAPH_BACKEND_MEANING: dict[str, str] = {
+    "eager_buckets": "prewarmed fixed-shape eager buckets (no graph capture on cpu)",
+    "cudagraph": "CUDA graphs captured per bucket",
+    "aclgraph": "Ascend ACL graphs captured per bucket",
+}
+
+MAX_SPECULATIVE_TOKENS = 16
+MAX_PARALLEL_SIZE = 1024
+MAX_SEQS = 65536
+
+# Inclusive ranges of the integer flags that have a fixed range; ranges that depend on other
+# flags (node_rank, the graph batch limit) are checked with the combination rules.
+INT_RANGES: dict[str, tuple[int, int]] = {
+    "nnodes": (1, 65536),
+    "node_rank": (0, 65535),
+    "port": (1, 65535),
+    "num_speculative_tokens": (0, MAX_SPECULATIVE_TOKENS),
+    "dp_size": (1, MAX_PARALLEL_SIZE),
+    "cp_size": (1, MAX_PARALLEL_SIZE),
+    "tp_size": (1, MAX_PARALLEL_SIZE),
+    "max_seqs_per_batch": (1, MAX_SEQS),
+    "acl_graph_decode_batch_size_limit": (1, MAX_SEQS),
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LaunchConfig:
+    """Every launch flag, validated and resolved at construction."""
+
+    model: str = BUILTIN_TARGET
+    """Target model: a checkpoint path, or ``builtin:target`` for the shipped reference model."""
+
+    draft_model: str | None = None
+    """Draft model path; unset means the built-in draft of the chosen algorithm
+    (``builtin:mtp`` or ``builtin:dspark``), and no draft without speculation."""
+
+    backend: Literal["llm"] = "llm"
+    """Serving backend; adaspec serves language models only."""
+
+    model_impl: Literal["python"] = "python"
+    """Model implementation; the runtime drives Python (torch) model implementations."""
+
+    npu_kernel_backend: Literal["TORCH"] = "TORCH"
+    """Kernel backend on an NPU; adaspec's device kernels are torch operators."""
+
+    device: Device = "cpu"
+    """Where the models and kernels run: cpu, cuda or npu (npu needs torch_npu and CANN)."""
+
+    nnodes: int = 1
+    """Number of ranks in the service (one process per rank)."""
+
+    node_rank: int = 0
+    """Rank of this process, 0 .. nnodes-1."""
+
+    host: str = "127.0.0.1"
+    """Address this rank listens on."""
+
+    port: int = 8000
+    """Port this rank listens on."""
+
+    master_node_addr: str = "127.0.0.1:27000"
+    """host:port of rank 0's rendezvous for torch.distributed."""
+
+    speculative_algorithm: Algorithm = "none"
+    """Draft algorithm: MTP (sequential draft steps), DSpark (one parallel block), or none."""
+
+    num_speculative_tokens: int = 0
+    """Draft width w: tokens drafted per round (the maximum depth for adaptive draft steps);
+    0 exactly when there is no speculation."""
+
+    enable_adaptive_draft_step: bool = False
+    """Choose the number of sequential MTP draft steps per batch from lagged acceptance."""
+
+    enable_adaptive_target_verify: bool = False
+    """Choose how many drafted tokens the target verifies per round from lagged confidence."""
+
+    enable_probabilistic_draft: bool = False
+    """Sample draft tokens instead of taking the draft's argmax; adaspec drafts greedily."""
+
+    enable_graph: bool = True
+    """Run decode through prepared fixed-shape buckets (graphs on cuda and npu)."""
+
+    python_graph_backend: GraphBackend | None = None
+    """Graph backend; unset picks the one that fits the device (cpu: eager_buckets,
+    cuda: cudagraph, npu: aclgraph)."""
+
+    disable_graph_warmup: bool = False
+    """Skip preparing every bucket before ready."""
+
+    enable_unified_mtp_graph: bool = False
+    """Run a whole round (draft, pack, verify, commit) as one captured device unit."""
+
+    enable_schedule_overlap: bool = True
+    """Overlap two rounds over two pipeline slots; false runs one round at a time."""
+
+    enable_task_pipeline: bool = True
+    """Submit each stage as its own device task without host waits between stages."""
+
+    enable_disagg_pd: bool = False
+    """Prefill/decode disaggregation across services; adaspec runs both in one process."""
+
+    dp_size: int = 1
+    """Data-parallel shards; each owns its requests and shares one verification budget."""
+
+    cp_size: int = 1
+    """Context-parallel size."""
+
+    tp_size: int | None = None
+    """Tensor-parallel size; unset means nnodes / (dp_size * cp_size)."""
+
+    max_seqs_per_batch: int = 16
+    """Most sequences decoded at once, over all DP shards."""
+
+    acl_graph_decode_batch_size_limit: int | None = None
+    """Largest prepared decode request bucket; unset means max_seqs_per_batch."""
+
+    adaptive_draft_step_config: str | None = None
+    """JSON file with the adaptive draft-step policy and calibration settings."""
+
+    adaptive_target_verify_calibration: str | None = None
+    """JSON file overriding the startup cost calibration of adaptive target verify."""
+
+    adaptive_target_verify_cost_table: str | None = None
+    """Saved cost-table bundle to reuse instead of calibrating at startup."""
+
+    adaptive_target_verify_cost_table_output: str | None = None
+    """Where to save the cost table fitted at startup; the file must not exist yet."""
+
+    def __post_init__(self) -> None:
+        for name, hint in launch_field_types().items():
+            check_field_type(name, getattr(self, name), hint)
+        self._check_fixed_ranges()
+        self._resolve_unset()
+        # Imported here because the rules are written against this class.
+        from adaspec.config.rules import check_launch_rules
+
+        check_launch_rules(self)
+
+    def _check_fixed_ranges(self) -> None:
+        for name, (low, high) in INT_RANGES.items():
+            value = getattr(self, name)
+            if value is not None and not low <= value <= high:
+                raise ConfigError(f"--{name}", value, f"expected an integer in {low}..{high}")
+        for name in ("model", "host"):
+            if not getattr(self, name).strip():
+                raise ConfigError(f"--{name}", getattr(self, name), "expected a non-empty value")
+        parse_host_port("master_node_addr", self.master_node_addr)
+
+    def _resolve_unset(self) -> None:
+        # Frozen: resolution happens once, here, so no consumer re-derives a default.
+        resolved: dict[str, object] = {}
+        if self.draft_model is None and self.speculative_algorithm in BUILTIN_DRAFTS:
+            resolved["draft_model"] = BUILTIN_DRAFTS[self.speculative_algorithm]
+        if self.python_graph_backend is None and self.enable_graph:
+            resolved["python_graph_backend"] = GRAPH_BACKEND_FOR_DEVICE[self.device]
+        if self.tp_size is None and self.nnodes % (self.dp_size * self.cp_size) == 0:
+            resolved["tp_size"] = self.nnodes // (self.dp_size * self.cp_size)
+        if self.acl_graph_decode_batch_size_limit is None:
+            resolved["acl_graph_decode_batch_size_limit"] = self.max_seqs_per_batch
+        for name, value in resolved.items():
+            object.__setattr__(self, name, value)
+
+    @property
+    def speculative(self) -> bool:
+        """Whether a draft model proposes tokens at all."""
+        return self.speculative_algorithm != "none"
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes
+
+    @property
+    def seqs_per_shard(self) -> int:
+        """Most sequences one DP shard decodes at once."""
+        return -(-self.max_seqs_per_batch // self.dp_size)
+
+    def captured_request_buckets(self) -> tuple[int, ...]:
+        """The physical draft request buckets prepared for decode (the Bcap values).
+
+        Powers of two up to the graph batch limit, plus the limit itself, so any batch of B
+        requests pads to the first bucket >= B and the padding is at most B - 1 rows.
+        """
+        limit = self.acl_graph_decode_batch_size_limit
+        assert limit is not None  # resolved in __post_init__
+        buckets = [1]
+        while buckets[-1] * 2 <= limit:
+            buckets.append(buckets[-1] * 2)
+        if buckets[-1] != limit:
+            buckets.append(limit)
+        return tuple(buckets)
+
+
+@functools.cache
+def launch_field_types() -> dict[str, object]:
+    """Resolved annotations of the launch fields, in declaration order."""
+    hints = typing.get_type_hints(LaunchConfig)
+    return {f.name: hints[f.name] for f in fields(LaunchConfig)}
+
+
+def describe_type(hint: object) -> str:
+    """How a flag's expected value reads in an error message."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is Literal:
+        return "one of " + "|".join(str(a) for a in args)
+    if type(None) in args:
+        return describe_type(next(a for a in args if a is not type(None)))
+    if hint is bool:
+        return "true|false"
+    if hint is int:
+        return "an integer"
+    return "a string"
+
+
+def metavar(hint: object) -> str:
+    """How a flag's value is shown in ``--help``."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is Literal:
+        return "{" + ",".join(str(a) for a in args) + "}"
+    if type(None) in args:
+        return metavar(next(a for a in args if a is not type(None)))
+    if hint is bool:
+        return "{true,false}"
+    return "INT" if hint is int else "TEXT"
+
+
+def check_field_type(name: str, value: object, hint: object) -> None:
+    """Reject a value of the wrong type for a launch field (Python API callers)."""
+    if value is None and type(None) in typing.get_args(hint):
+        return
+    base = [a for a in typing.get_args(hint) if a is not type(None)]
+    target = base[0] if typing.get_origin(hint) is not Literal and base else hint
+    if typing.get_origin(target) is Literal:
+        ok = value in typing.get_args(target) and isinstance(value, str)
+    elif target is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, target)  # type: ignore[arg-type]
+    if not ok:
+        raise ConfigError(f"--{name}", value, f"expected {describe_type(hint)}")
+
+
+def parse_host_port(name: str, text: str) -> tuple[str, int]:
+    """Split ``host:port`` (IPv6 hosts in brackets) and check the port."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host.strip() or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"--{name}", text, "expected host:port with a port in 1..65535")
+    return host, int(port)

@@ -1,0 +1,137 @@
+"""Per-request sampling parameters, and what the configured runtime refuses to run.
+
+Speculative decoding here is exact: greedy output equals target-only greedy output and random
+sampling keeps the target distribution. A request feature that would break that, or that the
+sampler does not implement, is refused before execution with the field named; it is never
+dropped silently.
+"""
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+from adaspec.config.launch import LaunchConfig
+from adaspec.errors import MISSING, InvalidRequest, UnsupportedRequest
+
+MAX_TEMPERATURE = 100.0
+MAX_NEW_TOKENS = 1 << 20
+
+_STRUCTURED = "structured-output constraints are not supported"
+_PENALTY = "non-neutral penalties are not supported (the verifier samples the plain target " \
+           "distribution)"
+
+# Request fields adaspec knows and refuses unless they carry their neutral value:
+# name -> (neutral values, why).
+UNSUPPORTED_FIELDS: dict[str, tuple[tuple[object, ...], str]] = {
+    "seed": ((None,), "per-request seeds are not supported; draws come from the runtime's "
+                      "seeded generator so that replay is exact"),
+    "logprobs": ((None, False, 0), "logprobs are not supported"),
+    "top_logprobs": ((None, 0), "logprobs are not supported"),
+    "prompt_logprobs": ((None, 0), "logprobs are not supported"),
+    "min_tokens": ((None, 0), "minimum-length stops are not supported"),
+    "logit_bias": ((None, {}), "token bias is not supported"),
+    "presence_penalty": ((None, 0, 0.0), _PENALTY),
+    "frequency_penalty": ((None, 0, 0.0), _PENALTY),
+    "repetition_penalty": ((None, 1, 1.0), _PENALTY),
+    "response_format": ((None,), _STRUCTURED),
+    "structured_outputs": ((None,), _STRUCTURED),
+    "guided_json": ((None,), _STRUCTURED),
+    "guided_regex": ((None,), _STRUCTURED),
+    "guided_choice": ((None,), _STRUCTURED),
+    "guided_grammar": ((None,), _STRUCTURED),
+    "stop": ((None, [], ()), "stop strings are matched by the engine's tokenizer; pass the "
+                             "stop token ids as stop_token_ids"),
+}
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) \
+        and math.isfinite(value)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SamplingParams:
+    """How one request samples from the target. Top-k, top-p and min-p filter the
+    temperature-scaled distribution in that order, with the ordinary sampler's meaning."""
+
+    temperature: float | None = None
+    """0 selects greedy target decoding, a positive value random sampling. Required with
+    adaptive target verify; elsewhere unset means 0."""
+
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 keeps every token."""
+
+    top_p: float = 1.0
+    """Keep the smallest set of tokens whose probability reaches top_p; 1 keeps all."""
+
+    min_p: float = 0.0
+    """Drop tokens less likely than min_p times the most likely one; 0 keeps all."""
+
+    max_tokens: int = 256
+    """Most tokens to generate."""
+
+    stop_token_ids: tuple[int, ...] = ()
+    """Generation stops after emitting any of these token ids."""
+
+    def __post_init__(self) -> None:
+        temperature = self.temperature
+        if temperature is not None and not (
+                _number(temperature) and 0.0 <= temperature <= MAX_TEMPERATURE):
+            raise InvalidRequest("temperature", temperature,
+                                 f"expected a number in 0..{MAX_TEMPERATURE:g}")
+        self._check_filters()
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_NEW_TOKENS:
+            raise InvalidRequest("max_tokens", self.max_tokens,
+                                 f"expected an integer in 1..{MAX_NEW_TOKENS}")
+        ids = self.stop_token_ids
+        if not isinstance(ids, tuple) or not all(_is_int(i) and i >= 0 for i in ids):
+            raise InvalidRequest("stop_token_ids", ids,
+                                 "expected a list of non-negative token ids")
+
+    def _check_filters(self) -> None:
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise InvalidRequest("top_k", self.top_k, "expected an integer >= 0 (0: off)")
+        if not _number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequest("top_p", self.top_p, "expected a number in (0, 1]")
+        if not _number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequest("min_p", self.min_p, "expected a number in [0, 1]")
+
+    @property
+    def greedy(self) -> bool:
+        """Whether the target decodes greedily (temperature 0 or unset)."""
+        return not self.temperature
+
+    @classmethod
+    def from_request(cls, request: Mapping[str, object]) -> "SamplingParams":
+        """Read an engine's request fields; refuse unsupported features by name."""
+        known = {f.name for f in fields(cls)}
+        values: dict[str, object] = {}
+        for name, value in request.items():
+            if name in UNSUPPORTED_FIELDS:
+                neutral, why = UNSUPPORTED_FIELDS[name]
+                if not any(value == n and type(value) is type(n) for n in neutral):
+                    raise UnsupportedRequest(name, value, why)
+            elif name in known:
+                values[name] = tuple(value) if isinstance(value, list) else value
+            else:
+                raise InvalidRequest(name, value, "unknown field; expected one of "
+                                     + ", ".join(sorted(known)))
+        return cls(**values)  # type: ignore[arg-type]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_request(params: SamplingParams, launch: LaunchConfig) -> None:
+    """Refuse, before execution, a request this launch cannot decode exactly."""
+    if launch.enable_adaptive_target_verify and params.temperature is None:
+        raise UnsupportedRequest("temperature", MISSING,
+                                 "required with --enable_adaptive_target_verify=true; 0 "
+                                 "selects greedy target decoding, a positive value random "
+                                 "sampling")
+    if launch.enable_unified_mtp_graph and not params.greedy:
+        raise UnsupportedRequest("temperature", params.temperature,
+                                 "expected 0: --enable_unified_mtp_graph=true captures greedy "
+                                 "rounds only; use --enable_unified_mtp_graph=false for "
+                                 "positive temperatures")

@@ -1,0 +1,255 @@
+"""The combination rules of the launch configuration, written as data.
+
+Each ``Rule`` reads "when these settings hold, this one must hold too" and carries the part
+of the specification it comes from, so the whole list can be audited against it line by line.
+Rules are checked in order and the first violation is raised, so specific rules (with the
+specification's reason) come before general ones. A few rules compare numbers across flags;
+they are small functions in ``CROSS_CHECKS`` after the table.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from adaspec.config.launch import (
+    BUILTIN_DRAFTS,
+    BUILTIN_TARGET,
+    GRAPH_BACKEND_FOR_DEVICE,
+    MAX_SPECULATIVE_TOKENS,
+    LaunchConfig,
+)
+from adaspec.errors import ConfigError, show_value
+
+_SET = object()  # marker: "any value other than None"
+
+
+@dataclass(frozen=True, slots=True)
+class Cond:
+    """One setting constrained to a set of values (or to being set / unset)."""
+
+    name: str
+    allowed: tuple[object, ...]
+
+    def holds(self, cfg: LaunchConfig) -> bool:
+        value = getattr(cfg, self.name)
+        if self.allowed == (_SET,):
+            return value is not None
+        return any(value == a and type(value) is type(a) for a in self.allowed)
+
+    def describe(self) -> str:
+        if self.allowed == (_SET,):
+            return f"--{self.name}"
+        if self.allowed == (None,):
+            return f"no --{self.name}"
+        return f"--{self.name}=" + " or ".join(show_value(a) for a in self.allowed)
+
+
+def eq(name: str, *allowed: object) -> Cond:
+    return Cond(name, allowed)
+
+
+def given(name: str) -> Cond:
+    return Cond(name, (_SET,))
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """When every ``when`` condition holds, ``need`` must hold too."""
+
+    when: tuple[Cond, ...]
+    need: Cond
+    source: str
+    """The specification's statement this rule implements (section: paraphrase)."""
+    hint: str = ""
+
+    def violated(self, cfg: LaunchConfig) -> bool:
+        return all(c.holds(cfg) for c in self.when) and not self.need.holds(cfg)
+
+    def error(self, cfg: LaunchConfig) -> ConfigError:
+        value = getattr(cfg, self.need.name)
+        reason = " and ".join(c.describe() for c in self.when)
+        need = self.need.describe()
+        verb = "needs" if len(self.when) == 1 else "need"
+        expected = f"{reason} {verb} {need}" if reason else f"expected {need}"
+        if self.hint:
+            expected += f" ({self.hint})"
+        return ConfigError(f"--{self.need.name}", value, expected, rule=self.source)
+
+
+ADS = eq("enable_adaptive_draft_step", True)
+ATV = eq("enable_adaptive_target_verify", True)
+UNIFIED = eq("enable_unified_mtp_graph", True)
+MTP = eq("speculative_algorithm", "MTP")
+DSPARK = eq("speculative_algorithm", "DSpark")
+NONE = eq("speculative_algorithm", "none")
+ATV_TABLE = given("adaptive_target_verify_cost_table")
+
+RULES: tuple[Rule, ...] = (
+    # --- the two adaptive controls --------------------------------------------------------
+    Rule((ADS,), eq("enable_adaptive_target_verify", False),
+         "Adaptive Speculation: both controls default to false and cannot be enabled together",
+         "choose one adaptive control"),
+    # --- adaptive draft steps (MTP) -------------------------------------------------------
+    Rule((ADS,), eq("speculative_algorithm", "MTP"),
+         "Adaptive draft steps: MTP drafts sequentially, so only MTP can shorten its depth"),
+    Rule((ADS,), eq("enable_unified_mtp_graph", False),
+         "Adaptive draft steps: unified MTP graphs are not supported"),
+    Rule((ADS,), eq("enable_disagg_pd", False),
+         "Adaptive draft steps: PD disaggregation is not supported"),
+    Rule((ADS,), eq("enable_graph", True),
+         "Adaptive draft steps: requires ordinary graphs"),
+    Rule((ADS,), eq("disable_graph_warmup", False),
+         "Adaptive draft steps: the ordinary graphs must be prewarmed"),
+    Rule((ADS,), eq("enable_schedule_overlap", True),
+         "Adaptive draft steps: requires asynchronous scheduling"),
+    Rule((ADS,), eq("enable_task_pipeline", True),
+         "Adaptive draft steps: requires the task pipeline"),
+    Rule((ADS,), eq("dp_size", 1), "Adaptive draft steps: requires DP=1 (DP=CP=1)"),
+    Rule((ADS,), eq("cp_size", 1), "Adaptive draft steps: requires CP=1 (DP=CP=1)"),
+    Rule((given("adaptive_draft_step_config"),), eq("enable_adaptive_draft_step", True),
+         "Optional draft-step configuration: the file configures adaptive draft steps and is "
+         "not an enable switch"),
+    # --- adaptive target verify (MTP proxy and DSpark) ------------------------------------
+    Rule((ATV,), eq("speculative_algorithm", "MTP", "DSpark"),
+         "Adaptive Speculation: DSpark uses its confidence head and MTP its selected-token "
+         "probabilities; other algorithms are not implied by the generic name"),
+    Rule((ATV,), eq("enable_probabilistic_draft", False),
+         "Adaptive target verification: the draft must remain greedy; probabilistic drafts "
+         "are not admitted"),
+    Rule((ATV,), eq("num_speculative_tokens", 5, 7),
+         "Adaptive target verification: supported for Draft5 and Draft7"),
+    Rule((ATV,), eq("enable_graph", True),
+         "Adaptive target verification: requires ordinary graphs"),
+    Rule((ATV,), eq("disable_graph_warmup", False),
+         "Adaptive target verification (DSpark): graph warmup must be enabled"),
+    Rule((ATV,), eq("enable_schedule_overlap", True),
+         "Adaptive target verification: requires schedule overlap (asynchronous scheduling)"),
+    Rule((ATV,), eq("enable_task_pipeline", True),
+         "Adaptive target verification: requires the task pipeline"),
+    Rule((ATV,), eq("cp_size", 1), "Adaptive target verification: requires CP=1"),
+    Rule((ATV, MTP), eq("dp_size", 1),
+         "Adaptive target verification with MTP logits: requires DP=CP=1",
+         "data parallelism is supported for DSpark only"),
+    Rule((ATV, MTP), eq("enable_unified_mtp_graph", False),
+         "Adaptive target verification with MTP logits: unified MTP graphs are rejected"),
+    Rule((given("adaptive_target_verify_calibration"),), eq("enable_adaptive_target_verify", True),
+         "Custom configuration: the calibration file configures adaptive target verify"),
+    Rule((ATV_TABLE,), eq("enable_adaptive_target_verify", True),
+         "Reuse a saved cost table: the table prices adaptive target verify"),
+    Rule((given("adaptive_target_verify_cost_table_output"),),
+         eq("enable_adaptive_target_verify", True),
+         "Launch example: the output file saves the table fitted for adaptive target verify"),
+    Rule((ATV_TABLE,), eq("adaptive_target_verify_calibration", None),
+         "Reuse a saved cost table: the table replaces the calibration flag",
+         "a saved table skips calibration"),
+    Rule((ATV_TABLE,), eq("adaptive_target_verify_cost_table_output", None),
+         "Reuse a saved cost table: the table replaces the output flag",
+         "a saved table is not fitted again, so there is nothing to save"),
+    # --- unified graphs ---------------------------------------------------------------------
+    Rule((UNIFIED, DSPARK), eq("dp_size", 1),
+         "Adaptive target verification (DSpark): fixed-width and adaptive DSpark reject DP>1 "
+         "with unified graphs; the mode is never silently replaced with split graphs",
+         "use --enable_unified_mtp_graph=false for DP"),
+    Rule((UNIFIED,), eq("speculative_algorithm", "MTP", "DSpark"),
+         "Unified graphs capture a speculative round; without a draft there is none"),
+    Rule((UNIFIED,), eq("enable_graph", True),
+         "Unified graphs capture each complete round, so graphs must be on"),
+    Rule((UNIFIED,), eq("disable_graph_warmup", False),
+         "Unified startup captures its tiers during warmup"),
+    # --- graphs and device ---------------------------------------------------------------------
+    *(Rule((eq("device", device), eq("enable_graph", True)), eq("python_graph_backend", backend),
+           f"Graph backend must fit the device: {backend} on {device}")
+      for device, backend in GRAPH_BACKEND_FOR_DEVICE.items()),
+    Rule((eq("enable_graph", False),), eq("python_graph_backend", None),
+         "A graph backend is meaningless with graphs off; never silently ignored",
+         "drop --python_graph_backend or set --enable_graph=true"),
+    Rule((eq("enable_graph", False),), eq("disable_graph_warmup", False),
+         "Graph warmup can only be disabled when there are graphs to warm",
+         "drop --disable_graph_warmup or set --enable_graph=true"),
+    # --- no speculation ------------------------------------------------------------------------
+    Rule((NONE,), eq("num_speculative_tokens", 0),
+         "Without a draft algorithm nothing is drafted",
+         "choose --speculative_algorithm=MTP or DSpark"),
+    Rule((NONE,), eq("draft_model", None),
+         "Without a draft algorithm there is no draft model",
+         "choose --speculative_algorithm=MTP or DSpark"),
+    # --- what adaspec does not implement in any mode ---------------------------------------
+    Rule((), eq("enable_probabilistic_draft", False),
+         "Adaptive target verification (DSpark): probabilistic drafts are not admitted; "
+         "adaspec's rejection sampler takes deterministic (point-mass) drafts only"),
+    Rule((), eq("enable_disagg_pd", False),
+         "adaspec runs prefill and decode in one process; PD disaggregation is not implemented"),
+)
+
+
+def _check_parallel_shape(cfg: LaunchConfig) -> ConfigError | None:
+    group = cfg.dp_size * cfg.cp_size
+    if cfg.nnodes % group:
+        return ConfigError("--nnodes", cfg.nnodes,
+                           f"expected a multiple of dp_size*cp_size={group} (one TP group "
+                           f"per DP/CP shard)")
+    assert cfg.tp_size is not None  # resolved once nnodes divides evenly
+    if cfg.tp_size * group != cfg.nnodes:
+        return ConfigError("--tp_size", cfg.tp_size,
+                           f"expected tp_size*dp_size*cp_size == nnodes={cfg.nnodes}, "
+                           f"that is tp_size={cfg.nnodes // group}")
+    if cfg.node_rank >= cfg.nnodes:
+        return ConfigError("--node_rank", cfg.node_rank,
+                           f"expected a rank in 0..{cfg.nnodes - 1} (--nnodes={cfg.nnodes})")
+    return None
+
+
+def _check_batch_limits(cfg: LaunchConfig) -> ConfigError | None:
+    if cfg.max_seqs_per_batch < cfg.dp_size:
+        return ConfigError("--max_seqs_per_batch", cfg.max_seqs_per_batch,
+                           f"expected at least --dp_size={cfg.dp_size} (one sequence per "
+                           f"DP shard)")
+    limit = cfg.acl_graph_decode_batch_size_limit
+    assert limit is not None  # resolved in LaunchConfig
+    if limit > cfg.max_seqs_per_batch:
+        return ConfigError("--acl_graph_decode_batch_size_limit", limit,
+                           f"expected at most --max_seqs_per_batch={cfg.max_seqs_per_batch} "
+                           f"(a larger bucket can never be filled)")
+    return None
+
+
+def _check_width(cfg: LaunchConfig) -> ConfigError | None:
+    if cfg.speculative and cfg.num_speculative_tokens < 1:
+        return ConfigError("--num_speculative_tokens", cfg.num_speculative_tokens,
+                           f"--speculative_algorithm={cfg.speculative_algorithm} needs a "
+                           f"width in 1..{MAX_SPECULATIVE_TOKENS}")
+    return None
+
+
+def _check_builtin_models(cfg: LaunchConfig) -> ConfigError | None:
+    builtin_drafts = set(BUILTIN_DRAFTS.values())
+    if cfg.model.startswith("builtin:") and cfg.model != BUILTIN_TARGET:
+        return ConfigError("--model", cfg.model, f"expected a path or {BUILTIN_TARGET}")
+    draft = cfg.draft_model
+    if draft is not None and draft.startswith("builtin:"):
+        own = BUILTIN_DRAFTS.get(cfg.speculative_algorithm)
+        if draft != own:
+            expected = f"expected a path or {own}" if own else "expected a path"
+            known = ", ".join(sorted(builtin_drafts))
+            return ConfigError("--draft_model", draft,
+                               f"{expected} for --speculative_algorithm="
+                               f"{cfg.speculative_algorithm} (built-in drafts: {known})")
+    return None
+
+
+CROSS_CHECKS: tuple[Callable[[LaunchConfig], ConfigError | None], ...] = (
+    _check_parallel_shape,
+    _check_batch_limits,
+    _check_width,
+    _check_builtin_models,
+)
+
+
+def check_launch_rules(cfg: LaunchConfig) -> None:
+    """Raise the first violated rule, numeric cross-checks first (they name ranges)."""
+    for check in CROSS_CHECKS:
+        error = check(cfg)
+        if error is not None:
+            raise error
+    for rule in RULES:
+        if rule.violated(cfg):
+            raise rule.error(cfg)

@@ -1,0 +1,88 @@
+"""The exceptions adaspec raises on purpose, in one place.
+
+This module imports nothing of ours, so every layer (config, policies, runtime) may use it
+without creating an import cycle. User errors carry structured attributes so an embedding
+engine can map them to its own responses without parsing the message; ``str(error)`` is always
+one line that names the setting, the value given and what is expected.
+"""
+
+class AdaspecError(Exception):
+    """Base class of every error adaspec raises on purpose."""
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "MISSING"
+
+
+MISSING: object = _Missing()
+"""The value of a setting that was required but not given."""
+
+_MAX_SHOWN = 120
+
+
+def show_value(value: object) -> str:
+    """Render a user-supplied value the way it would be typed on a launch line."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    text = str(value)
+    # Keep every message on one line and short, whatever the user typed.
+    if any(ch in text for ch in "\r\n\t") or text != text.strip() or text == "":
+        text = repr(text)
+    if len(text) > _MAX_SHOWN:
+        text = text[: _MAX_SHOWN - 3] + "..."
+    return text
+
+
+def _describe(setting: str, value: object, expected: str) -> str:
+    if value is MISSING:
+        return f"{setting}: {expected}"
+    return f"{setting}={show_value(value)}: {expected}"
+
+
+class ConfigError(AdaspecError):
+    """A launch flag, a JSON key or a combination of settings that adaspec rejects.
+
+    ``setting`` is the flag (``--name``) or the key path (``file: section.key``) at fault,
+    ``value`` what was given, ``expected`` what would be accepted. ``rule`` names the
+    combination rule that failed, when one did.
+    """
+
+    def __init__(
+        self, setting: str, value: object, expected: str, *, rule: str | None = None
+    ) -> None:
+        super().__init__(setting, value, expected)
+        self.setting = setting
+        self.value = value
+        self.expected = expected
+        self.rule = rule
+
+    def __str__(self) -> str:
+        return _describe(self.setting, self.value, self.expected)
+
+
+class RequestError(AdaspecError):
+    """A request the runtime refuses before execution; nothing of it has run."""
+
+    def __init__(self, field: str, value: object, expected: str) -> None:
+        super().__init__(field, value, expected)
+        self.field = field
+        self.value = value
+        self.expected = expected
+
+    def __str__(self) -> str:
+        return _describe(f"request field {self.field}", self.value, self.expected)
+
+
+class InvalidRequest(RequestError):
+    """A sampling parameter outside its meaning (negative temperature, top_p above 1, ...)."""
+
+
+class UnsupportedRequest(RequestError):
+    """A request feature the configured runtime cannot honour exactly.
+
+    Raised before execution, never replaced by a silent fallback (for example a positive
+    temperature decoded greedily, or a penalty dropped).
+    """

@@ -1,0 +1,1 @@
+"""Reference target and draft models, the model protocols, and shipped weights."""

@@ -1,0 +1,1 @@
+"""Depth and budget policies, acceptance estimators and cost models (numpy/scipy only)."""

@@ -1,0 +1,1 @@
+"""Device backends (cpu, cuda, npu), streams, buckets, kernels, sampler, collectives."""

@@ -1,0 +1,1 @@
+"""Typed round events, the event bus, the event log and replay."""

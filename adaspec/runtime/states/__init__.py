@@ -1,0 +1,1 @@
+"""The round state machine (declared once on transitions) and its state handlers."""

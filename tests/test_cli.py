@@ -1,0 +1,88 @@
+"""`adaspec config`: JSON on stdout and exit 0 when valid; exit 2, empty stdout and exactly one
+line on stderr (no traceback) when not."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from adaspec.cli import run
+
+ATV = ["--speculative_algorithm=DSpark", "--num_speculative_tokens=7",
+       "--enable_adaptive_target_verify=true"]
+
+
+def adaspec(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "adaspec", *args], capture_output=True,
+                          text=True, check=False, cwd=cwd, timeout=120)
+
+
+def test_valid_launch_prints_every_setting_with_sources() -> None:
+    done = adaspec("config", *ATV)
+    assert (done.returncode, done.stderr) == (0, "")
+    document = json.loads(done.stdout)
+    settings, sources = document["launch"]["settings"], document["launch"]["sources"]
+    assert set(settings) == set(sources)
+    assert settings["num_speculative_tokens"] == 7
+    assert sources["num_speculative_tokens"] == "flag"
+    assert settings["dp_size"] == 1
+    assert sources["dp_size"] == "default"
+    assert settings["python_graph_backend"] == "eager_buckets"
+    assert sources["python_graph_backend"] == "derived"
+    assert document["adaspec_version"] == "0.1.0"
+    assert document["adaptive_target_verify"]["calibration"]["source"] == "default"
+
+
+@pytest.mark.parametrize("args", [
+    ["config", "--speculative_algorithm=DSpark", "--num_speculative_tokens=6",
+     "--enable_adaptive_target_verify=true"],
+    ["config", "--enable_adaptive_spec_prune=true"],
+    ["config", "--dp_size"],
+    ["config", "--adaptive_target_verify_calibration=/nonexistent/x.json", *ATV],
+    ["frobnicate"],
+    [],
+])
+def test_invalid_input_exits_2_with_one_line_and_nothing_on_stdout(args: list[str]) -> None:
+    done = adaspec(*args)
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert done.stderr.count("\n") == 1
+    assert done.stderr.endswith("\n")
+    assert "Traceback" not in done.stderr
+
+
+def test_error_line_names_flag_value_and_expectation(tmp_path: Path) -> None:
+    calibration = tmp_path / "dspark.json"
+    calibration.write_text('{"draft_width": 5}')
+    done = adaspec("config", *ATV, f"--adaptive_target_verify_calibration={calibration}")
+    assert done.stderr == (
+        f"adaspec config: error: --adaptive_target_verify_calibration={calibration}: "
+        f"draft_width=5: expected 7, the --num_speculative_tokens of this launch (costs of "
+        f"different widths must not be mixed)\n")
+
+
+def test_help_lists_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(["config", "--help"]) == 0
+    text = capsys.readouterr().out
+    assert "--enable_adaptive_target_verify={true,false} (default false)" in text
+    assert "--device={cpu,cuda,npu} (default cpu)" in text
+
+
+def test_version_and_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(["--version"]) == 0
+    assert capsys.readouterr().out == "adaspec 0.1.0\n"
+    assert run(["--help"]) == 0
+    assert "config" in capsys.readouterr().out
+
+
+def test_installed_console_script_runs_config() -> None:
+    script = shutil.which("adaspec")
+    if script is None:
+        pytest.skip("the adaspec console script is not on PATH (package not installed)")
+    done = subprocess.run([script, "config"], capture_output=True, text=True, check=False,
+                          timeout=120)
+    assert done.returncode == 0
+    assert json.loads(done.stdout)["execution"]["mode"] == "no speculation"

@@ -1,0 +1,81 @@
+"""Launch tokens: both spellings, strict booleans, unknown, repeated and retired flags."""
+
+import pytest
+from conftest import launch, rejection
+
+from adaspec.config import LaunchConfig
+from adaspec.config.flags import field_docs, launch_config_from_settings, parse_argv
+from adaspec.config.launch import launch_field_types
+from adaspec.errors import ConfigError
+
+
+def test_equals_and_space_spellings_give_the_same_config() -> None:
+    joined = launch("--speculative_algorithm=MTP --num_speculative_tokens=3 --dp_size=1")
+    spaced = launch("--speculative_algorithm MTP --num_speculative_tokens 3 --dp_size 1")
+    assert joined.launch == spaced.launch
+
+
+def test_choices_match_without_case_and_keep_the_canonical_spelling() -> None:
+    config = launch("--speculative_algorithm=dspark --num_speculative_tokens=5 --device=CPU")
+    assert (config.launch.speculative_algorithm, config.launch.device) == ("DSpark", "cpu")
+
+
+@pytest.mark.parametrize(("line", "message"), [
+    ("--enable_graph=yes", "--enable_graph=yes: expected true|false"),
+    ("--enable_graph=1", "--enable_graph=1: expected true|false"),
+    ("--enable_graph", "--enable_graph: missing value; expected true|false"),
+    ("--enable_graph --dp_size=1", "--enable_graph: missing value; expected true|false"),
+    ("--dp_size=two", "--dp_size=two: expected an integer"),
+    ("--dp_size=1.5", "--dp_size=1.5: expected an integer"),
+    ("--device=tpu", "--device=tpu: expected one of cpu|cuda|npu"),
+    ("--speculative_algorithm=EAGLE", "--speculative_algorithm=EAGLE: expected one of "
+                                      "none|MTP|DSpark"),
+    ("--model=", "--model='': expected a non-empty value"),
+    ("--host=' '", "--host=' ': expected a non-empty value"),
+    ("--backend=vlm", "--backend=vlm: expected one of llm"),
+    ("--model_impl=native", "--model_impl=native: expected one of python"),
+    ("--npu_kernel_backend=ATB", "--npu_kernel_backend=ATB: expected one of TORCH"),
+    ("--enable_grpah=true", "--enable_grpah=true: unknown flag; did you mean --enable_graph?"),
+    ("--zzz=1", "--zzz=1: unknown flag; see `adaspec config --help`"),
+    ("--dp_size=1 --dp_size=2", "--dp_size=2: given twice (first as 1); give each flag once"),
+    ("dp_size=2", "argument=dp_size=2: expected --name=value or --name value"),
+    ("-d", "argument=-d: expected --name=value or --name value"),
+    ("--enable_adaptive_spec_prune=true",
+     "--enable_adaptive_spec_prune=true: --enable_adaptive_spec_prune was renamed to "
+     "--enable_adaptive_target_verify; use --enable_adaptive_target_verify (the old name is not "
+     "an alias)"),
+    ("--enable_adaptive_speculative_decode true",
+     "--enable_adaptive_speculative_decode=true: --enable_adaptive_speculative_decode was "
+     "renamed to --enable_adaptive_target_verify; use --enable_adaptive_target_verify (the old "
+     "name is not an alias)"),
+])
+def test_bad_token_is_rejected_with_pinned_message(line: str, message: str) -> None:
+    assert str(rejection(line)) == message
+
+
+def test_retired_names_are_rejected_through_the_python_api_too() -> None:
+    with pytest.raises(ConfigError, match="the old name is not an alias"):
+        launch_config_from_settings({"enable_adaptive_spec_prune": True})
+
+
+def test_python_api_takes_native_values_and_checks_their_types() -> None:
+    config = launch_config_from_settings({"dp_size": 2, "nnodes": 2, "enable_graph": True})
+    assert (config.dp_size, config.tp_size) == (2, 1)
+    with pytest.raises(ConfigError, match=r"^--dp_size=true: expected an integer$"):
+        launch_config_from_settings({"dp_size": True})
+    with pytest.raises(ConfigError, match=r"^--enable_graph=1: expected true\|false$"):
+        LaunchConfig(enable_graph=1)  # type: ignore[arg-type]
+
+
+def test_config_is_frozen() -> None:
+    config = LaunchConfig()
+    with pytest.raises(AttributeError):
+        config.dp_size = 2  # type: ignore[misc]
+
+
+def test_argv_keeps_values_that_look_like_negative_numbers() -> None:
+    assert parse_argv(["--cp_size", "-1"]) == {"cp_size": "-1"}
+
+
+def test_every_flag_has_a_docstring() -> None:
+    assert set(field_docs()) == set(launch_field_types())

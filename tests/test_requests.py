@@ -1,0 +1,100 @@
+"""Sampling parameters: ranges, refused features named by field, and launch-dependent rules."""
+
+import pytest
+
+from adaspec.config import SamplingParams, check_request
+from adaspec.config.flags import launch_config_from_settings
+from adaspec.errors import InvalidRequest, UnsupportedRequest
+
+ATV = {"speculative_algorithm": "DSpark", "num_speculative_tokens": 7,
+       "enable_adaptive_target_verify": True}
+UNIFIED = {**ATV, "enable_unified_mtp_graph": True}
+
+
+def test_request_fields_are_read_into_frozen_params() -> None:
+    params = SamplingParams.from_request({"temperature": 0.5, "top_k": 40, "top_p": 0.9,
+                                          "min_p": 0.05, "max_tokens": 64,
+                                          "stop_token_ids": [10, 0]})
+    assert params == SamplingParams(temperature=0.5, top_k=40, top_p=0.9, min_p=0.05,
+                                    max_tokens=64, stop_token_ids=(10, 0))
+    assert not params.greedy
+    assert SamplingParams(temperature=0).greedy
+    assert SamplingParams().greedy
+
+
+@pytest.mark.parametrize(("field", "value", "why"), [
+    ("seed", 7, "per-request seeds are not supported"),
+    ("logprobs", True, "logprobs are not supported"),
+    ("top_logprobs", 5, "logprobs are not supported"),
+    ("prompt_logprobs", 1, "logprobs are not supported"),
+    ("min_tokens", 4, "minimum-length stops are not supported"),
+    ("logit_bias", {"5": 1.0}, "token bias is not supported"),
+    ("presence_penalty", 0.5, "non-neutral penalties are not supported"),
+    ("frequency_penalty", -0.1, "non-neutral penalties are not supported"),
+    ("repetition_penalty", 1.1, "non-neutral penalties are not supported"),
+    ("response_format", {"type": "json_object"}, "structured-output constraints"),
+    ("guided_json", {"type": "object"}, "structured-output constraints"),
+    ("guided_regex", "a+", "structured-output constraints"),
+    ("guided_choice", ["a"], "structured-output constraints"),
+    ("guided_grammar", "root ::= x", "structured-output constraints"),
+    ("structured_outputs", {"json": {}}, "structured-output constraints"),
+    ("stop", ["\n"], "pass the stop token ids as stop_token_ids"),
+])
+def test_unsupported_feature_is_refused_by_field(field: str, value: object, why: str) -> None:
+    with pytest.raises(UnsupportedRequest) as info:
+        SamplingParams.from_request({"temperature": 0, field: value})
+    assert info.value.field == field
+    assert str(info.value).startswith(f"request field {field}=")
+    assert why in str(info.value)
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("seed", None), ("logprobs", False), ("min_tokens", 0), ("logit_bias", {}),
+    ("presence_penalty", 0.0), ("frequency_penalty", 0), ("repetition_penalty", 1.0),
+])
+def test_neutral_values_of_unsupported_features_are_accepted(field: str, value: object) -> None:
+    assert SamplingParams.from_request({field: value}) == SamplingParams()
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"temperature": -0.1}, "request field temperature=-0.1: expected a number in 0..100"),
+    ({"temperature": float("nan")}, "request field temperature=nan: expected a number in 0..100"),
+    ({"temperature": "0.5"}, "request field temperature=0.5: expected a number in 0..100"),
+    ({"top_k": -1}, "request field top_k=-1: expected an integer >= 0 (0: off)"),
+    ({"top_p": 0.0}, "request field top_p=0.0: expected a number in (0, 1]"),
+    ({"top_p": 1.5}, "request field top_p=1.5: expected a number in (0, 1]"),
+    ({"min_p": 2}, "request field min_p=2: expected a number in [0, 1]"),
+    ({"max_tokens": 0}, "request field max_tokens=0: expected an integer in 1..1048576"),
+    ({"stop_token_ids": [-1]},
+     "request field stop_token_ids=(-1,): expected a list of non-negative token ids"),
+    ({"best_of": 2}, "request field best_of=2: unknown field; expected one of max_tokens, "
+                     "min_p, stop_token_ids, temperature, top_k, top_p"),
+])
+def test_invalid_values_are_refused(fields: dict[str, object], message: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        SamplingParams.from_request(fields)
+    assert str(info.value) == message
+
+
+def test_adaptive_target_verify_requires_an_explicit_temperature() -> None:
+    launch = launch_config_from_settings(ATV)
+    with pytest.raises(UnsupportedRequest) as info:
+        check_request(SamplingParams(), launch)
+    assert str(info.value).startswith("request field temperature: required with "
+                                      "--enable_adaptive_target_verify=true")
+    check_request(SamplingParams(temperature=0.0), launch)
+    check_request(SamplingParams(temperature=0.5, top_k=20), launch)
+
+
+def test_unified_graphs_refuse_positive_temperature_instead_of_decoding_greedily() -> None:
+    launch = launch_config_from_settings(UNIFIED)
+    with pytest.raises(UnsupportedRequest) as info:
+        check_request(SamplingParams(temperature=0.5), launch)
+    assert str(info.value) == (
+        "request field temperature=0.5: expected 0: --enable_unified_mtp_graph=true captures "
+        "greedy rounds only; use --enable_unified_mtp_graph=false for positive temperatures")
+    check_request(SamplingParams(temperature=0.0), launch)
+
+
+def test_temperature_is_optional_without_adaptive_target_verify() -> None:
+    check_request(SamplingParams(), launch_config_from_settings({}))
