@@ -12,7 +12,7 @@ from dataclasses import MISSING as NO_DEFAULT
 from dataclasses import fields
 
 from adaspec import __version__
-from adaspec.config import LaunchConfig, load_config_from_argv
+from adaspec.config import RULES, LaunchConfig, load_config_from_argv
 from adaspec.config.flags import field_docs
 from adaspec.config.launch import launch_field_types, metavar
 from adaspec.errors import AdaspecError, show_value
@@ -30,7 +30,8 @@ def config_help() -> str:
     lines = ["usage: adaspec config [--name=value | --name value] ...", "",
              "Checks the launch line (flags, combination rules, JSON files it names) without",
              "starting anything, then prints every effective setting and its source as JSON.",
-             "Exit 0 when valid; exit 2 with one line on stderr when not.", "", "flags:"]
+             "Exit 0 when valid; exit 2 with one line on stderr when not.",
+             "adaspec config --rules lists the combination rules it enforces.", "", "flags:"]
     docs, types = field_docs(), launch_field_types()
     for f in fields(LaunchConfig):
         default = "" if f.default is NO_DEFAULT else f" (default {show_value(f.default)})"
@@ -43,6 +44,9 @@ def config_help() -> str:
 def run_config(argv: Sequence[str]) -> int:
     if any(arg in ("-h", "--help") for arg in argv):
         print(config_help())
+        return 0
+    if list(argv) == ["--rules"]:
+        print("\n".join(rule.describe() for rule in RULES))
         return 0
     effective = load_config_from_argv(argv)
     document = {"adaspec_version": __version__, **effective.as_dict()}

@@ -63,6 +63,10 @@ class ConfigError(AdaspecError):
         return _describe(self.setting, self.value, self.expected)
 
 
+class DeviceUnavailable(ConfigError):
+    """The launch asks for a device this process cannot use (no GPU, no torch_npu, ...)."""
+
+
 class RequestError(AdaspecError):
     """A request the runtime refuses before execution; nothing of it has run."""
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from adaspec.cli import run
+from adaspec.config import RULES
 
 ATV = ["--speculative_algorithm=DSpark", "--num_speculative_tokens=7",
        "--enable_adaptive_target_verify=true"]
@@ -86,3 +87,12 @@ def test_installed_console_script_runs_config() -> None:
                           timeout=120)
     assert done.returncode == 0
     assert json.loads(done.stdout)["execution"]["mode"] == "no speculation"
+
+
+def test_rules_listing_shows_every_rule_with_its_source(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(["config", "--rules"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(RULES)
+    assert lines[0] == (
+        "--enable_adaptive_draft_step=true -> --enable_adaptive_target_verify=false   "
+        "[Adaptive Speculation: at most one of the two adaptive controls may be on]")

@@ -109,8 +109,8 @@ def test_draft_step_default_buckets_stop_at_128() -> None:
      "(costs of different widths must not be mixed)"),
     ({"version": 1, "enable_adaptive_spec_prune": True},
      "enable_adaptive_spec_prune=true: enable_adaptive_spec_prune was renamed to "
-     "enable_adaptive_target_verify; use enable_adaptive_target_verify (the old name is not an "
-     "alias)"),
+     "enable_adaptive_target_verify; use enable_adaptive_target_verify (the old name is not "
+     "accepted as an alias)"),
 ])
 def test_bad_draft_step_file_is_rejected(tmp_path: Path, data: object, message: str) -> None:
     path = tmp_path / "file.json"
@@ -210,7 +210,7 @@ def two_contexts(first: tuple[int, int, int], second: tuple[int, int, int]) -> o
     ({"enable_adaptive_speculative_decode": True},
      "enable_adaptive_speculative_decode=true: enable_adaptive_speculative_decode was renamed "
      "to enable_adaptive_target_verify; use enable_adaptive_target_verify (the old name is not "
-     "an alias)"),
+     "accepted as an alias)"),
     ({"request_bucket": [1]},
      "request_bucket=[...]: unknown key; expected one of contexts, draft_width, model, "
      "request_buckets, target_graph_rows, token_seed, warmup_steps, window_steps, "

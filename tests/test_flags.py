@@ -43,18 +43,18 @@ def test_choices_match_without_case_and_keep_the_canonical_spelling() -> None:
     ("--enable_adaptive_spec_prune=true",
      "--enable_adaptive_spec_prune=true: --enable_adaptive_spec_prune was renamed to "
      "--enable_adaptive_target_verify; use --enable_adaptive_target_verify (the old name is not "
-     "an alias)"),
+     "accepted as an alias)"),
     ("--enable_adaptive_speculative_decode true",
      "--enable_adaptive_speculative_decode=true: --enable_adaptive_speculative_decode was "
      "renamed to --enable_adaptive_target_verify; use --enable_adaptive_target_verify (the old "
-     "name is not an alias)"),
+     "name is not accepted as an alias)"),
 ])
 def test_bad_token_is_rejected_with_pinned_message(line: str, message: str) -> None:
     assert str(rejection(line)) == message
 
 
 def test_retired_names_are_rejected_through_the_python_api_too() -> None:
-    with pytest.raises(ConfigError, match="the old name is not an alias"):
+    with pytest.raises(ConfigError, match="the old name is not accepted as an alias"):
         launch_config_from_settings({"enable_adaptive_spec_prune": True})
 
 

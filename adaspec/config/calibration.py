@@ -112,8 +112,8 @@ class CalibrationConfig:
     """Target graph rows G to sample; None: every legal prepared tier, full width included."""
 
     contexts: tuple[ContextInterval, ...] = DEFAULT_CONTEXTS
-    """Context intervals to cover; default one interval, prefill 2048, KV 1..4096, capped by
-    the model's context limit at startup."""
+    """Context intervals to cover; default one interval, prefill 2048, KV 1..4096 (startup
+    lowers the KV bound to what the model's context allows)."""
 
     warmup_steps: int = 8
     """Decode intervals discarded before measuring each grid point."""
@@ -178,10 +178,10 @@ class DraftStepPolicyConfig:
     """Completed batches in the per-position prefix-acceptance window."""
 
     update_interval: int = 5
-    """Rescore candidate depths after this many completed batches."""
+    """Completed batches between two rescorings of the candidate depths."""
 
     switch_min_gain: float = 0.05
-    """Switch depth only when the predicted relative gain is strictly above this."""
+    """A depth change needs a predicted relative throughput gain strictly above this."""
 
     source: str = field(default="default", compare=False)
     """Where these settings came from: default, or the file's path."""

@@ -33,9 +33,9 @@ def retired_name_error(setting: str, name: str, value: object) -> ConfigError:
     new = dashes + RETIRED_NAMES[name]
     return ConfigError(setting, value,
                        f"{dashes}{name} was renamed to {new}; use {new} (the old name is not "
-                       f"an alias)",
-                       rule="Adaptive target verification (DSpark): the flag and JSON key are "
-                            "now enable_adaptive_target_verify")
+                       f"accepted as an alias)",
+                       rule="Adaptive target verification (DSpark): the retired names were "
+                            "replaced, not aliased")
 
 
 def _unknown_flag(name: str, value: str) -> ConfigError:

@@ -51,11 +51,11 @@ def _number(value: object) -> bool:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SamplingParams:
-    """How one request samples from the target. Top-k, top-p and min-p filter the
-    temperature-scaled distribution in that order, with the ordinary sampler's meaning."""
+    """How one request samples from the target. The distribution is scaled by temperature,
+    then filtered by top-k, top-p and min-p in that order, each with its usual meaning."""
 
     temperature: float | None = None
-    """0 selects greedy target decoding, a positive value random sampling. Required with
+    """Zero decodes the target greedily; above zero, the target is sampled. Required with
     adaptive target verify; elsewhere unset means 0."""
 
     top_k: int = 0
@@ -127,9 +127,8 @@ def check_request(params: SamplingParams, launch: LaunchConfig) -> None:
     """Refuse, before execution, a request this launch cannot decode exactly."""
     if launch.enable_adaptive_target_verify and params.temperature is None:
         raise UnsupportedRequest("temperature", MISSING,
-                                 "required with --enable_adaptive_target_verify=true; 0 "
-                                 "selects greedy target decoding, a positive value random "
-                                 "sampling")
+                                 "required with --enable_adaptive_target_verify=true; give 0 "
+                                 "for greedy decoding or a positive value to sample")
     if launch.enable_unified_mtp_graph and not params.greedy:
         raise UnsupportedRequest("temperature", params.temperature,
                                  "expected 0: --enable_unified_mtp_graph=true captures greedy "

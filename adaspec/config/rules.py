@@ -61,6 +61,11 @@ class Rule:
     """The specification's statement this rule implements (section: paraphrase)."""
     hint: str = ""
 
+    def describe(self) -> str:
+        """The rule as one line: condition, requirement, and where it comes from."""
+        when = " and ".join(c.describe() for c in self.when) or "always"
+        return f"{when} -> {self.need.describe()}   [{self.source}]"
+
     def violated(self, cfg: LaunchConfig) -> bool:
         return all(c.holds(cfg) for c in self.when) and not self.need.holds(cfg)
 
@@ -86,51 +91,50 @@ ATV_TABLE = given("adaptive_target_verify_cost_table")
 RULES: tuple[Rule, ...] = (
     # --- the two adaptive controls --------------------------------------------------------
     Rule((ADS,), eq("enable_adaptive_target_verify", False),
-         "Adaptive Speculation: both controls default to false and cannot be enabled together",
+         "Adaptive Speculation: at most one of the two adaptive controls may be on",
          "choose one adaptive control"),
     # --- adaptive draft steps (MTP) -------------------------------------------------------
     Rule((ADS,), eq("speculative_algorithm", "MTP"),
          "Adaptive draft steps: MTP drafts sequentially, so only MTP can shorten its depth"),
     Rule((ADS,), eq("enable_unified_mtp_graph", False),
-         "Adaptive draft steps: unified MTP graphs are not supported"),
+         "Adaptive draft steps: no support for whole-round (unified) graphs"),
     Rule((ADS,), eq("enable_disagg_pd", False),
-         "Adaptive draft steps: PD disaggregation is not supported"),
+         "Adaptive draft steps: no support for prefill/decode disaggregation"),
     Rule((ADS,), eq("enable_graph", True),
-         "Adaptive draft steps: requires ordinary graphs"),
+         "Adaptive draft steps: run on ordinary graphs"),
     Rule((ADS,), eq("disable_graph_warmup", False),
-         "Adaptive draft steps: the ordinary graphs must be prewarmed"),
+         "Adaptive draft steps: those graphs are prewarmed"),
     Rule((ADS,), eq("enable_schedule_overlap", True),
-         "Adaptive draft steps: requires asynchronous scheduling"),
+         "Adaptive draft steps: need the asynchronous (overlapped) scheduler"),
     Rule((ADS,), eq("enable_task_pipeline", True),
-         "Adaptive draft steps: requires the task pipeline"),
-    Rule((ADS,), eq("dp_size", 1), "Adaptive draft steps: requires DP=1 (DP=CP=1)"),
-    Rule((ADS,), eq("cp_size", 1), "Adaptive draft steps: requires CP=1 (DP=CP=1)"),
+         "Adaptive draft steps: need the task pipeline"),
+    Rule((ADS,), eq("dp_size", 1), "Adaptive draft steps: one DP shard only"),
+    Rule((ADS,), eq("cp_size", 1), "Adaptive draft steps: no context parallelism"),
     Rule((given("adaptive_draft_step_config"),), eq("enable_adaptive_draft_step", True),
-         "Optional draft-step configuration: the file configures adaptive draft steps and is "
-         "not an enable switch"),
+         "Optional draft-step configuration: the file tunes adaptive draft steps; it does "
+         "not switch them on"),
     # --- adaptive target verify (MTP proxy and DSpark) ------------------------------------
     Rule((ATV,), eq("speculative_algorithm", "MTP", "DSpark"),
-         "Adaptive Speculation: DSpark uses its confidence head and MTP its selected-token "
-         "probabilities; other algorithms are not implied by the generic name"),
+         "Adaptive Speculation: only DSpark (confidence head) and MTP (probability proxy) "
+         "implement budgeted verification"),
     Rule((ATV,), eq("enable_probabilistic_draft", False),
-         "Adaptive target verification: the draft must remain greedy; probabilistic drafts "
-         "are not admitted"),
+         "Adaptive target verification: drafts stay greedy (point mass) under pruning"),
     Rule((ATV,), eq("num_speculative_tokens", 5, 7),
-         "Adaptive target verification: supported for Draft5 and Draft7"),
+         "Adaptive target verification: widths 5 and 7 only"),
     Rule((ATV,), eq("enable_graph", True),
-         "Adaptive target verification: requires ordinary graphs"),
+         "Adaptive target verification: runs on ordinary graphs"),
     Rule((ATV,), eq("disable_graph_warmup", False),
-         "Adaptive target verification (DSpark): graph warmup must be enabled"),
+         "Adaptive target verification (DSpark): needs warmed graphs"),
     Rule((ATV,), eq("enable_schedule_overlap", True),
-         "Adaptive target verification: requires schedule overlap (asynchronous scheduling)"),
+         "Adaptive target verification: needs the overlapped scheduler"),
     Rule((ATV,), eq("enable_task_pipeline", True),
-         "Adaptive target verification: requires the task pipeline"),
-    Rule((ATV,), eq("cp_size", 1), "Adaptive target verification: requires CP=1"),
+         "Adaptive target verification: needs the task pipeline"),
+    Rule((ATV,), eq("cp_size", 1), "Adaptive target verification: no context parallelism"),
     Rule((ATV, MTP), eq("dp_size", 1),
-         "Adaptive target verification with MTP logits: requires DP=CP=1",
+         "Adaptive target verification with MTP logits: one DP shard only",
          "data parallelism is supported for DSpark only"),
     Rule((ATV, MTP), eq("enable_unified_mtp_graph", False),
-         "Adaptive target verification with MTP logits: unified MTP graphs are rejected"),
+         "Adaptive target verification with MTP logits: ordinary graphs, not unified ones"),
     Rule((given("adaptive_target_verify_calibration"),), eq("enable_adaptive_target_verify", True),
          "Custom configuration: the calibration file configures adaptive target verify"),
     Rule((ATV_TABLE,), eq("enable_adaptive_target_verify", True),
@@ -146,8 +150,8 @@ RULES: tuple[Rule, ...] = (
          "a saved table is not fitted again, so there is nothing to save"),
     # --- unified graphs ---------------------------------------------------------------------
     Rule((UNIFIED, DSPARK), eq("dp_size", 1),
-         "Adaptive target verification (DSpark): fixed-width and adaptive DSpark reject DP>1 "
-         "with unified graphs; the mode is never silently replaced with split graphs",
+         "Adaptive target verification (DSpark): unified graphs take one shard, fixed width "
+         "or adaptive; split graphs are never substituted",
          "use --enable_unified_mtp_graph=false for DP"),
     Rule((UNIFIED,), eq("speculative_algorithm", "MTP", "DSpark"),
          "Unified graphs capture a speculative round; without a draft there is none"),
@@ -174,8 +178,8 @@ RULES: tuple[Rule, ...] = (
          "choose --speculative_algorithm=MTP or DSpark"),
     # --- what adaspec does not implement in any mode ---------------------------------------
     Rule((), eq("enable_probabilistic_draft", False),
-         "Adaptive target verification (DSpark): probabilistic drafts are not admitted; "
-         "adaspec's rejection sampler takes deterministic (point-mass) drafts only"),
+         "adaspec's rejection sampler takes deterministic (point-mass) drafts only, as the "
+         "specification's DSpark path does"),
     Rule((), eq("enable_disagg_pd", False),
          "adaspec runs prefill and decode in one process; PD disaggregation is not implemented"),
 )
