@@ -15,6 +15,7 @@ from adaspec import __version__
 from adaspec.config import RULES, LaunchConfig, load_config_from_argv
 from adaspec.config.flags import field_docs
 from adaspec.config.launch import launch_field_types, metavar
+from adaspec.config.rules import CROSS_CHECKS
 from adaspec.errors import AdaspecError, show_value
 
 USAGE = """usage: adaspec COMMAND [FLAGS]
@@ -34,6 +35,8 @@ def config_help() -> str:
              "adaspec config --rules lists the combination rules it enforces.", "", "flags:"]
     docs, types = field_docs(), launch_field_types()
     for f in fields(LaunchConfig):
+        if not f.init:
+            continue
         default = "" if f.default is NO_DEFAULT else f" (default {show_value(f.default)})"
         lines.append(f"  --{f.name}={metavar(types[f.name])}{default}")
         if f.name in docs:
@@ -46,7 +49,9 @@ def run_config(argv: Sequence[str]) -> int:
         print(config_help())
         return 0
     if list(argv) == ["--rules"]:
-        print("\n".join(rule.describe() for rule in RULES))
+        lines = [rule.describe() for rule in RULES]
+        lines += [f"always -> {check.__doc__}" for check in CROSS_CHECKS]
+        print("\n".join(lines))
         return 0
     effective = load_config_from_argv(argv)
     document = {"adaspec_version": __version__, **effective.as_dict()}

@@ -29,14 +29,21 @@ def show_value(value: object) -> str:
         return "null"
     text = str(value)
     # Keep every message on one line and short, whatever the user typed.
-    if any(ch in text for ch in "\r\n\t") or text != text.strip() or text == "":
+    if not text.isprintable() or text != text.strip() or text == "":
         text = repr(text)
     if len(text) > _MAX_SHOWN:
         text = text[: _MAX_SHOWN - 3] + "..."
     return text
 
 
+def _printable(text: str) -> str:
+    """Escape control characters (a newline in a JSON key, say) so a message stays one line."""
+    return text if text.isprintable() else repr(text)[1:-1]
+
+
 def _describe(setting: str, value: object, expected: str) -> str:
+    setting = _printable(setting)
+    expected = _printable(expected)
     if value is MISSING:
         return f"{setting}: {expected}"
     return f"{setting}={show_value(value)}: {expected}"

@@ -11,6 +11,7 @@ import pytest
 
 from adaspec.cli import run
 from adaspec.config import RULES
+from adaspec.config.rules import CROSS_CHECKS
 
 ATV = ["--speculative_algorithm=DSpark", "--num_speculative_tokens=7",
        "--enable_adaptive_target_verify=true"]
@@ -92,7 +93,9 @@ def test_installed_console_script_runs_config() -> None:
 def test_rules_listing_shows_every_rule_with_its_source(capsys: pytest.CaptureFixture[str]) -> None:
     assert run(["config", "--rules"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == len(RULES)
+    assert len(lines) == len(RULES) + len(CROSS_CHECKS)
+    assert lines[-1] == ("always -> builtin: names exist and the built-in draft matches the "
+                         "algorithm.")
     assert lines[0] == (
         "--enable_adaptive_draft_step=true -> --enable_adaptive_target_verify=false   "
         "[Adaptive Speculation: at most one of the two adaptive controls may be on]")

@@ -84,13 +84,13 @@ def test_draft_step_default_buckets_stop_at_128() -> None:
     ({"version": 1, "policy": {"window_size": 0}},
      "policy.window_size=0: expected an integer in 1..1000000"),
     ({"version": 1, "policy": {"window_size": "20"}},
-     "policy.window_size=20: expected an integer in 1..1000000"),
+     "policy.window_size=20: expected an integer in 1..1000000, got a string"),
     ({"version": 1, "policy": {"update_interval": 2.5}},
-     "policy.update_interval=2.5: expected an integer in 1..1000000"),
+     "policy.update_interval=2.5: expected an integer in 1..1000000, got a decimal number"),
     ({"version": 1, "policy": {"switch_min_gain": -0.1}},
      "policy.switch_min_gain=-0.1: expected a number in 0.0..10.0"),
     ({"version": 1, "policy": {"switch_min_gain": True}},
-     "policy.switch_min_gain=true: expected a number in 0.0..10.0"),
+     "policy.switch_min_gain=true: expected a number in 0.0..10.0, got a boolean"),
     ({"version": 1, "policy": {"window": 20}},
      "policy.window=20: unknown key; expected one of switch_min_gain, update_interval, "
      "window_size"),
@@ -109,8 +109,8 @@ def test_draft_step_default_buckets_stop_at_128() -> None:
      "(costs of different widths must not be mixed)"),
     ({"version": 1, "enable_adaptive_spec_prune": True},
      "enable_adaptive_spec_prune=true: enable_adaptive_spec_prune was renamed to "
-     "enable_adaptive_target_verify; use enable_adaptive_target_verify (the old name is not "
-     "accepted as an alias)"),
+     "enable_adaptive_target_verify, which is a launch flag (--enable_adaptive_target_verify="
+     "true), not a key of this file (the old name is not accepted as an alias)"),
 ])
 def test_bad_draft_step_file_is_rejected(tmp_path: Path, data: object, message: str) -> None:
     path = tmp_path / "file.json"
@@ -149,7 +149,8 @@ def test_empty_calibration_file_means_all_defaults(tmp_path: Path) -> None:
 
 
 def test_matching_draft_width_and_explicit_rows_are_accepted(tmp_path: Path) -> None:
-    data = with_calibration(draft_width=7, model="sps", target_graph_rows=[8, 16, 32, 64])
+    data = with_calibration(draft_width=7, model="sps", request_buckets=[4, 8],
+                            target_graph_rows=[8, 16, 32, 64])
     cal = launch(calibration(tmp_path, data)).target_verify_calibration
     assert cal is not None
     assert (cal.model, cal.target_graph_rows) == ("sps", (8, 16, 32, 64))
@@ -182,8 +183,10 @@ def two_contexts(first: tuple[int, int, int], second: tuple[int, int, int]) -> o
      "1..1048576"),
     ({"warmup_steps": -1}, "warmup_steps=-1: expected an integer in 0..1000000"),
     ({"window_steps": 0}, "window_steps=0: expected an integer in 1..1000000"),
-    ({"windows_per_point": 1.5}, "windows_per_point=1.5: expected an integer in 1..1000000"),
-    ({"token_seed": "1"}, "token_seed=1: expected an integer in 0..9223372036854775807"),
+    ({"windows_per_point": 1.5},
+     "windows_per_point=1.5: expected an integer in 1..1000000, got a decimal number"),
+    ({"token_seed": "1"},
+     "token_seed=1: expected an integer in 0..9223372036854775807, got a string"),
     ({"contexts": []}, "contexts=[]: expected a non-empty list of context intervals"),
     ({"contexts": [{"prefill_tokens": 8, "min_kv_length": 100, "max_kv_length": 10}]},
      "contexts[0].max_kv_length=10: expected at least min_kv_length=100 (the interval is "
@@ -209,8 +212,8 @@ def two_contexts(first: tuple[int, int, int], second: tuple[int, int, int]) -> o
      "measured at startup for every depth"),
     ({"enable_adaptive_speculative_decode": True},
      "enable_adaptive_speculative_decode=true: enable_adaptive_speculative_decode was renamed "
-     "to enable_adaptive_target_verify; use enable_adaptive_target_verify (the old name is not "
-     "accepted as an alias)"),
+     "to enable_adaptive_target_verify, which is a launch flag (--enable_adaptive_target_verify="
+     "true), not a key of this file (the old name is not accepted as an alias)"),
     ({"request_bucket": [1]},
      "request_bucket=[...]: unknown key; expected one of contexts, draft_width, model, "
      "request_buckets, target_graph_rows, token_seed, warmup_steps, window_steps, "
@@ -276,10 +279,83 @@ def test_output_in_a_missing_directory_is_rejected(tmp_path: Path) -> None:
 def test_saved_table_must_exist_and_skips_calibration(tmp_path: Path) -> None:
     missing = tmp_path / "t.json"
     assert str(rejection(f"{ATV} --adaptive_target_verify_cost_table={missing}")) == \
-        f"--adaptive_target_verify_cost_table={missing}: expected an existing cost-table file"
+        f"--adaptive_target_verify_cost_table={missing}: expected an existing JSON file"
+    not_json = write(tmp_path, "root:x:0:0", "passwd")
+    assert str(rejection(f"{ATV} --adaptive_target_verify_cost_table={not_json}")) == (
+        f"--adaptive_target_verify_cost_table={not_json}: expected valid JSON; Expecting value "
+        f"at line 1 column 1")
     table = write(tmp_path, {}, "t.json")
     config = launch(f"{ATV} --adaptive_target_verify_cost_table={table}")
     assert config.target_verify_calibration is None
     section = config.as_dict()["adaptive_target_verify"]
     assert section["calibration"] == {  # type: ignore[index]
         "source": f"skipped: costs come from the saved table {table}"}
+
+
+# --- geometry: per-shard buckets and target rows ---------------------------------------------
+
+
+def test_default_buckets_fit_every_dp_shard() -> None:
+    config = launch(f"{ATV} --dp_size=2 --nnodes=2 --max_seqs_per_batch=16")
+    cal = config.target_verify_calibration
+    assert cal is not None
+    assert cal.request_buckets == (1, 2, 4, 8)
+
+
+def test_explicit_bucket_over_the_global_batch_is_rejected(tmp_path: Path) -> None:
+    line = calibration(tmp_path, with_calibration(request_buckets=[4, 16]))
+    error = rejection(f"{line} --dp_size=2 --nnodes=2")
+    assert str(error).endswith(
+        "request_buckets=[4, 16]: bucket 16 is per DP shard, so it drives 32 synthetic requests "
+        "over --dp_size=2 shards; expected at most --max_seqs_per_batch=16")
+
+
+@pytest.mark.parametrize(("rows", "message"), [
+    ([3, 64], "target_graph_rows=[3, 64]: 3 is not a prepared tier of the sampled request "
+              "buckets; legal tiers are 4, 8, 16, 32, 64"),
+    ([8, 1000], "target_graph_rows=[8, 1000]: 1000 is not a prepared tier of the sampled "
+                "request buckets; legal tiers are 4, 8, 16, 32, 64"),
+    ([4, 8, 16, 32], "target_graph_rows=[4, 8, 16, 32]: expected full width 64 rows for request "
+                     "bucket 8 (width 7); full width must stay covered"),
+])
+def test_target_rows_must_be_legal_prepared_tiers_with_full_width(
+        tmp_path: Path, rows: list[int], message: str) -> None:
+    data = with_calibration(request_buckets=[4, 8], target_graph_rows=rows)
+    assert str(rejection(calibration(tmp_path, data))).endswith(message)
+
+
+def test_prepared_geometry_matches_the_spec_tier_example() -> None:
+    config = launch("--speculative_algorithm=DSpark --num_speculative_tokens=5 "
+                    "--max_seqs_per_batch=8")
+    assert config.launch.prepared_request_buckets() == (1, 2, 4, 8)
+    assert config.launch.prepared_target_rows() == (1, 2, 4, 6, 8, 12, 16, 24, 32, 48)
+    # Draft5 at B=8: the tiers covering B, 2B, 4B and B*(w+1) are among the legal rows.
+    assert {8, 16, 32, 48} <= set(config.launch.legal_target_rows(8))
+    assert config.launch.legal_target_rows(8) == (8, 12, 16, 24, 32, 48)
+
+
+# --- hostile files ---------------------------------------------------------------------------
+
+
+def test_deeply_nested_json_is_a_config_error(tmp_path: Path) -> None:
+    path = write(tmp_path, '{"contexts": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    error = rejection(f"{ATV} --adaptive_target_verify_calibration={path}")
+    assert str(error) == (f"--adaptive_target_verify_calibration={path}: expected JSON nested "
+                          f"less deeply")
+
+
+def test_device_files_are_refused_without_reading_them() -> None:
+    error = rejection(f"{ATV} --adaptive_target_verify_calibration=/dev/zero")
+    assert str(error) == ("--adaptive_target_verify_calibration=/dev/zero: expected a regular "
+                          "JSON file (not a device or pipe)")
+
+
+def test_control_characters_in_keys_keep_the_message_on_one_line(tmp_path: Path) -> None:
+    error = rejection(calibration(tmp_path, {"a\nb": 1}))
+    assert "\n" not in str(error)
+    assert "a\\nb=1: unknown key" in str(error)
+
+
+def test_version_must_be_the_integer_one(tmp_path: Path) -> None:
+    error = rejection(draft_steps(tmp_path, {"version": 1.0}))
+    assert str(error).endswith("version=1.0: expected 1 (the only file version)")

@@ -1,9 +1,11 @@
 """Launch tokens: both spellings, strict booleans, unknown, repeated and retired flags."""
 
+import dataclasses
+
 import pytest
 from conftest import launch, rejection
 
-from adaspec.config import LaunchConfig
+from adaspec.config import LaunchConfig, load_config_from_argv
 from adaspec.config.flags import field_docs, launch_config_from_settings, parse_argv
 from adaspec.config.launch import launch_field_types
 from adaspec.errors import ConfigError
@@ -60,7 +62,7 @@ def test_retired_names_are_rejected_through_the_python_api_too() -> None:
 
 def test_python_api_takes_native_values_and_checks_their_types() -> None:
     config = launch_config_from_settings({"dp_size": 2, "nnodes": 2, "enable_graph": True})
-    assert (config.dp_size, config.tp_size) == (2, 1)
+    assert (config.dp_size, config.resolved.tp_size) == (2, 1)
     with pytest.raises(ConfigError, match=r"^--dp_size=true: expected an integer$"):
         launch_config_from_settings({"dp_size": True})
     with pytest.raises(ConfigError, match=r"^--enable_graph=1: expected true\|false$"):
@@ -78,4 +80,33 @@ def test_argv_keeps_values_that_look_like_negative_numbers() -> None:
 
 
 def test_every_flag_has_a_docstring() -> None:
-    assert set(field_docs()) == set(launch_field_types())
+    assert set(launch_field_types()) <= set(field_docs())
+
+
+def test_retired_or_unknown_name_wins_over_a_missing_value() -> None:
+    assert "was renamed to --enable_adaptive_target_verify" in str(
+        rejection("--enable_adaptive_spec_prune"))
+    assert str(rejection("--enable_adaptiv_draft_step")) == (
+        "--enable_adaptiv_draft_step: unknown flag; did you mean --enable_adaptive_draft_step?")
+
+
+def test_only_ascii_digits_make_an_integer() -> None:
+    assert str(rejection("--dp_size=\u0663")) == "--dp_size=\u0663: expected an integer"
+
+
+def test_control_characters_in_a_flag_name_keep_the_message_on_one_line() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config_from_argv(["--a\nb=1"])
+    assert str(info.value) == "--a\\nb=1: unknown flag; see `adaspec config --help`"
+
+
+def test_dataclasses_replace_re_derives_unset_settings() -> None:
+    config = LaunchConfig(speculative_algorithm="MTP", num_speculative_tokens=3)
+    assert config.resolved.python_graph_backend == "eager_buckets"
+    on_cuda = dataclasses.replace(config, device="cuda")
+    assert on_cuda.resolved.python_graph_backend == "cudagraph"
+    smaller = dataclasses.replace(config, max_seqs_per_batch=8)
+    assert smaller.resolved.acl_graph_decode_batch_size_limit == 8
+    dspark = dataclasses.replace(config, speculative_algorithm="DSpark")
+    assert dspark.resolved.draft_model == "builtin:dspark"
+    assert config.draft_model is None

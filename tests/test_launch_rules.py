@@ -112,16 +112,23 @@ RULE_CASES = [
      "--disable_graph_warmup=false"),
     ("--python_graph_backend=cudagraph",
      "--python_graph_backend=cudagraph: --device=cpu and --enable_graph=true need "
-     "--python_graph_backend=eager_buckets"),
+     "--python_graph_backend=eager_buckets (eager_buckets runs on --device=cpu, cudagraph runs on "
+     "--device=cuda, aclgraph runs on --device=npu)"),
     ("--device=cuda --python_graph_backend=aclgraph",
      "--python_graph_backend=aclgraph: --device=cuda and --enable_graph=true need "
-     "--python_graph_backend=cudagraph"),
+     "--python_graph_backend=cudagraph (eager_buckets runs on --device=cpu, cudagraph runs on "
+     "--device=cuda, aclgraph runs on --device=npu)"),
     ("--device=npu --python_graph_backend=eager_buckets",
      "--python_graph_backend=eager_buckets: --device=npu and --enable_graph=true need "
-     "--python_graph_backend=aclgraph"),
+     "--python_graph_backend=aclgraph (eager_buckets runs on --device=cpu, cudagraph runs on "
+     "--device=cuda, aclgraph runs on --device=npu)"),
     ("--enable_graph=false --python_graph_backend=eager_buckets",
      "--python_graph_backend=eager_buckets: --enable_graph=false needs no "
      "--python_graph_backend (drop --python_graph_backend or set --enable_graph=true)"),
+    ("--enable_graph=false --acl_graph_decode_batch_size_limit=8",
+     "--acl_graph_decode_batch_size_limit=8: --enable_graph=false needs no "
+     "--acl_graph_decode_batch_size_limit (drop --acl_graph_decode_batch_size_limit or set "
+     "--enable_graph=true)"),
     ("--enable_graph=false --disable_graph_warmup=true",
      "--disable_graph_warmup=true: --enable_graph=false needs --disable_graph_warmup=false "
      "(drop --disable_graph_warmup or set --enable_graph=true)"),
@@ -193,7 +200,7 @@ def test_disagg_pd_rejected_with_adaptive_draft_steps_cites_that_rule() -> None:
 
 def test_tp_size_is_derived_from_ranks_and_shards() -> None:
     config = launch("--nnodes=16 --dp_size=2 --max_seqs_per_batch=16")
-    assert config.launch.tp_size == 8
+    assert config.launch.resolved.tp_size == 8
     assert config.sources["tp_size"] == "derived"
     assert launch("--nnodes=4 --tp_size=4").launch.tp_size == 4
 
@@ -203,13 +210,13 @@ def test_tp_size_is_derived_from_ranks_and_shards() -> None:
 def test_graph_backend_defaults_to_the_one_that_fits_the_device(device: str,
                                                                 backend: str) -> None:
     config = launch(f"--device={device}")
-    assert config.launch.python_graph_backend == backend
+    assert config.launch.resolved.python_graph_backend == backend
     assert config.sources["python_graph_backend"] == "derived"
 
 
 def test_graphs_off_leave_no_backend() -> None:
     config = launch("--enable_graph=false")
-    assert config.launch.python_graph_backend is None
+    assert config.launch.resolved.python_graph_backend is None
     assert config.as_dict()["execution"]["graph"] == "off: eager, unpadded shapes"  # type: ignore[index]
 
 
@@ -224,5 +231,5 @@ def test_unified_dspark_with_one_shard_is_accepted() -> None:
 
 def test_graph_limit_defaults_to_max_seqs_and_sets_prepared_buckets() -> None:
     config = launch("--max_seqs_per_batch=12")
-    assert config.launch.acl_graph_decode_batch_size_limit == 12
-    assert config.launch.captured_request_buckets() == (1, 2, 4, 8, 12)
+    assert config.launch.resolved.acl_graph_decode_batch_size_limit == 12
+    assert config.launch.prepared_request_buckets() == (1, 2, 4, 8, 12)

@@ -14,9 +14,9 @@ UNIFIED = {**ATV, "enable_unified_mtp_graph": True}
 def test_request_fields_are_read_into_frozen_params() -> None:
     params = SamplingParams.from_request({"temperature": 0.5, "top_k": 40, "top_p": 0.9,
                                           "min_p": 0.05, "max_tokens": 64,
-                                          "stop_token_ids": [10, 0]})
+                                          "stop": [10, 0]})
     assert params == SamplingParams(temperature=0.5, top_k=40, top_p=0.9, min_p=0.05,
-                                    max_tokens=64, stop_token_ids=(10, 0))
+                                    max_tokens=64, stop=(10, 0))
     assert not params.greedy
     assert SamplingParams(temperature=0).greedy
     assert SamplingParams().greedy
@@ -38,7 +38,6 @@ def test_request_fields_are_read_into_frozen_params() -> None:
     ("guided_choice", ["a"], "structured-output constraints"),
     ("guided_grammar", "root ::= x", "structured-output constraints"),
     ("structured_outputs", {"json": {}}, "structured-output constraints"),
-    ("stop", ["\n"], "pass the stop token ids as stop_token_ids"),
 ])
 def test_unsupported_feature_is_refused_by_field(field: str, value: object, why: str) -> None:
     with pytest.raises(UnsupportedRequest) as info:
@@ -65,15 +64,24 @@ def test_neutral_values_of_unsupported_features_are_accepted(field: str, value: 
     ({"top_p": 1.5}, "request field top_p=1.5: expected a number in (0, 1]"),
     ({"min_p": 2}, "request field min_p=2: expected a number in [0, 1]"),
     ({"max_tokens": 0}, "request field max_tokens=0: expected an integer in 1..1048576"),
-    ({"stop_token_ids": [-1]},
-     "request field stop_token_ids=(-1,): expected a list of non-negative token ids"),
+    ({"stop": [-1]}, "request field stop=(-1,): expected a list of non-negative token ids"),
+    ({"stop": 5}, "request field stop=5: expected a list of non-negative token ids"),
+    ({"stop_token_ids": [2]}, "request field stop_token_ids=[2]: give stop token ids as the "
+                              "field stop"),
     ({"best_of": 2}, "request field best_of=2: unknown field; expected one of max_tokens, "
-                     "min_p, stop_token_ids, temperature, top_k, top_p"),
+                     "min_p, stop, temperature, top_k, top_p"),
 ])
 def test_invalid_values_are_refused(fields: dict[str, object], message: str) -> None:
     with pytest.raises(InvalidRequest) as info:
         SamplingParams.from_request(fields)
     assert str(info.value) == message
+
+
+def test_stop_strings_are_refused_as_unsupported() -> None:
+    with pytest.raises(UnsupportedRequest) as info:
+        SamplingParams.from_request({"stop": ["\n\n"]})
+    assert str(info.value) == ("request field stop=['\\n\\n']: stop strings are matched by "
+                               "the engine's tokenizer; give the stop token ids")
 
 
 def test_adaptive_target_verify_requires_an_explicit_temperature() -> None:

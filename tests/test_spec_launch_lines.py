@@ -48,7 +48,7 @@ def test_mtp_adaptive_draft_steps_launch_is_accepted_with_spec_defaults() -> Non
     assert draft_step["policy"] == {"source": "default", "window_size": 20,  # type: ignore[index]
                                     "update_interval": 5, "switch_min_gain": 0.05}
     assert draft_step["calibration"]["model"] == "additive"  # type: ignore[index]
-    assert config.launch.tp_size == 16
+    assert config.launch.resolved.tp_size == 16
     assert config.as_dict()["adaptive_target_verify"] == {"enabled": False}
 
 
@@ -71,14 +71,14 @@ def test_dspark_launch_is_accepted_for_draft7_and_draft5(width: int, tmp_path: P
 
 def test_dspark_dp2_launch_is_accepted_with_per_shard_capacity(tmp_path: Path) -> None:
     config = on_npu(dspark_line(7, tmp_path / "dp2.json", dp_size=2))
-    assert (config.launch.dp_size, config.launch.tp_size) == (2, 8)
+    assert (config.launch.dp_size, config.launch.resolved.tp_size) == (2, 8)
     assert config.launch.seqs_per_shard == 8
 
 
 def test_spec_launch_lines_port_to_cpu_by_dropping_the_npu_backend(tmp_path: Path) -> None:
     line = dspark_line(7, tmp_path / "cpu.json").replace("--python_graph_backend=aclgraph", "")
     config = launch(line)
-    assert config.launch.python_graph_backend == "eager_buckets"
+    assert config.launch.resolved.python_graph_backend == "eager_buckets"
 
 
 def test_sources_say_which_settings_came_from_flags(tmp_path: Path) -> None:

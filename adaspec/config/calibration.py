@@ -21,17 +21,39 @@ MAX_BATCH_ROWS = 1 << 20
 DRAFT_STEP_DEFAULT_MAX_BUCKET = 128
 
 
+def json_type(value: object) -> str:
+    """The JSON name of a value's type, for messages about wrong types."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a decimal number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list | tuple):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
+    return "null" if value is None else type(value).__name__
+
+
 def require_int(setting: str, value: object, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ConfigError(setting, value, f"expected an integer in {low}..{high}")
+    expected = f"expected an integer in {low}..{high}"
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(setting, value, f"{expected}, got {json_type(value)}")
+    if not low <= value <= high:
+        raise ConfigError(setting, value, expected)
     return value
 
 
 def require_float(setting: str, value: object, low: float, high: float) -> float:
-    ok = isinstance(value, int | float) and not isinstance(value, bool)
-    if not ok or not math.isfinite(float(value)) or not low <= float(value) <= high:  # type: ignore[arg-type]
-        raise ConfigError(setting, value, f"expected a number in {low}..{high}")
-    return float(value)  # type: ignore[arg-type]
+    expected = f"expected a number in {low}..{high}"
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(setting, value, f"{expected}, got {json_type(value)}")
+    if not math.isfinite(value) or not low <= value <= high:
+        raise ConfigError(setting, value, expected)
+    return float(value)
 
 
 def require_increasing(setting: str, values: object, high: int) -> tuple[int, ...]:

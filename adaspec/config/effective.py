@@ -6,7 +6,7 @@ print it.
 """
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from adaspec.config.calibration import CalibrationConfig, DraftStepConfig
 from adaspec.config.files import (
@@ -15,7 +15,7 @@ from adaspec.config.files import (
     load_target_verify_calibration,
 )
 from adaspec.config.flags import launch_config_from_settings, parse_argv
-from adaspec.config.launch import GRAPH_BACKEND_MEANING, LaunchConfig
+from adaspec.config.launch import GRAPH_BACKEND_MEANING, LaunchConfig, launch_field_types
 
 CONFIDENCE_SOURCE = {
     "DSpark": "DSpark confidence head",
@@ -40,7 +40,7 @@ class EffectiveConfig:
     def as_dict(self) -> dict[str, object]:
         """Every effective setting, JSON-ready, sections with their sources."""
         launch = self.launch
-        settings = {f.name: getattr(launch, f.name) for f in fields(launch)}
+        settings = {name: effective_value(launch, name) for name in launch_field_types()}
         return {
             "launch": {"settings": settings, "sources": dict(self.sources)},
             "execution": _execution(launch),
@@ -80,7 +80,7 @@ class EffectiveConfig:
 
 
 def _execution(launch: LaunchConfig) -> dict[str, object]:
-    backend = launch.python_graph_backend
+    backend = launch.resolved.python_graph_backend
     if launch.enable_adaptive_draft_step:
         mode = f"MTP adaptive draft depth 1..{launch.num_speculative_tokens}"
     elif launch.enable_adaptive_target_verify:
@@ -98,9 +98,10 @@ def _execution(launch: LaunchConfig) -> dict[str, object]:
         "pipeline": "two slots, decisions lagged to round n-2" if launch.enable_schedule_overlap
                     else "one slot, one round at a time",
         "world_size": launch.world_size,
-        "tp_size": launch.tp_size,
+        "tp_size": launch.resolved.tp_size,
         "seqs_per_shard": launch.seqs_per_shard,
-        "prepared_request_buckets": list(launch.captured_request_buckets()),
+        "prepared_request_buckets": list(launch.prepared_request_buckets()),
+        "prepared_target_rows": list(launch.prepared_target_rows()),
     }
 
 
@@ -112,15 +113,23 @@ def _requests(launch: LaunchConfig) -> dict[str, str]:
     return {"temperature": temperature, "positive_temperature": positive}
 
 
+def effective_value(launch: LaunchConfig, name: str) -> object:
+    """A launch setting's effective value: as given, or as resolved when left unset."""
+    value = getattr(launch, name)
+    if value is None and hasattr(launch.resolved, name):
+        return getattr(launch.resolved, name)
+    return value
+
+
 def _sources(launch: LaunchConfig, given: Mapping[str, object], label: str) -> dict[str, str]:
     sources = {}
-    for f in fields(launch):
-        if f.name in given:
-            sources[f.name] = label
-        elif getattr(launch, f.name) != f.default:
-            sources[f.name] = "derived"
+    for name in launch_field_types():
+        if name in given:
+            sources[name] = label
+        elif effective_value(launch, name) != getattr(launch, name):
+            sources[name] = "derived"
         else:
-            sources[f.name] = "default"
+            sources[name] = "default"
     return sources
 
 

@@ -6,7 +6,7 @@ into frozen dataclasses in one go or rejected.
 """
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from adaspec.config.calibration import (
@@ -29,6 +29,7 @@ CALIBRATION_KEYS = frozenset({
 CONTEXT_KEYS = ("prefill_tokens", "min_kv_length", "max_kv_length")
 POLICY_KEYS = frozenset({"window_size", "update_interval", "switch_min_gain"})
 DRAFT_STEP_KEYS = frozenset({"version", "policy", "calibration"})
+MAX_FILE_BYTES = 16 * 2**20
 
 # Keys that look plausible but are refused on purpose, with the reason.
 REFUSED_KEYS = {
@@ -62,16 +63,7 @@ def _no_constants(name: str) -> object:
 def read_json_object(flag: str, path: str) -> dict[str, object]:
     """The top-level object of a JSON file, or a ConfigError naming the flag and file."""
     setting = f"--{flag}"
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(setting, path, "expected an existing JSON file") from None
-    except IsADirectoryError:
-        raise ConfigError(setting, path, "expected a JSON file, got a directory") from None
-    except UnicodeDecodeError:
-        raise ConfigError(setting, path, "expected a UTF-8 JSON file") from None
-    except OSError as error:
-        raise ConfigError(setting, path, f"cannot be read ({error.strerror})") from None
+    text = _read_text(setting, Path(path))
     try:
         data = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constants)
     except json.JSONDecodeError as error:
@@ -79,11 +71,32 @@ def read_json_object(flag: str, path: str) -> dict[str, object]:
                                          f"{error.lineno} column {error.colno}") from None
     except _DuplicateKeyError as error:
         raise ConfigError(setting, path, f"key {error} appears twice in one object") from None
+    except RecursionError:
+        raise ConfigError(setting, path, "expected JSON nested less deeply") from None
     except ValueError as error:
         raise ConfigError(setting, path, f"expected valid JSON; {error}") from None
     if not isinstance(data, dict):
         raise ConfigError(setting, path, "expected a JSON object at the top level")
     return data
+
+
+def _read_text(setting: str, path: Path) -> str:
+    if not path.exists():
+        raise ConfigError(setting, str(path), "expected an existing JSON file")
+    if path.is_dir():
+        raise ConfigError(setting, str(path), "expected a JSON file, got a directory")
+    if not path.is_file():
+        raise ConfigError(setting, str(path), "expected a regular JSON file (not a device or "
+                                              "pipe)")
+    if path.stat().st_size > MAX_FILE_BYTES:
+        raise ConfigError(setting, str(path), f"expected a JSON file of at most "
+                                              f"{MAX_FILE_BYTES // 2**20} MiB")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(setting, str(path), "expected a UTF-8 JSON file") from None
+    except OSError as error:
+        raise ConfigError(setting, str(path), f"cannot be read ({error.strerror})") from None
 
 
 def _check_keys(data: Mapping[str, object], allowed: frozenset[str],
@@ -156,31 +169,62 @@ def calibration_from_mapping(data: Mapping[str, object], *, launch: LaunchConfig
                           f"(costs of different widths must not be mixed)")
     values.setdefault("request_buckets", default_buckets)
     config = CalibrationConfig(**values, source=source)  # type: ignore[arg-type]
-    _check_prepared_buckets(config.request_buckets, launch)
+    _check_request_buckets(config.request_buckets, launch)
+    if config.target_graph_rows is not None:
+        _check_target_rows(config.target_graph_rows, config.request_buckets, launch)
     return config
 
 
-def _check_prepared_buckets(buckets: tuple[int, ...], launch: LaunchConfig) -> None:
-    prepared = launch.captured_request_buckets()
+def _check_request_buckets(buckets: tuple[int, ...], launch: LaunchConfig) -> None:
+    """Each bucket is prepared, and its synthetic requests fit the batch on every shard."""
+    prepared = launch.prepared_request_buckets()
     for bucket in buckets:
         if bucket not in prepared:
             raise ConfigError("request_buckets", list(buckets),
                               f"{bucket} is not a prepared request bucket; prepared buckets "
-                              f"are {', '.join(map(str, prepared))} (from "
+                              f"are {_listed(prepared)} (from "
                               f"--acl_graph_decode_batch_size_limit="
-                              f"{launch.acl_graph_decode_batch_size_limit})")
+                              f"{launch.resolved.acl_graph_decode_batch_size_limit})")
+        if bucket * launch.dp_size > launch.max_seqs_per_batch:
+            raise ConfigError("request_buckets", list(buckets),
+                              f"bucket {bucket} is per DP shard, so it drives "
+                              f"{bucket * launch.dp_size} synthetic requests over "
+                              f"--dp_size={launch.dp_size} shards; expected at most "
+                              f"--max_seqs_per_batch={launch.max_seqs_per_batch}")
 
 
-def draft_step_default_buckets(launch: LaunchConfig) -> tuple[int, ...]:
-    return tuple(b for b in launch.captured_request_buckets()
-                 if b <= DRAFT_STEP_DEFAULT_MAX_BUCKET)
+def _check_target_rows(rows: tuple[int, ...], buckets: tuple[int, ...],
+                       launch: LaunchConfig) -> None:
+    """Each G is a legal prepared tier of some sampled bucket; full width stays sampled."""
+    legal = {g for bucket in buckets for g in launch.legal_target_rows(bucket)}
+    for g in rows:
+        if g not in legal:
+            raise ConfigError("target_graph_rows", list(rows),
+                              f"{g} is not a prepared tier of the sampled request buckets; "
+                              f"legal tiers are {_listed(sorted(legal))}")
+    width = launch.num_speculative_tokens
+    for bucket in buckets:
+        if bucket * (width + 1) not in rows:
+            raise ConfigError("target_graph_rows", list(rows),
+                              f"expected full width {bucket * (width + 1)} rows for request "
+                              f"bucket {bucket} (width {width}); full width must stay covered")
+
+
+def _listed(values: Iterable[int]) -> str:
+    return ", ".join(map(str, values))
+
+
+def calibration_buckets(launch: LaunchConfig, cap: int | None = None) -> tuple[int, ...]:
+    """Default request buckets: every prepared bucket whose synthetic requests fit."""
+    return tuple(b for b in launch.prepared_request_buckets()
+                 if b * launch.dp_size <= launch.max_seqs_per_batch and (cap is None or b <= cap))
 
 
 def load_draft_step_config(launch: LaunchConfig) -> DraftStepConfig:
     """The adaptive draft-step settings: the file's sections, defaults for omitted ones."""
     flag = "adaptive_draft_step_config"
     path = launch.adaptive_draft_step_config
-    buckets = draft_step_default_buckets(launch)
+    buckets = calibration_buckets(launch, cap=DRAFT_STEP_DEFAULT_MAX_BUCKET)
     default_calibration = CalibrationConfig(draft_width=launch.num_speculative_tokens,
                                             request_buckets=buckets)
     if path is None:
@@ -209,7 +253,7 @@ def _check_version(data: Mapping[str, object], *, required: bool) -> None:
     version = data.get("version", MISSING)
     if version is MISSING and not required:
         return
-    if version is MISSING or isinstance(version, bool) or version != 1:
+    if type(version) is not int or version != 1:
         raise ConfigError("version", version, "expected 1 (the only file version)")
 
 
@@ -217,7 +261,7 @@ def load_target_verify_calibration(launch: LaunchConfig) -> CalibrationConfig | 
     """Calibration settings of adaptive target verify; None when a saved table is reused."""
     if not launch.enable_adaptive_target_verify or launch.adaptive_target_verify_cost_table:
         return None
-    buckets = launch.captured_request_buckets()
+    buckets = calibration_buckets(launch)
     path = launch.adaptive_target_verify_calibration
     if path is None:
         return CalibrationConfig(draft_width=launch.num_speculative_tokens,
@@ -234,9 +278,10 @@ def load_target_verify_calibration(launch: LaunchConfig) -> CalibrationConfig | 
 def check_cost_table_paths(launch: LaunchConfig) -> None:
     """The saved table must be a file; the output must be new, in an existing directory."""
     table = launch.adaptive_target_verify_cost_table
-    if table is not None and not Path(table).is_file():
-        raise ConfigError("--adaptive_target_verify_cost_table", table,
-                          "expected an existing cost-table file")
+    if table is not None:
+        # Only the envelope here; the bundle's contents and compatibility are checked when
+        # the cost table is loaded.
+        read_json_object("adaptive_target_verify_cost_table", table)
     output = launch.adaptive_target_verify_cost_table_output
     if output is None:
         return

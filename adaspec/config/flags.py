@@ -25,20 +25,23 @@ RETIRED_NAMES: dict[str, str] = {
     "enable_adaptive_speculative_decode": "enable_adaptive_target_verify",
 }
 
-_INT = re.compile(r"[+-]?\d+")
+_INT = re.compile(r"[+-]?[0-9]+")
 
 
 def retired_name_error(setting: str, name: str, value: object) -> ConfigError:
-    dashes = "--" if setting.startswith("--") else ""
-    new = dashes + RETIRED_NAMES[name]
-    return ConfigError(setting, value,
-                       f"{dashes}{name} was renamed to {new}; use {new} (the old name is not "
-                       f"accepted as an alias)",
+    """The error for a retired name, as a launch flag or as a key of a JSON file."""
+    new = RETIRED_NAMES[name]
+    if setting.startswith("--"):
+        use = f"--{name} was renamed to --{new}; use --{new}"
+    else:
+        use = (f"{name} was renamed to {new}, which is a launch flag (--{new}=true), not a "
+               f"key of this file")
+    return ConfigError(setting, value, f"{use} (the old name is not accepted as an alias)",
                        rule="Adaptive target verification (DSpark): the retired names were "
                             "replaced, not aliased")
 
 
-def _unknown_flag(name: str, value: str) -> ConfigError:
+def _unknown_flag(name: str, value: object) -> ConfigError:
     if name in RETIRED_NAMES:
         return retired_name_error(f"--{name}", name, value)
     close = difflib.get_close_matches(name, launch_field_types(), n=1)
@@ -55,20 +58,24 @@ def parse_argv(argv: Sequence[str]) -> dict[str, str]:
         if not token.startswith("--") or token == "--":
             raise ConfigError("argument", token, "expected --name=value or --name value")
         name, sep, value = token[2:].partition("=")
+        given: object = value
         if not sep:
-            following = argv[index + 1] if index + 1 < len(argv) else None
-            if following is None or following.startswith("--"):
-                hint = launch_field_types().get(name)
-                expected = describe_type(hint) if hint is not None else "a value"
-                raise ConfigError(f"--{name}", MISSING, f"missing value; expected {expected}")
-            value = following
-            index += 1
+            following = argv[index + 1] if index + 1 < len(argv) else "--"
+            if following.startswith("--"):
+                given = MISSING
+            else:
+                given = following
+                index += 1
+        # An unknown or retired name is the more useful error even when its value is missing.
         if name not in launch_field_types():
-            raise _unknown_flag(name, value)
+            raise _unknown_flag(name, given)
+        if not isinstance(given, str):
+            expected = describe_type(launch_field_types()[name])
+            raise ConfigError(f"--{name}", MISSING, f"missing value; expected {expected}")
         if name in settings:
-            raise ConfigError(f"--{name}", value,
+            raise ConfigError(f"--{name}", given,
                               f"given twice (first as {settings[name]}); give each flag once")
-        settings[name] = value
+        settings[name] = given
         index += 1
     return settings
 
@@ -102,7 +109,7 @@ def launch_config_from_settings(settings: Mapping[str, object]) -> LaunchConfig:
     values: dict[str, object] = {}
     for name, raw in settings.items():
         if name not in types:
-            raise _unknown_flag(name, str(raw))
+            raise _unknown_flag(name, raw)
         values[name] = coerce(name, raw, types[name])
     return LaunchConfig(**values)  # type: ignore[arg-type]
 

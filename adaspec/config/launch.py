@@ -9,7 +9,7 @@ combination rules of the specification in ``adaspec.config.rules``. Settings lef
 
 import functools
 import typing
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from adaspec.errors import ConfigError
@@ -156,11 +156,16 @@ class LaunchConfig:
     adaptive_target_verify_cost_table_output: str | None = None
     """Where to save the cost table fitted at startup; the file must not exist yet."""
 
+    resolved: "ResolvedLaunch" = field(init=False, repr=False, compare=False)
+    """Effective values of the settings left unset (and of the others they depend on)."""
+
     def __post_init__(self) -> None:
         for name, hint in launch_field_types().items():
             check_field_type(name, getattr(self, name), hint)
         self._check_fixed_ranges()
-        self._resolve_unset()
+        # Resolved values live apart from the given ones, so dataclasses.replace() on a
+        # config re-derives them instead of carrying stale defaults as if they were given.
+        object.__setattr__(self, "resolved", ResolvedLaunch.of(self))
         # Imported here because the rules are written against this class.
         from adaspec.config.rules import check_launch_rules
 
@@ -175,20 +180,11 @@ class LaunchConfig:
             if not getattr(self, name).strip():
                 raise ConfigError(f"--{name}", getattr(self, name), "expected a non-empty value")
         parse_host_port("master_node_addr", self.master_node_addr)
-
-    def _resolve_unset(self) -> None:
-        # Frozen: resolution happens once, here, so no consumer re-derives a default.
-        resolved: dict[str, object] = {}
-        if self.draft_model is None and self.speculative_algorithm in BUILTIN_DRAFTS:
-            resolved["draft_model"] = BUILTIN_DRAFTS[self.speculative_algorithm]
-        if self.python_graph_backend is None and self.enable_graph:
-            resolved["python_graph_backend"] = GRAPH_BACKEND_FOR_DEVICE[self.device]
-        if self.tp_size is None and self.nnodes % (self.dp_size * self.cp_size) == 0:
-            resolved["tp_size"] = self.nnodes // (self.dp_size * self.cp_size)
-        if self.acl_graph_decode_batch_size_limit is None:
-            resolved["acl_graph_decode_batch_size_limit"] = self.max_seqs_per_batch
-        for name, value in resolved.items():
-            object.__setattr__(self, name, value)
+        group = self.dp_size * self.cp_size
+        if self.nnodes % group:
+            raise ConfigError("--nnodes", self.nnodes,
+                              f"expected a multiple of dp_size*cp_size={group} (one TP group "
+                              f"per DP/CP shard)")
 
     @property
     def speculative(self) -> bool:
@@ -204,27 +200,74 @@ class LaunchConfig:
         """Most sequences one DP shard decodes at once."""
         return -(-self.max_seqs_per_batch // self.dp_size)
 
-    def captured_request_buckets(self) -> tuple[int, ...]:
-        """The physical draft request buckets prepared for decode (the Bcap values).
+    def prepared_request_buckets(self) -> tuple[int, ...]:
+        """The physical draft request buckets (Bcap values) prepared per shard for decode.
 
-        Powers of two up to the graph batch limit, plus the limit itself, so any batch of B
-        requests pads to the first bucket >= B and the padding is at most B - 1 rows.
+        Powers of two up to the graph batch limit, plus the limit itself, so a batch of B
+        requests pads to the first bucket >= B. None without graphs: eager shapes are unpadded.
         """
-        limit = self.acl_graph_decode_batch_size_limit
-        assert limit is not None  # resolved in __post_init__
-        buckets = [1]
-        while buckets[-1] * 2 <= limit:
-            buckets.append(buckets[-1] * 2)
-        if buckets[-1] != limit:
-            buckets.append(limit)
-        return tuple(buckets)
+        if not self.enable_graph:
+            return ()
+        return _ladder(self.resolved.acl_graph_decode_batch_size_limit)
+
+    def prepared_target_rows(self) -> tuple[int, ...]:
+        """The padded target row counts (G values) prepared for verification.
+
+        The power-of-two ladder up to full width at the largest bucket, plus full width
+        ``Bcap * (w + 1)`` of every request bucket, so full-width verification never pads.
+        """
+        buckets = self.prepared_request_buckets()
+        if not buckets:
+            return ()
+        rows_per_request = self.num_speculative_tokens + 1
+        full = {b * rows_per_request for b in buckets}
+        return tuple(sorted(set(_ladder(buckets[-1] * rows_per_request)) | full))
+
+    def legal_target_rows(self, bucket: int) -> tuple[int, ...]:
+        """Prepared G values a batch in request bucket ``bucket`` may verify: every request
+        keeps its anchor row (G >= Bcap) and no request verifies beyond the width."""
+        high = bucket * (self.num_speculative_tokens + 1)
+        return tuple(g for g in self.prepared_target_rows() if bucket <= g <= high)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResolvedLaunch:
+    """The effective value of each launch setting whose default depends on others."""
+
+    draft_model: str | None
+    python_graph_backend: GraphBackend | None
+    tp_size: int
+    acl_graph_decode_batch_size_limit: int
+
+    @classmethod
+    def of(cls, cfg: LaunchConfig) -> "ResolvedLaunch":
+        draft = cfg.draft_model
+        if draft is None:
+            draft = BUILTIN_DRAFTS.get(cfg.speculative_algorithm)
+        backend = cfg.python_graph_backend
+        if backend is None and cfg.enable_graph:
+            backend = GRAPH_BACKEND_FOR_DEVICE[cfg.device]
+        tp_size = cfg.tp_size or cfg.nnodes // (cfg.dp_size * cfg.cp_size)
+        limit = cfg.acl_graph_decode_batch_size_limit or cfg.max_seqs_per_batch
+        return cls(draft_model=draft, python_graph_backend=backend, tp_size=tp_size,
+                   acl_graph_decode_batch_size_limit=limit)
+
+
+def _ladder(limit: int) -> tuple[int, ...]:
+    """Powers of two below ``limit``, then ``limit``."""
+    values = [1]
+    while values[-1] * 2 <= limit:
+        values.append(values[-1] * 2)
+    if values[-1] != limit:
+        values.append(limit)
+    return tuple(values)
 
 
 @functools.cache
 def launch_field_types() -> dict[str, object]:
     """Resolved annotations of the launch fields, in declaration order."""
     hints = typing.get_type_hints(LaunchConfig)
-    return {f.name: hints[f.name] for f in fields(LaunchConfig)}
+    return {f.name: hints[f.name] for f in fields(LaunchConfig) if f.init}
 
 
 def describe_type(hint: object) -> str:

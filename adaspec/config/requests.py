@@ -39,8 +39,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple[object, ...], str]] = {
     "guided_regex": ((None,), _STRUCTURED),
     "guided_choice": ((None,), _STRUCTURED),
     "guided_grammar": ((None,), _STRUCTURED),
-    "stop": ((None, [], ()), "stop strings are matched by the engine's tokenizer; pass the "
-                             "stop token ids as stop_token_ids"),
 }
 
 
@@ -70,8 +68,8 @@ class SamplingParams:
     max_tokens: int = 256
     """Most tokens to generate."""
 
-    stop_token_ids: tuple[int, ...] = ()
-    """Generation stops after emitting any of these token ids."""
+    stop: tuple[int, ...] = ()
+    """Stop token ids: generation ends after emitting any of them (the token is kept)."""
 
     def __post_init__(self) -> None:
         temperature = self.temperature
@@ -83,10 +81,13 @@ class SamplingParams:
         if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_NEW_TOKENS:
             raise InvalidRequest("max_tokens", self.max_tokens,
                                  f"expected an integer in 1..{MAX_NEW_TOKENS}")
-        ids = self.stop_token_ids
+        ids = self.stop
         if not isinstance(ids, tuple) or not all(_is_int(i) and i >= 0 for i in ids):
-            raise InvalidRequest("stop_token_ids", ids,
-                                 "expected a list of non-negative token ids")
+            if isinstance(ids, tuple) and any(isinstance(i, str) for i in ids):
+                raise UnsupportedRequest("stop", list(ids),
+                                         "stop strings are matched by the engine's tokenizer; "
+                                         "give the stop token ids")
+            raise InvalidRequest("stop", ids, "expected a list of non-negative token ids")
 
     def _check_filters(self) -> None:
         if not _is_int(self.top_k) or self.top_k < 0:
@@ -113,6 +114,8 @@ class SamplingParams:
                     raise UnsupportedRequest(name, value, why)
             elif name in known:
                 values[name] = tuple(value) if isinstance(value, list) else value
+            elif name == "stop_token_ids":
+                raise InvalidRequest(name, value, "give stop token ids as the field stop")
             else:
                 raise InvalidRequest(name, value, "unknown field; expected one of "
                                      + ", ".join(sorted(known)))

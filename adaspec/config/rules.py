@@ -40,7 +40,9 @@ class Cond:
             return f"--{self.name}"
         if self.allowed == (None,):
             return f"no --{self.name}"
-        return f"--{self.name}=" + " or ".join(show_value(a) for a in self.allowed)
+        # None in a longer list means "or left unset", which needs no mention.
+        shown = [show_value(a) for a in self.allowed if a is not None]
+        return f"--{self.name}=" + " or ".join(shown)
 
 
 def eq(name: str, *allowed: object) -> Cond:
@@ -160,12 +162,17 @@ RULES: tuple[Rule, ...] = (
     Rule((UNIFIED,), eq("disable_graph_warmup", False),
          "Unified startup captures its tiers during warmup"),
     # --- graphs and device ---------------------------------------------------------------------
-    *(Rule((eq("device", device), eq("enable_graph", True)), eq("python_graph_backend", backend),
-           f"Graph backend must fit the device: {backend} on {device}")
+    *(Rule((eq("device", device), eq("enable_graph", True)),
+           eq("python_graph_backend", backend, None),
+           f"Graph backend must fit the device: {backend} on {device}",
+           ", ".join(f"{b} runs on --device={d}" for d, b in GRAPH_BACKEND_FOR_DEVICE.items()))
       for device, backend in GRAPH_BACKEND_FOR_DEVICE.items()),
     Rule((eq("enable_graph", False),), eq("python_graph_backend", None),
          "A graph backend is meaningless with graphs off; never silently ignored",
          "drop --python_graph_backend or set --enable_graph=true"),
+    Rule((eq("enable_graph", False),), eq("acl_graph_decode_batch_size_limit", None),
+         "A graph batch limit is meaningless with graphs off; never silently ignored",
+         "drop --acl_graph_decode_batch_size_limit or set --enable_graph=true"),
     Rule((eq("enable_graph", False),), eq("disable_graph_warmup", False),
          "Graph warmup can only be disabled when there are graphs to warm",
          "drop --disable_graph_warmup or set --enable_graph=true"),
@@ -186,14 +193,11 @@ RULES: tuple[Rule, ...] = (
 
 
 def _check_parallel_shape(cfg: LaunchConfig) -> ConfigError | None:
+    """tp_size * dp_size * cp_size equals nnodes, and node_rank < nnodes."""
     group = cfg.dp_size * cfg.cp_size
-    if cfg.nnodes % group:
-        return ConfigError("--nnodes", cfg.nnodes,
-                           f"expected a multiple of dp_size*cp_size={group} (one TP group "
-                           f"per DP/CP shard)")
-    assert cfg.tp_size is not None  # resolved once nnodes divides evenly
-    if cfg.tp_size * group != cfg.nnodes:
-        return ConfigError("--tp_size", cfg.tp_size,
+    tp_size = cfg.resolved.tp_size
+    if tp_size * group != cfg.nnodes:
+        return ConfigError("--tp_size", tp_size,
                            f"expected tp_size*dp_size*cp_size == nnodes={cfg.nnodes}, "
                            f"that is tp_size={cfg.nnodes // group}")
     if cfg.node_rank >= cfg.nnodes:
@@ -203,12 +207,12 @@ def _check_parallel_shape(cfg: LaunchConfig) -> ConfigError | None:
 
 
 def _check_batch_limits(cfg: LaunchConfig) -> ConfigError | None:
+    """max_seqs_per_batch >= dp_size, and the graph batch limit <= max_seqs_per_batch."""
     if cfg.max_seqs_per_batch < cfg.dp_size:
         return ConfigError("--max_seqs_per_batch", cfg.max_seqs_per_batch,
                            f"expected at least --dp_size={cfg.dp_size} (one sequence per "
                            f"DP shard)")
-    limit = cfg.acl_graph_decode_batch_size_limit
-    assert limit is not None  # resolved in LaunchConfig
+    limit = cfg.resolved.acl_graph_decode_batch_size_limit
     if limit > cfg.max_seqs_per_batch:
         return ConfigError("--acl_graph_decode_batch_size_limit", limit,
                            f"expected at most --max_seqs_per_batch={cfg.max_seqs_per_batch} "
@@ -217,6 +221,7 @@ def _check_batch_limits(cfg: LaunchConfig) -> ConfigError | None:
 
 
 def _check_width(cfg: LaunchConfig) -> ConfigError | None:
+    """A draft algorithm drafts at least one token per round."""
     if cfg.speculative and cfg.num_speculative_tokens < 1:
         return ConfigError("--num_speculative_tokens", cfg.num_speculative_tokens,
                            f"--speculative_algorithm={cfg.speculative_algorithm} needs a "
@@ -225,7 +230,7 @@ def _check_width(cfg: LaunchConfig) -> ConfigError | None:
 
 
 def _check_builtin_models(cfg: LaunchConfig) -> ConfigError | None:
-    builtin_drafts = set(BUILTIN_DRAFTS.values())
+    """builtin: names exist and the built-in draft matches the algorithm."""
     if cfg.model.startswith("builtin:") and cfg.model != BUILTIN_TARGET:
         return ConfigError("--model", cfg.model, f"expected a path or {BUILTIN_TARGET}")
     draft = cfg.draft_model
@@ -233,7 +238,7 @@ def _check_builtin_models(cfg: LaunchConfig) -> ConfigError | None:
         own = BUILTIN_DRAFTS.get(cfg.speculative_algorithm)
         if draft != own:
             expected = f"expected a path or {own}" if own else "expected a path"
-            known = ", ".join(sorted(builtin_drafts))
+            known = ", ".join(sorted(BUILTIN_DRAFTS.values()))
             return ConfigError("--draft_model", draft,
                                f"{expected} for --speculative_algorithm="
                                f"{cfg.speculative_algorithm} (built-in drafts: {known})")
