@@ -16,12 +16,13 @@ from adaspec.config import RULES, LaunchConfig, load_config_from_argv
 from adaspec.config.flags import field_docs
 from adaspec.config.launch import launch_field_types, metavar
 from adaspec.config.rules import CROSS_CHECKS
-from adaspec.errors import AdaspecError, show_value
+from adaspec.errors import MISSING, AdaspecError, ConfigError, show_value
 
 USAGE = """usage: adaspec COMMAND [FLAGS]
 
 commands:
   config    check a launch line and print its effective configuration as JSON
+  models    identities, sizes and measured quality of the built-in reference models
 
 adaspec COMMAND --help shows a command's flags; adaspec --version prints the version."""
 
@@ -59,7 +60,33 @@ def run_config(argv: Sequence[str]) -> int:
     return 0
 
 
-COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {"config": run_config}
+MODELS_FLAGS = {"--json": "print one JSON object instead of a table",
+                "--measure": "also re-measure greedy acceptance on the packaged held-out "
+                             "excerpt (a few seconds)"}
+
+
+def run_models(argv: Sequence[str]) -> int:
+    if any(arg in ("-h", "--help") for arg in argv):
+        print("usage: adaspec models [--json] [--measure]\n")
+        print("\n".join(f"  {flag:10} {text}" for flag, text in MODELS_FLAGS.items()))
+        return 0
+    for arg in argv:
+        if arg not in MODELS_FLAGS:
+            raise ConfigError(arg, MISSING, f"unknown flag; expected {' or '.join(MODELS_FLAGS)}")
+    # Deferred: torch loads only for commands that need models.
+    from adaspec.models.checkpoint import load_reference_models
+    from adaspec.models.report import format_report, measure_excerpt, models_report
+
+    models = load_reference_models()
+    report = models_report(models)
+    if "--measure" in argv:
+        report["measured_on_excerpt"] = measure_excerpt(models)
+    print(json.dumps(report, indent=2) if "--json" in argv else format_report(report))
+    return 0
+
+
+COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {"config": run_config,
+                                                       "models": run_models}
 
 
 def run(argv: Sequence[str]) -> int:

@@ -54,6 +54,11 @@ def test_device_layer_never_imports_policies() -> None:
                                          "adaspec.errors")) == []
 
 
+def test_models_import_only_config_errors_and_the_device_layer() -> None:
+    assert offending("models", ("adaspec.models", "adaspec.config", "adaspec.errors",
+                                "adaspec.runtime.devices")) == []
+
+
 @pytest.mark.parametrize("folder", ["config", "runtime/states", "runtime/events",
                                     "runtime/devices", "policies", "models"])
 def test_architecture_folders_exist(folder: str) -> None:

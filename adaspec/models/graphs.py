@@ -1,0 +1,67 @@
+"""Fixed-shape entry points for the prepared buckets of a target model.
+
+A bucket is one ``(num_reqs, num_rows)`` shape of ``VerifyRows`` (Bcap batch entries, G rows)
+at the launch's ``rows_per_req``. On the CPU a bucket is prewarmed by running it once eagerly
+(allocator and kernel caches warm, so the first real round costs what later ones do); on CUDA
+it can be captured once as a graph and replayed with new inputs copied into its buffers.
+Warm-up and capture run on padding rows only, which write to the scratch slot, so no
+request's KV changes.
+"""
+
+from collections.abc import Iterable
+
+import torch
+
+from adaspec.models.protocols import TargetModel, TargetOutput, VerifyRows
+
+
+def padding_rows(num_reqs: int, num_rows: int, rows_per_req: int, scratch_slot: int,
+                 device: torch.device | str) -> VerifyRows:
+    """A bucket-shaped batch of padding only: every row and entry on the scratch slot."""
+    zeros = torch.zeros(num_rows, dtype=torch.int64, device=device)
+    return VerifyRows(
+        token_ids=zeros.clone(), row_reqs=zeros.clone(), row_offsets=zeros.clone(),
+        row_valid=torch.zeros(num_rows, dtype=torch.bool, device=device),
+        req_slots=torch.full((num_reqs,), scratch_slot, dtype=torch.int64, device=device),
+        req_starts=torch.zeros(num_reqs, dtype=torch.int64, device=device),
+        rows_per_req=rows_per_req)
+
+
+def prewarm(target: TargetModel, buckets: Iterable[tuple[int, int]], rows_per_req: int,
+            device: torch.device | str) -> None:
+    """Run ``verify`` once for every ``(num_reqs, num_rows)`` bucket."""
+    for num_reqs, num_rows in buckets:
+        target.verify(padding_rows(num_reqs, num_rows, rows_per_req, target.num_slots, device))
+
+
+class CapturedVerify:
+    """One bucket's ``verify`` captured as a CUDA graph.
+
+    ``__call__`` copies the rows into the captured input buffers and replays; the returned
+    tensors are the graph's output buffers, valid until the next replay of this bucket.
+    """
+
+    def __init__(self, target: TargetModel, num_reqs: int, num_rows: int,
+                 rows_per_req: int) -> None:
+        self.inputs = padding_rows(num_reqs, num_rows, rows_per_req, target.num_slots, "cuda")
+        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            target.verify(self.inputs)  # kernels and workspaces exist before capture
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.outputs = target.verify(self.inputs)
+
+    def __call__(self, rows: VerifyRows) -> TargetOutput:
+        shape = (rows.req_slots.shape[0], rows.token_ids.shape[0], rows.rows_per_req)
+        captured = (self.inputs.req_slots.shape[0], self.inputs.token_ids.shape[0],
+                    self.inputs.rows_per_req)
+        if shape != captured:
+            raise ValueError(f"(num_reqs, num_rows, rows_per_req)={shape}: this graph was "
+                             f"captured for {captured}")
+        for name in ("token_ids", "row_reqs", "row_offsets", "row_valid", "req_slots",
+                     "req_starts"):
+            getattr(self.inputs, name).copy_(getattr(rows, name))
+        self.graph.replay()
+        return self.outputs

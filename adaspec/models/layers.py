@@ -1,0 +1,151 @@
+"""Transformer pieces shared by the reference target and drafters.
+
+Attention is causal within a sliding window of ``window`` positions, with rotary position
+embeddings. Because RoPE scores depend only on the distance between positions and no query
+sees further back than the window, a position deep into a long context is computed exactly
+like one a window in: the models are trained on short sequences yet keep their quality up to
+the context limit.
+
+Two attention entry points serve the runtime:
+- ``sequence``: whole sequences at once (training, prefill), keys from the same sequences;
+- ``grid``: a fixed-shape ``[num_reqs, rows_per_req]`` grid of query rows whose keys come
+  from a KV cache (verification, decode, draft steps). Shapes depend only on the bucket, so
+  the call has no host synchronisation and can be captured as a graph.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        scale = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return x * scale * self.weight
+
+
+def rope_tables(max_positions: int, head_dim: int, base: float = 10000.0) -> tuple[Tensor, Tensor]:
+    """Cos and sin tables ``[max_positions, head_dim // 2]``."""
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.arange(max_positions, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x [..., H, hd]`` by per-position tables ``cos, sin [..., hd // 2]``."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+def window_mask(query_pos: Tensor, key_pos: Tensor, window: int) -> Tensor:
+    """True where a query may attend a key: causal, at most ``window - 1`` back, key >= 0."""
+    q = query_pos.unsqueeze(-1)
+    k = key_pos.unsqueeze(-2)
+    return (k <= q) & (k > q - window) & (k >= 0)
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with RoPE and a sliding causal window."""
+
+    cos: Tensor
+    sin: Tensor
+
+    def __init__(self, dim: int, num_heads: int, window: int, max_positions: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.window = window
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.out = nn.Linear(dim, dim, bias=False)
+        cos, sin = rope_tables(max_positions, self.head_dim)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def project(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v ``[..., H, hd]`` for inputs ``x [..., dim]`` at ``positions [...]``."""
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        shape = (*x.shape[:-1], self.num_heads, self.head_dim)
+        q, k, v = q.reshape(shape), k.reshape(shape), v.reshape(shape)
+        cos, sin = self.cos[positions], self.sin[positions]
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def key_values(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Only k, v (for publishing context into a cache without attending)."""
+        _, k, v = self.project(x, positions)
+        return k, v
+
+    def sequence(self, x: Tensor, positions: Tensor,
+                 key_valid: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """Attention over whole sequences ``x [B, T, dim]``; returns (out, k, v)."""
+        q, k, v = self.project(x, positions)
+        mask = window_mask(positions, positions, self.window)  # [B, T, T]
+        if key_valid is not None:
+            mask = mask & key_valid[:, None, :]
+        # A query with no key left (a padded position) would softmax over nothing; let it see
+        # itself so the result stays finite. Its output is never used.
+        mask = mask | torch.eye(x.shape[1], dtype=torch.bool, device=x.device)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None])
+        projected: Tensor = self.out(out.transpose(1, 2).reshape(x.shape))
+        return projected, k, v
+
+    def grid(self, q: Tensor, query_pos: Tensor, keys: Tensor, values: Tensor,
+             key_pos: Tensor) -> Tensor:
+        """Attention of a query grid ``q [N, R, H, hd]`` at ``query_pos [N, R]`` over gathered
+        keys and values ``[N, K, H, hd]`` at ``key_pos [N, K]``; returns ``[N, R, H*hd]``."""
+        # The key window always covers every query position, so each row sees at least
+        # itself and the softmax stays finite even in padding rows.
+        mask = window_mask(query_pos, key_pos, self.window)  # [N, R, K]
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=mask[:, None])
+        return out.transpose(1, 2).reshape(*q.shape[:2], -1)
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.down(F.gelu(self.up(x)))
+        return out
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block."""
+
+    def __init__(self, dim: int, num_heads: int, mlp_hidden: int, window: int,
+                 max_positions: int) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(dim)
+        self.attn = Attention(dim, num_heads, window, max_positions)
+        self.mlp_norm = RMSNorm(dim)
+        self.mlp = MLP(dim, mlp_hidden)
+
+    def sequence(self, x: Tensor, positions: Tensor,
+                 key_valid: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        attn, k, v = self.attn.sequence(self.attn_norm(x), positions, key_valid)
+        x = x + attn
+        return x + self.mlp(self.mlp_norm(x)), k, v
+
+
+def init_weights(module: nn.Module, num_layers: int) -> None:
+    """GPT-2 style initialisation: small normal weights, residual outputs scaled by depth."""
+    for name, param in module.named_parameters():
+        if param.dim() < 2:
+            continue
+        std = 0.02
+        if name.endswith(("attn.out.weight", "mlp.down.weight")):
+            std /= math.sqrt(2 * num_layers)
+        nn.init.normal_(param, mean=0.0, std=std)

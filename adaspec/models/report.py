@@ -1,0 +1,99 @@
+"""What ``adaspec models`` reports about the shipped reference models.
+
+Identities and parameter counts are computed from the installed weights; quality figures come
+from the model card, measured by the training script on the full held-out split. ``measure``
+re-measures acceptance live on the packaged held-out excerpt, a smaller sample.
+"""
+
+import json
+from importlib import resources
+from typing import Any
+
+import numpy as np
+
+from adaspec.models.checkpoint import ReferenceModels, load_model_card, load_reference_models
+from adaspec.models.quality import acceptance_summary, sample_contexts, trace_drafts
+
+DATA_PACKAGE = "adaspec.models.data"
+BATCH = 16  # contexts per prefill; sorted by length so padding stays small
+
+
+def heldout_excerpt() -> dict[str, str]:
+    """domain -> about 8 KiB of held-out evaluation text shipped with the package."""
+    text = resources.files(DATA_PACKAGE).joinpath("heldout_excerpt.json").read_text()
+    excerpt: dict[str, str] = json.loads(text)
+    return excerpt
+
+
+def models_report(models: ReferenceModels | None = None) -> dict[str, object]:
+    models = models or load_reference_models()
+    card = load_model_card()
+    described = {}
+    for name, module in (("target", models.target), ("mtp", models.mtp),
+                         ("dspark", models.dspark)):
+        described[name] = {
+            "identity": module.identity,
+            "parameters": sum(p.numel() for p in module.parameters()),
+            "config": module.config.as_dict(),
+        }
+    described["target"]["context_limit"] = models.target.context_limit
+    return {
+        "models": described,
+        "quality": card["quality"],
+        "quality_source": "model card: measured by python -m adaspec.models.train on the "
+                          "held-out evaluation split",
+        "corpus": card["corpus"],
+    }
+
+
+def measure_excerpt(models: ReferenceModels, contexts_per_domain: int = 32, width: int = 7,
+                    seed: int = 0) -> dict[str, dict[str, object]]:
+    """Greedy acceptance of both drafters on the shipped excerpt, per domain."""
+    rng = np.random.default_rng(seed)
+    models.target.allocate(BATCH)
+    models.mtp.allocate(BATCH)
+    result: dict[str, dict[str, object]] = {}
+    for domain, text in heldout_excerpt().items():
+        contexts = sorted(sample_contexts(text.encode(), contexts_per_domain, width,
+                                          models.target.context_limit, rng), key=len)
+        parts = [trace_drafts(models.target, models.mtp, models.dspark,
+                              contexts[i:i + BATCH], width)
+                 for i in range(0, len(contexts), BATCH)]
+        result[domain] = {}
+        for name in parts[0]:
+            accept = np.concatenate([part[name].greedy_accept for part in parts])
+            result[domain][name] = acceptance_summary(accept)
+    return result
+
+
+def _row(label: str, values: list[float]) -> str:
+    return f"  {label:28}" + " ".join(f"{v:6.3f}" for v in values)
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """A terminal summary of ``models_report`` (acceptance length counts the bonus token)."""
+    models, quality = report["models"], report["quality"]
+    lines = ["model    identity                          parameters"]
+    for name, info in models.items():
+        lines.append(f"{name:8} {info['identity']}  {info['parameters']:>10,}")
+    losses = quality["target"]["heldout_loss_nats_per_byte"]
+    lines += ["", "target held-out loss (nats/byte): "
+              + ", ".join(f"{d} {v:.3f}" for d, v in losses.items()), "",
+              "prefix acceptance by position (width 7); AL = accepted + 1 (residual or bonus)"]
+    for name in ("mtp", "dspark"):
+        for temp in ("temperature_0", "temperature_1"):
+            figures = quality[name][temp]
+            lines.append(_row(f"{name} {temp.replace('_', ' ')}", figures["prefix"])
+                         + f"   AL {figures['acceptance_length']:.3f}")
+    confidence = quality["dspark"]["confidence"]
+    lines += ["", f"dspark confidence: prefix-survival ECE {confidence['ece_before_scaling']:.4f}"
+                  f" before scaling, {confidence['ece_after_scaling']:.4f} after; "
+                  f"AUC {confidence['auc_prefix_survival']}"]
+    measured = report.get("measured_on_excerpt")
+    if isinstance(measured, dict):
+        lines += ["", "re-measured on the packaged excerpt (temperature 0, prefix acceptance)"]
+        for domain, by_drafter in measured.items():
+            for name, figures in by_drafter.items():
+                lines.append(_row(f"{domain} {name}", figures["prefix"])
+                             + f"   AL {figures['acceptance_length']:.3f}")
+    return "\n".join(lines)

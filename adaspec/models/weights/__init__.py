@@ -1,0 +1,1 @@
+"""Shipped reference weights and model card (data only)."""
