@@ -1,6 +1,6 @@
 """Train the reference models: ``python -m adaspec.models.train``.
 
-Seeded and reproducible on a CPU (about 25 minutes on 2 cores). Steps:
+Seeded and reproducible on a CPU (about 20 minutes on 2 cores). Steps:
 1. the target on the training corpus (next-byte cross-entropy);
 2. both drafters distilled from the frozen target together, sharing its forward pass: soft
    labels are the target's distributions; the MTP head is trained unrolled over several
