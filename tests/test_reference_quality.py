@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from adaspec.models.checkpoint import load_model_card, load_reference_models
-from adaspec.models.quality import encode, trace_drafts
+from adaspec.models.quality import BATCH, encode, trace_contexts
 from adaspec.models.report import heldout_excerpt, measure_excerpt
 
 
@@ -120,8 +120,8 @@ def test_acceptance_holds_at_long_positions() -> None:
     # contexts per domain and length class (96 each): the standard error of the difference
     # of two position-1 rates near 0.8 is about 0.06, so 0.2 is over three of them.
     models = load_reference_models()
-    models.target.allocate(16)
-    models.mtp.allocate(16)
+    models.target.allocate(BATCH)
+    models.mtp.allocate(BATCH)
     rng = np.random.default_rng(7)
     first_rates: dict[str, list[float]] = {"short": [], "long": []}
     for text in heldout_excerpt().values():
@@ -132,11 +132,7 @@ def test_acceptance_holds_at_long_positions() -> None:
                 length = int(rng.integers(low, high + 1))
                 start = int(rng.integers(0, len(tokens) - length))
                 contexts.append(tokens[start:start + length])
-            contexts.sort(key=len)
-            for i in range(0, 24, 8):
-                traces = trace_drafts(models.target, models.mtp, models.dspark,
-                                      contexts[i:i + 8], 7)
-                first_rates[label] += [float(t.greedy_accept[:, 0].mean())
-                                       for t in traces.values()]
+            traces = trace_contexts(models.target, models.mtp, models.dspark, contexts, 7)
+            first_rates[label] += [float(t.greedy_accept[:, 0].mean()) for t in traces.values()]
     short, long = np.mean(first_rates["short"]), np.mean(first_rates["long"])
     assert long >= short - 0.2, (short, long)

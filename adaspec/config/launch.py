@@ -4,7 +4,7 @@ Flag names follow the specification's launch examples so that an existing launch
 unchanged; ``device`` and ``tp_size`` are what a CPU or CUDA user needs beyond them. A
 ``LaunchConfig`` is checked completely when it is built: field types and ranges here, the
 combination rules of the specification in ``adaspec.config.rules``. Settings left unset
-(``None``) are resolved here too, so every consumer sees one effective value.
+(``None``) get their effective value in ``LaunchConfig.resolved``, derived once here.
 """
 
 import functools
@@ -204,7 +204,7 @@ class LaunchConfig:
         """The physical draft request buckets (Bcap values) prepared per shard for decode.
 
         Powers of two up to the graph batch limit, plus the limit itself, so a batch of B
-        requests pads to the first bucket >= B. None without graphs: eager shapes are unpadded.
+        requests pads to the first bucket >= B. Empty without graphs: eager shapes are unpadded.
         """
         if not self.enable_graph:
             return ()

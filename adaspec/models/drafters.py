@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from adaspec.models.layers import MLP, Block, RMSNorm, init_weights
 from adaspec.models.protocols import DSparkBlock, MtpStep, VerifyRows
-from adaspec.models.target import KVCache, ReferenceTarget, grid_attention
+from adaspec.models.target import GridIndex, KVCache, ReferenceTarget, grid_attention
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -127,7 +127,8 @@ class ReferenceMtp(nn.Module):
                           row_offsets=torch.zeros_like(index),
                           row_valid=slots < cache.num_slots, req_slots=slots,
                           req_starts=positions, rows_per_req=1)
-        x = x + grid_attention(self.block, cache, 0, x, rows)
+        grid = GridIndex.of(rows, cache.num_slots, self.block.attn.window)
+        x = x + grid_attention(self.block, cache, 0, x, rows, grid)
         x = x + self.block.mlp(self.block.mlp_norm(x))
         logits = self.head.logits(x)
         token = logits.argmax(-1)

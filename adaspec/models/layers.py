@@ -98,16 +98,11 @@ class Attention(nn.Module):
         projected: Tensor = self.out(out.transpose(1, 2).reshape(x.shape))
         return projected, k, v
 
-    def grid(self, q: Tensor, query_pos: Tensor, keys: Tensor, values: Tensor,
-             key_pos: Tensor) -> Tensor:
-        """Attention of a query grid ``q [N, R, H, hd]`` at ``query_pos [N, R]`` over gathered
-        keys and values ``[N, K, H, hd]`` at ``key_pos [N, K]``; returns ``[N, R, H*hd]``."""
-        # The key window always covers every query position, so each row sees at least
-        # itself and the softmax stays finite even in padding rows.
-        mask = window_mask(query_pos, key_pos, self.window)  # [N, R, K]
+    def grid(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+        """Attention of a query grid ``q [N, R, H, hd]`` over gathered keys and values
+        ``[N, K, H, hd]`` under ``mask [N, 1, R, K]``; returns ``[N, R, H*hd]``."""
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=mask[:, None])
+            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask)
         return out.transpose(1, 2).reshape(*q.shape[:2], -1)
 
 

@@ -92,6 +92,27 @@ def trace_drafts(target: ReferenceTarget, mtp: ReferenceMtp, dspark: ReferenceDS
     return traces
 
 
+BATCH = 16  # contexts per prefill
+
+
+def trace_contexts(target: ReferenceTarget, mtp: ReferenceMtp, dspark: ReferenceDSpark,
+                   contexts: list[Tensor], width: int) -> dict[str, DraftTrace]:
+    """``trace_drafts`` over any number of contexts (the models need ``BATCH`` slots).
+
+    Contexts go in batches of similar length: prefill padding costs quadratically."""
+    ordered = sorted(contexts, key=len)
+    parts = [trace_drafts(target, mtp, dspark, ordered[i:i + BATCH], width)
+             for i in range(0, len(ordered), BATCH)]
+    return {name: concat_traces([part[name] for part in parts]) for name in parts[0]}
+
+
+def concat_traces(traces: list[DraftTrace]) -> DraftTrace:
+    confidences = [t.confidence_logits for t in traces if t.confidence_logits is not None]
+    return DraftTrace(np.concatenate([t.greedy_accept for t in traces]),
+                      np.concatenate([t.sample_accept for t in traces]),
+                      np.concatenate(confidences) if confidences else None)
+
+
 def _publish_prompts(mtp: ReferenceMtp, hidden: Tensor, contexts: list[Tensor],
                      slots: Tensor) -> None:
     for index, context in enumerate(contexts):

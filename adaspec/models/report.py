@@ -12,10 +12,9 @@ from typing import Any
 import numpy as np
 
 from adaspec.models.checkpoint import ReferenceModels, load_model_card, load_reference_models
-from adaspec.models.quality import acceptance_summary, sample_contexts, trace_drafts
+from adaspec.models.quality import BATCH, acceptance_summary, sample_contexts, trace_contexts
 
 DATA_PACKAGE = "adaspec.models.data"
-BATCH = 16  # contexts per prefill; sorted by length so padding stays small
 
 
 def heldout_excerpt() -> dict[str, str]:
@@ -54,15 +53,11 @@ def measure_excerpt(models: ReferenceModels, contexts_per_domain: int = 32, widt
     models.mtp.allocate(BATCH)
     result: dict[str, dict[str, object]] = {}
     for domain, text in heldout_excerpt().items():
-        contexts = sorted(sample_contexts(text.encode(), contexts_per_domain, width,
-                                          models.target.context_limit, rng), key=len)
-        parts = [trace_drafts(models.target, models.mtp, models.dspark,
-                              contexts[i:i + BATCH], width)
-                 for i in range(0, len(contexts), BATCH)]
-        result[domain] = {}
-        for name in parts[0]:
-            accept = np.concatenate([part[name].greedy_accept for part in parts])
-            result[domain][name] = acceptance_summary(accept)
+        contexts = sample_contexts(text.encode(), contexts_per_domain, width,
+                                   models.target.context_limit, rng)
+        traces = trace_contexts(models.target, models.mtp, models.dspark, contexts, width)
+        result[domain] = {name: acceptance_summary(trace.greedy_accept)
+                          for name, trace in traces.items()}
     return result
 
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from adaspec.models.layers import Block, RMSNorm, init_weights
+from adaspec.models.layers import Block, RMSNorm, init_weights, window_mask
 from adaspec.models.protocols import PrefillOutput, TargetOutput, VerifyRows
 
 
@@ -52,32 +52,51 @@ class KVCache:
         return self.keys[layer][slots[:, None], index], self.values[layer][slots[:, None], index]
 
 
-def grid_attention(block: Block, cache: KVCache, layer: int, x_rows: Tensor, rows: VerifyRows,
-                   ) -> Tensor:
-    """One attention sublayer for packed rows: write their KV, attend on the request grid.
+@dataclass(frozen=True, slots=True)
+class GridIndex:
+    """The row layout of one batch, shared by every layer and computed once per forward.
 
-    Rows are scattered into a ``[Bcap, R + 1]`` grid (column R collects padding rows), each
-    request's grid row attends to one gathered window of its own cache, and results are
-    gathered back to the packed rows. Only the cheap attention runs on the grid; projections
-    and MLPs run on the G packed rows, so target work scales with G.
+    Rows are scattered into a ``[Bcap, R + 1]`` grid (column R collects padding rows); each
+    request's grid row attends to one gathered window of its own cache.
     """
+
+    positions: Tensor  # [G] position of each row
+    write_slots: Tensor  # [G] KV slot each row writes (padding rows: scratch)
+    columns: Tensor  # [G] grid column of each row (padding rows: R)
+    key_pos: Tensor  # [Bcap, window + R] cache positions gathered per request
+    mask: Tensor  # [Bcap, 1, R + 1, window + R] which grid query may see which key
+
+    @classmethod
+    def of(cls, rows: VerifyRows, scratch_slot: int, window: int) -> "GridIndex":
+        device = rows.token_ids.device
+        width = rows.rows_per_req + 1
+        scratch = torch.full_like(rows.row_reqs, scratch_slot)
+        query_pos = rows.req_starts[:, None] + torch.arange(width, device=device)
+        key_pos = (rows.req_starts[:, None] - window + 1
+                   + torch.arange(window + width - 1, device=device))
+        # The key window covers every query position, so each grid row sees at least itself
+        # and the softmax stays finite even in padding rows.
+        return cls(positions=rows.positions,
+                   write_slots=torch.where(rows.row_valid, rows.req_slots[rows.row_reqs],
+                                           scratch),
+                   columns=torch.where(rows.row_valid, rows.row_offsets, rows.rows_per_req),
+                   key_pos=key_pos,
+                   mask=window_mask(query_pos, key_pos, window)[:, None])
+
+
+def grid_attention(block: Block, cache: KVCache, layer: int, x_rows: Tensor, rows: VerifyRows,
+                   index: GridIndex) -> Tensor:
+    """One attention sublayer for packed rows: write their KV, attend on the request grid,
+    gather back. Only the cheap attention runs on the grid; projections and MLPs run on the
+    G packed rows, so target work scales with G."""
     attn = block.attn
-    scratch = torch.full_like(rows.row_reqs, cache.num_slots)
-    write_slots = torch.where(rows.row_valid, rows.req_slots[rows.row_reqs], scratch)
-    positions = rows.positions
-    q, k, v = attn.project(block.attn_norm(x_rows), positions)
-    cache.write(layer, write_slots, positions, k, v)
-    num_reqs, columns = rows.req_slots.shape[0], rows.rows_per_req + 1
-    column = torch.where(rows.row_valid, rows.row_offsets, rows.rows_per_req)
-    grid_q = q.new_zeros(num_reqs, columns, *q.shape[1:])
-    grid_q[rows.row_reqs, column] = q
-    offsets = torch.arange(columns, device=q.device)
-    query_pos = rows.req_starts[:, None] + offsets
-    key_offsets = torch.arange(attn.window + columns - 1, device=q.device)
-    key_pos = rows.req_starts[:, None] - attn.window + 1 + key_offsets
-    keys, values = cache.window(layer, rows.req_slots, key_pos)
-    out = attn.grid(grid_q, query_pos, keys, values, key_pos)
-    projected: Tensor = attn.out(out[rows.row_reqs, column])
+    q, k, v = attn.project(block.attn_norm(x_rows), index.positions)
+    cache.write(layer, index.write_slots, index.positions, k, v)
+    grid_q = q.new_zeros(rows.req_slots.shape[0], rows.rows_per_req + 1, *q.shape[1:])
+    grid_q[rows.row_reqs, index.columns] = q
+    keys, values = cache.window(layer, rows.req_slots, index.key_pos)
+    out = attn.grid(grid_q, keys, values, index.mask)
+    projected: Tensor = attn.out(out[rows.row_reqs, index.columns])
     return projected
 
 
@@ -164,7 +183,8 @@ class ReferenceTarget(nn.Module):
     def verify(self, rows: VerifyRows) -> TargetOutput:
         cache = self._require_cache()
         x = self.embed(rows.token_ids)
+        index = GridIndex.of(rows, cache.num_slots, self.config.window)
         for layer, block in enumerate(self.blocks):
-            x = x + grid_attention(block, cache, layer, x, rows)
+            x = x + grid_attention(block, cache, layer, x, rows, index)
             x = x + block.mlp(block.mlp_norm(x))
         return TargetOutput(logits=self.logits(x), hidden=x)

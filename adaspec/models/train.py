@@ -51,16 +51,18 @@ from adaspec.models.drafters import (
     soft_cross_entropy,
 )
 from adaspec.models.quality import (
+    BATCH,
     DraftTrace,
     acceptance_summary,
     auc,
+    concat_traces,
     dspark_round,
     fit_temperatures,
     heldout_loss,
     prefix_survival_ece,
     sample_contexts,
     sigmoid,
-    trace_drafts,
+    trace_contexts,
 )
 from adaspec.models.target import ReferenceTarget, TargetConfig
 
@@ -242,28 +244,16 @@ def traces_for(models: ReferenceModels, texts: dict[str, bytes], count: int, wid
                seed: int) -> dict[str, dict[str, DraftTrace]]:
     """domain -> drafter -> trace, over ``count`` random contexts per domain."""
     rng = np.random.default_rng(seed)
-    models.target.allocate(64)
-    models.mtp.allocate(64)
-    result: dict[str, dict[str, DraftTrace]] = {}
-    for domain, text in texts.items():
-        contexts = sample_contexts(text, count, width, models.target.context_limit, rng)
-        # Batches of similar length keep prefill padding (quadratic in length) small.
-        contexts.sort(key=len)
-        parts = [trace_drafts(models.target, models.mtp, models.dspark,
-                              contexts[i:i + 16], width) for i in range(0, count, 16)]
-        result[domain] = {name: _concat([p[name] for p in parts]) for name in parts[0]}
-    return result
-
-
-def _concat(traces: list[DraftTrace]) -> DraftTrace:
-    conf = [t.confidence_logits for t in traces]
-    return DraftTrace(np.concatenate([t.greedy_accept for t in traces]),
-                      np.concatenate([t.sample_accept for t in traces]),
-                      None if conf[0] is None else np.concatenate(conf))  # type: ignore[arg-type]
+    models.target.allocate(BATCH)
+    models.mtp.allocate(BATCH)
+    return {domain: trace_contexts(models.target, models.mtp, models.dspark,
+                                   sample_contexts(text, count, width,
+                                                   models.target.context_limit, rng), width)
+            for domain, text in texts.items()}
 
 
 def pooled(traces: dict[str, dict[str, DraftTrace]], drafter: str) -> DraftTrace:
-    return _concat([by_drafter[drafter] for by_drafter in traces.values()])
+    return concat_traces([by_drafter[drafter] for by_drafter in traces.values()])
 
 
 def drafter_quality(traces: dict[str, dict[str, DraftTrace]], drafter: str) -> dict[str, object]:
