@@ -97,3 +97,69 @@ class UnsupportedRequest(RequestError):
     Raised before execution, never replaced by a silent fallback (for example a positive
     temperature decoded greedily, or a penalty dropped).
     """
+
+
+class DeviceLayerError(AdaspecError):
+    """A failure of device work, a collective or a graph binding while the runtime runs."""
+
+
+class CollectiveError(DeviceLayerError):
+    """A collective failed or timed out: a peer died, hung, or the transport broke.
+
+    ``op`` names the collective (``tp_broadcast``, ``dp_agree_rows``), ``group`` the ranks it
+    spanned and ``reason`` what the backend reported, on one line.
+    """
+
+    def __init__(self, op: str, group: tuple[int, ...], reason: str) -> None:
+        super().__init__(op, group, reason)
+        self.op = op
+        self.group = group
+        self.reason = reason
+
+    def __str__(self) -> str:
+        ranks = ",".join(map(str, self.group))
+        return _printable(f"collective {self.op} over ranks [{ranks}] failed: {self.reason}")
+
+
+class ConsensusMismatch(DeviceLayerError):
+    """Ranks that must decide identically did not (a bug, never a user error): continuing
+    would make the ranks issue different collectives and hang."""
+
+    def __init__(self, what: str, values: tuple[int, ...]) -> None:
+        super().__init__(what, values)
+        self.what = what
+        self.values = values
+
+    def __str__(self) -> str:
+        return f"ranks disagree on {self.what}: {list(self.values)}"
+
+
+class GraphBindingMissing(DeviceLayerError):
+    """No prepared binding serves a shape, not even the full-width fallback; serving never
+    captures one, so this means startup did not prepare what the runtime uses."""
+
+    def __init__(self, key: tuple[int, int, int], prepared: int) -> None:
+        super().__init__(key, prepared)
+        self.key = key
+        self.prepared = prepared
+
+    def __str__(self) -> str:
+        width, num_reqs, num_rows = self.key
+        return (f"no prepared graph binding for width={width} Bcap={num_reqs} G={num_rows} "
+                f"nor its full-width binding ({self.prepared} bindings prepared at startup)")
+
+
+class HostReadError(DeviceLayerError):
+    """Device-stage code read a tensor value back to the host while reads were forbidden."""
+
+
+class StreamClosed(DeviceLayerError):
+    """Work was enqueued on a device stream after ``close()``: a bug of the caller, which must
+    stop submitting rounds before it closes the stream."""
+
+    def __init__(self, device: object) -> None:
+        super().__init__(device)
+        self.device = device
+
+    def __str__(self) -> str:
+        return f"the {self.device} stream is closed; no work can be enqueued after close()"

@@ -4,6 +4,7 @@ after rejections, drafters are deterministic, and quality holds at long position
 import numpy as np
 import pytest
 import torch
+from conftest import serving_models
 
 from adaspec.models.checkpoint import (
     FILES,
@@ -14,20 +15,17 @@ from adaspec.models.checkpoint import (
     own_state,
     shipped_folder,
 )
-from adaspec.models.graphs import CapturedVerify, prewarm
 from adaspec.models.protocols import DSparkDrafter, MtpDrafter, TargetModel, VerifyRows
 from adaspec.models.quality import encode
 from adaspec.models.report import heldout_excerpt
+from adaspec.runtime.devices.graphs import CapturedVerify, prewarm
 
 ATOL = 1e-4  # float32 sums in a different order; logits are O(10)
 
 
 @pytest.fixture(scope="module")
 def models() -> ReferenceModels:
-    loaded = load_reference_models()
-    loaded.target.allocate(8)
-    loaded.mtp.allocate(8)
-    return loaded
+    return serving_models(8)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Fixed-shape entry points for the prepared buckets of a target model.
+"""Fixed-shape entry points (bindings) for the prepared buckets of a target model.
 
 A bucket is one ``(num_reqs, num_rows)`` shape of ``VerifyRows`` (Bcap batch entries, G rows)
 at the launch's ``rows_per_req``. On the CPU a bucket is prewarmed by running it once eagerly
@@ -8,10 +8,12 @@ Warm-up and capture run on padding rows only, which write to the scratch slot, s
 request's KV changes.
 """
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
+from adaspec.config.launch import GRAPH_BACKEND_FOR_DEVICE
+from adaspec.errors import ConfigError
 from adaspec.models.protocols import TargetModel, TargetOutput, VerifyRows
 
 
@@ -34,6 +36,29 @@ def prewarm(target: TargetModel, buckets: Iterable[tuple[int, int]], rows_per_re
         target.verify(padding_rows(num_reqs, num_rows, rows_per_req, target.num_slots, device))
 
 
+def check_shape(rows: VerifyRows, num_reqs: int, num_rows: int, rows_per_req: int) -> None:
+    """A binding runs only the shape it was prepared for (a silent reshape would change the
+    padded cost and, for a graph, read stale buffers)."""
+    shape = (rows.req_slots.shape[0], rows.token_ids.shape[0], rows.rows_per_req)
+    if shape != (num_reqs, num_rows, rows_per_req):
+        raise ValueError(f"(num_reqs, num_rows, rows_per_req)={shape}: this binding was "
+                         f"prepared for {(num_reqs, num_rows, rows_per_req)}")
+
+
+class EagerBinding:
+    """One bucket's ``verify`` on the CPU: prewarmed once, then called eagerly."""
+
+    def __init__(self, target: TargetModel, num_reqs: int, num_rows: int,
+                 rows_per_req: int, device: torch.device | str) -> None:
+        self.target = target
+        self.shape = (num_reqs, num_rows, rows_per_req)
+        prewarm(target, [(num_reqs, num_rows)], rows_per_req, device)
+
+    def __call__(self, rows: VerifyRows) -> TargetOutput:
+        check_shape(rows, *self.shape)
+        return self.target.verify(rows)
+
+
 class CapturedVerify:
     """One bucket's ``verify`` captured as a CUDA graph.
 
@@ -43,6 +68,7 @@ class CapturedVerify:
 
     def __init__(self, target: TargetModel, num_reqs: int, num_rows: int,
                  rows_per_req: int) -> None:
+        self.shape = (num_reqs, num_rows, rows_per_req)
         self.inputs = padding_rows(num_reqs, num_rows, rows_per_req, target.num_slots, "cuda")
         side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
         side.wait_stream(torch.cuda.current_stream())
@@ -54,14 +80,26 @@ class CapturedVerify:
             self.outputs = target.verify(self.inputs)
 
     def __call__(self, rows: VerifyRows) -> TargetOutput:
-        shape = (rows.req_slots.shape[0], rows.token_ids.shape[0], rows.rows_per_req)
-        captured = (self.inputs.req_slots.shape[0], self.inputs.token_ids.shape[0],
-                    self.inputs.rows_per_req)
-        if shape != captured:
-            raise ValueError(f"(num_reqs, num_rows, rows_per_req)={shape}: this graph was "
-                             f"captured for {captured}")
+        check_shape(rows, *self.shape)
         for name in ("token_ids", "row_reqs", "row_offsets", "row_valid", "req_slots",
                      "req_starts"):
             getattr(self.inputs, name).copy_(getattr(rows, name))
         self.graph.replay()
         return self.outputs
+
+
+def binding_factory(target: TargetModel, width: int, device: str
+                    ) -> Callable[[int, int], Callable[[VerifyRows], TargetOutput]]:
+    """How a ``BindingRegistry`` prepares a (Bcap, G) binding on ``device``: a CUDA graph on
+    cuda, a prewarmed eager call on the CPU. ACL graph capture on an NPU is not built yet;
+    asking for it fails here, at startup, rather than silently running eager."""
+    rows_per_req = width + 1
+    if device == "cuda":
+        return lambda num_reqs, num_rows: CapturedVerify(target, num_reqs, num_rows,
+                                                         rows_per_req)
+    if device == "cpu":
+        return lambda num_reqs, num_rows: EagerBinding(target, num_reqs, num_rows,
+                                                       rows_per_req, device)
+    raise ConfigError("--python_graph_backend", GRAPH_BACKEND_FOR_DEVICE.get(device, device),
+                      f"graph capture on {device} is not built yet; launch with "
+                      "--enable_graph=false to run unpadded eager shapes")

@@ -1,0 +1,137 @@
+"""Graph buckets: the prepared (Bcap, G) shapes of verification, and their bindings.
+
+A batch of B requests is padded to a request bucket Bcap and verifies G padded rows. Both
+come from fixed ladders prepared at startup, so the cost of a round is a step function of
+its padded shape and the device never sees a new shape while serving. A binding is the
+prepared entry point for one shape: a CUDA (or ACL) graph on an accelerator, a prewarmed
+fixed-shape eager call on the CPU. Bindings are keyed by (width, Bcap, G); the width is fixed
+at startup, so Draft5 and Draft7 never share one. A shape that was not prepared is never
+captured while serving: lookup falls back to the full-width binding of the request bucket,
+which startup always prepares. With two rounds in flight the runtime keeps one registry per
+pipeline slot, because a graph's output buffers are overwritten by its next replay.
+"""
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from adaspec.config.launch import LaunchConfig
+from adaspec.errors import GraphBindingMissing
+from adaspec.models.protocols import TargetOutput, VerifyRows
+
+Binding = Callable[[VerifyRows], TargetOutput]
+
+
+@dataclass(frozen=True, slots=True)
+class BucketGeometry:
+    """The prepared request buckets and target rows of one launch (per DP shard)."""
+
+    width: int  # w: drafted tokens per round; a request verifies at most w + 1 rows
+    request_buckets: tuple[int, ...]  # prepared Bcap values, ascending; () when unpadded
+    target_rows: tuple[int, ...]  # prepared G values, ascending; () when unpadded
+
+    @classmethod
+    def of(cls, launch: LaunchConfig) -> "BucketGeometry":
+        return cls(width=launch.num_speculative_tokens,
+                   request_buckets=launch.prepared_request_buckets(),
+                   target_rows=launch.prepared_target_rows())
+
+    @property
+    def padded(self) -> bool:
+        """False without graphs: eager shapes are exact, so every (B, G) is its own bucket."""
+        return bool(self.request_buckets)
+
+    def request_bucket(self, num_reqs: int) -> int:
+        """Bcap for B live requests: the first prepared bucket that holds them."""
+        if not self.padded:
+            return num_reqs
+        for bucket in self.request_buckets:
+            if bucket >= num_reqs:
+                return bucket
+        raise ValueError(f"B={num_reqs} exceeds the largest prepared request bucket "
+                         f"{self.request_buckets[-1]}")
+
+    def full_rows(self, bucket: int) -> int:
+        """G of full-width verification for request bucket ``bucket``."""
+        return bucket * (self.width + 1)
+
+    def legal_rows(self, bucket: int) -> tuple[int, ...]:
+        """Prepared G values for ``bucket``: each entry keeps its anchor row (G >= Bcap) and
+        none verifies past the width (G <= Bcap * (w + 1))."""
+        high = self.full_rows(bucket)
+        if not self.padded:
+            return tuple(range(bucket, high + 1))
+        return tuple(g for g in self.target_rows if bucket <= g <= high)
+
+    def tiers(self, num_reqs: int) -> tuple[int, ...]:
+        """The tiers for B: the first legal G covering B, 2B, 4B and B * (w + 1) rows."""
+        legal = self.legal_rows(self.request_bucket(num_reqs))
+        chosen = []
+        for need in (num_reqs, 2 * num_reqs, 4 * num_reqs, num_reqs * (self.width + 1)):
+            covering = [g for g in legal if g >= need]
+            chosen.append(covering[0] if covering else legal[-1])
+        return tuple(sorted(set(chosen)))
+
+    def planned_bindings(self, *, adaptive: bool, unified: bool) -> tuple[tuple[int, int], ...]:
+        """The (Bcap, G) shapes startup prepares: full width only for a fixed-width round;
+        every legal G of every bucket for adaptive split rounds; the tiers of every request
+        count for unified rounds (at most four per count). Full width is always included."""
+        pairs = {(b, self.full_rows(b)) for b in self.request_buckets}
+        if adaptive and unified:
+            pairs |= {(self.request_bucket(n), g) for n in range(1, self.request_buckets[-1] + 1)
+                      for g in self.tiers(n)}
+        elif adaptive:
+            pairs |= {(b, g) for b in self.request_buckets for g in self.legal_rows(b)}
+        return tuple(sorted(pairs))
+
+
+@dataclass(frozen=True, slots=True)
+class BindingChoice:
+    """The binding a round runs and the shape it was prepared for."""
+
+    num_reqs: int  # Bcap
+    num_rows: int  # G actually verified: the requested one, or full width on fallback
+    fell_back: bool  # the requested G had no prepared binding
+    binding: Binding = field(repr=False, compare=False)
+
+
+class BindingRegistry:
+    """Prepared bindings of one pipeline slot; filled at startup, then sealed."""
+
+    def __init__(self, geometry: BucketGeometry, make: Callable[[int, int], Binding]) -> None:
+        self.geometry = geometry
+        self._make = make
+        self._bindings: dict[tuple[int, int, int], Binding] = {}
+        self._sealed = False
+
+    def prepare(self, pairs: Iterable[tuple[int, int]]) -> None:
+        """Build (capture or prewarm) the binding of every (Bcap, G) not prepared yet."""
+        if self._sealed:
+            raise RuntimeError("bindings are prepared at startup only; this registry is sealed")
+        for num_reqs, num_rows in pairs:
+            if num_rows not in self.geometry.legal_rows(num_reqs):
+                raise ValueError(f"(Bcap={num_reqs}, G={num_rows}) is not a legal prepared "
+                                 f"shape for width {self.geometry.width}")
+            key = (self.geometry.width, num_reqs, num_rows)
+            if key not in self._bindings:
+                self._bindings[key] = self._make(num_reqs, num_rows)
+
+    def seal(self) -> None:
+        """From now on nothing is captured: serving only looks bindings up."""
+        self._sealed = True
+
+    @property
+    def keys(self) -> tuple[tuple[int, int, int], ...]:
+        return tuple(sorted(self._bindings))
+
+    def lookup(self, num_reqs: int, num_rows: int) -> BindingChoice:
+        """The binding for (Bcap, G), or the bucket's full-width binding when G was not
+        prepared (never a capture); ``GraphBindingMissing`` when neither exists."""
+        width = self.geometry.width
+        found = self._bindings.get((width, num_reqs, num_rows))
+        if found is not None:
+            return BindingChoice(num_reqs, num_rows, False, found)
+        full = self.geometry.full_rows(num_reqs)
+        fallback = self._bindings.get((width, num_reqs, full))
+        if fallback is None:
+            raise GraphBindingMissing((width, num_reqs, num_rows), len(self._bindings))
+        return BindingChoice(num_reqs, full, True, fallback)

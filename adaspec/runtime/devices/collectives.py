@@ -1,0 +1,234 @@
+"""The collectives that keep TP ranks and DP shards in lockstep during a round.
+
+Lagged inputs alone do not make every rank decide the same thing. In the consensus state the
+TP ranks of a DP shard adopt TP rank 0's draft confidences, so prefix allocation admits the
+same rows everywhere; in the sample state they adopt its sampled target token ids, so every
+rank commits the same tokens; in the pack state every rank checks that all picked the same
+padded target graph rows G (DP shards share one G; comparing every rank also catches a TP rank
+that diverged). A rank that diverged would issue different collectives later and
+hang the job, so divergence and dead peers surface here as ``ConsensusMismatch`` and
+``CollectiveError`` instead.
+
+Rank layout: world = dp_size * tp_size; DP shard s owns the ranks s*tp_size .. s*tp_size +
+tp_size - 1; the TP rank is rank % tp_size; the DP group of a rank is the ranks with its TP
+rank in every shard.
+"""
+
+import datetime
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Literal, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from adaspec.errors import CollectiveError, ConfigError, ConsensusMismatch
+from adaspec.runtime.devices.availability import require_device
+
+Device = Literal["cpu", "cuda", "npu"]
+
+DEVICE_BACKENDS: dict[str, str] = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+"""The torch.distributed backend of the launch device's collectives (host agreement is gloo)."""
+
+_MAX_REASON = 200
+
+
+class Collectives(Protocol):
+    """What the round runtime needs from the ranks around it; one rank needs nothing."""
+
+    @property
+    def tp_rank(self) -> int: ...
+    @property
+    def tp_size(self) -> int: ...
+    @property
+    def dp_rank(self) -> int: ...
+    @property
+    def dp_size(self) -> int: ...
+
+    def tp_broadcast(self, tensor: Tensor) -> None:
+        """Overwrite ``tensor`` in place with TP rank 0's values on every TP rank of this DP
+        shard, enqueued on the launch device without a host read."""
+
+    def dp_agree_rows(self, num_rows: int) -> int:
+        """Return G when every rank (every DP shard and TP rank) chose it; raise
+        ``ConsensusMismatch`` with each rank's value otherwise."""
+
+    def close(self) -> None:
+        """Release the process groups; calling it again does nothing."""
+
+
+class LocalCollectives:
+    """One process, one TP rank, one DP shard: every agreement is trivially reached."""
+
+    tp_rank = 0
+    tp_size = 1
+    dp_rank = 0
+    dp_size = 1
+
+    def tp_broadcast(self, tensor: Tensor) -> None:
+        """TP rank 0 is this process, so the tensor already holds its values."""
+
+    def dp_agree_rows(self, num_rows: int) -> int:
+        return num_rows
+
+    def close(self) -> None:
+        """Nothing was opened."""
+
+
+def backend_reason(error: BaseException) -> str:
+    """The first line of a backend message without gloo's ``[file.cc:123]`` prefix, so
+    ``CollectiveError`` stays one line while the chained cause keeps the full report."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    reason = lines[0] if lines else type(error).__name__
+    if reason.startswith("[") and "] " in reason:
+        reason = reason.split("] ", 1)[1].strip() or reason
+    if len(reason) > _MAX_REASON:
+        reason = reason[: _MAX_REASON - 3] + "..."
+    return reason
+
+
+@contextmanager
+def _collective(op: str, group: tuple[int, ...]) -> Iterator[None]:
+    """Re-raise a backend failure (dead peer, timeout, broken transport) as CollectiveError."""
+    try:
+        yield
+    except (RuntimeError, ValueError) as error:  # DistError and its kinds are RuntimeErrors
+        raise CollectiveError(op, group, backend_reason(error)) from error
+
+
+def _check_layout(rank: int, world_size: int, tp_size: int, dp_size: int) -> None:
+    for name, size in (("tp_size", tp_size), ("dp_size", dp_size)):
+        if size < 1:
+            raise ConfigError(name, size, "expected a positive number of ranks")
+    if world_size != tp_size * dp_size:
+        raise ConfigError("world_size", world_size,
+                          f"expected tp_size*dp_size={tp_size * dp_size} "
+                          f"(tp_size={tp_size}, dp_size={dp_size})")
+    if not 0 <= rank < world_size:
+        raise ConfigError("rank", rank, f"expected 0 <= rank < world_size={world_size}")
+
+
+def _check_timeout(name: str, timeout: datetime.timedelta) -> None:
+    if timeout <= datetime.timedelta(0):
+        raise ConfigError(name, timeout, "expected a positive duration")
+
+
+def shard_ranks(tp_size: int, dp_size: int) -> list[list[int]]:
+    """The TP group of each DP shard: shard s owns s*tp_size .. s*tp_size + tp_size - 1."""
+    return [list(range(s * tp_size, (s + 1) * tp_size)) for s in range(dp_size)]
+
+
+def dp_ranks(tp_size: int, dp_size: int) -> list[list[int]]:
+    """The DP group of each TP rank: the ranks holding that TP rank in every DP shard."""
+    return [list(range(t, tp_size * dp_size, tp_size)) for t in range(tp_size)]
+
+
+class DistributedCollectives:
+    """Collectives over ``torch.distributed``, one process per rank.
+
+    TP broadcasts run on the launch device's backend (gloo, nccl or hccl) so device tensors
+    never visit the host. The G agreement runs on a separate gloo group over host integers:
+    the host owns G, and a device collective plus ``.item()`` would stall the stream.
+    Process groups are created for every shard on every rank, in one order, as
+    ``new_group`` requires; size-1 groups are skipped on all ranks alike.
+
+    ``timeout`` bounds every collective of a round. ``rendezvous_timeout`` (default:
+    ``timeout``) bounds only the wait for all ranks to start, which may include loading
+    weights and is often much longer than a round's collectives should ever take.
+
+    On cuda and npu a failed broadcast may only be reported asynchronously by the backend's
+    watchdog (which aborts the process), because reporting it here would need a host sync.
+    """
+
+    def __init__(self, *, rank: int, world_size: int, tp_size: int, dp_size: int,
+                 init_method: str, device: Device, timeout: datetime.timedelta,
+                 rendezvous_timeout: datetime.timedelta | None = None) -> None:
+        _check_layout(rank, world_size, tp_size, dp_size)
+        _check_timeout("timeout", timeout)
+        if rendezvous_timeout is None:
+            rendezvous_timeout = timeout
+        _check_timeout("rendezvous_timeout", rendezvous_timeout)
+        require_device(device)  # refuses unknown devices; the only path that imports torch_npu
+        self.rank, self.world_size = rank, world_size
+        self.tp_rank, self.tp_size = rank % tp_size, tp_size
+        self.dp_rank, self.dp_size = rank // tp_size, dp_size
+        self.tp_group_ranks = tuple(shard_ranks(tp_size, dp_size)[self.dp_rank])
+        self.dp_group_ranks = tuple(dp_ranks(tp_size, dp_size)[self.tp_rank])
+        self._closed = False
+        with _collective("init_process_group", tuple(range(world_size))):
+            dist.init_process_group(DEVICE_BACKENDS[device], init_method=init_method,
+                                    rank=rank, world_size=world_size,
+                                    timeout=rendezvous_timeout)
+        try:
+            self._tp_group = self._subgroup(shard_ranks(tp_size, dp_size), None, timeout)
+            # G is compared over every rank, not only across DP shards: a TP rank that
+            # decided differently would hang later collectives just the same.
+            self._host_group = self._subgroup([list(range(world_size))], "gloo", timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def _subgroup(self, groups: Sequence[Sequence[int]], backend: str | None,
+                  timeout: datetime.timedelta) -> dist.ProcessGroup | None:
+        """This rank's group among ``groups`` (every rank creates all of them), or None
+        when the groups have one rank each and no collective is needed."""
+        if len(groups[0]) == 1:
+            return None
+        mine: dist.ProcessGroup | None = None
+        with _collective("new_group", tuple(range(self.world_size))):
+            for ranks in groups:
+                group = dist.new_group(list(ranks), timeout=timeout, backend=backend)
+                if self.rank in ranks:
+                    mine = group
+        return mine
+
+    def tp_broadcast(self, tensor: Tensor) -> None:
+        if self._tp_group is None:
+            return
+        with _collective("tp_broadcast", self.tp_group_ranks):
+            dist.broadcast(tensor, src=self.tp_group_ranks[0], group=self._tp_group)
+
+    def dp_agree_rows(self, num_rows: int) -> int:
+        if self._host_group is None:
+            return num_rows
+        mine = torch.tensor([num_rows], dtype=torch.int64)
+        chosen = [torch.empty_like(mine) for _ in range(self.world_size)]
+        with _collective("dp_agree_rows", tuple(range(self.world_size))):
+            dist.all_gather(chosen, mine, group=self._host_group)
+        values = tuple(int(value) for value in torch.cat(chosen).tolist())
+        if len(set(values)) > 1:
+            raise ConsensusMismatch("target graph rows G", values)
+        return num_rows
+
+    def close(self) -> None:
+        """Destroy every process group of this process (there is one default group per
+        process, so this ends all of them)."""
+        if self._closed:
+            return
+        self._closed = True
+        if dist.is_initialized():
+            with _collective("destroy_process_group", tuple(range(self.world_size))):
+                dist.destroy_process_group()
+
+    def __enter__(self) -> "DistributedCollectives":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def open_collectives(*, rank: int = 0, world_size: int = 1, tp_size: int = 1, dp_size: int = 1,
+                     init_method: str | None = None, device: Device = "cpu",
+                     timeout: datetime.timedelta = datetime.timedelta(minutes=10),
+                     rendezvous_timeout: datetime.timedelta | None = None) -> Collectives:
+    """LocalCollectives for a single rank (no rendezvous needed), else DistributedCollectives."""
+    if world_size == 1 and tp_size == 1 and dp_size == 1 and rank == 0:
+        return LocalCollectives()
+    if init_method is None:
+        raise ConfigError("init_method", init_method,
+                          f"expected a rendezvous URL (tcp:// or file://) for {world_size} ranks")
+    return DistributedCollectives(rank=rank, world_size=world_size, tp_size=tp_size,
+                                  dp_size=dp_size, init_method=init_method, device=device,
+                                  timeout=timeout, rendezvous_timeout=rendezvous_timeout)
+

@@ -1,0 +1,112 @@
+"""Commit: from the target token of every verify row, what each request keeps this round.
+
+Row j of a request verified draft position j+1: the drafted token is accepted when the row
+before it produced the same target token (greedy argmax or draw). The accepted run is the
+leading stretch of matches; the target token of the first row past it is committed too, as
+the residual token (a mismatch) or the bonus token (every verified draft matched). Because an
+accepted draft equals its row's target token, the committed tokens are simply the target
+tokens of rows 0 .. accepted: each committed once, none dropped. A stop token or the
+request's remaining token budget inside that run cuts it right after the token concerned.
+
+Everything stays on the device in fixed shapes; the small results reach the host only through
+the retire copy.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from adaspec.runtime.devices.packing import PackedRows
+
+RUNNING = 0
+FINISHED_STOP = 1
+FINISHED_LENGTH = 2
+"""Finish codes in ``CommitResult.finish``: still running, emitted a stop token, or reached
+its remaining-token budget (max_tokens or the context limit)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CommitResult:
+    """What one round commits. Acceptance length (AL) = num_accepted + 1: it counts the
+    residual or bonus token."""
+
+    num_accepted: Tensor  # [Bcap] int64 drafted tokens the target agreed with (before stops)
+    num_emitted: Tensor  # [Bcap] int64 tokens committed; 0 for padding entries
+    token_ids: Tensor  # [Bcap, width + 1] int64 committed tokens, -1 past num_emitted
+    finish: Tensor  # [Bcap] int8 RUNNING, FINISHED_STOP or FINISHED_LENGTH
+    next_anchor_ids: Tensor  # [Bcap] int64 newest committed token (padding: -1)
+    last_rows: Tensor  # [Bcap] int64 packed row whose output produced that token; its hidden
+    #                    state is what the drafter continues from
+    row_committed: Tensor  # [G] bool rows whose following token was committed: their KV and
+    #                        the drafter's context at their position become permanent
+    row_next_token_ids: Tensor  # [G] int64 the committed token after each such row, else -1
+
+
+def accepted_lengths(packed: PackedRows, target_token_ids: Tensor,
+                     draft_token_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """Target tokens on the (entry, offset) grid ``[Bcap, width + 1]`` and the accepted
+    draft count of each entry ``[Bcap]``."""
+    grid_tokens = torch.where(packed.grid_valid, target_token_ids[packed.grid_rows], -1)
+    verified = packed.grid_valid[:, 1:]  # draft position j+1 has a row
+    matches = verified & (grid_tokens[:, :-1] == draft_token_ids)
+    return grid_tokens, torch.cumprod(matches.to(torch.int64), dim=1).sum(dim=1)
+
+
+def stop_cut(tokens: Tensor, stop_token_ids: Tensor) -> Tensor:
+    """[Bcap] tokens to keep so the run ends just after its first stop token (width + 2 when
+    there is none). ``stop_token_ids [Bcap, S]`` is padded with -1, which matches nothing."""
+    hits = (tokens[:, :, None] == stop_token_ids[:, None, :]).any(dim=-1) & (tokens >= 0)
+    offsets = torch.arange(tokens.shape[1], device=tokens.device)
+    no_stop = tokens.shape[1] + 1
+    return torch.where(hits, offsets, no_stop).min(dim=1).values + 1
+
+
+def commit_rows(packed: PackedRows, target_token_ids: Tensor, draft_token_ids: Tensor,
+                stop_token_ids: Tensor, remaining: Tensor, req_valid: Tensor) -> CommitResult:
+    """Commit one round.
+
+    ``target_token_ids [G]`` from ``sample_rows`` (agreed across TP ranks); ``draft_token_ids
+    [Bcap, width]``; ``stop_token_ids [Bcap, S]``; ``remaining [Bcap]`` tokens each entry may
+    still emit (at least 1 for live entries); ``req_valid [Bcap]``.
+    """
+    grid_tokens, num_accepted = accepted_lengths(packed, target_token_ids, draft_token_ids)
+    offsets = torch.arange(grid_tokens.shape[1], device=grid_tokens.device)
+    emitted = offsets[None, :] <= num_accepted[:, None]
+    candidates = torch.where(emitted, grid_tokens, -1)
+    cut = stop_cut(candidates, stop_token_ids)
+    run = num_accepted + 1
+    budget = torch.minimum(run, remaining)
+    num_emitted = torch.where(req_valid, torch.minimum(budget, cut), 0)
+    token_ids = torch.where(offsets[None, :] < num_emitted[:, None], candidates, -1)
+
+    stopped = cut <= budget
+    finish = torch.where(stopped, FINISHED_STOP,
+                         torch.where(num_emitted >= remaining, FINISHED_LENGTH, RUNNING))
+    finish = torch.where(req_valid, finish, RUNNING).to(torch.int8)
+
+    last = (num_emitted - 1).clamp(min=0)
+    next_anchor_ids = torch.where(req_valid, token_ids.gather(1, last[:, None]).squeeze(1), -1)
+    last_rows = packed.grid_rows.gather(1, last[:, None]).squeeze(1)
+
+    rows = packed.rows
+    row_committed = rows.row_valid & (rows.row_offsets < num_emitted[rows.row_reqs])
+    row_next = token_ids[rows.row_reqs, rows.row_offsets.clamp(max=token_ids.shape[1] - 1)]
+    return CommitResult(
+        num_accepted=torch.where(req_valid, num_accepted, 0), num_emitted=num_emitted,
+        token_ids=token_ids, finish=finish, next_anchor_ids=next_anchor_ids,
+        last_rows=last_rows, row_committed=row_committed,
+        row_next_token_ids=torch.where(row_committed, row_next, -1))
+
+
+def publication(packed: PackedRows, result: CommitResult,
+                scratch_slot: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(next_token_ids, positions, slots)``, each ``[G]``, for a drafter that keeps its own
+    context (``MtpDrafter.publish`` with the target's packed hidden states): every committed
+    row publishes its position and the token after it in its request's slot; the other rows
+    (rejected suffix, padding) go to the scratch slot, so the shape never depends on the round.
+    """
+    rows = packed.rows
+    slots = torch.where(result.row_committed, rows.req_slots[rows.row_reqs], scratch_slot)
+    next_ids = result.row_next_token_ids.clamp(min=0)
+    return next_ids, rows.positions, slots

@@ -1,0 +1,244 @@
+"""Device streams: where the round runtime enqueues the device work of each stage.
+
+The runtime enqueues the stages of a round (draft, pack, verify, sample, commit, retire) one
+after another without the host waiting in between; the only host wait is the retirement of
+round n-2. A stream runs work items in submission order and
+reports each one's end as a ``Completion``: an awaitable resolved on the runtime's asyncio loop
+once the device has finished that work, not merely once it was launched.
+
+- cpu: the "device" is one worker thread; work is finished when the function has returned.
+- cuda / npu: a launcher thread runs each item under the stream and records an event after
+  it, so launches run ahead of the device; a waiter thread synchronizes those events in order
+  and only then resolves the completions.
+
+An exception raised by a work item goes into its completion and the stream carries on: the
+failure handler of the round decides what happens next, not the stream. Work whose completion
+was cancelled still runs, since later stages of the round may depend on it.
+"""
+
+import asyncio
+import contextlib
+import queue
+import threading
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
+
+import torch
+
+from adaspec.errors import StreamClosed
+from adaspec.runtime.devices.availability import require_device
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Completion(Generic[T]):
+    """The end of one work item: ``value = await completion`` once the device has finished it.
+
+    The future belongs to the loop the stream was opened with; await it on that loop only.
+    It holds the work's return value, or the exception the work (or the device) raised.
+    """
+
+    future: asyncio.Future[T]
+
+    def __await__(self) -> Generator[Any, None, T]:
+        return self.future.__await__()
+
+    def done(self) -> bool:
+        """Whether the completion has been resolved on the loop (a result, an error, or cancel)."""
+        return self.future.done()
+
+
+class DeviceStream(Protocol):
+    """An in-order queue of device work with completions delivered on an asyncio loop.
+
+    ``enqueue`` is called from the loop's thread and returns at once; work items run in
+    submission order and their completions resolve in that same order. ``close`` drains:
+    it blocks its caller until every item enqueued before it has run, its outcome has been
+    handed to the loop, and the stream's threads have exited; it cancels nothing. It is
+    idempotent, and ``enqueue`` after it raises ``StreamClosed``.
+    """
+
+    device: torch.device
+
+    def enqueue(self, work: Callable[[], T]) -> Completion[T]: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class _Outcome:
+    """What a work item produced: its value, or the error to deliver instead."""
+
+    value: object = None
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Item:
+    work: Callable[[], object]
+    future: asyncio.Future[Any]
+
+
+def _call(work: Callable[[], object]) -> _Outcome:
+    try:
+        return _Outcome(value=work())
+    except StopIteration as error:
+        # A future refuses StopIteration (it would end the awaiting coroutine silently).
+        wrapped = RuntimeError(f"stream work raised StopIteration: {error!r}")
+        wrapped.__cause__ = error
+        return _Outcome(error=wrapped)
+    except Exception as error:
+        return _Outcome(error=error)
+
+
+def _settle(future: asyncio.Future[Any], outcome: _Outcome) -> None:
+    """Runs on the loop's thread, so checking for cancellation here cannot race with it."""
+    if future.cancelled():
+        return
+    if outcome.error is None:
+        future.set_result(outcome.value)
+    else:
+        future.set_exception(outcome.error)
+
+
+class _QueueStream:
+    """The submission side both streams share: a FIFO queue of work, a closed flag, the
+    threads that serve it, and delivery of outcomes to the loop."""
+
+    def __init__(self, device: torch.device, loop: asyncio.AbstractEventLoop) -> None:
+        self.device = device
+        self._loop = loop
+        self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._threads: tuple[threading.Thread, ...] = ()
+
+    def _start(self, serve: dict[str, Callable[[], None]]) -> None:
+        self._threads = tuple(
+            threading.Thread(target=target, name=f"adaspec-{self.device}-{role}", daemon=True)
+            for role, target in serve.items())
+        for thread in self._threads:
+            thread.start()
+
+    def enqueue(self, work: Callable[[], T]) -> Completion[T]:
+        """Queue ``work`` behind everything enqueued so far and return without waiting.
+
+        Call it from the loop's thread: the completion's future belongs to that loop.
+        """
+        # The lock orders this against close(): no item can land behind the stop sentinel.
+        with self._lock:
+            if self._closed:
+                raise StreamClosed(self.device)
+            future: asyncio.Future[T] = self._loop.create_future()
+            self._queue.put(_Item(work, future))
+        return Completion(future)
+
+    def close(self) -> None:
+        """Drain: let every item enqueued so far run and resolve, then join the threads.
+
+        Draining rather than cancelling keeps a round whole: its later stages were enqueued
+        together with the earlier ones and must not be dropped halfway (the runtime's failure
+        handler, not the stream, decides what a round's outcome is).
+        """
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._queue.put(None)
+        for thread in self._threads:
+            # Closing from inside a work item must not join the thread it runs on.
+            if thread is not threading.current_thread():
+                thread.join()
+
+    def _post(self, future: asyncio.Future[Any], outcome: _Outcome) -> None:
+        # A closed loop has nobody left to await the completion: dropping it is correct.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(_settle, future, outcome)
+
+
+class WorkerStream(_QueueStream):
+    """The cpu stream: one daemon worker thread runs the work items in order.
+
+    A completion resolves when its function has returned, which on the cpu is when the
+    work is finished.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(torch.device("cpu"), loop)
+        self._start({"worker": self._serve})
+
+    def _serve(self) -> None:
+        while (item := self._queue.get()) is not None:
+            self._post(item.future, _call(item.work))
+
+
+@dataclass(frozen=True, slots=True)
+class _Launched:
+    """An item whose launches are queued on the device, and the event recorded after them
+    (None when recording it failed; the outcome then carries that error)."""
+
+    future: asyncio.Future[Any]
+    outcome: _Outcome
+    event: Any  # torch.cuda.Event or torch.npu.Event, or None
+
+
+class TorchStream(_QueueStream):
+    """The cuda or npu stream: a launcher thread and a waiter thread around one device stream.
+
+    The launcher runs each item under ``with <torch.cuda|torch.npu>.stream(stream)`` and
+    records an event after it; the item's host code returns as soon as its kernels are
+    queued, so the launcher runs ahead of the device. The waiter synchronizes the events in
+    order and only then resolves each completion, so a value is never seen before the
+    device has produced it. An item that raised still gets its event: whatever it launched
+    before failing has finished by the time its error is delivered.
+
+    Only work on this stream is ordered: a tensor written on another stream (the default one,
+    say) must be synchronized with before work here reads it.
+    """
+
+    def __init__(self, kind: str, loop: asyncio.AbstractEventLoop) -> None:
+        # torch.npu exists only once torch_npu was imported, which require_device has done.
+        self._mod: Any = getattr(torch, kind)
+        super().__init__(torch.device(kind, self._mod.current_device()), loop)
+        self.stream: Any = self._mod.Stream(device=self.device)
+        self._launched: queue.SimpleQueue[_Launched | None] = queue.SimpleQueue()
+        self._start({"launcher": self._launch_all, "waiter": self._wait_all})
+
+    def _launch_all(self) -> None:
+        while (item := self._queue.get()) is not None:
+            with self._mod.stream(self.stream):
+                outcome = _call(item.work)
+                recorded = _call(self._recorded_event)
+            self._launched.put(_Launched(item.future, _first_error(outcome, recorded),
+                                         recorded.value))
+        self._launched.put(None)
+
+    def _recorded_event(self) -> Any:
+        event = self._mod.Event()
+        event.record(self.stream)
+        return event
+
+    def _wait_all(self) -> None:
+        # Events are waited for in launch order, so completions resolve in submission order.
+        while (launched := self._launched.get()) is not None:
+            outcome = launched.outcome
+            if launched.event is not None:
+                outcome = _first_error(outcome, _call(launched.event.synchronize))
+            self._post(launched.future, outcome)
+
+
+def _first_error(outcome: _Outcome, then: _Outcome) -> _Outcome:
+    """The work's own error wins; a later device error replaces only a value."""
+    return outcome if outcome.error is not None or then.error is None else then
+
+
+def open_stream(device: str, loop: asyncio.AbstractEventLoop) -> DeviceStream:
+    """Open the stream of ``--device`` (cpu, cuda or npu) delivering completions on ``loop``.
+
+    Raises ``DeviceUnavailable`` naming ``--device`` when the device cannot be used here.
+    """
+    require_device(device)
+    if device == "cpu":
+        return WorkerStream(loop)
+    return TorchStream(device, loop)

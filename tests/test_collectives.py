@@ -1,0 +1,251 @@
+"""TP ranks leave a broadcast with TP rank 0's values, DP shards agree on G or all raise
+ConsensusMismatch, and a dead or hung peer surfaces as CollectiveError within the timeout.
+
+Multi-rank tests run real gloo ranks (tests/gloo_peer.py), one process each, started together
+and waited on with a hard limit, so a hang fails the test instead of stalling the suite.
+"""
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from gloo_peer import DIED_EXIT_CODE
+
+from adaspec.errors import CollectiveError, ConfigError, DeviceUnavailable
+from adaspec.runtime.devices.collectives import (
+    Collectives,
+    DistributedCollectives,
+    LocalCollectives,
+    backend_reason,
+    dp_ranks,
+    open_collectives,
+    shard_ranks,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+PEER = Path(__file__).with_name("gloo_peer.py")
+PROCESS_LIMIT_S = 120  # generous for importing torch on a loaded CI host; only a hang reaches it
+TIMEOUT_MARGIN_S = 3.0
+
+
+def peer_environment() -> dict[str, str]:
+    """This checkout first on the path; loopback for gloo, which otherwise resolves the host
+    name (unreliable in containers)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    if sys.platform.startswith("linux"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    return env
+
+
+class GlooJob:
+    """The rank processes of one job; leaving the ``with`` block kills any still running.
+
+    Rendezvous gets a long timeout of its own: on a busy host one rank may import torch
+    seconds after the other, which must not count against the collectives' ``timeout_s``.
+    """
+
+    def __init__(self, tmp_path: Path, *, tp_size: int = 1, dp_size: int = 1,
+                 timeout_s: float = 30.0) -> None:
+        self.common = [f"--tp-size={tp_size}", f"--dp-size={dp_size}",
+                       f"--init-method=file://{tmp_path / 'store'}", f"--timeout-s={timeout_s}",
+                       f"--rendezvous-timeout-s={PROCESS_LIMIT_S / 2}"]
+        self.peers: list[subprocess.Popen[str]] = []
+
+    def start(self, scenario: str, rank: int, **options: Any) -> subprocess.Popen[str]:
+        flags = [f"--{name.replace('_', '-')}={json.dumps(value)}"
+                 for name, value in options.items()]
+        peer = subprocess.Popen([sys.executable, str(PEER), scenario, f"--rank={rank}",
+                                 *self.common, *flags], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=peer_environment(), cwd=REPO)
+        self.peers.append(peer)
+        return peer
+
+    def report(self, peer: subprocess.Popen[str], stdin: str = "") -> dict[str, Any]:
+        """The JSON line a rank printed, once it has exited cleanly."""
+        out, err = peer.communicate(input=stdin, timeout=PROCESS_LIMIT_S)
+        assert peer.returncode == 0, err
+        report: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+        return report
+
+    def __enter__(self) -> "GlooJob":
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        for peer in self.peers:
+            if peer.poll() is None:
+                peer.kill()
+            peer.communicate()  # reap it and close its pipes
+
+
+def run_round(tmp_path: Path, tp_size: int, dp_size: int,
+              options: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every rank runs one round's collectives with its own inputs; their reports by rank."""
+    with GlooJob(tmp_path, tp_size=tp_size, dp_size=dp_size) as job:
+        peers = [job.start("round", rank, **rank_options)
+                 for rank, rank_options in enumerate(options)]
+        return [job.report(peer) for peer in peers]
+
+
+CONFIDENCES_RANK_0 = [[0.875, 0.5, 0.25], [0.75, 0.125, 0.0625]]  # [num_reqs, width]
+CONFIDENCES_RANK_1 = [[0.1, 0.2, 0.3], [0.4, 0.6, 0.9]]
+
+
+def test_tp_broadcast_leaves_every_tp_rank_with_tp_rank_0_values(tmp_path: Path) -> None:
+    reports = run_round(tmp_path, tp_size=2, dp_size=1, options=[
+        {"token_ids": [1, 2, 3], "confidences": CONFIDENCES_RANK_0, "rows": 16},
+        {"token_ids": [7, 8, 9], "confidences": CONFIDENCES_RANK_1, "rows": 16},
+    ])
+    assert [(r["tp_rank"], r["dp_rank"]) for r in reports] == [(0, 0), (1, 0)]
+    for report in reports:
+        assert "error" not in report
+        assert report["token_ids"] == [1, 2, 3]
+        assert report["confidences"] == CONFIDENCES_RANK_0
+        assert report["rows"] == 16
+
+
+def test_dp_shards_that_chose_the_same_g_both_get_it(tmp_path: Path) -> None:
+    reports = run_round(tmp_path, tp_size=1, dp_size=2, options=[
+        {"token_ids": [1, 2], "rows": 16}, {"token_ids": [5, 6], "rows": 16}])
+    assert [(r["tp_rank"], r["dp_rank"]) for r in reports] == [(0, 0), (0, 1)]
+    assert [r["rows"] for r in reports] == [16, 16]
+    # Shards share G but not tokens: with one TP rank each, nobody overwrites them.
+    assert [r["token_ids"] for r in reports] == [[1, 2], [5, 6]]
+
+
+def test_dp_shards_that_chose_different_g_all_raise_consensus_mismatch(tmp_path: Path) -> None:
+    reports = run_round(tmp_path, tp_size=1, dp_size=2, options=[{"rows": 16}, {"rows": 32}])
+    for report in reports:
+        assert report["error"] == "ConsensusMismatch"
+        assert report["message"] == "ranks disagree on target graph rows G: [16, 32]"
+        assert "rows" not in report
+
+
+def test_four_ranks_broadcast_within_their_dp_shard_and_agree_across_shards(
+        tmp_path: Path) -> None:
+    reports = run_round(tmp_path, tp_size=2, dp_size=2, options=[
+        {"token_ids": [10 * rank, 10 * rank + 1], "rows": 32} for rank in range(4)])
+    assert [(r["tp_rank"], r["dp_rank"]) for r in reports] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    assert [r["token_ids"] for r in reports] == [[0, 1], [0, 1], [20, 21], [20, 21]]
+    assert [r["rows"] for r in reports] == [32] * 4
+
+
+def test_dead_peer_fails_tp_broadcast_with_collective_error_within_timeout(
+        tmp_path: Path) -> None:
+    timeout_s = 10.0
+    with GlooJob(tmp_path, tp_size=2, timeout_s=timeout_s) as job:
+        survivor = job.start("die", 0, odd_rank=1)
+        dying = job.start("die", 1, odd_rank=1)
+        assert dying.wait(timeout=PROCESS_LIMIT_S) == DIED_EXIT_CODE
+        report = job.report(survivor, stdin="go\n")
+    assert report["error"] == "CollectiveError"
+    assert report["message"].startswith("collective tp_broadcast over ranks [0,1] failed: ")
+    assert report["elapsed_s"] < timeout_s + TIMEOUT_MARGIN_S
+
+
+def test_hung_peer_fails_tp_broadcast_at_the_configured_timeout(tmp_path: Path) -> None:
+    """TP rank 0 never sends; only the (short, real) gloo timeout can end rank 1's wait,
+    and it is the collectives' timeout, not the much longer rendezvous timeout."""
+    timeout_s = 2.0
+    with GlooJob(tmp_path, tp_size=2, timeout_s=timeout_s) as job:
+        hung = job.start("hang", 0, odd_rank=0)
+        waiting = job.start("hang", 1, odd_rank=0)
+        report = job.report(waiting)
+        assert "error" not in job.report(hung)  # released by closing its stdin
+    assert report["error"] == "CollectiveError"
+    assert report["message"].startswith("collective tp_broadcast over ranks [0,1] failed: ")
+    assert "timed out" in report["message"].lower()
+    assert timeout_s * 0.9 <= report["elapsed_s"] < timeout_s + TIMEOUT_MARGIN_S
+
+
+def test_local_collectives_are_one_tp_rank_in_one_dp_shard() -> None:
+    comm: Collectives = LocalCollectives()
+    assert (comm.tp_rank, comm.tp_size, comm.dp_rank, comm.dp_size) == (0, 1, 0, 1)
+    token_ids = torch.tensor([4, 5, 6])
+    comm.tp_broadcast(token_ids)
+    assert token_ids.tolist() == [4, 5, 6]
+    assert comm.dp_agree_rows(48) == 48
+    comm.close()
+    comm.close()
+
+
+def test_open_collectives_needs_no_rendezvous_for_one_rank() -> None:
+    assert isinstance(open_collectives(), LocalCollectives)
+    assert not dist.is_initialized()
+
+
+def test_open_collectives_refuses_several_ranks_without_init_method() -> None:
+    with pytest.raises(ConfigError, match=r"^init_method=null: expected a rendezvous URL"):
+        open_collectives(rank=0, world_size=2, tp_size=2)
+
+
+def test_layout_puts_tp_ranks_of_a_dp_shard_side_by_side() -> None:
+    assert shard_ranks(tp_size=2, dp_size=3) == [[0, 1], [2, 3], [4, 5]]
+    assert dp_ranks(tp_size=2, dp_size=3) == [[0, 2, 4], [1, 3, 5]]
+
+
+VALID: dict[str, Any] = {"rank": 0, "world_size": 4, "tp_size": 2, "dp_size": 2,
+                         "init_method": "nonsense://", "device": "cpu",
+                         "timeout": datetime.timedelta(seconds=5)}
+
+
+@pytest.mark.parametrize(("change", "error", "message"), [
+    ({"world_size": 3}, ConfigError,
+     r"^world_size=3: expected tp_size\*dp_size=4 \(tp_size=2, dp_size=2\)$"),
+    ({"rank": 4}, ConfigError, r"^rank=4: expected 0 <= rank < world_size=4$"),
+    ({"rank": -1}, ConfigError, r"^rank=-1: expected 0 <= rank < world_size=4$"),
+    ({"tp_size": 0, "world_size": 0}, ConfigError, r"^tp_size=0: expected a positive number"),
+    ({"timeout": datetime.timedelta(0)}, ConfigError, r"^timeout=0:00:00: expected a positive"),
+    ({"rendezvous_timeout": datetime.timedelta(seconds=-1)}, ConfigError,
+     r"^rendezvous_timeout=-1 day, 23:59:59: expected a positive duration$"),
+    ({"device": "tpu"}, DeviceUnavailable, r"^--device=tpu: expected one of cpu\|cuda\|npu$"),
+])
+def test_invalid_arguments_are_refused_before_any_rendezvous(
+        change: dict[str, Any], error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        DistributedCollectives(**{**VALID, **change})
+    assert not dist.is_initialized()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a CUDA device")
+def test_cuda_without_a_gpu_is_refused_before_any_rendezvous() -> None:
+    with pytest.raises(DeviceUnavailable, match=r"^--device=cuda: no CUDA device"):
+        DistributedCollectives(**{**VALID, "device": "cuda"})
+
+
+def test_unknown_init_method_is_a_collective_error_of_init_process_group() -> None:
+    with pytest.raises(CollectiveError) as info:
+        DistributedCollectives(**VALID)
+    assert (info.value.op, info.value.group) == ("init_process_group", (0, 1, 2, 3))
+    assert info.value.reason == "No rendezvous handler for nonsense://"
+    assert not dist.is_initialized()
+
+
+def test_rendezvous_timeout_is_a_collective_error_of_init_process_group(tmp_path: Path) -> None:
+    with pytest.raises(CollectiveError, match=r"^collective init_process_group over ranks \[0,1"):
+        DistributedCollectives(rank=0, world_size=2, tp_size=2, dp_size=1,
+                               init_method=f"file://{tmp_path / 'store'}", device="cpu",
+                               timeout=datetime.timedelta(seconds=0.2))
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize(("backend_message", "reason"), [
+    ("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+     "[127.0.0.1]:4242\nException raised from ...", "Connection closed by peer [127.0.0.1]:4242"),
+    ("\n  Wait timeout  \n", "Wait timeout"),
+    ("", "RuntimeError"),
+    ("x" * 300, "x" * 197 + "..."),
+])
+def test_backend_reason_is_one_trimmed_line(backend_message: str, reason: str) -> None:
+    assert backend_reason(RuntimeError(backend_message)) == reason
