@@ -27,7 +27,7 @@ import torch
 
 from adaspec.config.requests import SamplingParams
 from adaspec.runtime.devices import reference
-from adaspec.runtime.devices.allocation import allocate_prefixes, verify_caps
+from adaspec.runtime.devices.allocation import allocate_prefixes, emit_budget, verify_caps
 from adaspec.runtime.devices.commit import commit_rows
 from adaspec.runtime.devices.packing import pack_rows
 from adaspec.runtime.devices.sampling import SamplingTensors, sample_rows
@@ -75,18 +75,20 @@ def make_inputs(num_reqs: int, width: int, mix: str, seed: int) -> Inputs:
 
 def kernel_round(x: Inputs, tensors: SamplingTensors) -> None:
     width = x.drafts.shape[1]
-    caps = verify_caps(width, x.remaining, x.starts, CONTEXT_LIMIT, x.valid)
+    budget = emit_budget(x.remaining, x.starts, CONTEXT_LIMIT)
+    caps = verify_caps(width, budget, x.valid)
     lengths = allocate_prefixes(x.confidences, x.num_rows, caps, x.valid)
     packed = pack_rows(lengths, x.anchors, x.drafts, torch.arange(len(x.params)), x.starts,
                        x.valid, x.num_rows)
     sampled = sample_rows(x.logits, packed.rows.row_reqs, tensors, x.uniforms)
-    commit_rows(packed, sampled, x.drafts, x.stops, x.remaining, x.valid)
+    commit_rows(packed, sampled, x.drafts, x.stops, budget, x.valid)
 
 
 def loop_round(x: Inputs, lists: dict[str, list]) -> None:  # type: ignore[type-arg]
     width = len(lists["drafts"][0])
-    caps = [max(0, min(width, r - 1, CONTEXT_LIMIT - 1 - s))
-            for r, s in zip(lists["remaining"], lists["starts"], strict=True)]
+    budget = [min(r, CONTEXT_LIMIT - 1 - s)
+              for r, s in zip(lists["remaining"], lists["starts"], strict=True)]
+    caps = [max(0, min(width, b - 1)) for b in budget]
     lengths = reference.allocate(lists["confidences"], x.num_rows, caps, lists["valid"])
     packed = reference.pack(lengths, lists["anchors"], lists["drafts"], lists["valid"],
                             x.num_rows)
@@ -94,8 +96,8 @@ def loop_round(x: Inputs, lists: dict[str, list]) -> None:  # type: ignore[type-
     sampled = reference.sample(lists["logits"], [float(p.temperature or 0) for p in per_row],
                                [p.top_k for p in per_row], [p.top_p for p in per_row],
                                [p.min_p for p in per_row], lists["uniforms"])
-    reference.commit(sampled, packed, lengths, lists["drafts"], lists["stops"],
-                     lists["remaining"], lists["valid"])
+    reference.commit(sampled, packed, lengths, lists["drafts"], lists["stops"], budget,
+                     lists["valid"])
 
 
 def as_lists(x: Inputs) -> dict[str, list]:  # type: ignore[type-arg]

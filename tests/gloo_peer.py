@@ -73,11 +73,18 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--confidences", type=json.loads, default=[])
     parser.add_argument("--rows", type=int, default=0)
     parser.add_argument("--odd-rank", type=int, default=-1, help="the rank that dies or hangs")
+    parser.add_argument("--engine-group", type=json.loads, default=False,
+                        help="true: create the default process group before adaspec does")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str]) -> None:
     args = parse(argv)
+    if args.engine_group:
+        # An embedding engine that set torch.distributed up before adaspec.
+        torch.distributed.init_process_group("gloo", init_method=args.init_method,
+                                             rank=args.rank,
+                                             world_size=args.tp_size * args.dp_size)
     comm = DistributedCollectives(rank=args.rank, world_size=args.tp_size * args.dp_size,
                                   tp_size=args.tp_size, dp_size=args.dp_size,
                                   init_method=args.init_method, device="cpu",
@@ -92,6 +99,7 @@ def main(argv: list[str]) -> None:
         report.update(error=type(error).__name__, message=str(error))
     report["elapsed_s"] = time.monotonic() - start
     comm.close()
+    report["default_group_alive"] = torch.distributed.is_initialized()
     print(json.dumps(report), flush=True)
 
 

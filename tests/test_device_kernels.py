@@ -14,7 +14,7 @@ from adaspec.errors import HostReadError
 from adaspec.models import load_reference_models
 from adaspec.models.protocols import VerifyRows
 from adaspec.runtime.devices import reference
-from adaspec.runtime.devices.allocation import allocate_prefixes, verify_caps
+from adaspec.runtime.devices.allocation import allocate_prefixes, emit_budget, verify_caps
 from adaspec.runtime.devices.commit import (
     FINISHED_LENGTH,
     FINISHED_STOP,
@@ -74,11 +74,33 @@ def test_non_finite_confidences_count_as_zero_survival() -> None:
     assert lengths.tolist() == [0, 1]
 
 
-def test_caps_respect_remaining_tokens_and_the_context_limit() -> None:
-    caps = verify_caps(5, remaining=ints([10, 3, 1, 10, 10]),
-                       anchor_positions=ints([0, 0, 0, 1021, 1023]), context_limit=1024,
-                       req_valid=flags([True, True, True, True, False]))
+def test_budget_and_caps_respect_remaining_tokens_and_the_context_limit() -> None:
+    budget = emit_budget(ints([10, 3, 1, 10, 10]), anchor_positions=ints([0, 0, 0, 1020, 1022]),
+                         context_limit=1024)
+    assert budget.tolist() == [10, 3, 1, 3, 1]
+    caps = verify_caps(5, budget, req_valid=flags([True, True, True, True, False]))
     assert caps.tolist() == [5, 2, 0, 2, 0]
+
+
+def test_a_request_at_the_context_limit_finishes_with_length_and_never_leaves_the_cache() -> None:
+    # Anchor at 1020 of 1024: room for tokens at 1021..1023, whatever max_tokens says.
+    budget = emit_budget(ints([10]), anchor_positions=ints([1020]), context_limit=1024)
+    drafts = ints([7, 8, 9, 10, 11]).view(1, 5)
+    caps = verify_caps(5, budget, flags([True]))
+    lengths = allocate_prefixes(torch.ones(1, 5), 6, caps, flags([True]))
+    packed = pack_rows(lengths, ints([1]), drafts, ints([0]), ints([1020]), flags([True]), 6)
+    assert int(packed.rows.positions[packed.rows.row_valid].max()) <= 1023
+    result = commit_rows(packed, ints([7, 8, 4, 0, 0, 0]), drafts, ints([[-1]]), budget,
+                         flags([True]))
+    assert result.token_ids.tolist() == [[7, 8, 4, -1, -1, -1]]  # positions 1021..1023
+    assert result.finish.tolist() == [FINISHED_LENGTH]
+
+
+def test_packing_refuses_a_budget_smaller_than_the_live_requests() -> None:
+    drafts = ints([7, 8, 9]).view(3, 1)
+    with pytest.raises(RuntimeError, match="the verify rows do not fit G=2 rows"):
+        pack_rows(ints([0, 0, 0]), ints([1, 2, 3]), drafts, ints([0, 1, 2]), ints([5, 5, 5]),
+                  flags([True, True, True]), num_rows=2)
 
 
 # --- random cases through all four kernels ------------------------------------------------
@@ -378,6 +400,20 @@ def test_a_whole_round_of_kernels_runs_with_host_reads_forbidden() -> None:
     with forbid_host_reads():
         result = run_kernels(case)
     assert result[3].num_emitted.shape == (len(case.params),)
+
+
+def test_a_whole_round_of_kernels_runs_on_the_meta_device() -> None:
+    """Meta tensors have shapes but no values: any data-dependent shape (a boolean mask,
+    nonzero, a size taken from a tensor) or value read fails here, which the method-name
+    scan and the CPU guard cannot see."""
+    case = random_case(11)
+    meta = Case(**{name: value.to("meta") if isinstance(value, torch.Tensor) else value
+                   for name, value in vars(case).items()})
+    params = SamplingTensors.from_params(case.params, len(case.params), "meta")
+    lengths, packed, sampled, committed = run_kernels(meta, params)
+    assert committed.token_ids.device.type == "meta"
+    assert packed.rows.token_ids.shape == (case.num_rows,)
+    assert committed.token_ids.shape == (len(case.params), case.drafts.shape[1] + 1)
 
 
 def test_the_host_read_guard_catches_reads_and_restores_tensor() -> None:

@@ -39,6 +39,11 @@ def test_legal_rows_keep_anchor_rows_and_stop_at_full_width() -> None:
     assert DRAFT5.full_rows(16) == 96
 
 
+def test_a_geometry_without_full_width_rows_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"lack the full-width rows of request buckets \[2\]"):
+        BucketGeometry(width=3, request_buckets=(1, 2), target_rows=(1, 2, 4))
+
+
 def test_a_batch_beyond_the_largest_bucket_is_refused() -> None:
     with pytest.raises(ValueError, match="B=17 exceeds the largest prepared request bucket 16"):
         DRAFT5.request_bucket(17)
@@ -89,7 +94,7 @@ def test_lookup_falls_back_to_full_width_and_never_prepares_while_serving() -> N
     assert (exact.num_rows, exact.fell_back) == (16, False)
     fallback = registry.lookup(8, 32)
     assert (fallback.num_reqs, fallback.num_rows, fallback.fell_back) == (8, 48, True)
-    assert factory.made == [(8, 16), (8, 48)]
+    assert factory.made == [(8, 48), (8, 16)]  # largest first, nothing since
     with pytest.raises(RuntimeError, match="sealed"):
         registry.prepare([(8, 32)])
     with pytest.raises(GraphBindingMissing, match="width=5 Bcap=4 G=8 nor its full-width"):

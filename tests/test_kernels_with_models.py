@@ -11,8 +11,8 @@ from adaspec.config.requests import SamplingParams
 from adaspec.models import ReferenceModels
 from adaspec.models.quality import encode
 from adaspec.models.report import heldout_excerpt
-from adaspec.runtime.devices.allocation import allocate_prefixes, verify_caps
-from adaspec.runtime.devices.commit import commit_rows, publication
+from adaspec.runtime.devices.allocation import allocate_prefixes, emit_budget, verify_caps
+from adaspec.runtime.devices.commit import RUNNING, commit_rows, publication
 from adaspec.runtime.devices.packing import pack_rows
 from adaspec.runtime.devices.sampling import SamplingTensors, sample_rows
 
@@ -22,7 +22,7 @@ MAX_TOKENS = 40
 
 @pytest.fixture(scope="module")
 def models() -> ReferenceModels:
-    return serving_models(6)
+    return serving_models(8)
 
 
 def draft_block(models: ReferenceModels, drafter: str, hidden: torch.Tensor,
@@ -35,9 +35,15 @@ def draft_block(models: ReferenceModels, drafter: str, hidden: torch.Tensor,
         return block.token_ids, block.confidences
     tokens, probs = [], []
     state, token = hidden, anchors
+    limit = models.target.context_limit
     for step in range(WIDTH):
-        # The first step sits at the position of the row that produced the anchor.
-        out = models.mtp.step(state, token, positions - 1 + step, slots)
+        # The first step sits at the position of the row that produced the anchor. Steps past
+        # the context limit draft tokens that are never verified (the caps see to that), so
+        # they run on the scratch slot instead of writing outside the cache.
+        step_positions = positions - 1 + step
+        inside = step_positions < limit
+        out = models.mtp.step(state, token, step_positions.clamp(max=limit - 1),
+                              torch.where(inside, slots, models.target.num_slots))
         state, token = out.hidden, out.token_ids
         tokens.append(token)
         probs.append(out.probs)
@@ -63,32 +69,33 @@ def decode(models: ReferenceModels, prompts: list[torch.Tensor], slots: list[int
     hidden = prefill.last.hidden
     positions = prefill.lengths.clone()
     outputs = [[token] for token in anchors.tolist()]
-    remaining = torch.full((num,), MAX_TOKENS - 1)
+    remaining = torch.full((num,), MAX_TOKENS - 1)  # the first token came from prefill
+    live = torch.ones(num, dtype=torch.bool)
     params = SamplingTensors.from_params([SamplingParams(temperature=0.0)] * num, num)
     rounds = accepted = 0
-    while bool((remaining > 0).any()):
-        valid = remaining > 0
+    while bool(live.any()):
         drafts, confidences = draft_block(models, drafter, hidden, anchors, positions,
                                           torch.tensor(slots))
-        caps = verify_caps(WIDTH, remaining, positions, target.context_limit, valid)
+        budget = emit_budget(remaining, positions, target.context_limit)
+        caps = verify_caps(WIDTH, budget, live)
         # Half the drafted tokens fit: allocation must choose among them by confidence.
         num_rows = num + (num * WIDTH // 2 if speculate else 0)
-        lengths = allocate_prefixes(confidences, num_rows, caps, valid)
-        packed = pack_rows(lengths, anchors, drafts, torch.tensor(slots), positions,
-                           valid, num_rows)
+        lengths = allocate_prefixes(confidences, num_rows, caps, live)
+        packed = pack_rows(lengths, anchors, drafts, torch.tensor(slots), positions, live,
+                           num_rows)
         out = target.verify(packed.rows)
         sampled = sample_rows(out.logits, packed.rows.row_reqs, params,
                               torch.zeros(num_rows, dtype=torch.float64))
-        result = commit_rows(packed, sampled, drafts, torch.full((num, 1), -1),
-                             remaining, valid)
+        result = commit_rows(packed, sampled, drafts, torch.full((num, 1), -1), budget, live)
         models.mtp.publish(out.hidden, *publication(packed, result, target.num_slots))
         for index, (row, count) in enumerate(zip(result.token_ids.tolist(),
                                                  result.num_emitted.tolist(), strict=True)):
             outputs[index] += row[:count]
-        anchors = torch.where(valid, result.next_anchor_ids, anchors)
-        hidden = torch.where(valid[:, None], out.hidden[result.last_rows], hidden)
+        anchors = torch.where(live, result.next_anchor_ids, anchors)
+        hidden = torch.where(live[:, None], out.hidden[result.last_rows], hidden)
         positions = positions + result.num_emitted
         remaining = remaining - result.num_emitted
+        live = live & (result.finish == RUNNING)
         rounds += 1
         accepted += int(result.num_accepted.sum())
     return outputs, rounds, accepted
@@ -98,12 +105,13 @@ def decode(models: ReferenceModels, prompts: list[torch.Tensor], slots: list[int
 def test_greedy_speculation_through_the_kernels_equals_target_only_greedy(
         models: ReferenceModels, drafter: str) -> None:
     text = heldout_excerpt()["play"].encode()
+    # The last prompt ends 24 positions before the context limit, which ends it early.
     prompts = [encode(text[start:start + length])
-               for start, length in ((0, 40), (900, 300), (2500, 120))]
-    spec, spec_rounds, accepted = decode(models, prompts, [0, 1, 2], True, drafter)
-    plain, plain_rounds, _ = decode(models, prompts, [3, 4, 5], speculate=False)
+               for start, length in ((0, 40), (900, 300), (2500, 120), (100, 1000))]
+    spec, spec_rounds, accepted = decode(models, prompts, [0, 1, 2, 3], True, drafter)
+    plain, plain_rounds, _ = decode(models, prompts, [4, 5, 6, 7], speculate=False)
     assert spec == plain
-    assert all(len(tokens) == MAX_TOKENS for tokens in spec)
+    assert [len(tokens) for tokens in spec] == [MAX_TOKENS] * 3 + [1024 - 1000]
     # Not vacuous: drafts were accepted and speculation needed fewer verify rounds.
     assert accepted > MAX_TOKENS
     assert spec_rounds < plain_rounds

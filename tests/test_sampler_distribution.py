@@ -24,7 +24,7 @@ from scipy.stats import chisquare
 
 from adaspec.config.requests import SamplingParams
 from adaspec.runtime.devices import reference
-from adaspec.runtime.devices.allocation import allocate_prefixes, verify_caps
+from adaspec.runtime.devices.allocation import allocate_prefixes, emit_budget, verify_caps
 from adaspec.runtime.devices.commit import commit_rows
 from adaspec.runtime.devices.packing import pack_rows
 from adaspec.runtime.devices.sampling import SamplingTensors, sample_rows, target_probs
@@ -83,8 +83,8 @@ def decode(models: ToyModels, params: list[SamplingParams], width: int, seed: in
             grid.append(extend(grid[-1], models.draft_tokens[grid[-1]]))
         grid_codes = torch.stack(grid, dim=1)  # [N, width + 1]
         drafts = models.draft_tokens[grid_codes[:, :-1]]
-        remaining = LENGTH - generated
-        caps = verify_caps(width, remaining, generated, 100, live)
+        remaining = emit_budget(LENGTH - generated, generated, 100)
+        caps = verify_caps(width, remaining, live)
         num_live = int(live.sum())
         num_rows = int(torch.randint(num_live, num * (width + 1) + 1, (1,), generator=gen))
         confidences = torch.rand(num, width, generator=gen)

@@ -50,7 +50,9 @@ def _number(value: object) -> bool:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SamplingParams:
     """How one request samples from the target. The distribution is scaled by temperature,
-    then filtered by top-k, top-p and min-p in that order, each with its usual meaning."""
+    then filtered by top-k, top-p and min-p in that order, each with its usual meaning (the
+    order of Hugging Face's logits warpers). vLLM's v1 sampler applies min-p before top-k and
+    top-p, so with top-p and min-p both set the two keep slightly different token sets."""
 
     temperature: float | None = None
     """Zero decodes the target greedily; above zero, the target is sampled. Required with

@@ -17,26 +17,36 @@ import torch
 from torch import Tensor
 
 
-def verify_caps(width: int, remaining: Tensor, anchor_positions: Tensor, context_limit: int,
-                req_valid: Tensor) -> Tensor:
+def emit_budget(remaining: Tensor, anchor_positions: Tensor, context_limit: int) -> Tensor:
+    """[Bcap] int64: the most tokens each batch entry may commit this round.
+
+    ``remaining`` counts the tokens a request may still generate (max_tokens less what it
+    has). A committed token at position p needs p <= context_limit - 1, so an entry whose
+    anchor sits at position a has room for ``context_limit - 1 - a`` more. Passing this
+    budget to both ``verify_caps`` and ``commit_rows`` ends a request at the context limit
+    with a length finish instead of letting its next anchor fall outside the cache.
+    """
+    return torch.minimum(remaining, context_limit - 1 - anchor_positions)
+
+
+def verify_caps(width: int, budget: Tensor, req_valid: Tensor) -> Tensor:
     """[Bcap] int64: the most drafted tokens each batch entry may verify.
 
-    A request with ``remaining`` tokens left to generate emits at most ``remaining`` this
-    round (accepted plus the residual or bonus token), so verifying more than
-    ``remaining - 1`` drafts is wasted work; a verify row at position ``anchor + k`` must
-    exist in the cache, so ``k <= context_limit - 1 - anchor``. Padding entries get 0.
+    An entry with ``budget`` tokens left (``emit_budget``) commits at most that many this
+    round, accepted drafts plus the residual or bonus token, so verifying more than
+    ``budget - 1`` drafts is wasted target work. Padding entries get 0.
     """
-    room = torch.minimum(remaining - 1, context_limit - 1 - anchor_positions)
-    caps = room.clamp(min=0, max=width)
+    caps = (budget - 1).clamp(min=0, max=width)
     return torch.where(req_valid, caps, torch.zeros_like(caps))
 
 
 def prefix_survivals(confidences: Tensor) -> Tensor:
     """[Bcap, width] float64 running products of conditional confidences.
 
-    Float64 keeps products of equal confidences exactly equal across positions and requests,
-    so ties are real ties and are broken by the batch-order rule, not by rounding noise.
-    Non-finite or out-of-range confidences are clamped into [0, 1] so survival never grows.
+    Float64 keeps rounding far below any difference of confidence that matters, and every
+    rank computes the same products from the same (agreed) confidences, so the ranking and its
+    batch-order tie-break are identical everywhere. Non-finite or out-of-range confidences are
+    clamped into [0, 1] so survival never grows along a request.
     """
     clean = torch.nan_to_num(confidences.to(torch.float64), nan=0.0).clamp(0.0, 1.0)
     return torch.cumprod(clean, dim=1)

@@ -29,6 +29,13 @@ class BucketGeometry:
     request_buckets: tuple[int, ...]  # prepared Bcap values, ascending; () when unpadded
     target_rows: tuple[int, ...]  # prepared G values, ascending; () when unpadded
 
+    def __post_init__(self) -> None:
+        # Full width is every bucket's fallback binding; without it a lookup could fail.
+        missing = [b for b in self.request_buckets if self.full_rows(b) not in self.target_rows]
+        if missing:
+            raise ValueError(f"target_rows {list(self.target_rows)} lack the full-width rows "
+                             f"of request buckets {missing} (width {self.width})")
+
     @classmethod
     def of(cls, launch: LaunchConfig) -> "BucketGeometry":
         return cls(width=launch.num_speculative_tokens,
@@ -104,10 +111,12 @@ class BindingRegistry:
         self._sealed = False
 
     def prepare(self, pairs: Iterable[tuple[int, int]]) -> None:
-        """Build (capture or prewarm) the binding of every (Bcap, G) not prepared yet."""
+        """Build (capture or prewarm) the binding of every (Bcap, G) not prepared yet, the
+        largest G first."""
         if self._sealed:
             raise RuntimeError("bindings are prepared at startup only; this registry is sealed")
-        for num_reqs, num_rows in pairs:
+        # Largest first: graphs sharing a memory pool are best captured in decreasing size.
+        for num_reqs, num_rows in sorted(pairs, key=lambda pair: (-pair[1], -pair[0])):
             if num_rows not in self.geometry.legal_rows(num_reqs):
                 raise ValueError(f"(Bcap={num_reqs}, G={num_rows}) is not a legal prepared "
                                  f"shape for width {self.geometry.width}")

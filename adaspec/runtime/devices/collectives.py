@@ -111,7 +111,16 @@ def _check_layout(rank: int, world_size: int, tp_size: int, dp_size: int) -> Non
 
 def _check_timeout(name: str, timeout: datetime.timedelta) -> None:
     if timeout <= datetime.timedelta(0):
-        raise ConfigError(name, timeout, "expected a positive duration")
+        raise ConfigError(name, f"{timeout.total_seconds():g}s", "expected a positive duration")
+
+
+def _check_existing_group(rank: int, world_size: int) -> None:
+    """The engine's default group must be the world this object was told about."""
+    actual = (dist.get_rank(), dist.get_world_size())
+    if actual != (rank, world_size):
+        raise ConfigError("rank, world_size", f"{rank}, {world_size}",
+                          f"expected the existing default process group's {actual[0]}, "
+                          f"{actual[1]}")
 
 
 def shard_ranks(tp_size: int, dp_size: int) -> list[list[int]]:
@@ -156,10 +165,17 @@ class DistributedCollectives:
         self.tp_group_ranks = tuple(shard_ranks(tp_size, dp_size)[self.dp_rank])
         self.dp_group_ranks = tuple(dp_ranks(tp_size, dp_size)[self.tp_rank])
         self._closed = False
-        with _collective("init_process_group", tuple(range(world_size))):
-            dist.init_process_group(DEVICE_BACKENDS[device], init_method=init_method,
-                                    rank=rank, world_size=world_size,
-                                    timeout=rendezvous_timeout)
+        self._groups: list[dist.ProcessGroup] = []
+        # An engine that already runs torch.distributed keeps its default group: we join it
+        # and, on close, destroy only the groups we created.
+        self._owns_default_group = not dist.is_initialized()
+        if self._owns_default_group:
+            with _collective("init_process_group", tuple(range(world_size))):
+                dist.init_process_group(DEVICE_BACKENDS[device], init_method=init_method,
+                                        rank=rank, world_size=world_size,
+                                        timeout=rendezvous_timeout)
+        else:
+            _check_existing_group(rank, world_size)
         try:
             self._tp_group = self._subgroup(shard_ranks(tp_size, dp_size), None, timeout)
             # G is compared over every rank, not only across DP shards: a TP rank that
@@ -181,6 +197,7 @@ class DistributedCollectives:
                 group = dist.new_group(list(ranks), timeout=timeout, backend=backend)
                 if self.rank in ranks:
                     mine = group
+                    self._groups.append(group)
         return mine
 
     def tp_broadcast(self, tensor: Tensor) -> None:
@@ -202,14 +219,19 @@ class DistributedCollectives:
         return num_rows
 
     def close(self) -> None:
-        """Destroy every process group of this process (there is one default group per
-        process, so this ends all of them)."""
+        """Destroy the process groups this object created: all of them when it created the
+        default group, only its own subgroups when it joined an engine's default group."""
         if self._closed:
             return
         self._closed = True
-        if dist.is_initialized():
-            with _collective("destroy_process_group", tuple(range(self.world_size))):
+        if not dist.is_initialized():
+            return
+        with _collective("destroy_process_group", tuple(range(self.world_size))):
+            if self._owns_default_group:
                 dist.destroy_process_group()
+                return
+            for group in self._groups:
+                dist.destroy_process_group(group)
 
     def __enter__(self) -> "DistributedCollectives":
         return self

@@ -6,7 +6,8 @@ leading stretch of matches; the target token of the first row past it is committ
 the residual token (a mismatch) or the bonus token (every verified draft matched). Because an
 accepted draft equals its row's target token, the committed tokens are simply the target
 tokens of rows 0 .. accepted: each committed once, none dropped. A stop token or the
-request's remaining token budget inside that run cuts it right after the token concerned.
+request's token budget (``allocation.emit_budget``: max_tokens and the context limit) inside
+that run cuts it right after the token concerned.
 
 Everything stays on the device in fixed shapes; the small results reach the host only through
 the retire copy.
@@ -23,7 +24,7 @@ RUNNING = 0
 FINISHED_STOP = 1
 FINISHED_LENGTH = 2
 """Finish codes in ``CommitResult.finish``: still running, emitted a stop token, or reached
-its remaining-token budget (max_tokens or the context limit)."""
+its token budget (max_tokens or the context limit)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +38,7 @@ class CommitResult:
     finish: Tensor  # [Bcap] int8 RUNNING, FINISHED_STOP or FINISHED_LENGTH
     next_anchor_ids: Tensor  # [Bcap] int64 newest committed token (padding: -1)
     last_rows: Tensor  # [Bcap] int64 packed row whose output produced that token; its hidden
-    #                    state is what the drafter continues from
+    #                    state is what the drafter continues from (meaningless for padding)
     row_committed: Tensor  # [G] bool rows whose following token was committed: their KV and
     #                        the drafter's context at their position become permanent
     row_next_token_ids: Tensor  # [G] int64 the committed token after each such row, else -1
@@ -54,8 +55,9 @@ def accepted_lengths(packed: PackedRows, target_token_ids: Tensor,
 
 
 def stop_cut(tokens: Tensor, stop_token_ids: Tensor) -> Tensor:
-    """[Bcap] tokens to keep so the run ends just after its first stop token (width + 2 when
-    there is none). ``stop_token_ids [Bcap, S]`` is padded with -1, which matches nothing."""
+    """[Bcap] tokens to keep so the run ends just after its first stop token (more than the
+    run's length when there is none). ``stop_token_ids [Bcap, S]`` is padded with -1, which
+    matches nothing."""
     hits = (tokens[:, :, None] == stop_token_ids[:, None, :]).any(dim=-1) & (tokens >= 0)
     offsets = torch.arange(tokens.shape[1], device=tokens.device)
     no_stop = tokens.shape[1] + 1
@@ -63,26 +65,25 @@ def stop_cut(tokens: Tensor, stop_token_ids: Tensor) -> Tensor:
 
 
 def commit_rows(packed: PackedRows, target_token_ids: Tensor, draft_token_ids: Tensor,
-                stop_token_ids: Tensor, remaining: Tensor, req_valid: Tensor) -> CommitResult:
+                stop_token_ids: Tensor, budget: Tensor, req_valid: Tensor) -> CommitResult:
     """Commit one round.
 
     ``target_token_ids [G]`` from ``sample_rows`` (agreed across TP ranks); ``draft_token_ids
-    [Bcap, width]``; ``stop_token_ids [Bcap, S]``; ``remaining [Bcap]`` tokens each entry may
-    still emit (at least 1 for live entries); ``req_valid [Bcap]``.
+    [Bcap, width]``; ``stop_token_ids [Bcap, S]``; ``budget [Bcap]`` from ``emit_budget``, the
+    tokens each entry may still commit (at least 1 for live entries); ``req_valid [Bcap]``.
     """
     grid_tokens, num_accepted = accepted_lengths(packed, target_token_ids, draft_token_ids)
     offsets = torch.arange(grid_tokens.shape[1], device=grid_tokens.device)
     emitted = offsets[None, :] <= num_accepted[:, None]
     candidates = torch.where(emitted, grid_tokens, -1)
     cut = stop_cut(candidates, stop_token_ids)
-    run = num_accepted + 1
-    budget = torch.minimum(run, remaining)
-    num_emitted = torch.where(req_valid, torch.minimum(budget, cut), 0)
+    allowed = torch.minimum(num_accepted + 1, budget)
+    num_emitted = torch.where(req_valid, torch.minimum(allowed, cut), 0)
     token_ids = torch.where(offsets[None, :] < num_emitted[:, None], candidates, -1)
 
-    stopped = cut <= budget
+    stopped = cut <= allowed
     finish = torch.where(stopped, FINISHED_STOP,
-                         torch.where(num_emitted >= remaining, FINISHED_LENGTH, RUNNING))
+                         torch.where(num_emitted >= budget, FINISHED_LENGTH, RUNNING))
     finish = torch.where(req_valid, finish, RUNNING).to(torch.int8)
 
     last = (num_emitted - 1).clamp(min=0)

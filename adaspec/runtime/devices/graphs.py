@@ -9,6 +9,7 @@ request's KV changes.
 """
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -63,11 +64,13 @@ class CapturedVerify:
     """One bucket's ``verify`` captured as a CUDA graph.
 
     ``__call__`` copies the rows into the captured input buffers and replays; the returned
-    tensors are the graph's output buffers, valid until the next replay of this bucket.
+    tensors are the graph's output buffers, valid until the next replay of a graph sharing
+    its memory ``pool``. Graphs of one pipeline slot share one pool (only one round per slot
+    is in flight), so memory grows with the largest bucket, not with the number of buckets.
     """
 
     def __init__(self, target: TargetModel, num_reqs: int, num_rows: int,
-                 rows_per_req: int) -> None:
+                 rows_per_req: int, pool: Any = None) -> None:
         self.shape = (num_reqs, num_rows, rows_per_req)
         self.inputs = padding_rows(num_reqs, num_rows, rows_per_req, target.num_slots, "cuda")
         side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
@@ -76,7 +79,8 @@ class CapturedVerify:
             target.verify(self.inputs)  # kernels and workspaces exist before capture
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        # ``pool`` is an opaque handle from torch.cuda.graph_pool_handle().
+        with torch.cuda.graph(self.graph, pool=pool):
             self.outputs = target.verify(self.inputs)
 
     def __call__(self, rows: VerifyRows) -> TargetOutput:
@@ -90,13 +94,15 @@ class CapturedVerify:
 
 def binding_factory(target: TargetModel, width: int, device: str
                     ) -> Callable[[int, int], Callable[[VerifyRows], TargetOutput]]:
-    """How a ``BindingRegistry`` prepares a (Bcap, G) binding on ``device``: a CUDA graph on
-    cuda, a prewarmed eager call on the CPU. ACL graph capture on an NPU is not built yet;
-    asking for it fails here, at startup, rather than silently running eager."""
+    """How one slot's ``BindingRegistry`` prepares a (Bcap, G) binding on ``device``: a CUDA
+    graph in the slot's shared memory pool on cuda, a prewarmed eager call on the CPU. ACL
+    graph capture on an NPU is not built yet; asking for it fails here, at startup, rather
+    than silently running eager."""
     rows_per_req = width + 1
     if device == "cuda":
+        pool = torch.cuda.graph_pool_handle()
         return lambda num_reqs, num_rows: CapturedVerify(target, num_reqs, num_rows,
-                                                         rows_per_req)
+                                                         rows_per_req, pool)
     if device == "cpu":
         return lambda num_reqs, num_rows: EagerBinding(target, num_reqs, num_rows,
                                                        rows_per_req, device)

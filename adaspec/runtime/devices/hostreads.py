@@ -5,8 +5,10 @@ host waiting on device values; the only such wait is the retire copy of round n-
 torch's sync debug mode reports every synchronising call. On the CPU nothing synchronises,
 so the guard patches the ``Tensor`` methods that turn tensor values into Python values
 (``item``, ``tolist``, ``numpy``, truth and number conversions): code that calls them would
-stall a GPU stream. The patch is process-wide while the block runs, so use it in tests or
-single-threaded debugging only.
+stall a GPU stream. It does not see data-dependent shapes (a boolean-mask index,
+``nonzero``, a size taken from a tensor), which sync a GPU too; running the stage on torch's
+``meta`` device catches those. The patch is process-wide while the block runs, so use it in
+tests or single-threaded debugging only.
 """
 
 from collections.abc import Callable, Iterator

@@ -21,7 +21,7 @@ class PackedRows:
 
     rows: VerifyRows  # what the target verifies: [G] rows over Bcap batch entries
     verify_lengths: Tensor  # [Bcap] int64 drafted tokens each entry verifies
-    num_rows: Tensor  # [Bcap] int64 rows of each entry: 1 + verify length, 0 for padding
+    num_entry_rows: Tensor  # [Bcap] int64 rows of each entry: 1 + verify length, 0 for padding
     cu_num_rows: Tensor  # [Bcap + 1] int64 first row of each entry; cu_num_rows[-1] = used rows
     grid_rows: Tensor  # [Bcap, width + 1] int64 packed row of (entry, offset); clamped
     grid_valid: Tensor  # [Bcap, width + 1] bool whether that (entry, offset) has a row
@@ -51,6 +51,12 @@ def pack_rows(verify_lengths: Tensor, anchor_token_ids: Tensor, draft_token_ids:
     entry_rows = torch.where(req_valid, lengths + 1, torch.zeros_like(lengths))
     cu_num_rows = torch.zeros(num_reqs + 1, dtype=torch.int64, device=device)
     cu_num_rows[1:] = torch.cumsum(entry_rows, dim=0)
+    # Rows past G would be dropped and their requests would commit a neighbour's tokens.
+    # The host picks G from legal tiers (G >= Bcap), so this only fires on a caller bug; the
+    # check is asynchronous on an accelerator and never waits for the device.
+    torch._assert_async(cu_num_rows[-1] <= num_rows,
+                        f"pack_rows: the verify rows do not fit G={num_rows} rows (G must be "
+                        "at least the live requests, and lengths come from allocate_prefixes)")
 
     row = torch.arange(num_rows, device=device)
     # Entry i owns rows cu[i] .. cu[i+1]-1: the first entry whose end lies beyond the row.
@@ -70,6 +76,6 @@ def pack_rows(verify_lengths: Tensor, anchor_token_ids: Tensor, draft_token_ids:
     rows = VerifyRows(token_ids=token_ids, row_reqs=row_reqs, row_offsets=row_offsets,
                       row_valid=row_valid, req_slots=req_slots, req_starts=anchor_positions,
                       rows_per_req=width + 1)
-    return PackedRows(rows=rows, verify_lengths=lengths, num_rows=entry_rows,
+    return PackedRows(rows=rows, verify_lengths=lengths, num_entry_rows=entry_rows,
                       cu_num_rows=cu_num_rows, grid_rows=grid_rows, grid_valid=grid_valid,
                       draft_indices=draft_indices)

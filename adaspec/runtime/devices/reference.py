@@ -79,10 +79,11 @@ def filtered_distribution(logits: Sequence[float], temperature: float, top_k: in
     weights = [math.exp(scaled[i] - peak) for i in kept]
     total = math.fsum(weights)
     probs = [w / total for w in weights]
+    floor = math.log(min_p) if min_p > 0 else -math.inf
     result: list[tuple[int, float]] = []
     ahead = 0.0
     for i, p in zip(kept, probs, strict=True):
-        if (ahead < top_p or top_p >= 1.0) and p >= min_p * probs[0] and p > 0:
+        if (ahead < top_p or top_p >= 1.0) and scaled[i] - peak >= floor and p > 0:
             result.append((order[i], p))
         ahead += p
     return result
@@ -115,12 +116,12 @@ def sample(logits: Sequence[Sequence[float]], temperature: Sequence[float],
 class Committed:
     num_accepted: list[int]
     token_ids: list[list[int]]
-    finish: list[int]  # 0 running, 1 stop token, 2 remaining budget reached
+    finish: list[int]  # 0 running, 1 stop token, 2 token budget reached
 
 
 def commit(target_token_ids: Sequence[int], packed: Packed, verify_lengths: Sequence[int],
            draft_token_ids: Sequence[Sequence[int]], stop_token_ids: Sequence[Sequence[int]],
-           remaining: Sequence[int], req_valid: Sequence[bool]) -> Committed:
+           budget: Sequence[int], req_valid: Sequence[bool]) -> Committed:
     accepted_counts: list[int] = []
     committed: list[list[int]] = []
     finish: list[int] = []
@@ -142,7 +143,7 @@ def commit(target_token_ids: Sequence[int], packed: Packed, verify_lengths: Sequ
             if tokens[-1] in stop_token_ids[req]:
                 reason = 1
                 break
-            if len(tokens) == remaining[req]:
+            if len(tokens) == budget[req]:
                 reason = 2
                 break
         accepted_counts.append(accepted)

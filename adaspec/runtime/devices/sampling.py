@@ -56,6 +56,14 @@ class SamplingTensors:
         )
 
 
+def sampling_dtype(device: torch.device) -> torch.dtype:
+    """Float64 on the CPU, where vocabularies here are small and the kernels are compared with
+    plain-Python float references; float32 on accelerators, where a float64 copy of
+    ``[G, vocab]`` logits for a 150k vocabulary would cost gigabytes and NPUs lack fast
+    float64. Either way the kept set stays a prefix, so a removed token is never drawn."""
+    return torch.float64 if device.type == "cpu" else torch.float32
+
+
 def sorted_filtered_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor,
                           min_p: Tensor) -> tuple[Tensor, Tensor]:
     """Unnormalised kept probabilities in descending order ``[N, V]`` and the token order.
@@ -64,8 +72,10 @@ def sorted_filtered_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, to
     (its target token is the argmax and never uses these probabilities).
     """
     vocab = logits.shape[-1]
-    scale = torch.where(temperature > 0, temperature, 1.0)
-    scaled = logits.to(torch.float64) / scale[:, None]
+    dtype = sampling_dtype(logits.device)
+    scale = torch.where(temperature > 0, temperature, 1.0).to(dtype)
+    top_p, min_p = top_p.to(dtype), min_p.to(dtype)
+    scaled = logits.to(dtype) / scale[:, None]
     # A stable sort orders equal logits by token id, so filter boundaries among ties do
     # not depend on the sort implementation.
     sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
@@ -73,11 +83,16 @@ def sorted_filtered_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, to
     kth = sorted_logits.gather(1, (k - 1)[:, None])
     keep = sorted_logits >= kth  # ties with the k-th logit stay, as in the usual top-k
     probs = torch.softmax(sorted_logits.masked_fill(~keep, -torch.inf), dim=-1)
-    before = torch.cumsum(probs, dim=-1) - probs  # mass strictly ahead of each token
+    # Mass strictly ahead of each token: the inclusive sum shifted by one, not "sum - p",
+    # which rounds differently at the boundary.
+    cumulative = torch.cumsum(probs, dim=-1)
+    before = torch.cat([torch.zeros_like(cumulative[:, :1]), cumulative[:, :-1]], dim=-1)
     # The smallest prefix whose mass reaches top_p; top_p = 1 is off outright, so rounding
     # of a cumulative sum near 1 cannot drop tail tokens.
     keep &= (before < top_p[:, None]) | (top_p[:, None] >= 1.0)
-    keep &= probs >= min_p[:, None] * probs[:, :1]  # relative to the most likely token
+    # min-p relative to the most likely token, compared as a logit difference: exact for the
+    # ratio, and independent of how the softmax rounded.
+    keep &= sorted_logits - sorted_logits[:, :1] >= torch.log(min_p)[:, None]
     keep &= probs > 0
     return torch.where(keep, probs, 0.0), order
 
