@@ -1,0 +1,127 @@
+"""What a policy sees and decides: the contexts of the two decisions of a round, the feedback
+of a retired round, and the two policy protocols.
+
+Policies are pure and replayable: they run on host values only (no torch, no runtime), see
+feedback retired through round n-2 when they decide round n, and never read a clock. Given the
+same sequence of ``observe`` and ``decide`` calls a policy makes the same decisions, which is
+what ``adaspec replay`` checks.
+"""
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoundFeedback:
+    """What one retired round tells the policies. Per-request fields are in batch order.
+
+    Acceptance length (AL) of a request = its ``num_accepted`` + 1: it counts the residual or
+    bonus token. Positions past a request's verify length were not verified: they say nothing
+    about acceptance (censoring), which is why ``verify_lengths`` travels with the counts.
+    """
+
+    round: int
+    num_reqs: int  # B: live requests in the round
+    num_reqs_bucket: int  # Bcap: the physical request bucket
+    width: int  # w: drafted tokens per request (MTP: depth d, padded to w)
+    depth: int  # d: sequential draft steps run (w for DSpark and fixed MTP)
+    num_rows: int  # G: padded target rows verified
+    verify_lengths: tuple[int, ...]  # [B] drafted tokens verified per request
+    num_accepted: tuple[int, ...]  # [B] drafted tokens accepted per request
+    confidences: tuple[tuple[float, ...], ...] = ()  # [B, w] conditional confidences, if any
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "RoundFeedback":
+        """Rebuild from ``as_dict`` output (JSON lists become tuples again)."""
+        return cls(round=data["round"], num_reqs=data["num_reqs"],
+                   num_reqs_bucket=data["num_reqs_bucket"], width=data["width"],
+                   depth=data["depth"], num_rows=data["num_rows"],
+                   verify_lengths=tuple(data["verify_lengths"]),
+                   num_accepted=tuple(data["num_accepted"]),
+                   confidences=tuple(tuple(row) for row in data["confidences"]))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DepthContext:
+    """Inputs of the draft-depth decision of round ``round``."""
+
+    round: int
+    num_reqs: int  # B
+    num_reqs_bucket: int  # Bcap
+    width: int  # w: the largest depth
+    retired_through: int  # newest round whose feedback was observed (-1: none yet)
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BudgetContext:
+    """Inputs of the verification-budget decision of round ``round``."""
+
+    round: int
+    num_reqs: int  # B
+    num_reqs_bucket: int  # Bcap
+    width: int  # w
+    depth: int  # d chosen for this round: at most B * (d + 1) rows are useful
+    tiers: tuple[int, ...]  # legal padded target rows G for this bucket, ascending
+    retired_through: int  # newest round whose feedback was observed (-1: none yet)
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyStatistics:
+    """A frozen snapshot of a policy's counters."""
+
+    name: str
+    decisions: int
+    observed: int
+    values: Mapping[str, object] = field(default_factory=dict)
+
+
+@runtime_checkable
+class DepthPolicy(Protocol):
+    """Chooses the draft depth d (1..w) of a round before its draft stage."""
+
+    name: str
+
+    def decide(self, context: DepthContext) -> int: ...
+
+    def observe(self, feedback: RoundFeedback) -> None: ...
+
+    def statistics(self) -> PolicyStatistics: ...
+
+    def settings(self) -> dict[str, object]:
+        """What rebuilds this policy for replay (recorded in the event log header)."""
+        ...
+
+
+@runtime_checkable
+class BudgetPolicy(Protocol):
+    """Chooses the padded target rows G of a round, among ``context.tiers``."""
+
+    name: str
+
+    def decide(self, context: BudgetContext) -> int: ...
+
+    def observe(self, feedback: RoundFeedback) -> None: ...
+
+    def statistics(self) -> PolicyStatistics: ...
+
+    def settings(self) -> dict[str, object]: ...
+
+
+def covering_rows(context: BudgetContext, depth: int) -> int:
+    """The smallest legal G that verifies every drafted token of every request: B * (d + 1)
+    rows rounded up to a tier (the largest tier when none covers it)."""
+    need = context.num_reqs * (depth + 1)
+    for rows in context.tiers:
+        if rows >= need:
+            return rows
+    return context.tiers[-1]
