@@ -23,6 +23,9 @@ USAGE = """usage: adaspec COMMAND [FLAGS]
 commands:
   config    check a launch line and print its effective configuration as JSON
   models    identities, sizes and measured quality of the built-in reference models
+  generate  decode prompts with the built-in models (speculative or target alone)
+  states    the round state graph (--diagram prints it as mermaid)
+  replay    re-run the policies of a recorded event log and report the first divergence
 
 adaspec COMMAND --help shows a command's flags; adaspec --version prints the version."""
 
@@ -85,8 +88,34 @@ def run_models(argv: Sequence[str]) -> int:
     return 0
 
 
-COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {"config": run_config,
-                                                       "models": run_models}
+def run_generate(argv: Sequence[str]) -> int:
+    from adaspec.runtime.generate import run_generate as generate  # deferred: loads torch
+
+    return generate(argv)
+
+
+def run_states(argv: Sequence[str]) -> int:
+    if list(argv) in (["-h"], ["--help"]):
+        print("usage: adaspec states --diagram\n\n  --diagram  print the round state graph "
+              "as a mermaid stateDiagram")
+        return 0
+    if list(argv) != ["--diagram"]:
+        raise ConfigError("adaspec states", " ".join(argv) or MISSING, "expected --diagram")
+    from adaspec.runtime.states import mermaid
+
+    print(mermaid())
+    return 0
+
+
+def run_replay(argv: Sequence[str]) -> int:
+    from adaspec.runtime.events.replay import main as replay
+
+    return replay(list(argv))
+
+
+COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
+    "config": run_config, "models": run_models, "generate": run_generate,
+    "states": run_states, "replay": run_replay}
 
 
 def run(argv: Sequence[str]) -> int:

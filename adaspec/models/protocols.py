@@ -125,12 +125,31 @@ class CheckpointInfo(Protocol):
 
 @runtime_checkable
 class TargetModel(CheckpointInfo, Protocol):
-    vocab_size: int
-    hidden_size: int
-    context_limit: int
-    """Positions 0 .. context_limit-1 can be held per request."""
-    num_slots: int
-    """Requests whose KV fits at once; slot ``num_slots`` is a scratch slot for padding."""
+    # Read-only properties: a model may compute them from its configuration.
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def hidden_size(self) -> int: ...
+
+    @property
+    def context_limit(self) -> int:
+        """Positions 0 .. context_limit-1 can be held per request."""
+        ...
+
+    @property
+    def num_slots(self) -> int:
+        """Requests whose KV fits at once; slot ``num_slots`` is a scratch slot for padding."""
+        ...
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Dtype of the hidden states ``verify`` returns."""
+        ...
+
+    def allocate(self, num_slots: int) -> None:
+        """(Re)allocate the KV cache for ``num_slots`` concurrent requests."""
+        ...
 
     def prefill(self, prompts: list[Tensor], slots: Tensor) -> PrefillOutput:
         """Process whole prompts (``[T_i]`` int64 each) into the KV slots ``slots [B]``."""
@@ -144,6 +163,10 @@ class TargetModel(CheckpointInfo, Protocol):
 @runtime_checkable
 class MtpDrafter(CheckpointInfo, Protocol):
     """A multi-token-prediction head drafting one token per sequential step."""
+
+    def allocate(self, num_slots: int) -> None:
+        """(Re)allocate the drafter's own KV context for ``num_slots`` requests."""
+        ...
 
     def publish(self, hidden: Tensor, next_token_ids: Tensor, positions: Tensor,
                 slots: Tensor) -> None:
@@ -162,7 +185,8 @@ class MtpDrafter(CheckpointInfo, Protocol):
 class DSparkDrafter(CheckpointInfo, Protocol):
     """A parallel block drafter with a Markov head and a confidence head."""
 
-    max_width: int
+    @property
+    def max_width(self) -> int: ...
 
     def draft(self, hidden: Tensor, token_ids: Tensor, width: int) -> DSparkBlock:
         """Draft ``width`` tokens after ``token_ids [N]`` from the target's ``hidden [N, d]``."""

@@ -134,6 +134,10 @@ class ReferenceTarget(nn.Module):
     def num_slots(self) -> int:
         return 0 if self.cache is None else self.cache.num_slots
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
     def logits(self, hidden: Tensor) -> Tensor:
         """Output head, tied to the input embedding."""
         return F.linear(self.norm(hidden), self.embed.weight)

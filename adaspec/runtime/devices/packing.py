@@ -67,8 +67,10 @@ def pack_rows(verify_lengths: Tensor, anchor_token_ids: Tensor, draft_token_ids:
 
     is_draft = row_valid & (row_offsets > 0)
     draft_indices = torch.where(is_draft, row_reqs * width + row_offsets - 1, -1)
-    drafted = draft_token_ids.flatten()[draft_indices.clamp(min=0)]
-    token_ids = torch.where(is_draft, drafted, anchor_token_ids[row_reqs])
+    token_ids = anchor_token_ids[row_reqs]
+    if width:  # without speculation (width 0) every row is an anchor row
+        drafted = draft_token_ids.flatten()[draft_indices.clamp(min=0)]
+        token_ids = torch.where(is_draft, drafted, token_ids)
 
     offsets = torch.arange(width + 1, device=device)
     grid_valid = offsets[None, :] < entry_rows[:, None]

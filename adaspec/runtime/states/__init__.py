@@ -1,1 +1,43 @@
-"""The round state machine (declared once on transitions) and its state handlers."""
+"""The round state machine: one declaration on transitions, run from a table derived from it."""
+
+from adaspec.runtime.states.graph import (
+    INITIAL_STATE,
+    NUM_SLOTS,
+    ROUND_GRAPH,
+    TERMINAL_STATES,
+    TRIGGERS,
+    InvalidTransition,
+    RoundHook,
+    RoundHooks,
+    RoundState,
+    RoundStates,
+    StateGraph,
+    StateGraphError,
+    StateSpec,
+    TransitionSpec,
+    allowed_triggers,
+    build_machine,
+    mermaid,
+    validate,
+)
+
+__all__ = [
+    "INITIAL_STATE",
+    "NUM_SLOTS",
+    "ROUND_GRAPH",
+    "TERMINAL_STATES",
+    "TRIGGERS",
+    "InvalidTransition",
+    "RoundHook",
+    "RoundHooks",
+    "RoundState",
+    "RoundStates",
+    "StateGraph",
+    "StateGraphError",
+    "StateSpec",
+    "TransitionSpec",
+    "allowed_triggers",
+    "build_machine",
+    "mermaid",
+    "validate",
+]

@@ -1,0 +1,255 @@
+"""The runtime an engine embeds: ``await start()``, ``submit`` requests and stream their
+tokens, ``statistics()``, ``await stop()``.
+
+Start loads and places the models, allocates KV slots, prepares every graph binding on the
+device stream, and opens the event bus, the event log and the state trace; the round loop
+itself is ``adaspec.runtime.pipeline``.
+"""
+
+import asyncio
+import functools
+import itertools
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from adaspec.config.effective import EffectiveConfig
+from adaspec.config.requests import SamplingParams, check_request
+from adaspec.errors import ConfigError, InvalidRequest
+from adaspec.models.checkpoint import ReferenceModels, load_reference_models
+from adaspec.policies.base import BudgetPolicy, DepthPolicy
+from adaspec.policies.registry import make_budget_policy, make_depth_policy
+from adaspec.runtime.devices.buckets import BindingRegistry, BucketGeometry
+from adaspec.runtime.devices.collectives import Collectives, LocalCollectives
+from adaspec.runtime.devices.graphs import binding_factory
+from adaspec.runtime.devices.streams import DeviceStream, open_stream
+from adaspec.runtime.drafting import Drafting, DSparkDrafting, MtpDrafting, NoDrafting
+from adaspec.runtime.events.bus import EventBus
+from adaspec.runtime.events.clock import Clock, MonotonicClock
+from adaspec.runtime.events.types import RequestArrived
+from adaspec.runtime.pipeline import Pipeline, RuntimeStatistics
+from adaspec.runtime.requests import Request, RequestHandle
+from adaspec.runtime.rounds import DeviceContext, StageHook
+from adaspec.runtime.slots import SlotStates
+from adaspec.runtime.states import RoundHooks
+from adaspec.runtime.trace import StateTrace
+
+TRACE_ENV = "ADASPEC_TRACE"
+"""Environment variable naming a state-trace file when ``RuntimeOptions.trace`` is unset."""
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeOptions:
+    """Runtime settings that are not launch flags."""
+
+    seed: int = 0
+    """Seeds every random draw (per round and per prefill), so a run replays exactly."""
+    event_log: str | None = None
+    """Write the event log (JSON lines) here; the file must not exist."""
+    trace: str | None = None
+    """Write the state trace (one JSON line per transition) here; off when None and
+    ``ADASPEC_TRACE`` is unset."""
+    clock: Clock | None = None
+    """Time source of events and the trace (a virtual clock in tests)."""
+    stage_hook: StageHook | None = None
+    """Called as each stage's device work starts (fault injection in tests)."""
+    depth_policy: DepthPolicy | None = None
+    """Replaces the configured draft-depth policy (counterfactual runs, tests)."""
+    budget_policy: BudgetPolicy | None = None
+    """Replaces the configured budget policy."""
+
+
+class RuntimeStopped(RuntimeError):
+    """The runtime is not running (not started, stopping, or stopped after a fault)."""
+
+
+class Runtime:
+    """Adaptive speculative decoding for one rank."""
+
+    def __init__(self, config: EffectiveConfig, *, models: ReferenceModels | None = None,
+                 options: RuntimeOptions | None = None,
+                 collectives: Collectives | None = None) -> None:
+        self.config = config
+        self.launch = config.launch
+        self.options = options or RuntimeOptions()
+        self.clock: Clock = self.options.clock or MonotonicClock()
+        self.bus = EventBus()
+        self.hooks = RoundHooks()
+        self._models = models
+        self._collectives = collectives or LocalCollectives()
+        self._ids = itertools.count()
+        self._requests: dict[int, Request] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._stream: DeviceStream | None = None
+        self._pipeline: Pipeline | None = None
+        self._closers: list[Any] = []
+
+    # --- lifecycle -----------------------------------------------------------------------
+    async def start(self) -> None:
+        """Load and place the models, prepare every graph binding, start the round loop."""
+        launch = self.launch
+        if launch.world_size != 1:
+            raise ConfigError("--nnodes", launch.nnodes,
+                              "expected 1: this runtime drives one rank per process; start "
+                              "one process per rank")
+        device = torch.device(launch.device)
+        self._stream = open_stream(launch.device, asyncio.get_running_loop())
+        models = self._models or load_reference_models(device)
+        ctx = self._device_context(models, device)
+        geometry = BucketGeometry.of(launch)
+        registries = await self._prepare_bindings(models, geometry)
+        self._open_observers()
+        self._pipeline = Pipeline(
+            launch=launch, ctx=ctx, stream=self._stream, geometry=geometry,
+            registries=registries, depth_policy=self._depth_policy(),
+            budget_policy=self._budget_policy(), bus=self.bus, clock=self.clock,
+            hooks=self.hooks, seed=self.options.seed)
+        self._task = asyncio.get_running_loop().create_task(self._pipeline.run())
+
+    def _device_context(self, models: ReferenceModels, device: torch.device) -> DeviceContext:
+        launch = self.launch
+        # A finished request's KV slot is reused only after the rounds in flight retire.
+        num_slots = 2 * launch.max_seqs_per_batch
+        target = models.target
+        target.allocate(num_slots)
+        drafting: Drafting = NoDrafting()
+        if launch.speculative_algorithm == "MTP":
+            models.mtp.allocate(num_slots)
+            drafting = MtpDrafting(models.mtp, launch.num_speculative_tokens,
+                                   target.context_limit, num_slots)
+        elif launch.speculative_algorithm == "DSpark":
+            drafting = DSparkDrafting(models.dspark, launch.num_speculative_tokens)
+        states = SlotStates.allocate(num_slots, target.hidden_size, target.dtype, device)
+        return DeviceContext(target=target, drafting=drafting, collectives=self._collectives,
+                             states=states, device=device, stage_hook=self.options.stage_hook)
+
+    async def _prepare_bindings(self, models: ReferenceModels, geometry: BucketGeometry
+                                ) -> list[BindingRegistry] | None:
+        """One registry per pipeline slot, prepared on the device stream before ready."""
+        launch = self.launch
+        if not launch.enable_graph:
+            return None
+        assert self._stream is not None
+        pairs = geometry.planned_bindings(adaptive=adaptive_budget(launch),
+                                          unified=launch.enable_unified_mtp_graph)
+        make = binding_factory(models.target, launch.num_speculative_tokens, launch.device)
+        registries = []
+        for _ in range(2 if launch.enable_schedule_overlap else 1):
+            registry = BindingRegistry(geometry, make)
+            await self._stream.enqueue(functools.partial(registry.prepare, pairs))
+            registry.seal()
+            registries.append(registry)
+        return registries
+
+    def _open_observers(self) -> None:
+        """Event log and state trace, each only when asked for."""
+        if self.options.event_log is not None:
+            from adaspec.runtime.events.log import EventLogWriter
+
+            writer = EventLogWriter(self.options.event_log, self._log_header())
+            self.bus.subscribe(writer.write)
+            self._closers.append(writer)
+        trace_path = self.options.trace or os.environ.get(TRACE_ENV)
+        if trace_path:
+            trace = StateTrace.to_file(trace_path, self.clock)
+            self.hooks.on_transition(trace.hook)
+            self.bus.subscribe(trace.observe)
+            self._closers.append(trace)
+
+    def _log_header(self) -> dict[str, object]:
+        depth, budget = self._depth_policy(), self._budget_policy()
+        return {"config": self.config.as_dict(), "cost_table": None,
+                "seeds": {"run": self.options.seed},
+                "policies": {"depth": {"name": depth.name, "settings": depth.settings()},
+                             "budget": {"name": budget.name, "settings": budget.settings()}}}
+
+    def _depth_policy(self) -> DepthPolicy:
+        return self.options.depth_policy or make_depth_policy("fixed", {})
+
+    def _budget_policy(self) -> BudgetPolicy:
+        return self.options.budget_policy or make_budget_policy("full", {})
+
+    async def stop(self) -> None:
+        """Finish every submitted request, retire every round, release the stream and files."""
+        if self._pipeline is not None:
+            self._pipeline.stop()
+        if self._task is not None:
+            task, self._task = self._task, None
+            await task
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+        for closer in self._closers:
+            closer.close()
+        self._closers.clear()
+
+    # --- requests ------------------------------------------------------------------------
+    def submit(self, prompt: Sequence[int], params: SamplingParams) -> RequestHandle:
+        """Queue a request. Refused before execution, with a one-line error naming the field,
+        when the launch cannot decode it exactly or the prompt does not fit."""
+        pipeline = self._running()
+        check_request(params, self.launch)
+        self._check_prompt(pipeline, prompt)
+        request = Request(id=next(self._ids), prompt=tuple(prompt), params=params)
+        self._requests[request.id] = request
+        self.bus.publish(RequestArrived(time=self.clock.now(), request_id=request.id,
+                                        num_prompt_tokens=len(prompt),
+                                        sampling=params_dict(params)))
+        pipeline.add(request)
+        return RequestHandle(request, self.cancel)
+
+    def _running(self) -> Pipeline:
+        pipeline = self._pipeline
+        if pipeline is None or self._task is None or pipeline.stopping:
+            raise RuntimeStopped("the runtime is not running: await start() first, and do "
+                                 "not submit after stop()")
+        if pipeline.fault is not None:
+            raise RuntimeStopped(f"the runtime stopped after an internal error: "
+                                 f"{pipeline.fault}")
+        return pipeline
+
+    @staticmethod
+    def _check_prompt(pipeline: Pipeline, prompt: Sequence[int]) -> None:
+        target = pipeline.ctx.target
+        limit = target.context_limit - 1
+        if not 1 <= len(prompt) <= limit:
+            raise InvalidRequest("prompt", f"{len(prompt)} tokens",
+                                 f"expected 1..{limit} tokens (context limit "
+                                 f"{target.context_limit}, and the first generated token "
+                                 "needs a position)")
+        vocab = target.vocab_size
+        bad = next((t for t in prompt
+                    if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab),
+                   None)
+        if bad is not None:
+            raise InvalidRequest("prompt", bad, f"expected token ids in 0..{vocab - 1}")
+
+    def cancel(self, request_id: int) -> None:
+        """End a request between rounds (see ``RequestHandle.cancel``)."""
+        request = self._requests.get(request_id)
+        if request is not None and request.running and self._pipeline is not None:
+            self._pipeline.cancel(request)
+
+    def statistics(self) -> RuntimeStatistics:
+        """A frozen snapshot of the runtime's counters and its policies' statistics."""
+        if self._pipeline is None:
+            raise RuntimeStopped("the runtime has not started")
+        return self._pipeline.statistics()
+
+    def subscribe(self, handler: Any) -> None:
+        """Receive every event (a plain callable, run in subscription order)."""
+        self.bus.subscribe(handler)
+
+
+def adaptive_budget(launch: Any) -> bool:
+    """Whether the budget policy may pick any legal G (adaptive target verify or depth)."""
+    return bool(launch.enable_adaptive_target_verify or launch.enable_adaptive_draft_step)
+
+
+def params_dict(params: SamplingParams) -> dict[str, object]:
+    return {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
+            "min_p": params.min_p, "max_tokens": params.max_tokens, "stop": list(params.stop)}
+

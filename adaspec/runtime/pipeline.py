@@ -1,0 +1,517 @@
+"""The round loop: admission, decisions, submission over two pipeline slots, retirement.
+
+The loop is one asyncio task. Before it submits round n it retires, in submission order,
+every prefill and round up to n-2 (n-1 without schedule overlap): it streams their tokens,
+finishes requests, frees KV slots no round in flight still uses, and lets the policies
+observe each round's feedback. Then it admits waiting requests (their prefill is enqueued
+ahead of the round), decides depth and G for round n from what it has observed, and
+enqueues the round's stages. Stage completions arrive on the loop as events that move the
+round through its states; a failed stage fails the round through one handler.
+"""
+
+import asyncio
+import functools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+
+from adaspec.config.launch import LaunchConfig
+from adaspec.errors import AdaspecError
+from adaspec.policies.base import (
+    BudgetContext,
+    BudgetPolicy,
+    DepthContext,
+    DepthPolicy,
+    PolicyStatistics,
+    RoundFeedback,
+)
+from adaspec.runtime.devices.buckets import Binding, BindingRegistry, BucketGeometry
+from adaspec.runtime.devices.commit import FINISHED_LENGTH, FINISHED_STOP
+from adaspec.runtime.devices.sampling import SamplingTensors
+from adaspec.runtime.devices.streams import Completion, DeviceStream
+from adaspec.runtime.events.bus import EventBus
+from adaspec.runtime.events.clock import Clock
+from adaspec.runtime.events.types import (
+    STAGES,
+    BudgetDecided,
+    DepthDecided,
+    RequestFinished,
+    RoundFailed,
+    RoundRetired,
+    RoundSubmitted,
+    StageCompleted,
+)
+from adaspec.runtime.requests import Request, RequestFailed
+from adaspec.runtime.rounds import DeviceContext, PrefillInputs, RoundInputs, RoundWork, prefill
+from adaspec.runtime.states import RoundHooks, RoundStates
+
+FINISH_REASONS = {FINISHED_STOP: "stop", FINISHED_LENGTH: "length"}
+
+
+@dataclass(slots=True)
+class RoundRecord:
+    """A submitted round as the host tracks it until it retires."""
+
+    round: int
+    slot: int
+    batch: list[Request]
+    num_reqs_bucket: int
+    depth: int
+    num_rows: int
+    machine: RoundStates
+    retired: Completion[Any] | None = None
+    error: BaseException | None = None
+    failed_stage: str = ""
+    started: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeStatistics:
+    """A frozen snapshot. AL (acceptance length) counts the residual or bonus token."""
+
+    rounds_submitted: int
+    rounds_retired: int
+    rounds_failed: int
+    requests_finished: int
+    requests_failed: int
+    tokens_generated: int
+    drafted_verified: int
+    drafted_accepted: int
+    request_rounds: int  # sum over rounds of the requests each one advanced
+    max_rounds_in_flight: int
+    depth_policy: PolicyStatistics
+    budget_policy: PolicyStatistics
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Mean AL per request and round: (accepted + request-rounds) / request-rounds."""
+        if not self.request_rounds:
+            return 0.0
+        return (self.drafted_accepted + self.request_rounds) / self.request_rounds
+
+
+@dataclass(slots=True)
+class Counters:
+    rounds_submitted: int = 0
+    rounds_retired: int = 0
+    rounds_failed: int = 0
+    requests_finished: int = 0
+    requests_failed: int = 0
+    tokens_generated: int = 0
+    drafted_verified: int = 0
+    drafted_accepted: int = 0
+    request_rounds: int = 0
+    max_rounds_in_flight: int = 0
+    in_flight: set[int] = field(default_factory=set)
+
+
+class Pipeline:
+    """The host side of the runtime once started (see the module docstring)."""
+
+    def __init__(self, *, launch: LaunchConfig, ctx: DeviceContext, stream: DeviceStream,
+                 geometry: BucketGeometry, registries: list[BindingRegistry] | None,
+                 depth_policy: DepthPolicy, budget_policy: BudgetPolicy, bus: EventBus,
+                 clock: Clock, hooks: RoundHooks, seed: int) -> None:
+        self.ctx = ctx
+        self.stream = stream
+        self.geometry = geometry
+        self.registries = registries
+        self.depth_policy = depth_policy
+        self.budget_policy = budget_policy
+        self.publish = bus.publish
+        self.now = clock.now
+        self.hooks = hooks
+        self.seed = seed
+        self.width = launch.num_speculative_tokens
+        self.lag = 2 if launch.enable_schedule_overlap else 1
+        self.split = not launch.enable_unified_mtp_graph
+        self.pipelined = launch.enable_task_pipeline
+        self.max_batch = launch.max_seqs_per_batch
+        self.waiting: deque[Request] = deque()
+        self.active: list[Request] = []
+        self.free_slots: list[int] = list(range(ctx.states.scratch))[::-1]
+        self.releasing: list[Request] = []
+        self.pending: deque[tuple[str, Completion[Any], Any]] = deque()
+        self.decisions: dict[int, tuple[int, int]] = {}
+        self.next_round = 0
+        self.retired_through = -1
+        self.counters = Counters()
+        self.wake = asyncio.Event()
+        self.stopping = False
+        self.fault: BaseException | None = None
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+        self.wake.set()
+
+    def cancel(self, request: Request) -> None:
+        """Cancellation between rounds: the request ends now; rounds in flight that include
+        it still run, their tokens for it are dropped, and its KV slot is freed after them."""
+        self._finish(request, "cancelled")
+
+    def stop(self) -> None:
+        self.stopping = True
+        self.wake.set()
+
+    # --- the loop ------------------------------------------------------------------------
+    async def run(self) -> None:
+        """The loop; an internal error fails every request (one line each, naming it) and
+        stops the loop cleanly instead of leaving requests waiting forever."""
+        try:
+            await self._loop()
+        except Exception as error:
+            self.fault = error
+            self._fail_everything(error)
+        finally:
+            await self._drain()
+
+    async def _drain(self) -> None:
+        while self.pending:
+            try:
+                await self._retire_next()
+            except Exception as error:  # a second fault while draining: still end cleanly
+                self.fault = self.fault or error
+                self._fail_everything(error)
+
+    def _fail_everything(self, error: BaseException) -> None:
+        reason = f"runtime fault: {type(error).__name__}: {error}"
+        for request in [*self.active, *self.waiting]:
+            if request.running:
+                self._fail_request(request, reason)
+        self.waiting.clear()
+
+    async def _loop(self) -> None:
+        while True:
+            await self._retire_due()
+            self._admit()
+            batch = [r for r in self.active if r.running][: self.max_batch]
+            if batch:
+                await self._submit(batch)
+                continue
+            if self.pending:
+                await self._retire_next()
+                continue
+            if self.stopping and not self.waiting:
+                return
+            self.wake.clear()
+            await self.wake.wait()
+
+    async def _retire_due(self) -> None:
+        """Retire everything submitted before round ``next_round - lag`` included."""
+        due = self.next_round - self.lag
+        while self.pending and self._first_pending_round() <= due:
+            await self._retire_next()
+
+    def _first_pending_round(self) -> int:
+        kind, _, payload = self.pending[0]
+        return payload.round if kind == "round" else -1
+
+    async def _retire_next(self) -> None:
+        kind, completion, payload = self.pending.popleft()
+        if kind == "prefill":
+            await self._retire_prefill(completion, payload)
+        else:
+            await self._retire_round(payload)
+        self._release_slots()
+
+    # --- admission and prefill -----------------------------------------------------------
+    def _admit(self) -> None:
+        room = self.max_batch - sum(r.running for r in self.active)
+        admitted: list[Request] = []
+        while self.waiting and room > 0 and self.free_slots:
+            request = self.waiting.popleft()
+            if not request.running:  # cancelled while waiting
+                continue
+            request.kv_slot = self.free_slots.pop()
+            admitted.append(request)
+            room -= 1
+        if admitted:
+            self._enqueue_prefill(admitted)
+            self.active.extend(admitted)
+
+    def _enqueue_prefill(self, admitted: list[Request]) -> None:
+        device = self.ctx.device
+        params = [r.params for r in admitted]
+        inputs = PrefillInputs(
+            prompts=[torch.tensor(r.prompt, dtype=torch.int64, device=device)
+                     for r in admitted],
+            slots=torch.tensor([r.kv_slot for r in admitted], dtype=torch.int64, device=device),
+            max_tokens=torch.tensor([p.max_tokens for p in params], dtype=torch.int64,
+                                    device=device),
+            sampling=SamplingTensors.from_params(params, len(params), device),
+            stop_token_ids=stop_tensor(params, len(params), device),
+            generator=seeded_generator(self.seed, 1, admitted[0].id, device))
+        completion = self.stream.enqueue(lambda: prefill(self.ctx, inputs))
+        self.pending.append(("prefill", completion, admitted))
+
+    async def _retire_prefill(self, completion: Completion[Any], admitted: list[Request]
+                              ) -> None:
+        try:
+            host = await completion
+        except Exception as error:  # the prefill failed: so do its requests
+            for request in admitted:
+                self._fail_request(request, f"prefill failed: {type(error).__name__}: {error}")
+            return
+        first, live, stopped = host["first"].tolist(), host["live"].tolist(), \
+            host["stopped"].tolist()
+        for request, token, going, stop in zip(admitted, first, live, stopped, strict=True):
+            if not request.running:
+                continue
+            request.emit([token])
+            self.counters.tokens_generated += 1
+            if not going:
+                self._finish(request, "stop" if stop else "length")
+
+    # --- decisions and submission ----------------------------------------------------------
+    async def _submit(self, batch: list[Request]) -> None:
+        number = self.next_round
+        self.next_round += 1
+        slot = number % 2 if self.lag == 2 else 0
+        num_reqs = len(batch)
+        bucket = self.geometry.request_bucket(num_reqs)
+        depth = self._decide_depth(number, slot, num_reqs, bucket)
+        num_rows, verify = self._decide_rows(number, slot, num_reqs, bucket, depth)
+        inputs = self._round_inputs(number, batch, bucket, depth, num_rows, verify)
+        record = RoundRecord(round=number, slot=slot, batch=batch, num_reqs_bucket=bucket,
+                             depth=depth, num_rows=num_rows,
+                             machine=RoundStates(number, self.hooks), started=self.now())
+        for request in batch:
+            request.last_round = number
+        self.publish(RoundSubmitted(time=record.started, round=number, slot=slot,
+                                    request_ids=tuple(r.id for r in batch),
+                                    num_reqs_bucket=bucket))
+        self.counters.rounds_submitted += 1
+        self.counters.in_flight.add(number)
+        self.counters.max_rounds_in_flight = max(self.counters.max_rounds_in_flight,
+                                                 len(self.counters.in_flight))
+        await self._enqueue_round(record, RoundWork(self.ctx, inputs))
+        self.pending.append(("round", record.retired, record))  # type: ignore[arg-type]
+
+    def _decide_depth(self, number: int, slot: int, num_reqs: int, bucket: int) -> int:
+        context = DepthContext(round=number, num_reqs=num_reqs, num_reqs_bucket=bucket,
+                               width=self.width, retired_through=self.retired_through)
+        depth = self.depth_policy.decide(context)
+        if not (self.width == 0 and depth == 0) and not 1 <= depth <= self.width:
+            raise AdaspecError(f"depth policy {self.depth_policy.name} chose depth {depth}; "
+                               f"expected 1..{self.width}")
+        self.publish(DepthDecided(time=self.now(), round=number, slot=slot, context=context,
+                                  depth=depth))
+        return depth
+
+    def _decide_rows(self, number: int, slot: int, num_reqs: int, bucket: int, depth: int
+                     ) -> tuple[int, Binding]:
+        tiers = self.geometry.legal_rows(bucket)
+        context = BudgetContext(round=number, num_reqs=num_reqs, num_reqs_bucket=bucket,
+                                width=self.width, depth=depth, tiers=tiers,
+                                retired_through=self.retired_through)
+        chosen = self.budget_policy.decide(context)
+        if chosen not in tiers:
+            raise AdaspecError(f"budget policy {self.budget_policy.name} chose G={chosen}; "
+                               f"expected one of the tiers {list(tiers)}")
+        bound, verify = chosen, cast(Binding, self.ctx.target.verify)
+        if self.registries is not None:
+            choice = self.registries[slot].lookup(bucket, chosen)
+            bound, verify = choice.num_rows, choice.binding
+        self.publish(BudgetDecided(time=self.now(), round=number, slot=slot, context=context,
+                                   num_rows=chosen, bound_rows=bound))
+        return bound, verify
+
+    def _round_inputs(self, number: int, batch: list[Request], bucket: int, depth: int,
+                      num_rows: int, verify: Binding) -> RoundInputs:
+        device = self.ctx.device
+        scratch = self.ctx.states.scratch
+        slots = [r.kv_slot for r in batch] + [scratch] * (bucket - len(batch))
+        params = [r.params for r in batch]
+        return RoundInputs(
+            round=number, slots=torch.tensor(slots, dtype=torch.int64, device=device),
+            depth=depth, num_rows=num_rows,
+            sampling=SamplingTensors.from_params(params, bucket, device),
+            stop_token_ids=stop_tensor(params, bucket, device),
+            generator=seeded_generator(self.seed, 0, number, device),
+            verify=verify)
+
+    async def _enqueue_round(self, record: RoundRecord, work: RoundWork) -> None:
+        stream = self.stream
+        if not self.split:
+            record.retired = stream.enqueue(lambda: run_unified(work))
+            record.retired.future.add_done_callback(
+                lambda future: self._unit_done(record, future))
+            return
+        for stage in STAGES:
+            completion = stream.enqueue(work.stage(stage))
+            completion.future.add_done_callback(
+                functools.partial(self._stage_done, record, stage))
+            if stage == "retire":
+                record.retired = completion
+            if not self.pipelined:  # a synchronous baseline: wait for each stage
+                await asyncio.wait([completion.future])
+
+    # --- stage completions (callbacks on the loop) ---------------------------------------
+    def _stage_done(self, record: RoundRecord, stage: str, future: "asyncio.Future[Any]"
+                    ) -> None:
+        if record.error is not None or future.cancelled():
+            return
+        error = future.exception()
+        if error is not None:
+            self._round_failed(record, stage, error)
+            return
+        self._advance(record, stage)
+
+    def _unit_done(self, record: RoundRecord, future: "asyncio.Future[Any]") -> None:
+        error = None if future.cancelled() else future.exception()
+        if error is not None:
+            self._round_failed(record, "round", error)
+            return
+        for stage in STAGES:
+            self._advance(record, stage)
+
+    def _advance(self, record: RoundRecord, stage: str) -> None:
+        record.machine.fire(f"{stage}_done")
+        self.publish(StageCompleted(time=self.now(), round=record.round, slot=record.slot,
+                                    stage=stage))
+
+    def _round_failed(self, record: RoundRecord, stage: str, error: BaseException) -> None:
+        """The one failure handler: the round ends failed, its requests fail with the cause,
+        and nothing of it is committed to them (their later tokens are dropped)."""
+        record.error = error
+        record.failed_stage = stage
+        record.machine.fire("fail")
+        self.counters.rounds_failed += 1
+        self.publish(RoundFailed(time=self.now(), round=record.round, slot=record.slot,
+                                 stage=stage, error=type(error).__name__,
+                                 message=str(error).splitlines()[0] if str(error) else "",
+                                 request_ids=tuple(r.id for r in record.batch)))
+        reason = f"round {record.round} failed in {stage}: {type(error).__name__}: {error}"
+        for request in record.batch:
+            if request.running:
+                self._fail_request(request, reason)
+
+    # --- retirement ------------------------------------------------------------------------
+    async def _retire_round(self, record: RoundRecord) -> None:
+        assert record.retired is not None
+        try:
+            host = await record.retired
+        except Exception:  # already handled by the failure handler
+            host = None
+        self.counters.in_flight.discard(record.round)
+        self.retired_through = record.round
+        if host is None or record.error is not None:
+            return
+        feedback = self._feedback(record, host)
+        self.depth_policy.observe(feedback)
+        self.budget_policy.observe(feedback)
+        self.counters.rounds_retired += 1
+        self.publish(RoundRetired(time=self.now(), round=record.round, slot=record.slot,
+                                  feedback=feedback))
+
+    def _feedback(self, record: RoundRecord, host: dict[str, Any]) -> RoundFeedback:
+        """Stream each live request's tokens, finish those that ended, and build the round's
+        feedback from the entries that were still decoding on the device."""
+        columns = {name: tensor.tolist() for name, tensor in host.items()}
+        verified: list[int] = []
+        accepted: list[int] = []
+        confidences: list[tuple[float, ...]] = []
+        for index, request in enumerate(record.batch):
+            if not columns["live"][index]:
+                continue  # it had finished on the device in an earlier round
+            verified.append(columns["verify_lengths"][index])
+            accepted.append(columns["num_accepted"][index])
+            if "confidences" in columns:
+                confidences.append(tuple(columns["confidences"][index]))
+            self._deliver(request, index, columns)
+        return RoundFeedback(round=record.round, num_reqs=len(record.batch),
+                             num_reqs_bucket=record.num_reqs_bucket, width=self.width,
+                             depth=record.depth, num_rows=record.num_rows,
+                             verify_lengths=tuple(verified), num_accepted=tuple(accepted),
+                             confidences=tuple(confidences))
+
+    def _deliver(self, request: Request, index: int, columns: dict[str, Any]) -> None:
+        if not request.running:
+            return  # cancelled or failed: what its in-flight rounds produced is dropped
+        count = columns["num_emitted"][index]
+        tokens = columns["token_ids"][index][:count]
+        request.rounds += 1
+        request.verified += columns["verify_lengths"][index]
+        request.accepted += columns["num_accepted"][index]
+        self.counters.drafted_verified += columns["verify_lengths"][index]
+        self.counters.drafted_accepted += columns["num_accepted"][index]
+        self.counters.request_rounds += 1
+        self.counters.tokens_generated += len(tokens)
+        request.emit(tokens)
+        reason = FINISH_REASONS.get(columns["finish"][index])
+        if reason is not None:
+            self._finish(request, reason)
+
+    # --- request ends and slots --------------------------------------------------------------
+    def _finish(self, request: Request, reason: str) -> None:
+        request.finish(reason)
+        self.counters.requests_finished += 1
+        self._retire_request(request, reason)
+
+    def _fail_request(self, request: Request, reason: str) -> None:
+        request.fail(RequestFailed(request.id, reason))
+        self.counters.requests_failed += 1
+        self._retire_request(request, "failed")
+
+    def _retire_request(self, request: Request, reason: str) -> None:
+        self.publish(RequestFinished(time=self.now(), request_id=request.id, reason=reason,
+                                     num_tokens=len(request.tokens)))
+        if request in self.active:
+            self.active.remove(request)
+        if request.kv_slot >= 0:
+            self.releasing.append(request)
+        self.wake.set()
+
+    def _release_slots(self) -> None:
+        """A finished request's KV slot is reused only once no round in flight includes it:
+        such a round still writes that slot."""
+        keep = []
+        for request in self.releasing:
+            if request.last_round <= self.retired_through and not self._prefill_pending(request):
+                self.free_slots.append(request.kv_slot)
+                request.kv_slot = -1
+            else:
+                keep.append(request)
+        self.releasing = keep
+
+    def _prefill_pending(self, request: Request) -> bool:
+        return any(kind == "prefill" and request in payload
+                   for kind, _, payload in self.pending)
+
+    def statistics(self) -> RuntimeStatistics:
+        c = self.counters
+        return RuntimeStatistics(
+            rounds_submitted=c.rounds_submitted, rounds_retired=c.rounds_retired,
+            rounds_failed=c.rounds_failed, requests_finished=c.requests_finished,
+            requests_failed=c.requests_failed, tokens_generated=c.tokens_generated,
+            drafted_verified=c.drafted_verified, drafted_accepted=c.drafted_accepted,
+            request_rounds=c.request_rounds, max_rounds_in_flight=c.max_rounds_in_flight,
+            depth_policy=self.depth_policy.statistics(),
+            budget_policy=self.budget_policy.statistics())
+
+
+def run_unified(work: RoundWork) -> Any:
+    """A whole round as one device unit; the host sees every state from its completion."""
+    result: Any = None
+    for stage in STAGES:
+        result = work.stage(stage)()
+    return result
+
+
+def stop_tensor(params: list[Any], num_reqs: int, device: torch.device) -> torch.Tensor:
+    """[num_reqs, S] stop token ids, -1 padded (S >= 1)."""
+    width = max([len(p.stop) for p in params] + [1])
+    rows = [list(p.stop) + [-1] * (width - len(p.stop)) for p in params]
+    rows += [[-1] * width] * (num_reqs - len(params))
+    return torch.tensor(rows, dtype=torch.int64, device=device)
+
+
+def seeded_generator(seed: int, stream_id: int, index: int, device: torch.device
+                     ) -> torch.Generator:
+    """A generator for one round (stream 0) or one prefill (stream 1), seeded from the run's
+    seed alone, so the draws do not depend on timing."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed((seed * 1_000_003 + index) * 2 + stream_id)
+    return generator

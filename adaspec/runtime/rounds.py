@@ -1,0 +1,193 @@
+"""The device work of prefill and of each stage of a round, as functions the stream runs.
+
+``RoundWork`` holds one round's intermediate tensors from stage to stage; its stage methods
+are enqueued one by one (split mode) or as one unit (unified mode). None of them reads a
+device value back to the host; ``retire`` is the one device-to-host copy of a round. The
+commit stage computes everything first and writes the slot states last, so a round that
+fails leaves every request's state as the previous round left it.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+from torch import Tensor
+
+from adaspec.models.protocols import TargetModel, TargetOutput, VerifyRows
+from adaspec.runtime.devices.allocation import allocate_prefixes, emit_budget, verify_caps
+from adaspec.runtime.devices.collectives import Collectives
+from adaspec.runtime.devices.commit import RUNNING, CommitResult, commit_rows
+from adaspec.runtime.devices.packing import PackedRows, pack_rows
+from adaspec.runtime.devices.retire import retire_copy
+from adaspec.runtime.devices.sampling import SamplingTensors, sample_rows
+from adaspec.runtime.drafting import Drafting
+from adaspec.runtime.slots import SlotStates
+
+T = TypeVar("T")
+
+StageHook = Callable[[int, str], None]
+"""Called with (round, stage) as each stage's device work starts (fault injection in tests)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceContext:
+    """What every round's device work shares."""
+
+    target: TargetModel
+    drafting: Drafting
+    collectives: Collectives
+    states: SlotStates
+    device: torch.device
+    stage_hook: StageHook | None = None
+
+    @property
+    def context_limit(self) -> int:
+        return self.target.context_limit
+
+
+@dataclass(frozen=True, slots=True)
+class RoundInputs:
+    """The host's decisions for one round, already on the device."""
+
+    round: int
+    slots: Tensor  # [Bcap] KV slot of each batch entry (padding: the scratch slot)
+    depth: int  # d: draft steps (w for DSpark)
+    num_rows: int  # G of the binding that runs
+    sampling: SamplingTensors
+    stop_token_ids: Tensor  # [Bcap, S] -1 padded
+    generator: torch.Generator  # seeded per round, so the draws replay exactly
+    verify: Callable[[VerifyRows], TargetOutput]  # the (Bcap, G) binding
+
+
+@dataclass(slots=True)
+class RoundWork:
+    """One round's tensors as its stages produce them."""
+
+    ctx: DeviceContext
+    inputs: RoundInputs
+    rows: SlotStates | None = None
+    drafts: Tensor | None = None  # [Bcap, w]
+    confidences: Tensor | None = None  # [Bcap, w]
+    budget: Tensor | None = None  # [Bcap]
+    packed: PackedRows | None = None
+    out: TargetOutput | None = None
+    sampled: Tensor | None = None  # [G]
+    result: CommitResult | None = None
+
+    def _enter(self, stage: str) -> None:
+        hook = self.ctx.stage_hook
+        if hook is not None:
+            hook(self.inputs.round, stage)
+
+    def draft(self) -> None:
+        self._enter("draft")
+        self.rows = self.ctx.states.gather(self.inputs.slots)
+        self.drafts, self.confidences = self.ctx.drafting.draft(self.rows, self.inputs.slots,
+                                                                self.inputs.depth)
+
+    def consensus(self) -> None:
+        self._enter("consensus")
+        self.ctx.collectives.tp_broadcast(_have(self.confidences, "confidences"))
+
+    def pack(self) -> None:
+        self._enter("pack")
+        rows, drafts = _have(self.rows, "rows"), _have(self.drafts, "drafts")
+        confidences = _have(self.confidences, "confidences")
+        self.budget = emit_budget(rows.remaining, rows.anchor_positions,
+                                  self.ctx.context_limit)
+        caps = verify_caps(self.inputs.depth, self.budget, rows.live)
+        if drafts.shape[1]:
+            lengths = allocate_prefixes(confidences, self.inputs.num_rows, caps, rows.live)
+        else:
+            lengths = caps
+        self.packed = pack_rows(lengths, rows.anchor_ids, drafts, self.inputs.slots,
+                                rows.anchor_positions, rows.live, self.inputs.num_rows)
+
+    def verify(self) -> None:
+        self._enter("verify")
+        self.out = self.inputs.verify(_have(self.packed, "packed rows").rows)
+
+    def sample(self) -> None:
+        self._enter("sample")
+        out, packed = _have(self.out, "target output"), _have(self.packed, "packed rows")
+        uniforms = torch.rand(self.inputs.num_rows, generator=self.inputs.generator,
+                              dtype=torch.float64, device=self.ctx.device)
+        self.sampled = sample_rows(out.logits, packed.rows.row_reqs, self.inputs.sampling,
+                                   uniforms)
+        self.ctx.collectives.tp_broadcast(self.sampled)
+
+    def commit(self) -> None:
+        self._enter("commit")
+        rows, packed = _have(self.rows, "rows"), _have(self.packed, "packed rows")
+        out = _have(self.out, "target output")
+        result = commit_rows(packed, _have(self.sampled, "sampled tokens"),
+                             _have(self.drafts, "drafts"), self.inputs.stop_token_ids,
+                             _have(self.budget, "budget"), rows.live)
+        live = rows.live
+        updated = SlotStates(
+            anchor_ids=torch.where(live, result.next_anchor_ids, rows.anchor_ids),
+            anchor_positions=rows.anchor_positions + result.num_emitted,
+            hidden=torch.where(live[:, None], out.hidden[result.last_rows], rows.hidden),
+            remaining=rows.remaining - result.num_emitted,
+            live=live & (result.finish == RUNNING))
+        # Everything above may fail without harm; from here on the round's result is written.
+        self.ctx.states.scatter(self.inputs.slots, updated)
+        self.ctx.drafting.after_commit(out, packed, result)
+        self.result = result
+
+    def retire(self) -> dict[str, Tensor]:
+        self._enter("retire")
+        result, packed = _have(self.result, "commit result"), _have(self.packed, "packed rows")
+        feedback = {"token_ids": result.token_ids, "num_emitted": result.num_emitted,
+                    "finish": result.finish, "num_accepted": result.num_accepted,
+                    "verify_lengths": packed.verify_lengths,
+                    "live": _have(self.rows, "rows").live}
+        if self.confidences is not None and self.confidences.shape[1]:
+            feedback["confidences"] = self.confidences
+        return retire_copy(feedback)
+
+    def stage(self, name: str) -> Callable[[], object]:
+        """The bound method of stage ``name`` (the stream runs it)."""
+        method: Callable[[], object] = getattr(self, name)
+        return method
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillInputs:
+    prompts: list[Tensor]  # [T_i] int64 each, on the device
+    slots: Tensor  # [N] KV slots
+    max_tokens: Tensor  # [N] int64
+    sampling: SamplingTensors
+    stop_token_ids: Tensor  # [N, S] -1 padded
+    generator: torch.Generator
+
+
+def prefill(ctx: DeviceContext, inputs: PrefillInputs) -> dict[str, Tensor]:
+    """Process new prompts into their KV slots, draw each request's first token, set its slot
+    state, and return the host copy of the first tokens and whether each request goes on.
+
+    The first token sits at the prompt's length; a request goes on when that token is not a
+    stop token, it may generate more, and the context has room after it."""
+    out = ctx.target.prefill(inputs.prompts, inputs.slots)
+    num = len(inputs.prompts)
+    uniforms = torch.rand(num, generator=inputs.generator, dtype=torch.float64,
+                          device=ctx.device)
+    first = sample_rows(out.last.logits, torch.arange(num, device=ctx.device),
+                        inputs.sampling, uniforms)
+    stopped = (first[:, None] == inputs.stop_token_ids).any(dim=1)
+    room = out.lengths < ctx.context_limit - 1
+    remaining = inputs.max_tokens - 1
+    live = ~stopped & (remaining > 0) & room
+    ctx.states.scatter(inputs.slots, SlotStates(
+        anchor_ids=first, anchor_positions=out.lengths.clone(), hidden=out.last.hidden,
+        remaining=remaining, live=live))
+    ctx.drafting.after_prefill(out, inputs.prompts, inputs.slots)
+    return retire_copy({"first": first, "live": live, "stopped": stopped})
+
+
+def _have(value: T | None, name: str) -> T:
+    """A stage's input from an earlier stage; missing only if stages ran out of order."""
+    if value is None:
+        raise RuntimeError(f"round stages ran out of order: no {name} yet")
+    return value

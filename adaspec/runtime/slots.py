@@ -1,0 +1,57 @@
+"""Per-request decoding state kept on the device, indexed by KV slot.
+
+With two rounds in flight, round n starts before the host has seen round n-1's result, so
+everything round n needs from round n-1 (each request's newest token, its position, the
+hidden state its drafter continues from, how many tokens it may still produce, whether it is
+still running) lives in device arrays that round n-1's commit updates in place. The host only
+says which KV slots form the batch; a request that finished in round n-1 is still in round
+n's host batch, and its ``live`` flag keeps round n from committing anything for it.
+
+Row ``num_slots`` is the scratch row: padding entries of a batch read and write there.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class SlotStates:
+    """Decoding state of every KV slot (``num_slots + 1`` rows, the last one scratch)."""
+
+    anchor_ids: Tensor  # [S + 1] int64 newest committed token (the next round's anchor)
+    anchor_positions: Tensor  # [S + 1] int64 position of that token
+    hidden: Tensor  # [S + 1, hidden_size] target hidden state of the row that produced it
+    remaining: Tensor  # [S + 1] int64 tokens the request may still generate
+    live: Tensor  # [S + 1] bool the request is still decoding
+
+    @classmethod
+    def allocate(cls, num_slots: int, hidden_size: int, dtype: torch.dtype,
+                 device: torch.device | str) -> "SlotStates":
+        rows = num_slots + 1
+        return cls(anchor_ids=torch.zeros(rows, dtype=torch.int64, device=device),
+                   anchor_positions=torch.zeros(rows, dtype=torch.int64, device=device),
+                   hidden=torch.zeros(rows, hidden_size, dtype=dtype, device=device),
+                   remaining=torch.zeros(rows, dtype=torch.int64, device=device),
+                   live=torch.zeros(rows, dtype=torch.bool, device=device))
+
+    @property
+    def scratch(self) -> int:
+        return self.anchor_ids.shape[0] - 1
+
+    def gather(self, slots: Tensor) -> "SlotStates":
+        """The rows of ``slots [Bcap]`` (copies, so a later scatter cannot change them)."""
+        return SlotStates(anchor_ids=self.anchor_ids[slots],
+                          anchor_positions=self.anchor_positions[slots],
+                          hidden=self.hidden[slots], remaining=self.remaining[slots],
+                          live=self.live[slots])
+
+    def scatter(self, slots: Tensor, rows: "SlotStates") -> None:
+        """Write ``rows`` back at ``slots``. Padding entries all point at the scratch row, so
+        duplicate indices only ever collide there."""
+        self.anchor_ids[slots] = rows.anchor_ids
+        self.anchor_positions[slots] = rows.anchor_positions
+        self.hidden[slots] = rows.hidden
+        self.remaining[slots] = rows.remaining
+        self.live[slots] = rows.live

@@ -1,0 +1,281 @@
+"""The round runtime's rules: lag n-2, at most two rounds in flight, hooks in declared order,
+failures that lose and duplicate nothing, cancellation, refused requests, the state trace."""
+
+import asyncio
+from typing import Any
+
+import pytest
+from runtime_helpers import config, decode, lossless_prompts, max_tokens_of
+
+from adaspec.config import SamplingParams
+from adaspec.errors import InvalidRequest, UnsupportedRequest
+from adaspec.models import ReferenceModels, load_reference_models
+from adaspec.policies.base import (
+    BudgetContext,
+    DepthContext,
+    PolicyStatistics,
+    RoundFeedback,
+    covering_rows,
+)
+from adaspec.runtime.engine import Runtime, RuntimeOptions
+from adaspec.runtime.events.clock import VirtualClock
+from adaspec.runtime.requests import RequestFailed
+from adaspec.runtime.states import RoundState
+from adaspec.runtime.trace import capture_trace
+
+PROMPTS = lossless_prompts()[:12]
+
+
+@pytest.fixture(scope="module")
+def models() -> ReferenceModels:
+    return load_reference_models()
+
+
+def greedy(count: int) -> list[SamplingParams]:
+    return [SamplingParams(temperature=0.0, max_tokens=max_tokens_of(i)) for i in range(count)]
+
+
+@pytest.fixture(scope="module")
+def target_only(models: ReferenceModels) -> list[tuple[int, ...]]:
+    return [r.token_ids for r in decode(config("none", 0, 4), PROMPTS, greedy(len(PROMPTS)),
+                                        models)]
+
+
+class RecordingDepthPolicy:
+    """A fixed-depth policy that records, at every decision, which rounds it had observed."""
+
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.observed: list[int] = []
+        self.decisions: list[tuple[DepthContext, tuple[int, ...]]] = []
+
+    def decide(self, context: DepthContext) -> int:
+        self.decisions.append((context, tuple(self.observed)))
+        return context.width
+
+    def observe(self, feedback: RoundFeedback) -> None:
+        self.observed.append(feedback.round)
+
+    def statistics(self) -> PolicyStatistics:
+        return PolicyStatistics(self.name, len(self.decisions), len(self.observed))
+
+    def settings(self) -> dict[str, object]:
+        return {}
+
+
+@pytest.mark.parametrize(("overlap", "lag"), [(True, 2), (False, 1)])
+def test_decisions_for_round_n_see_feedback_through_round_n_minus_lag_only(
+        models: ReferenceModels, overlap: bool, lag: int) -> None:
+    policy = RecordingDepthPolicy()
+    launch = config("DSpark", 3, 4, enable_schedule_overlap=overlap)
+    decode(launch, PROMPTS, greedy(len(PROMPTS)), models,
+           options=RuntimeOptions(depth_policy=policy))
+    assert len(policy.decisions) > 10
+    for context, seen in policy.decisions:
+        newest = max(seen, default=-1)
+        assert all(r <= context.round - lag for r in seen)  # never round n-1 for round n
+        assert newest == context.retired_through
+        if context.round >= lag:
+            assert newest == context.round - lag  # and the feedback is as fresh as allowed
+
+
+@pytest.mark.parametrize(("overlap", "in_flight"), [(True, 2), (False, 1)])
+def test_at_most_two_rounds_are_in_flight(models: ReferenceModels, overlap: bool,
+                                          in_flight: int) -> None:
+    launch = config("MTP", 2, 4, enable_schedule_overlap=overlap)
+    runtime = Runtime(launch, models=models)
+
+    async def run() -> Any:
+        await runtime.start()
+        handles = [runtime.submit(list(p), q) for p, q in zip(PROMPTS, greedy(12), strict=True)]
+        for handle in handles:
+            await handle.result()
+        await runtime.stop()
+        return runtime.statistics()
+
+    stats = asyncio.run(run())
+    assert stats.max_rounds_in_flight == in_flight
+    assert stats.rounds_retired == stats.rounds_submitted
+
+
+def test_hooks_fire_in_declared_order_through_every_state(models: ReferenceModels) -> None:
+    runtime = Runtime(config("DSpark", 2, 4), models=models)
+    calls: list[tuple[str, int, str]] = []
+    runtime.hooks.on_transition(lambda s, a, b, t: calls.append(("first", s.round_index, t)))
+    runtime.hooks.on_enter(RoundState.RETIRED,
+                           lambda s, a, b, t: calls.append(("retired", s.round_index, t)))
+    runtime.hooks.on_transition(lambda s, a, b, t: calls.append(("second", s.round_index, t)))
+
+    async def run() -> None:
+        await runtime.start()
+        await runtime.submit(list(PROMPTS[0]), SamplingParams(temperature=0.0,
+                                                               max_tokens=8)).result()
+        await runtime.stop()
+
+    asyncio.run(run())
+    round0 = [(name, trigger) for name, number, trigger in calls if number == 0]
+    triggers = [f"{stage}_done" for stage in
+                ("draft", "consensus", "pack", "verify", "sample", "commit", "retire")]
+    expected = []
+    for trigger in triggers:
+        expected += [("first", trigger)]
+        if trigger == "retire_done":
+            expected += [("retired", trigger)]
+        expected += [("second", trigger)]
+    assert round0 == expected
+
+
+class InjectedFault(Exception):
+    """Raised on purpose by the fault-injection stage hook."""
+
+
+def fault_at(round_index: int, stage: str) -> Any:
+    def hook(number: int, name: str) -> None:
+        if (number, name) == (round_index, stage):
+            raise InjectedFault(f"injected in round {number} {name}")
+    return hook
+
+
+@pytest.mark.parametrize("stage", ["draft", "verify", "commit", "retire"])
+def test_a_failed_stage_fails_its_requests_and_the_runtime_keeps_serving(
+        models: ReferenceModels, target_only: list[tuple[int, ...]], stage: str) -> None:
+    runtime = Runtime(config("DSpark", 3, 4), models=models,
+                      options=RuntimeOptions(stage_hook=fault_at(2, stage)))
+
+    async def run() -> tuple[list[Any], list[Any]]:
+        await runtime.start()
+        first = [runtime.submit(list(p), q) for p, q in zip(PROMPTS[:4], greedy(4),
+                                                             strict=True)]
+        outcomes = await asyncio.gather(*(h.result() for h in first), return_exceptions=True)
+        later = [runtime.submit(list(p), q)
+                 for p, q in zip(PROMPTS[4:], greedy(12)[4:], strict=True)]
+        results = [await h.result() for h in later]
+        await runtime.stop()
+        return outcomes, results
+
+    outcomes, later = asyncio.run(run())
+    failed = [o for o in outcomes if isinstance(o, RequestFailed)]
+    assert failed, "round 2 held these requests"
+    assert all(f"round 2 failed in {stage}: InjectedFault" in str(o) for o in failed)
+    for index, outcome in enumerate(outcomes):
+        if not isinstance(outcome, BaseException):  # finished before round 2: intact
+            assert outcome.token_ids == target_only[index]
+    # Later requests decode exactly, so nothing was left inconsistent, lost or duplicated.
+    assert [r.token_ids for r in later] == target_only[4:]
+    stats = runtime.statistics()
+    assert stats.rounds_failed == 1
+    assert stats.requests_failed == len(failed)
+
+
+def test_cancelling_between_rounds_ends_the_request_and_frees_its_slot(
+        models: ReferenceModels, target_only: list[tuple[int, ...]]) -> None:
+    runtime = Runtime(config("MTP", 3, 2), models=models)
+
+    async def run() -> tuple[list[Any], list[Any], int]:
+        await runtime.start()
+        cancelled = []
+        for prompt in PROMPTS[:6]:  # more requests than KV slots (4), one after another
+            handle = runtime.submit(list(prompt), SamplingParams(temperature=0.0,
+                                                                 max_tokens=200))
+            await handle.__aiter__().__anext__()
+            handle.cancel()
+            cancelled.append(await handle.result())
+        later = [await runtime.submit(list(p), q).result()
+                 for p, q in zip(PROMPTS[6:], greedy(12)[6:], strict=True)]
+        await runtime.stop()
+        assert runtime._pipeline is not None
+        return cancelled, later, len(runtime._pipeline.free_slots)
+
+    cancelled, later, free = asyncio.run(run())
+    assert [r.finish_reason for r in cancelled] == ["cancelled"] * 6
+    assert all(len(r.token_ids) < 200 for r in cancelled)
+    assert [r.token_ids for r in later] == target_only[6:]
+    assert free == 4  # every KV slot is back
+
+
+def test_requests_the_launch_cannot_honour_are_refused_before_execution(
+        models: ReferenceModels) -> None:
+    runtime = Runtime(config("DSpark", 5, 4, enable_adaptive_target_verify=True),
+                      models=models)
+
+    async def run() -> None:
+        await runtime.start()
+        with pytest.raises(UnsupportedRequest, match="request field temperature: required"):
+            runtime.submit([65, 66], SamplingParams(max_tokens=4))
+        with pytest.raises(InvalidRequest, match=r"request field prompt=1024 tokens: expected "
+                                                 r"1\.\.1023 tokens"):
+            runtime.submit([65] * 1024, SamplingParams(temperature=0.0, max_tokens=4))
+        with pytest.raises(InvalidRequest, match="request field prompt=300: expected token ids "
+                                                 r"in 0\.\.255"):
+            runtime.submit([65, 300], SamplingParams(temperature=0.0, max_tokens=4))
+        # Nothing of them ran; the runtime still serves.
+        result = await runtime.submit([65, 66], SamplingParams(temperature=0.0,
+                                                                max_tokens=4)).result()
+        assert len(result.token_ids) == 4
+        await runtime.stop()
+
+    asyncio.run(run())
+
+
+def test_the_state_trace_has_one_line_per_transition_with_decisions(
+        models: ReferenceModels) -> None:
+    clock = VirtualClock()
+    runtime = Runtime(config("DSpark", 3, 4), models=models,
+                      options=RuntimeOptions(clock=clock))
+
+    async def run() -> list[dict[str, Any]]:
+        await runtime.start()
+        with capture_trace(runtime) as lines:
+            await runtime.submit(list(PROMPTS[1]), SamplingParams(temperature=0.0,
+                                                                   max_tokens=9)).result()
+        await runtime.stop()
+        return lines
+
+    lines = asyncio.run(run())
+    rounds = sorted({line["round"] for line in lines})
+    assert len(lines) == 7 * len(rounds)
+    first = [line for line in lines if line["round"] == rounds[0]]
+    assert [line["to"] for line in first] == ["consensus", "pack", "verify", "sample",
+                                              "commit", "retire", "retired"]
+    assert first[0]["decision"] == {"depth": 3}
+    assert first[2]["decision"] == {"G": 4, "bound_G": 4}  # B=1: 1 * (3 + 1) rows
+    assert {line["slot"] for line in lines} <= {0, 1}
+    assert all(line["elapsed_ms"] == 0.0 for line in lines)  # the virtual clock stood still
+
+
+@pytest.mark.parametrize("launch", [
+    {"enable_unified_mtp_graph": True},
+    {"enable_task_pipeline": False},
+    {"enable_graph": False},
+])
+def test_execution_modes_decode_the_same_tokens(models: ReferenceModels,
+                                                target_only: list[tuple[int, ...]],
+                                                launch: dict[str, Any]) -> None:
+    results = decode(config("DSpark", 5, 4, **launch), PROMPTS, greedy(len(PROMPTS)), models)
+    assert [r.token_ids for r in results] == target_only
+
+
+def test_budget_policies_get_every_legal_tier(models: ReferenceModels) -> None:
+    seen: list[BudgetContext] = []
+
+    class RecordingBudget:
+        name = "recording-budget"
+
+        def decide(self, context: BudgetContext) -> int:
+            seen.append(context)
+            return covering_rows(context, context.depth)
+
+        def observe(self, feedback: RoundFeedback) -> None:
+            """Nothing to learn."""
+
+        def statistics(self) -> PolicyStatistics:
+            return PolicyStatistics(self.name, len(seen), 0)
+
+        def settings(self) -> dict[str, object]:
+            return {}
+
+    decode(config("DSpark", 5, 8), PROMPTS[:8], greedy(8), models, wave=8,
+           options=RuntimeOptions(budget_policy=RecordingBudget()))
+    assert seen[0].num_reqs == 8
+    assert seen[0].tiers == (8, 12, 16, 24, 32, 48)  # Draft5, Bcap 8: every legal G
