@@ -163,3 +163,42 @@ class StreamClosed(DeviceLayerError):
 
     def __str__(self) -> str:
         return f"the {self.device} stream is closed; no work can be enqueued after close()"
+
+
+class EventLogError(AdaspecError):
+    """An event log that cannot be written, or read back as one.
+
+    ``path`` is the file, ``line`` the 1-based line at fault (``None`` when the fault is the
+    file as a whole: missing, empty, already existing) and ``reason`` what is wrong there.
+    """
+
+    def __init__(self, path: str, line: int | None, reason: str) -> None:
+        super().__init__(path, line, reason)
+        self.path = path
+        self.line = line
+        self.reason = reason
+
+    def __str__(self) -> str:
+        where = f"event log {self.path}"
+        if self.line is not None:
+            where += f", line {self.line}"
+        return _printable(f"{where}: {self.reason}")
+
+
+class ReplayMismatch(AdaspecError):
+    """Replaying an event log did not reproduce it: a policy decided otherwise than recorded,
+    or a recorded decision saw feedback newer than the lag allows.
+
+    ``round`` and ``decision`` (``depth`` or ``budget``) locate the first such finding;
+    ``reason`` says what differs.
+    """
+
+    def __init__(self, round: int, decision: str, reason: str) -> None:
+        super().__init__(round, decision, reason)
+        self.round = round
+        self.decision = decision
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return _printable(f"replay of round {self.round} ({self.decision} decision): "
+                          f"{self.reason}")

@@ -2,11 +2,14 @@
 failures that lose and duplicate nothing, cancellation, refused requests, the state trace."""
 
 import asyncio
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 from runtime_helpers import config, decode, lossless_prompts, max_tokens_of
 
+from adaspec import cli
 from adaspec.config import SamplingParams
 from adaspec.errors import InvalidRequest, UnsupportedRequest
 from adaspec.models import ReferenceModels, load_reference_models
@@ -19,6 +22,8 @@ from adaspec.policies.base import (
 )
 from adaspec.runtime.engine import Runtime, RuntimeOptions
 from adaspec.runtime.events.clock import VirtualClock
+from adaspec.runtime.events.log import read_event_log
+from adaspec.runtime.events.replay import replay
 from adaspec.runtime.requests import RequestFailed
 from adaspec.runtime.states import RoundState
 from adaspec.runtime.trace import capture_trace
@@ -279,3 +284,29 @@ def test_budget_policies_get_every_legal_tier(models: ReferenceModels) -> None:
            options=RuntimeOptions(budget_policy=RecordingBudget()))
     assert seen[0].num_reqs == 8
     assert seen[0].tiers == (8, 12, 16, 24, 32, 48)  # Draft5, Bcap 8: every legal G
+
+
+def test_a_recorded_run_replays_identically_and_an_edited_log_diverges_at_its_round(
+        models: ReferenceModels, tmp_path: Path) -> None:
+    log = tmp_path / "run.jsonl"
+    decode(config("DSpark", 5, 4), PROMPTS, greedy(len(PROMPTS)), models,
+           options=RuntimeOptions(event_log=str(log)))
+    header, events = read_event_log(str(log))
+    report = replay(header, events)
+    assert report.ok
+    assert report.num_decisions == 2 * report.num_rounds > 20
+    lines = log.read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    index = next(i for i, r in enumerate(records)
+                 if r.get("kind") == "budget_decided" and r["round"] == 5)
+    record = records[index]
+    record["num_rows"] = next(g for g in record["context"]["tiers"]
+                              if g != record["num_rows"])
+    lines[index] = json.dumps(record)
+    edited = tmp_path / "edited.jsonl"
+    edited.write_text("\n".join(lines) + "\n")
+    diverged = replay(*read_event_log(str(edited)))
+    assert diverged.first_divergence is not None
+    assert (diverged.first_divergence.round, diverged.first_divergence.decision) == (5, "budget")
+    assert cli.run(["replay", str(log)]) == 0
+    assert cli.run(["replay", str(edited)]) == 1

@@ -463,3 +463,20 @@ async def test_cuda_retire_copies_into_pinned_host_memory(cuda_stream: DeviceStr
         assert tensor.device.type == "cpu"
         assert tensor.is_pinned()
         assert torch.equal(tensor, expected[name])
+
+
+@pytest.mark.asyncio
+async def test_on_done_runs_on_the_loop_right_after_each_completion_in_order(
+        stream: DeviceStream) -> None:
+    seen: list[tuple[int, bool]] = []
+    loop_thread = threading.get_ident()
+
+    def record(index: int) -> Callable[["asyncio.Future[int]"], None]:
+        def on_done(future: "asyncio.Future[int]") -> None:
+            assert threading.get_ident() == loop_thread
+            seen.append((future.result(), future.done()))
+        return on_done
+
+    completions = [stream.enqueue(recording([], i), record(i)) for i in range(5)]
+    assert await completions[-1] == 4
+    assert seen == [(i, True) for i in range(5)]

@@ -33,7 +33,7 @@ from adaspec.runtime.events.types import RequestArrived
 from adaspec.runtime.pipeline import Pipeline, RuntimeStatistics
 from adaspec.runtime.requests import Request, RequestHandle
 from adaspec.runtime.rounds import DeviceContext, StageHook
-from adaspec.runtime.slots import SlotStates
+from adaspec.runtime.slots import MAX_STOP_TOKENS, SlotSampling, SlotStates
 from adaspec.runtime.states import RoundHooks
 from adaspec.runtime.trace import StateTrace
 
@@ -124,7 +124,9 @@ class Runtime:
             drafting = DSparkDrafting(models.dspark, launch.num_speculative_tokens)
         states = SlotStates.allocate(num_slots, target.hidden_size, target.dtype, device)
         return DeviceContext(target=target, drafting=drafting, collectives=self._collectives,
-                             states=states, device=device, stage_hook=self.options.stage_hook)
+                             states=states, sampling=SlotSampling.allocate(num_slots, device),
+                             device=device, seed=self.options.seed,
+                             stage_hook=self.options.stage_hook)
 
     async def _prepare_bindings(self, models: ReferenceModels, geometry: BucketGeometry
                                 ) -> list[BindingRegistry] | None:
@@ -192,6 +194,9 @@ class Runtime:
         when the launch cannot decode it exactly or the prompt does not fit."""
         pipeline = self._running()
         check_request(params, self.launch)
+        if len(params.stop) > MAX_STOP_TOKENS:
+            raise InvalidRequest("stop", f"{len(params.stop)} token ids",
+                                 f"expected at most {MAX_STOP_TOKENS} stop token ids")
         self._check_prompt(pipeline, prompt)
         request = Request(id=next(self._ids), prompt=tuple(prompt), params=params)
         self._requests[request.id] = request

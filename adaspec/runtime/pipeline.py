@@ -44,10 +44,18 @@ from adaspec.runtime.events.types import (
     StageCompleted,
 )
 from adaspec.runtime.requests import Request, RequestFailed
-from adaspec.runtime.rounds import DeviceContext, PrefillInputs, RoundInputs, RoundWork, prefill
+from adaspec.runtime.rounds import (
+    DeviceContext,
+    PrefillInputs,
+    RoundInputs,
+    RoundWork,
+    prefill,
+    stop_tensor,
+)
 from adaspec.runtime.states import RoundHooks, RoundStates
 
 FINISH_REASONS = {FINISHED_STOP: "stop", FINISHED_LENGTH: "length"}
+TRIGGER_OF = {stage: f"{stage}_done" for stage in STAGES}
 
 
 @dataclass(slots=True)
@@ -120,6 +128,7 @@ class Pipeline:
         self.registries = registries
         self.depth_policy = depth_policy
         self.budget_policy = budget_policy
+        self.bus = bus
         self.publish = bus.publish
         self.now = clock.now
         self.hooks = hooks
@@ -134,7 +143,8 @@ class Pipeline:
         self.free_slots: list[int] = list(range(ctx.states.scratch))[::-1]
         self.releasing: list[Request] = []
         self.pending: deque[tuple[str, Completion[Any], Any]] = deque()
-        self.decisions: dict[int, tuple[int, int]] = {}
+        self._tiers: dict[int, tuple[int, ...]] = {}
+        self._last_slots: tuple[tuple[int, ...], torch.Tensor] = ((), torch.zeros(0))
         self.next_round = 0
         self.retired_through = -1
         self.counters = Counters()
@@ -241,9 +251,9 @@ class Pipeline:
             max_tokens=torch.tensor([p.max_tokens for p in params], dtype=torch.int64,
                                     device=device),
             sampling=SamplingTensors.from_params(params, len(params), device),
-            stop_token_ids=stop_tensor(params, len(params), device),
-            generator=seeded_generator(self.seed, 1, admitted[0].id, device))
-        completion = self.stream.enqueue(lambda: prefill(self.ctx, inputs))
+            stop_token_ids=stop_tensor([p.stop for p in params], device),
+            first_request=admitted[0].id)
+        completion = self.stream.enqueue(functools.partial(prefill, self.ctx, inputs))
         self.pending.append(("prefill", completion, admitted))
 
     async def _retire_prefill(self, completion: Completion[Any], admitted: list[Request]
@@ -279,9 +289,10 @@ class Pipeline:
                              machine=RoundStates(number, self.hooks), started=self.now())
         for request in batch:
             request.last_round = number
-        self.publish(RoundSubmitted(time=record.started, round=number, slot=slot,
-                                    request_ids=tuple(r.id for r in batch),
-                                    num_reqs_bucket=bucket))
+        if self.bus.listening:
+            self.publish(RoundSubmitted(time=record.started, round=number, slot=slot,
+                                        request_ids=tuple(r.id for r in batch),
+                                        num_reqs_bucket=bucket))
         self.counters.rounds_submitted += 1
         self.counters.in_flight.add(number)
         self.counters.max_rounds_in_flight = max(self.counters.max_rounds_in_flight,
@@ -296,13 +307,16 @@ class Pipeline:
         if not (self.width == 0 and depth == 0) and not 1 <= depth <= self.width:
             raise AdaspecError(f"depth policy {self.depth_policy.name} chose depth {depth}; "
                                f"expected 1..{self.width}")
-        self.publish(DepthDecided(time=self.now(), round=number, slot=slot, context=context,
-                                  depth=depth))
+        if self.bus.listening:
+            self.publish(DepthDecided(time=self.now(), round=number, slot=slot,
+                                      context=context, depth=depth))
         return depth
 
     def _decide_rows(self, number: int, slot: int, num_reqs: int, bucket: int, depth: int
                      ) -> tuple[int, Binding]:
-        tiers = self.geometry.legal_rows(bucket)
+        tiers = self._tiers.get(bucket)
+        if tiers is None:
+            tiers = self._tiers[bucket] = self.geometry.legal_rows(bucket)
         context = BudgetContext(round=number, num_reqs=num_reqs, num_reqs_bucket=bucket,
                                 width=self.width, depth=depth, tiers=tiers,
                                 retired_through=self.retired_through)
@@ -314,35 +328,32 @@ class Pipeline:
         if self.registries is not None:
             choice = self.registries[slot].lookup(bucket, chosen)
             bound, verify = choice.num_rows, choice.binding
-        self.publish(BudgetDecided(time=self.now(), round=number, slot=slot, context=context,
-                                   num_rows=chosen, bound_rows=bound))
+        if self.bus.listening:
+            self.publish(BudgetDecided(time=self.now(), round=number, slot=slot,
+                                       context=context, num_rows=chosen, bound_rows=bound))
         return bound, verify
 
     def _round_inputs(self, number: int, batch: list[Request], bucket: int, depth: int,
                       num_rows: int, verify: Binding) -> RoundInputs:
-        device = self.ctx.device
-        scratch = self.ctx.states.scratch
-        slots = [r.kv_slot for r in batch] + [scratch] * (bucket - len(batch))
-        params = [r.params for r in batch]
-        return RoundInputs(
-            round=number, slots=torch.tensor(slots, dtype=torch.int64, device=device),
-            depth=depth, num_rows=num_rows,
-            sampling=SamplingTensors.from_params(params, bucket, device),
-            stop_token_ids=stop_tensor(params, bucket, device),
-            generator=seeded_generator(self.seed, 0, number, device),
-            verify=verify)
+        slots = tuple(r.kv_slot for r in batch)
+        if slots != self._last_slots[0]:  # the batch often stays the same between rounds
+            padded = slots + (self.ctx.states.scratch,) * (bucket - len(batch))
+            self._last_slots = (slots, torch.tensor(padded, dtype=torch.int64,
+                                                    device=self.ctx.device))
+        return RoundInputs(round=number, slots=self._last_slots[1], depth=depth,
+                           num_rows=num_rows,
+                           all_greedy=not any(r.params.temperature for r in batch),
+                           verify=verify)
 
     async def _enqueue_round(self, record: RoundRecord, work: RoundWork) -> None:
         stream = self.stream
         if not self.split:
-            record.retired = stream.enqueue(lambda: run_unified(work))
-            record.retired.future.add_done_callback(
-                lambda future: self._unit_done(record, future))
+            record.retired = stream.enqueue(functools.partial(run_unified, work),
+                                            functools.partial(self._unit_done, record))
             return
         for stage in STAGES:
-            completion = stream.enqueue(work.stage(stage))
-            completion.future.add_done_callback(
-                functools.partial(self._stage_done, record, stage))
+            completion = stream.enqueue(work.stage(stage),
+                                        functools.partial(self._stage_done, record, stage))
             if stage == "retire":
                 record.retired = completion
             if not self.pipelined:  # a synchronous baseline: wait for each stage
@@ -368,9 +379,10 @@ class Pipeline:
             self._advance(record, stage)
 
     def _advance(self, record: RoundRecord, stage: str) -> None:
-        record.machine.fire(f"{stage}_done")
-        self.publish(StageCompleted(time=self.now(), round=record.round, slot=record.slot,
-                                    stage=stage))
+        record.machine.fire(TRIGGER_OF[stage])
+        if self.bus.listening:
+            self.publish(StageCompleted(time=self.now(), round=record.round,
+                                        slot=record.slot, stage=stage))
 
     def _round_failed(self, record: RoundRecord, stage: str, error: BaseException) -> None:
         """The one failure handler: the round ends failed, its requests fail with the cause,
@@ -397,52 +409,55 @@ class Pipeline:
             host = None
         self.counters.in_flight.discard(record.round)
         self.retired_through = record.round
+        # An idle loop retires rounds early; numbering the next round past them keeps the
+        # lag rule: no decision for round n ever follows the feedback of round n-1.
+        self.next_round = max(self.next_round, record.round + self.lag)
         if host is None or record.error is not None:
             return
         feedback = self._feedback(record, host)
         self.depth_policy.observe(feedback)
         self.budget_policy.observe(feedback)
         self.counters.rounds_retired += 1
-        self.publish(RoundRetired(time=self.now(), round=record.round, slot=record.slot,
-                                  feedback=feedback))
+        if self.bus.listening:
+            self.publish(RoundRetired(time=self.now(), round=record.round, slot=record.slot,
+                                      feedback=feedback))
 
     def _feedback(self, record: RoundRecord, host: dict[str, Any]) -> RoundFeedback:
         """Stream each live request's tokens, finish those that ended, and build the round's
         feedback from the entries that were still decoding on the device."""
-        columns = {name: tensor.tolist() for name, tensor in host.items()}
-        verified: list[int] = []
-        accepted: list[int] = []
-        confidences: list[tuple[float, ...]] = []
-        for index, request in enumerate(record.batch):
-            if not columns["live"][index]:
-                continue  # it had finished on the device in an earlier round
-            verified.append(columns["verify_lengths"][index])
-            accepted.append(columns["num_accepted"][index])
-            if "confidences" in columns:
-                confidences.append(tuple(columns["confidences"][index]))
-            self._deliver(request, index, columns)
-        return RoundFeedback(round=record.round, num_reqs=len(record.batch),
-                             num_reqs_bucket=record.num_reqs_bucket, width=self.width,
-                             depth=record.depth, num_rows=record.num_rows,
-                             verify_lengths=tuple(verified), num_accepted=tuple(accepted),
-                             confidences=tuple(confidences))
-
-    def _deliver(self, request: Request, index: int, columns: dict[str, Any]) -> None:
-        if not request.running:
-            return  # cancelled or failed: what its in-flight rounds produced is dropped
-        count = columns["num_emitted"][index]
-        tokens = columns["token_ids"][index][:count]
-        request.rounds += 1
-        request.verified += columns["verify_lengths"][index]
-        request.accepted += columns["num_accepted"][index]
-        self.counters.drafted_verified += columns["verify_lengths"][index]
-        self.counters.drafted_accepted += columns["num_accepted"][index]
-        self.counters.request_rounds += 1
-        self.counters.tokens_generated += len(tokens)
-        request.emit(tokens)
-        reason = FINISH_REASONS.get(columns["finish"][index])
-        if reason is not None:
-            self._finish(request, reason)
+        num = len(record.batch)
+        live = host["live"].tolist()[:num]
+        emitted = host["num_emitted"].tolist()
+        tokens = host["token_ids"].tolist()
+        finish = host["finish"].tolist()
+        lengths = host["verify_lengths"].tolist()
+        accepted = host["num_accepted"].tolist()
+        confidences = host["confidences"].tolist() if "confidences" in host else None
+        # Entries no longer live on the device finished in an earlier round: they tell
+        # nothing about this one.
+        rows = [index for index in range(num) if live[index]]
+        counters = self.counters
+        for index in rows:
+            request = record.batch[index]
+            if not request.running:
+                continue  # cancelled or failed: its in-flight rounds' tokens are dropped
+            request.rounds += 1
+            request.verified += lengths[index]
+            request.accepted += accepted[index]
+            counters.request_rounds += 1
+            counters.drafted_verified += lengths[index]
+            counters.drafted_accepted += accepted[index]
+            counters.tokens_generated += emitted[index]
+            request.emit(tokens[index][:emitted[index]])
+            if finish[index]:
+                self._finish(request, FINISH_REASONS[finish[index]])
+        return RoundFeedback(
+            round=record.round, num_reqs=num, num_reqs_bucket=record.num_reqs_bucket,
+            width=self.width, depth=record.depth, num_rows=record.num_rows,
+            verify_lengths=tuple(lengths[i] for i in rows),
+            num_accepted=tuple(accepted[i] for i in rows),
+            confidences=() if confidences is None else tuple(tuple(confidences[i])
+                                                            for i in rows))
 
     # --- request ends and slots --------------------------------------------------------------
     def _finish(self, request: Request, reason: str) -> None:
@@ -498,20 +513,3 @@ def run_unified(work: RoundWork) -> Any:
     for stage in STAGES:
         result = work.stage(stage)()
     return result
-
-
-def stop_tensor(params: list[Any], num_reqs: int, device: torch.device) -> torch.Tensor:
-    """[num_reqs, S] stop token ids, -1 padded (S >= 1)."""
-    width = max([len(p.stop) for p in params] + [1])
-    rows = [list(p.stop) + [-1] * (width - len(p.stop)) for p in params]
-    rows += [[-1] * width] * (num_reqs - len(params))
-    return torch.tensor(rows, dtype=torch.int64, device=device)
-
-
-def seeded_generator(seed: int, stream_id: int, index: int, device: torch.device
-                     ) -> torch.Generator:
-    """A generator for one round (stream 0) or one prefill (stream 1), seeded from the run's
-    seed alone, so the draws do not depend on timing."""
-    generator = torch.Generator(device=device)
-    generator.manual_seed((seed * 1_000_003 + index) * 2 + stream_id)
-    return generator

@@ -37,45 +37,56 @@ class RequestResult:
         return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
 
 
-_END = object()
-
-
 @dataclass(slots=True)
 class Request:
-    """One request's host-side bookkeeping."""
+    """One request's host-side bookkeeping.
+
+    Tokens are appended as rounds retire; a consumer iterating the handle reads them from
+    ``tokens`` and waits on ``_wakeup``, a loop future that exists only while it waits, so
+    delivering a round costs a list extend when nobody is iterating.
+    """
 
     id: int
     prompt: tuple[int, ...]
     params: SamplingParams
     kv_slot: int = -1
     tokens: list[int] = field(default_factory=list)
+    running: bool = True
     finish_reason: str | None = None
     error: BaseException | None = None
     last_round: int = -1  # newest submitted round that includes this request
     rounds: int = 0
     verified: int = 0
     accepted: int = 0
-    chunks: asyncio.Queue[object] = field(default_factory=asyncio.Queue)
     done: asyncio.Event = field(default_factory=asyncio.Event)
-
-    @property
-    def running(self) -> bool:
-        return self.finish_reason is None and self.error is None
+    _wakeup: "asyncio.Future[None] | None" = None
 
     def emit(self, token_ids: list[int]) -> None:
-        if token_ids:
-            self.tokens.extend(token_ids)
-            self.chunks.put_nowait(token_ids)
+        self.tokens.extend(token_ids)
+        self._wake()
 
     def finish(self, reason: str) -> None:
+        self.running = False
         self.finish_reason = reason
-        self.chunks.put_nowait(_END)
         self.done.set()
+        self._wake()
 
     def fail(self, error: BaseException) -> None:
+        self.running = False
         self.error = error
-        self.chunks.put_nowait(error)
         self.done.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter, self._wakeup = self._wakeup, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def wait_beyond(self, count: int) -> None:
+        """Return once more than ``count`` tokens exist or the request has ended."""
+        while len(self.tokens) <= count and self.running:
+            self._wakeup = asyncio.get_running_loop().create_future()
+            await self._wakeup
 
     def result(self) -> RequestResult:
         assert self.finish_reason is not None
@@ -100,14 +111,18 @@ class RequestHandle:
         return self._chunks()
 
     async def _chunks(self) -> AsyncIterator[list[int]]:
+        """Each chunk is the tokens committed since the previous one (a round's worth, or
+        more when the consumer was slow); a failed request raises its error at the end."""
+        request, seen = self._request, 0
         while True:
-            item = await self._request.chunks.get()
-            if item is _END:
+            await request.wait_beyond(seen)
+            if len(request.tokens) > seen:
+                chunk, seen = request.tokens[seen:], len(request.tokens)
+                yield chunk
+            elif request.error is not None:
+                raise request.error
+            elif not request.running:
                 return
-            if isinstance(item, BaseException):
-                raise item
-            assert isinstance(item, list)
-            yield item
 
     def cancel(self) -> None:
         """End the request before its next round; tokens of rounds already in flight are

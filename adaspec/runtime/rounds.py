@@ -22,7 +22,7 @@ from adaspec.runtime.devices.packing import PackedRows, pack_rows
 from adaspec.runtime.devices.retire import retire_copy
 from adaspec.runtime.devices.sampling import SamplingTensors, sample_rows
 from adaspec.runtime.drafting import Drafting
-from adaspec.runtime.slots import SlotStates
+from adaspec.runtime.slots import MAX_STOP_TOKENS, SlotSampling, SlotStates
 
 T = TypeVar("T")
 
@@ -38,7 +38,9 @@ class DeviceContext:
     drafting: Drafting
     collectives: Collectives
     states: SlotStates
+    sampling: SlotSampling
     device: torch.device
+    seed: int = 0
     stage_hook: StageHook | None = None
 
     @property
@@ -54,9 +56,7 @@ class RoundInputs:
     slots: Tensor  # [Bcap] KV slot of each batch entry (padding: the scratch slot)
     depth: int  # d: draft steps (w for DSpark)
     num_rows: int  # G of the binding that runs
-    sampling: SamplingTensors
-    stop_token_ids: Tensor  # [Bcap, S] -1 padded
-    generator: torch.Generator  # seeded per round, so the draws replay exactly
+    all_greedy: bool  # no entry samples: the sampler skips its random path
     verify: Callable[[VerifyRows], TargetOutput]  # the (Bcap, G) binding
 
 
@@ -111,18 +111,22 @@ class RoundWork:
     def sample(self) -> None:
         self._enter("sample")
         out, packed = _have(self.out, "target output"), _have(self.packed, "packed rows")
-        uniforms = torch.rand(self.inputs.num_rows, generator=self.inputs.generator,
-                              dtype=torch.float64, device=self.ctx.device)
-        self.sampled = sample_rows(out.logits, packed.rows.row_reqs, self.inputs.sampling,
-                                   uniforms)
+        inputs = self.inputs
+        # Seeded from the run's seed and the round number alone: the draws replay exactly.
+        generator = seeded_generator(self.ctx.seed, 0, inputs.round, self.ctx.device)
+        uniforms = torch.rand(inputs.num_rows, generator=generator, dtype=torch.float64,
+                              device=self.ctx.device)
+        sampling = self.ctx.sampling.gather(inputs.slots, inputs.all_greedy)
+        self.sampled = sample_rows(out.logits, packed.rows.row_reqs, sampling, uniforms)
         self.ctx.collectives.tp_broadcast(self.sampled)
 
     def commit(self) -> None:
         self._enter("commit")
         rows, packed = _have(self.rows, "rows"), _have(self.packed, "packed rows")
         out = _have(self.out, "target output")
+        stop_token_ids = self.ctx.sampling.stop_token_ids[self.inputs.slots]
         result = commit_rows(packed, _have(self.sampled, "sampled tokens"),
-                             _have(self.drafts, "drafts"), self.inputs.stop_token_ids,
+                             _have(self.drafts, "drafts"), stop_token_ids,
                              _have(self.budget, "budget"), rows.live)
         live = rows.live
         updated = SlotStates(
@@ -159,8 +163,8 @@ class PrefillInputs:
     slots: Tensor  # [N] KV slots
     max_tokens: Tensor  # [N] int64
     sampling: SamplingTensors
-    stop_token_ids: Tensor  # [N, S] -1 padded
-    generator: torch.Generator
+    stop_token_ids: Tensor  # [N, MAX_STOP_TOKENS] -1 padded
+    first_request: int  # id of the first request: seeds the draws of its first tokens
 
 
 def prefill(ctx: DeviceContext, inputs: PrefillInputs) -> dict[str, Tensor]:
@@ -171,8 +175,8 @@ def prefill(ctx: DeviceContext, inputs: PrefillInputs) -> dict[str, Tensor]:
     stop token, it may generate more, and the context has room after it."""
     out = ctx.target.prefill(inputs.prompts, inputs.slots)
     num = len(inputs.prompts)
-    uniforms = torch.rand(num, generator=inputs.generator, dtype=torch.float64,
-                          device=ctx.device)
+    generator = seeded_generator(ctx.seed, 1, inputs.first_request, ctx.device)
+    uniforms = torch.rand(num, generator=generator, dtype=torch.float64, device=ctx.device)
     first = sample_rows(out.last.logits, torch.arange(num, device=ctx.device),
                         inputs.sampling, uniforms)
     stopped = (first[:, None] == inputs.stop_token_ids).any(dim=1)
@@ -182,8 +186,24 @@ def prefill(ctx: DeviceContext, inputs: PrefillInputs) -> dict[str, Tensor]:
     ctx.states.scatter(inputs.slots, SlotStates(
         anchor_ids=first, anchor_positions=out.lengths.clone(), hidden=out.last.hidden,
         remaining=remaining, live=live))
+    ctx.sampling.write(inputs.slots, inputs.sampling, inputs.stop_token_ids)
     ctx.drafting.after_prefill(out, inputs.prompts, inputs.slots)
     return retire_copy({"first": first, "live": live, "stopped": stopped})
+
+
+def stop_tensor(stops: list[tuple[int, ...]], device: torch.device) -> Tensor:
+    """[N, MAX_STOP_TOKENS] stop token ids, -1 padded."""
+    rows = [list(stop) + [-1] * (MAX_STOP_TOKENS - len(stop)) for stop in stops]
+    return torch.tensor(rows, dtype=torch.int64, device=device)
+
+
+def seeded_generator(seed: int, stream_id: int, index: int, device: torch.device
+                     ) -> torch.Generator:
+    """A generator for one round (stream 0) or one prefill (stream 1), seeded from the run's
+    seed alone, so the draws never depend on timing."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed((seed * 1_000_003 + index) * 2 + stream_id)
+    return generator
 
 
 def _have(value: T | None, name: str) -> T:

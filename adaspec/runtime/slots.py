@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from adaspec.runtime.devices.sampling import SamplingTensors
+
 
 @dataclass(frozen=True, slots=True)
 class SlotStates:
@@ -55,3 +57,41 @@ class SlotStates:
         self.hidden[slots] = rows.hidden
         self.remaining[slots] = rows.remaining
         self.live[slots] = rows.live
+
+
+MAX_STOP_TOKENS = 16
+"""Stop token ids a request may give; slot storage is sized for this many."""
+
+
+@dataclass(frozen=True, slots=True)
+class SlotSampling:
+    """Each KV slot's sampling parameters, written once at prefill, so a round only gathers
+    them on the device instead of building them on the host every round."""
+
+    temperature: Tensor  # [S + 1] float64; 0 decodes greedily
+    top_k: Tensor  # [S + 1] int64
+    top_p: Tensor  # [S + 1] float64
+    min_p: Tensor  # [S + 1] float64
+    stop_token_ids: Tensor  # [S + 1, MAX_STOP_TOKENS] int64, -1 padded
+
+    @classmethod
+    def allocate(cls, num_slots: int, device: torch.device | str) -> "SlotSampling":
+        rows = num_slots + 1
+        return cls(temperature=torch.zeros(rows, dtype=torch.float64, device=device),
+                   top_k=torch.zeros(rows, dtype=torch.int64, device=device),
+                   top_p=torch.ones(rows, dtype=torch.float64, device=device),
+                   min_p=torch.zeros(rows, dtype=torch.float64, device=device),
+                   stop_token_ids=torch.full((rows, MAX_STOP_TOKENS), -1, dtype=torch.int64,
+                                             device=device))
+
+    def write(self, slots: Tensor, params: SamplingTensors, stop_token_ids: Tensor) -> None:
+        self.temperature[slots] = params.temperature
+        self.top_k[slots] = params.top_k
+        self.top_p[slots] = params.top_p
+        self.min_p[slots] = params.min_p
+        self.stop_token_ids[slots] = stop_token_ids
+
+    def gather(self, slots: Tensor, all_greedy: bool) -> SamplingTensors:
+        return SamplingTensors(temperature=self.temperature[slots], top_k=self.top_k[slots],
+                               top_p=self.top_p[slots], min_p=self.min_p[slots],
+                               all_greedy=all_greedy)

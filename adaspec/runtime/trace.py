@@ -13,6 +13,7 @@ from typing import Any, TextIO
 
 import structlog
 
+from adaspec.errors import ConfigError
 from adaspec.runtime.events.clock import Clock
 from adaspec.runtime.events.types import (
     BudgetDecided,
@@ -39,7 +40,11 @@ class StateTrace:
     @classmethod
     def to_file(cls, path: str, clock: Clock) -> "StateTrace":
         """JSON lines into a new file (an existing one is never overwritten)."""
-        file = open(path, "x", encoding="utf-8")  # noqa: SIM115 - closed by close()
+        try:
+            file = open(path, "x", encoding="utf-8")  # noqa: SIM115 - closed by close()
+        except OSError as error:
+            raise ConfigError("trace", path, f"cannot create the state trace file "
+                              f"({error.strerror}); give a new path") from None
         return cls([structlog.processors.JSONRenderer()], structlog.PrintLogger(file), clock,
                    file)
 

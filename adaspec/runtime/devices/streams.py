@@ -31,6 +31,10 @@ from adaspec.runtime.devices.availability import require_device
 
 T = TypeVar("T")
 
+OnDone = Callable[["asyncio.Future[Any]"], None]
+"""Called on the loop right after a completion resolves (no extra scheduling hop), before
+later completions; the runtime moves a round's state from it."""
+
 
 @dataclass(frozen=True, slots=True)
 class Completion(Generic[T]):
@@ -62,7 +66,9 @@ class DeviceStream(Protocol):
 
     device: torch.device
 
-    def enqueue(self, work: Callable[[], T]) -> Completion[T]: ...
+    def enqueue(self, work: Callable[[], T],
+                on_done: "Callable[[asyncio.Future[T]], None] | None" = None
+                ) -> Completion[T]: ...
 
     def close(self) -> None: ...
 
@@ -79,6 +85,7 @@ class _Outcome:
 class _Item:
     work: Callable[[], object]
     future: asyncio.Future[Any]
+    on_done: OnDone | None = None
 
 
 def _call(work: Callable[[], object]) -> _Outcome:
@@ -112,6 +119,9 @@ class _QueueStream:
         self._loop = loop
         self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
+        self._outbox_lock = threading.Lock()
+        self._outbox: list[tuple[asyncio.Future[Any], _Outcome, OnDone | None]] = []
+        self._delivery_scheduled = False
         self._closed = False
         self._threads: tuple[threading.Thread, ...] = ()
 
@@ -122,7 +132,8 @@ class _QueueStream:
         for thread in self._threads:
             thread.start()
 
-    def enqueue(self, work: Callable[[], T]) -> Completion[T]:
+    def enqueue(self, work: Callable[[], T],
+                on_done: "Callable[[asyncio.Future[T]], None] | None" = None) -> Completion[T]:
         """Queue ``work`` behind everything enqueued so far and return without waiting.
 
         Call it from the loop's thread: the completion's future belongs to that loop.
@@ -132,7 +143,7 @@ class _QueueStream:
             if self._closed:
                 raise StreamClosed(self.device)
             future: asyncio.Future[T] = self._loop.create_future()
-            self._queue.put(_Item(work, future))
+            self._queue.put(_Item(work, future, on_done))
         return Completion(future)
 
     def close(self) -> None:
@@ -151,10 +162,28 @@ class _QueueStream:
             if thread is not threading.current_thread():
                 thread.join()
 
-    def _post(self, future: asyncio.Future[Any], outcome: _Outcome) -> None:
+    def _post(self, future: asyncio.Future[Any], outcome: _Outcome,
+              on_done: OnDone | None) -> None:
+        """Hand an outcome to the loop. Outcomes that arrive while a delivery is already
+        scheduled join it, so a round's stages finishing back to back wake the loop once
+        instead of once each; delivery keeps submission order."""
+        with self._outbox_lock:
+            self._outbox.append((future, outcome, on_done))
+            if self._delivery_scheduled:
+                return
+            self._delivery_scheduled = True
         # A closed loop has nobody left to await the completion: dropping it is correct.
         with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(_settle, future, outcome)
+            self._loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        with self._outbox_lock:
+            ready, self._outbox = self._outbox, []
+            self._delivery_scheduled = False
+        for future, outcome, on_done in ready:
+            _settle(future, outcome)
+            if on_done is not None and not future.cancelled():
+                on_done(future)
 
 
 class WorkerStream(_QueueStream):
@@ -170,7 +199,7 @@ class WorkerStream(_QueueStream):
 
     def _serve(self) -> None:
         while (item := self._queue.get()) is not None:
-            self._post(item.future, _call(item.work))
+            self._post(item.future, _call(item.work), item.on_done)
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +208,7 @@ class _Launched:
     (None when recording it failed; the outcome then carries that error)."""
 
     future: asyncio.Future[Any]
+    on_done: OnDone | None
     outcome: _Outcome
     event: Any  # torch.cuda.Event or torch.npu.Event, or None
 
@@ -210,7 +240,8 @@ class TorchStream(_QueueStream):
             with self._mod.stream(self.stream):
                 outcome = _call(item.work)
                 recorded = _call(self._recorded_event)
-            self._launched.put(_Launched(item.future, _first_error(outcome, recorded),
+            self._launched.put(_Launched(item.future, item.on_done,
+                                         _first_error(outcome, recorded),
                                          recorded.value))
         self._launched.put(None)
 
@@ -225,7 +256,7 @@ class TorchStream(_QueueStream):
             outcome = launched.outcome
             if launched.event is not None:
                 outcome = _first_error(outcome, _call(launched.event.synchronize))
-            self._post(launched.future, outcome)
+            self._post(launched.future, outcome, launched.on_done)
 
 
 def _first_error(outcome: _Outcome, then: _Outcome) -> _Outcome:

@@ -1,0 +1,290 @@
+"""Replay: run policies again over a recorded event log, with no model and no device.
+
+Policies are pure functions of the calls they receive, so feeding them the recorded sequence
+(``observe`` at each retired round, ``decide`` at each recorded decision, in log order) must
+give back the recorded depth d and budget G. With the recorded policies this checks that a run
+is reproducible; with other policies it is a counterfactual evaluation on the same recorded
+acceptance: the contexts and the feedback stay the recorded ones, so a different depth does
+not change the budget context that follows it.
+
+Replay also checks the lag: the decisions of round n may see feedback of rounds <= n-2 only.
+"""
+
+import json
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+from adaspec.errors import MISSING, AdaspecError, ConfigError, EventLogError, ReplayMismatch
+from adaspec.policies.base import BudgetPolicy, DepthPolicy
+from adaspec.policies.registry import make_budget_policy, make_depth_policy
+from adaspec.runtime.events.log import read_event_log
+from adaspec.runtime.events.types import BudgetDecided, DepthDecided, Event, RoundRetired
+
+Decision = Literal["depth", "budget"]
+
+_SYMBOL: dict[str, str] = {"depth": "d", "budget": "G"}  # glossary letter of each decision
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Divergence:
+    """A recorded decision the replayed policy did not reproduce."""
+
+    round: int
+    decision: Decision
+    recorded: int  # depth d or rows G in the log
+    replayed: int  # what the replayed policy chose from the same context
+    event_index: int  # position among the log's events; its file line is event_index + 2
+
+    def detail(self) -> str:
+        letter = _SYMBOL[self.decision]
+        return (f"recorded {letter}={self.recorded}, replayed {letter}={self.replayed} "
+                f"(event {self.event_index}, log line {self.event_index + 2})")
+
+    def describe(self) -> str:
+        return f"round {self.round} {self.decision} decision: {self.detail()}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LagViolation:
+    """A recorded decision of round n that could see feedback of round n-1 or later, so it
+    depended on timing: the log cannot be replayed as the lag rule promises."""
+
+    round: int
+    decision: Decision
+    newest_feedback: int  # newest retired round the decision could see (>= round - 1)
+    from_context: bool  # True: the context says so; False: a retirement came first in the log
+    event_index: int
+
+    def detail(self) -> str:
+        seen = ("its context says feedback through round" if self.from_context
+                else "it came after the log retired round")
+        return (f"{seen} {self.newest_feedback}, but the lag allows feedback of rounds <= "
+                f"{self.round - 2} only (event {self.event_index}, log line "
+                f"{self.event_index + 2})")
+
+    def describe(self) -> str:
+        return f"round {self.round} {self.decision} decision: {self.detail()}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReplayReport:
+    """What a replay found. ``ok`` when every decision matched and the lag held."""
+
+    depth_policy: Mapping[str, Any]  # {"name", "settings"} of the depth policy replayed
+    budget_policy: Mapping[str, Any]  # same for the budget policy
+    counterfactual: bool  # a policy other than the recorded one (name or settings) was replayed
+    num_rounds: int  # distinct rounds with at least one decision checked
+    num_decisions: int  # depth and budget decisions checked
+    num_observed: int  # retired rounds whose feedback the policies observed
+    num_divergences: int  # decisions that differed (all of them, not only the first)
+    first_divergence: Divergence | None
+    num_lag_violations: int
+    first_lag_violation: LagViolation | None
+
+    @property
+    def all_matched(self) -> bool:
+        return self.num_divergences == 0
+
+    @property
+    def ok(self) -> bool:
+        return self.num_divergences == 0 and self.num_lag_violations == 0
+
+    def check(self) -> None:
+        """Raise ``ReplayMismatch`` for the earliest finding in log order, if any (for tests
+        that assert a run replays exactly)."""
+        findings = [f for f in (self.first_divergence, self.first_lag_violation) if f]
+        if findings:
+            first = min(findings, key=lambda finding: finding.event_index)
+            raise ReplayMismatch(first.round, first.decision, first.detail())
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"ok": self.ok, "all_matched": self.all_matched,
+                "counterfactual": self.counterfactual,
+                "policies": {"depth": dict(self.depth_policy),
+                             "budget": dict(self.budget_policy)},
+                "num_rounds": self.num_rounds, "num_decisions": self.num_decisions,
+                "num_observed": self.num_observed, "num_divergences": self.num_divergences,
+                "first_divergence": _finding_dict(self.first_divergence),
+                "num_lag_violations": self.num_lag_violations,
+                "first_lag_violation": _finding_dict(self.first_lag_violation)}
+
+    def format_text(self) -> str:
+        role = "counterfactual" if self.counterfactual else "recorded"
+        lines = [f"replayed {self.num_decisions} decisions of {self.num_rounds} rounds with "
+                 f"{self.num_observed} retired rounds observed ({role} policies: depth "
+                 f"{_policy_text(self.depth_policy)}, budget {_policy_text(self.budget_policy)})"]
+        if self.first_divergence is None:
+            lines.append(f"all {self.num_decisions} decisions match the log")
+        else:
+            # A counterfactual policy is expected to differ; a recorded one never should.
+            verdict = "DIFFERS" if self.counterfactual else "DIVERGED"
+            lines.append(f"{verdict}: {self.num_divergences} of {self.num_decisions} "
+                         f"decisions differ from the log; first: "
+                         f"{self.first_divergence.describe()}")
+        if self.first_lag_violation is None:
+            lines.append("lag respected: decisions of round n saw feedback of rounds <= n-2")
+        else:
+            plural = "" if self.num_lag_violations == 1 else "s"
+            lines.append(f"LAG VIOLATED by {self.num_lag_violations} decision{plural}; first: "
+                         f"{self.first_lag_violation.describe()}")
+        return "\n".join(lines)
+
+
+def _finding_dict(finding: Divergence | LagViolation | None) -> dict[str, Any] | None:
+    if finding is None:
+        return None
+    return {**asdict(finding), "message": finding.describe()}
+
+
+def _policy_text(entry: Mapping[str, Any]) -> str:
+    settings = entry["settings"]
+    return str(entry["name"]) + (f" {json.dumps(settings, sort_keys=True)}" if settings else "")
+
+
+def recorded_policies(header: Mapping[str, Any]) -> tuple[DepthPolicy, BudgetPolicy]:
+    """The run's policies, rebuilt from the header's names and settings (``ConfigError`` for a
+    policy this adaspec does not know)."""
+    policies = header["policies"]
+    return (make_depth_policy(policies["depth"]["name"], policies["depth"]["settings"]),
+            make_budget_policy(policies["budget"]["name"], policies["budget"]["settings"]))
+
+
+def replay(
+    header: Mapping[str, Any],
+    events: Iterable[Event],
+    *,
+    depth_policy: DepthPolicy | None = None,
+    budget_policy: BudgetPolicy | None = None,
+) -> ReplayReport:
+    """Walk ``events`` in order with the recorded policies, or with the ones given (fresh
+    instances: replay feeds them the whole run from its first event)."""
+    recorded = header["policies"]
+    if depth_policy is None:
+        depth_policy = make_depth_policy(recorded["depth"]["name"], recorded["depth"]["settings"])
+    if budget_policy is None:
+        budget_policy = make_budget_policy(recorded["budget"]["name"],
+                                           recorded["budget"]["settings"])
+    walk = _Walk(depth_policy, budget_policy)
+    for index, event in enumerate(events):
+        walk.step(index, event)
+    return walk.report(recorded)
+
+
+class _Walk:
+    """The replay's running state; one ``step`` per event."""
+
+    def __init__(self, depth_policy: DepthPolicy, budget_policy: BudgetPolicy) -> None:
+        self.depth_policy = depth_policy
+        self.budget_policy = budget_policy
+        self.newest_observed = -1  # newest round whose feedback the policies observed
+        self.rounds: set[int] = set()
+        self.num_decisions = 0
+        self.num_observed = 0
+        self.divergences: list[Divergence] = []
+        self.lag_violations: list[LagViolation] = []
+
+    def step(self, index: int, event: Event) -> None:
+        if isinstance(event, RoundRetired):
+            self.depth_policy.observe(event.feedback)
+            self.budget_policy.observe(event.feedback)
+            self.newest_observed = max(self.newest_observed, event.round)
+            self.num_observed += 1
+        elif isinstance(event, DepthDecided):
+            replayed = self.depth_policy.decide(event.context)
+            self._check(index, event.round, "depth", event.context.retired_through,
+                        event.depth, replayed)
+        elif isinstance(event, BudgetDecided):
+            replayed = self.budget_policy.decide(event.context)
+            self._check(index, event.round, "budget", event.context.retired_through,
+                        event.num_rows, replayed)
+
+    def _check(self, index: int, round: int, decision: Decision, retired_through: int,
+               recorded: int, replayed: int) -> None:
+        self.rounds.add(round)
+        self.num_decisions += 1
+        if recorded != replayed:
+            self.divergences.append(Divergence(round=round, decision=decision, recorded=recorded,
+                                               replayed=replayed, event_index=index))
+        newest = max(retired_through, self.newest_observed)
+        if newest >= 0 and newest >= round - 1:  # -1: no feedback seen yet
+            self.lag_violations.append(LagViolation(
+                round=round, decision=decision, newest_feedback=newest,
+                from_context=retired_through >= round - 1, event_index=index))
+
+    def report(self, recorded: Mapping[str, Any]) -> ReplayReport:
+        depth = _entry(self.depth_policy)
+        budget = _entry(self.budget_policy)
+        return ReplayReport(
+            depth_policy=depth, budget_policy=budget,
+            counterfactual=(depth, budget) != (_recorded_entry(recorded["depth"]),
+                                               _recorded_entry(recorded["budget"])),
+            num_rounds=len(self.rounds), num_decisions=self.num_decisions,
+            num_observed=self.num_observed, num_divergences=len(self.divergences),
+            first_divergence=self.divergences[0] if self.divergences else None,
+            num_lag_violations=len(self.lag_violations),
+            first_lag_violation=self.lag_violations[0] if self.lag_violations else None)
+
+
+def _entry(policy: DepthPolicy | BudgetPolicy) -> dict[str, Any]:
+    return _plain(policy.name, policy.settings())
+
+
+def _recorded_entry(entry: Mapping[str, Any]) -> dict[str, Any]:
+    return _plain(entry["name"], entry["settings"])
+
+
+def _plain(name: object, settings: object) -> dict[str, Any]:
+    """A policy as the log stores it (tuples become lists), so that a policy rebuilt from the
+    header compares equal to the recorded one."""
+    entry: dict[str, Any] = json.loads(json.dumps({"name": name, "settings": settings}))
+    return entry
+
+
+USAGE = """usage: adaspec replay LOG [--json]
+
+Re-runs the policies recorded in the event log LOG over its events and reports the first
+decision (draft depth d or verification budget G) they do not reproduce, and any decision that
+saw feedback newer than the lag allows (round n may use feedback of rounds <= n-2).
+Exit 0 when every decision matches and the lag holds, 1 otherwise, 2 for an unreadable log.
+
+  --json   print one JSON object instead of text"""
+
+
+def main(argv: Sequence[str]) -> int:
+    """``adaspec replay LOG [--json]``; returns the exit status."""
+    if any(arg in ("-h", "--help") for arg in argv):
+        print(USAGE)
+        return 0
+    try:
+        path, as_json = _arguments(argv)
+        report = _replay_file(path)
+    except AdaspecError as error:
+        print(f"adaspec replay: error: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(report.as_dict(), indent=2) if as_json else report.format_text())
+    return 0 if report.ok else 1
+
+
+def _arguments(argv: Sequence[str]) -> tuple[str, bool]:
+    paths: list[str] = []
+    for arg in argv:
+        if arg.startswith("-") and arg != "--json":
+            raise ConfigError(arg, MISSING, "unknown flag; expected --json")
+        if arg != "--json":
+            paths.append(arg)
+    if len(paths) != 1:
+        value = MISSING if not paths else " ".join(paths)
+        raise ConfigError("LOG", value, "expected exactly one event log path; "
+                          "usage: adaspec replay LOG [--json]")
+    return paths[0], "--json" in argv
+
+
+def _replay_file(path: str) -> ReplayReport:
+    header, events = read_event_log(path)
+    try:
+        depth_policy, budget_policy = recorded_policies(header)
+    except ConfigError as error:
+        raise EventLogError(path, 1, f"header policies: {error}") from None
+    return replay(header, events, depth_policy=depth_policy, budget_policy=budget_policy)

@@ -1,0 +1,154 @@
+"""The event bus delivers each event to its handlers synchronously in subscription order, lets a
+handler's exception reach the publisher, and resolves ``next`` futures from ``publish`` itself
+(no polling, no sleeping); the virtual clock moves only when told to.
+"""
+
+from collections.abc import Callable
+
+import pytest
+
+from adaspec.policies.base import RoundFeedback
+from adaspec.runtime.events.bus import EventBus
+from adaspec.runtime.events.clock import Clock, MonotonicClock, VirtualClock
+from adaspec.runtime.events.types import Event, RoundRetired, StageCompleted
+
+
+def stage(round: int, name: str = "verify", time: float = 0.0) -> StageCompleted:
+    return StageCompleted(time=time, round=round, slot=round % 2, stage=name)
+
+
+def retired(round: int) -> RoundRetired:
+    feedback = RoundFeedback(round=round, num_reqs=1, num_reqs_bucket=1, width=3, depth=3,
+                             num_rows=4, verify_lengths=(3,), num_accepted=(1,))
+    return RoundRetired(round=round, slot=round % 2, feedback=feedback)
+
+
+def test_handlers_run_in_subscription_order_for_each_event() -> None:
+    bus = EventBus()
+    seen: list[tuple[str, float]] = []
+
+    def handler(name: str) -> Callable[[Event], None]:
+        return lambda event: seen.append((name, event.time))
+
+    for name in ("log", "trace", "hooks"):
+        bus.subscribe(handler(name))
+    bus.publish(stage(0, time=1.0))
+    bus.publish(stage(1, time=2.0))
+    assert seen == [("log", 1.0), ("trace", 1.0), ("hooks", 1.0), ("log", 2.0), ("trace", 2.0),
+                    ("hooks", 2.0)]
+
+
+def test_publish_without_subscribers_does_nothing() -> None:
+    EventBus().publish(stage(0))
+
+
+def test_unsubscribe_stops_delivery() -> None:
+    bus = EventBus()
+    seen: list[Event] = []
+    bus.subscribe(seen.append)
+    bus.publish(stage(0))
+    bus.unsubscribe(seen.append)
+    bus.publish(stage(1))
+    assert seen == [stage(0)]
+
+
+def test_a_handler_subscribed_during_publish_sees_the_next_event_only() -> None:
+    bus = EventBus()
+    late: list[Event] = []
+    bus.subscribe(lambda event: bus.subscribe(late.append) if event.time == 0.0 else None)
+    bus.publish(stage(0, time=0.0))
+    bus.publish(stage(1, time=1.0))
+    assert late == [stage(1, time=1.0)]
+
+
+def test_a_handler_exception_reaches_the_publisher_and_stops_delivery() -> None:
+    bus = EventBus()
+    after: list[Event] = []
+
+    def broken(event: Event) -> None:
+        raise OSError("disk full")
+
+    bus.subscribe(broken)
+    bus.subscribe(after.append)
+    with pytest.raises(OSError, match="disk full"):
+        bus.publish(stage(0))
+    assert after == []
+
+
+@pytest.mark.asyncio
+async def test_next_resolves_on_the_first_matching_event_only() -> None:
+    bus = EventBus()
+    by_type = bus.next(RoundRetired)
+    by_kind = bus.next("round_retired")
+    by_predicate = bus.next(lambda event: isinstance(event, RoundRetired) and event.round == 1)
+    bus.publish(stage(0))
+    assert [by_type.done(), by_kind.done(), by_predicate.done()] == [False, False, False]
+    bus.publish(retired(0))
+    assert await by_type == retired(0)
+    assert await by_kind == retired(0)
+    assert not by_predicate.done()
+    bus.publish(retired(1))
+    assert await by_predicate == retired(1)
+
+
+@pytest.mark.asyncio
+async def test_next_registers_at_the_call_so_an_event_before_the_await_is_not_missed() -> None:
+    bus = EventBus()
+    bus.publish(retired(0))  # before the call: never returned
+    waiting = bus.next(RoundRetired)
+    bus.publish(retired(1))
+    assert (await waiting).round == 1
+
+
+@pytest.mark.asyncio
+async def test_handlers_see_the_event_before_the_waiter_is_resolved() -> None:
+    bus = EventBus()
+    order: list[str] = []
+    waiting = bus.next(RoundRetired)
+    bus.subscribe(lambda event: order.append(f"handler saw resolved={waiting.done()}"))
+    bus.publish(retired(0))
+    assert order == ["handler saw resolved=False"]
+    assert waiting.done()
+
+
+@pytest.mark.asyncio
+async def test_a_raising_predicate_fails_its_waiter_not_the_publisher() -> None:
+    bus = EventBus()
+
+    def broken(event: Event) -> bool:
+        raise KeyError("round")
+
+    waiting = bus.next(broken)
+    other = bus.next(StageCompleted)
+    bus.publish(stage(0))
+    with pytest.raises(KeyError, match="round"):
+        await waiting
+    assert await other == stage(0)
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_waiter_is_forgotten() -> None:
+    bus = EventBus()
+    waiting = bus.next(StageCompleted)
+    waiting.cancel()
+    bus.publish(stage(0))
+    assert waiting.cancelled()
+    assert bus._waiters == []
+
+
+def test_the_virtual_clock_moves_only_when_advanced() -> None:
+    clock: Clock = VirtualClock(start=10.0)
+    assert clock.now() == clock.now() == 10.0
+    assert isinstance(clock, VirtualClock)
+    clock.advance(0.25)
+    clock.advance(0.0)
+    assert clock.now() == 10.25
+    with pytest.raises(ValueError, match=r"only moves forward; got advance\(-1\)"):
+        clock.advance(-1)
+    assert clock.now() == 10.25
+
+
+def test_the_monotonic_clock_never_goes_back() -> None:
+    clock: Clock = MonotonicClock()
+    readings = [clock.now() for _ in range(100)]
+    assert readings == sorted(readings)
