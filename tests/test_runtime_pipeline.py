@@ -26,7 +26,7 @@ from adaspec.runtime.events.log import read_event_log
 from adaspec.runtime.events.replay import replay
 from adaspec.runtime.requests import RequestFailed
 from adaspec.runtime.states import RoundState
-from adaspec.runtime.trace import capture_trace
+from adaspec.runtime.trace import capture_trace, read_trace
 
 PROMPTS = lossless_prompts()[:12]
 
@@ -310,3 +310,24 @@ def test_a_recorded_run_replays_identically_and_an_edited_log_diverges_at_its_ro
     assert (diverged.first_divergence.round, diverged.first_divergence.decision) == (5, "budget")
     assert cli.run(["replay", str(log)]) == 0
     assert cli.run(["replay", str(edited)]) == 1
+
+
+def test_the_trace_is_off_by_default_and_on_with_the_environment_variable(
+        models: ReferenceModels, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    params = [SamplingParams(temperature=0.0, max_tokens=5)]
+    off = Runtime(config("DSpark", 2, 1), models=models)
+    assert asyncio.run(_hook_count(off, params)) == 0
+    path = tmp_path / "trace.jsonl"
+    monkeypatch.setenv("ADASPEC_TRACE", str(path))
+    on = Runtime(config("DSpark", 2, 1), models=models)
+    assert asyncio.run(_hook_count(on, params)) == 1
+    lines = read_trace(str(path))
+    assert [line["to"] for line in lines[:7]] == ["consensus", "pack", "verify", "sample",
+                                                  "commit", "retire", "retired"]
+
+
+async def _hook_count(runtime: Runtime, params: list[SamplingParams]) -> int:
+    await runtime.start()
+    await runtime.submit([65, 66, 67], params[0]).result()
+    await runtime.stop()
+    return len(runtime.hooks._registered)

@@ -1,0 +1,103 @@
+"""`adaspec generate`, `adaspec states` and `adaspec replay` as scripts use them."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from adaspec import cli
+from adaspec.runtime.trace import read_trace
+
+LAUNCH = ["--speculative_algorithm=DSpark", "--num_speculative_tokens=5",
+          "--max_seqs_per_batch=4"]
+
+
+def run_json(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, object]:
+    assert cli.run(["generate", *argv, "--json"]) == 0
+    document: dict[str, object] = json.loads(capsys.readouterr().out)
+    return document
+
+
+def test_json_results_come_in_prompt_order_with_text_tokens_and_acceptance(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    prompts = ["ROMEO.\nBut soft", "Enter Hamlet", "O"]
+    argv = [*LAUNCH, *(arg for p in prompts for arg in ("--prompt", p)),
+            "--max_tokens", "12", "--temperature", "0"]
+    spec = run_json(argv, capsys)
+    plain = run_json(["--speculative_algorithm=none", *argv[3:]], capsys)
+    results = spec["results"]
+    assert isinstance(results, list)
+    assert [r["prompt"] for r in results] == prompts
+    for row in results:
+        assert len(row["token_ids"]) == 12
+        assert row["text"] == bytes(row["token_ids"]).decode("utf-8", "replace")
+        assert row["mean_acceptance_length"] >= 1.0
+        assert row["drafted_verified"] >= row["drafted_accepted"] >= 0
+    # Greedy speculative text equals the target alone.
+    assert [r["token_ids"] for r in results] == [r["token_ids"] for r in plain["results"]]
+    assert "residual or bonus" in str(spec["acceptance_length"])
+
+
+def test_prompts_file_one_per_line_and_a_sampling_run(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]
+                                                      ) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("First line\nSecond line\n")
+    document = run_json([*LAUNCH, "--prompts_file", str(prompts), "--max_tokens=5",
+                         "--temperature=0.8", "--top_k=20", "--top_p=0.9", "--seed=3"],
+                        capsys)
+    results = document["results"]
+    assert isinstance(results, list)
+    assert [r["prompt"] for r in results] == ["First line", "Second line"]
+    again = run_json([*LAUNCH, "--prompts_file", str(prompts), "--max_tokens=5",
+                      "--temperature=0.8", "--top_k=20", "--top_p=0.9", "--seed=3"], capsys)
+    assert again == document  # seeded: the same draws
+
+
+def test_event_log_and_trace_flags_write_files_that_replay(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    log, trace = tmp_path / "events.jsonl", tmp_path / "trace.jsonl"
+    run_json([*LAUNCH, "--prompt", "ROMEO.", "--max_tokens=20", "--temperature=0",
+              f"--event_log={log}", f"--trace={trace}"], capsys)
+    lines = read_trace(str(trace))
+    assert lines
+    assert {"round", "slot", "from", "to", "cause", "decision", "elapsed_ms"} <= set(lines[0])
+    assert cli.run(["replay", str(log), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["num_decisions"] > 0
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--prompt", "x", "--temperature=0"], "--max_tokens: required"),
+    (["--prompt", "x", "--max_tokens=4"], "--temperature: required"),
+    (["--max_tokens=4", "--temperature=0"], "--prompt: expected one or more --prompt TEXT"),
+    (["--prompt", "x", "--max_tokens=four", "--temperature=0"],
+     "--max_tokens=four: expected an integer"),
+    (["--prompt", "x", "--max_tokens=4", "--temperature=-1"],
+     "request field temperature=-1.0: expected a number in 0..100"),
+    (["--prompt", "x", "--max_tokens=4", "--temperature=0", "--num_speculative_tokens=9"],
+     "--num_speculative_tokens"),
+    (["--prompts_file", "/nonexistent/p.txt", "--max_tokens=4", "--temperature=0"],
+     "--prompts_file=/nonexistent/p.txt: cannot be read"),
+    (["--prompt", "x", "--max_tokens=4", "--temperature=0", "--model=/models/x"],
+     "--model=/models/x: adaspec generate runs the built-in reference models"),
+])
+def test_bad_generate_lines_exit_2_with_one_line(argv: list[str], message: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "adaspec", "generate", *LAUNCH[:2], *argv],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert done.stdout == ""
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("adaspec generate: error: ")
+    assert message in lines[0]
+
+
+def test_states_diagram_prints_the_declared_graph(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.run(["states", "--diagram"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("stateDiagram-v2")
+    assert "retire --> retired: retire_done" in out
+    assert cli.run(["states"]) == 2
