@@ -142,7 +142,10 @@ class Pipeline:
         self.active: list[Request] = []
         self.free_slots: list[int] = list(range(ctx.states.scratch))[::-1]
         self.releasing: list[Request] = []
-        self.pending: deque[tuple[str, Completion[Any], Any]] = deque()
+        # Device work not yet retired, in stream order: (kind, completion, payload, round).
+        # A prefill carries the number of the first round that can include its requests, so
+        # it is retired together with that round and never adds a host wait of its own.
+        self.pending: deque[tuple[str, Completion[Any], Any, int]] = deque()
         self._tiers: dict[int, tuple[int, ...]] = {}
         self._last_slots: tuple[tuple[int, ...], torch.Tensor] = ((), torch.zeros(0))
         self.next_round = 0
@@ -215,11 +218,10 @@ class Pipeline:
             await self._retire_next()
 
     def _first_pending_round(self) -> int:
-        kind, _, payload = self.pending[0]
-        return payload.round if kind == "round" else -1
+        return self.pending[0][3]
 
     async def _retire_next(self) -> None:
-        kind, completion, payload = self.pending.popleft()
+        kind, completion, payload, _ = self.pending.popleft()
         if kind == "prefill":
             await self._retire_prefill(completion, payload)
         else:
@@ -254,7 +256,7 @@ class Pipeline:
             stop_token_ids=stop_tensor([p.stop for p in params], device),
             first_request=admitted[0].id)
         completion = self.stream.enqueue(functools.partial(prefill, self.ctx, inputs))
-        self.pending.append(("prefill", completion, admitted))
+        self.pending.append(("prefill", completion, admitted, self.next_round))
 
     async def _retire_prefill(self, completion: Completion[Any], admitted: list[Request]
                               ) -> None:
@@ -298,7 +300,8 @@ class Pipeline:
         self.counters.max_rounds_in_flight = max(self.counters.max_rounds_in_flight,
                                                  len(self.counters.in_flight))
         await self._enqueue_round(record, RoundWork(self.ctx, inputs))
-        self.pending.append(("round", record.retired, record))  # type: ignore[arg-type]
+        assert record.retired is not None
+        self.pending.append(("round", record.retired, record, number))
 
     def _decide_depth(self, number: int, slot: int, num_reqs: int, bucket: int) -> int:
         context = DepthContext(round=number, num_reqs=num_reqs, num_reqs_bucket=bucket,
@@ -493,7 +496,7 @@ class Pipeline:
 
     def _prefill_pending(self, request: Request) -> bool:
         return any(kind == "prefill" and request in payload
-                   for kind, _, payload in self.pending)
+                   for kind, _, payload, _ in self.pending)
 
     def statistics(self) -> RuntimeStatistics:
         c = self.counters
