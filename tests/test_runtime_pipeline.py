@@ -24,6 +24,7 @@ from adaspec.runtime.engine import Runtime, RuntimeOptions
 from adaspec.runtime.events.clock import VirtualClock
 from adaspec.runtime.events.log import read_event_log
 from adaspec.runtime.events.replay import replay
+from adaspec.runtime.events.types import RoundRetired
 from adaspec.runtime.requests import RequestFailed
 from adaspec.runtime.states import RoundState
 from adaspec.runtime.trace import capture_trace, read_trace
@@ -331,3 +332,101 @@ async def _hook_count(runtime: Runtime, params: list[SamplingParams]) -> int:
     await runtime.submit([65, 66, 67], params[0]).result()
     await runtime.stop()
     return len(runtime.hooks._registered)
+
+
+def test_a_hook_raising_inside_the_pipeline_fails_its_round_and_nothing_else(
+        models: ReferenceModels, target_only: list[tuple[int, ...]]) -> None:
+    runtime = Runtime(config("DSpark", 3, 4), models=models)
+
+    def broken_hook(states: Any, source: RoundState, target: RoundState, trigger: str) -> None:
+        if states.round_index == 2:
+            raise InjectedFault("hook on entering verify")
+
+    runtime.hooks.on_enter(RoundState.VERIFY, broken_hook)
+    outcomes, later = asyncio.run(_first_and_later(runtime))
+    failed = [o for o in outcomes if isinstance(o, RequestFailed)]
+    assert failed
+    assert all("round 2 failed in pack: InjectedFault: hook on entering verify" in str(o)
+               for o in failed)
+    assert [r.token_ids for r in later] == target_only[4:]
+
+
+def test_a_failure_after_the_commit_wrote_the_slots_loses_and_duplicates_nothing(
+        models: ReferenceModels, target_only: list[tuple[int, ...]]) -> None:
+    runtime = Runtime(config("MTP", 3, 4), models=models)
+    calls = {"count": 0}
+
+    async def run() -> tuple[list[Any], list[Any]]:
+        await runtime.start()
+        assert runtime._pipeline is not None
+        drafting = runtime._pipeline.ctx.drafting
+        publish = drafting.after_commit
+
+        def failing(*args: Any) -> None:
+            calls["count"] += 1
+            publish(*args)
+            if calls["count"] == 3:  # the slot states are already written
+                raise InjectedFault("after the commit wrote the slots")
+
+        drafting.after_commit = failing  # type: ignore[method-assign]
+        return await _run_first_and_later(runtime, started=True)
+
+    outcomes, later = asyncio.run(run())
+    assert any(isinstance(o, RequestFailed) for o in outcomes)
+    for index, outcome in enumerate(outcomes):
+        if not isinstance(outcome, BaseException):
+            assert outcome.token_ids == target_only[index]
+    assert [r.token_ids for r in later] == target_only[4:]
+
+
+async def _first_and_later(runtime: Runtime) -> tuple[list[Any], list[Any]]:
+    await runtime.start()
+    return await _run_first_and_later(runtime, started=True)
+
+
+async def _run_first_and_later(runtime: Runtime, started: bool) -> tuple[list[Any], list[Any]]:
+    first = [runtime.submit(list(p), q) for p, q in zip(PROMPTS[:4], greedy(4), strict=True)]
+    outcomes = await asyncio.gather(*(h.result() for h in first), return_exceptions=True)
+    later = [runtime.submit(list(p), q) for p, q in zip(PROMPTS[4:], greedy(12)[4:],
+                                                         strict=True)]
+    results = [await h.result() for h in later]
+    await runtime.stop()
+    return list(outcomes), results
+
+
+def test_two_consumers_of_one_handle_both_see_every_token(models: ReferenceModels) -> None:
+    runtime = Runtime(config("DSpark", 3, 2), models=models)
+
+    async def consume(handle: Any) -> list[int]:
+        tokens: list[int] = []
+        async for chunk in handle:
+            tokens += chunk
+        return tokens
+
+    async def run() -> tuple[list[int], list[int], tuple[int, ...]]:
+        await runtime.start()
+        handle = runtime.submit(list(PROMPTS[0]), SamplingParams(temperature=0.0,
+                                                                 max_tokens=20))
+        first, second = await asyncio.gather(consume(handle), consume(handle))
+        result = await handle.result()
+        await runtime.stop()
+        return first, second, result.token_ids
+
+    first, second, tokens = asyncio.run(run())
+    assert first == second == list(tokens)
+    assert len(tokens) == 20
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_feedback_describes_exactly_the_live_requests_and_replays_at_either_lag(
+        models: ReferenceModels, tmp_path: Path, overlap: bool) -> None:
+    log = tmp_path / "run.jsonl"
+    decode(config("DSpark", 3, 4, enable_schedule_overlap=overlap), PROMPTS,
+           greedy(len(PROMPTS)), models, options=RuntimeOptions(event_log=str(log)))
+    header, events = read_event_log(str(log))
+    feedbacks = [e.feedback for e in events if isinstance(e, RoundRetired)]
+    assert feedbacks
+    for feedback in feedbacks:
+        assert feedback.num_reqs == len(feedback.verify_lengths) == len(feedback.num_accepted)
+        assert len(feedback.confidences) == feedback.num_reqs
+    assert replay(header, events).ok

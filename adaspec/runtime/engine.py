@@ -37,6 +37,9 @@ from adaspec.runtime.slots import MAX_STOP_TOKENS, SlotSampling, SlotStates
 from adaspec.runtime.states import RoundHooks
 from adaspec.runtime.trace import StateTrace
 
+MAX_SEED = 1 << 40
+"""Seeds stay small enough that every derived generator seed fits torch's 64 bits."""
+
 TRACE_ENV = "ADASPEC_TRACE"
 """Environment variable naming a state-trace file when ``RuntimeOptions.trace`` is unset."""
 
@@ -61,6 +64,11 @@ class RuntimeOptions:
     budget_policy: BudgetPolicy | None = None
     """Replaces the configured budget policy."""
 
+    def __post_init__(self) -> None:
+        seed = self.seed
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < MAX_SEED:
+            raise ConfigError("seed", seed, f"expected an integer in 0..{MAX_SEED - 1}")
+
 
 class RuntimeStopped(RuntimeError):
     """The runtime is not running (not started, stopping, or stopped after a fault)."""
@@ -81,7 +89,6 @@ class Runtime:
         self._models = models
         self._collectives = collectives or LocalCollectives()
         self._ids = itertools.count()
-        self._requests: dict[int, Request] = {}
         self._task: asyncio.Task[None] | None = None
         self._stream: DeviceStream | None = None
         self._pipeline: Pipeline | None = None
@@ -165,6 +172,7 @@ class Runtime:
         depth, budget = self._depth_policy(), self._budget_policy()
         return {"config": self.config.as_dict(), "cost_table": None,
                 "seeds": {"run": self.options.seed},
+                "lag": 2 if self.launch.enable_schedule_overlap else 1,
                 "policies": {"depth": {"name": depth.name, "settings": depth.settings()},
                              "budget": {"name": budget.name, "settings": budget.settings()}}}
 
@@ -199,12 +207,11 @@ class Runtime:
                                  f"expected at most {MAX_STOP_TOKENS} stop token ids")
         self._check_prompt(pipeline, prompt)
         request = Request(id=next(self._ids), prompt=tuple(prompt), params=params)
-        self._requests[request.id] = request
         self.bus.publish(RequestArrived(time=self.clock.now(), request_id=request.id,
                                         num_prompt_tokens=len(prompt),
                                         sampling=params_dict(params)))
         pipeline.add(request)
-        return RequestHandle(request, self.cancel)
+        return RequestHandle(request, self._cancel)
 
     def _running(self) -> Pipeline:
         pipeline = self._pipeline
@@ -233,9 +240,15 @@ class Runtime:
             raise InvalidRequest("prompt", bad, f"expected token ids in 0..{vocab - 1}")
 
     def cancel(self, request_id: int) -> None:
-        """End a request between rounds (see ``RequestHandle.cancel``)."""
-        request = self._requests.get(request_id)
-        if request is not None and request.running and self._pipeline is not None:
+        """End a request between rounds (see ``RequestHandle.cancel``); an unknown or ended
+        request is left alone."""
+        if self._pipeline is not None:
+            request = self._pipeline.find(request_id)
+            if request is not None:
+                self._cancel(request)
+
+    def _cancel(self, request: Request) -> None:
+        if request.running and self._pipeline is not None:
             self._pipeline.cancel(request)
 
     def statistics(self) -> RuntimeStatistics:

@@ -20,7 +20,7 @@ from typing import Any
 from adaspec.config import SamplingParams, load_config_from_argv
 from adaspec.config.launch import BUILTIN_TARGET
 from adaspec.errors import MISSING, ConfigError
-from adaspec.runtime.engine import Runtime, RuntimeOptions
+from adaspec.runtime.engine import MAX_SEED, Runtime, RuntimeOptions
 from adaspec.runtime.requests import RequestResult
 
 # name -> (metavar, help); every one takes a value except --json.
@@ -174,7 +174,10 @@ def run_generate(argv: Sequence[str]) -> int:
         raise ConfigError("--model", config.launch.model, "adaspec generate runs the built-in "
                           f"reference models ({BUILTIN_TARGET}); embed the runtime to serve "
                           "your own")
-    options = RuntimeOptions(seed=_number("seed", args.values.get("seed"), int, 0),
+    seed = _number("seed", args.values.get("seed"), int, 0)
+    if not 0 <= seed < MAX_SEED:
+        raise ConfigError("--seed", seed, f"expected an integer in 0..{MAX_SEED - 1}")
+    options = RuntimeOptions(seed=seed,
                              event_log=args.values.get("event_log"),
                              trace=args.values.get("trace"))
     results = asyncio.run(decode(Runtime(config, options=options), prompts, params))

@@ -69,6 +69,7 @@ class RoundRecord:
     depth: int
     num_rows: int
     machine: RoundStates
+    work: RoundWork  # held until retirement: its device tensors must outlive the device work
     retired: Completion[Any] | None = None
     error: BaseException | None = None
     failed_stage: str = ""
@@ -159,6 +160,10 @@ class Pipeline:
         self.waiting.append(request)
         self.wake.set()
 
+    def find(self, request_id: int) -> Request | None:
+        """A request that has not ended, by id (ended ones are forgotten)."""
+        return next((r for r in (*self.active, *self.waiting) if r.id == request_id), None)
+
     def cancel(self, request: Request) -> None:
         """Cancellation between rounds: the request ends now; rounds in flight that include
         it still run, their tokens for it are dropped, and its KV slot is freed after them."""
@@ -223,7 +228,7 @@ class Pipeline:
     async def _retire_next(self) -> None:
         kind, completion, payload, _ = self.pending.popleft()
         if kind == "prefill":
-            await self._retire_prefill(completion, payload)
+            await self._retire_prefill(completion, payload[0])
         else:
             await self._retire_round(payload)
         self._release_slots()
@@ -256,7 +261,8 @@ class Pipeline:
             stop_token_ids=stop_tensor([p.stop for p in params], device),
             first_request=admitted[0].id)
         completion = self.stream.enqueue(functools.partial(prefill, self.ctx, inputs))
-        self.pending.append(("prefill", completion, admitted, self.next_round))
+        # The inputs ride along until retirement: their device memory must outlive the work.
+        self.pending.append(("prefill", completion, (admitted, inputs), self.next_round))
 
     async def _retire_prefill(self, completion: Completion[Any], admitted: list[Request]
                               ) -> None:
@@ -288,7 +294,8 @@ class Pipeline:
         inputs = self._round_inputs(number, batch, bucket, depth, num_rows, verify)
         record = RoundRecord(round=number, slot=slot, batch=batch, num_reqs_bucket=bucket,
                              depth=depth, num_rows=num_rows,
-                             machine=RoundStates(number, self.hooks), started=self.now())
+                             machine=RoundStates(number, self.hooks),
+                             work=RoundWork(self.ctx, inputs), started=self.now())
         for request in batch:
             request.last_round = number
         if self.bus.listening:
@@ -299,7 +306,7 @@ class Pipeline:
         self.counters.in_flight.add(number)
         self.counters.max_rounds_in_flight = max(self.counters.max_rounds_in_flight,
                                                  len(self.counters.in_flight))
-        await self._enqueue_round(record, RoundWork(self.ctx, inputs))
+        await self._enqueue_round(record, record.work)
         assert record.retired is not None
         self.pending.append(("round", record.retired, record, number))
 
@@ -365,21 +372,31 @@ class Pipeline:
     # --- stage completions (callbacks on the loop) ---------------------------------------
     def _stage_done(self, record: RoundRecord, stage: str, future: "asyncio.Future[Any]"
                     ) -> None:
-        if record.error is not None or future.cancelled():
+        """A stage finished on the device: move the round on, or fail it. Anything raised
+        here (a hook, a subscriber) fails the round too, never the stream's delivery."""
+        error = None if future.cancelled() else future.exception()  # retrieved either way
+        if record.error is not None:
             return
-        error = future.exception()
-        if error is not None:
-            self._round_failed(record, stage, error)
-            return
-        self._advance(record, stage)
+        try:
+            if error is not None:
+                self._round_failed(record, stage, error)
+            else:
+                self._advance(record, stage)
+        except Exception as raised:
+            self._round_failed(record, stage, raised)
 
     def _unit_done(self, record: RoundRecord, future: "asyncio.Future[Any]") -> None:
+        """The whole round finished as one unit (unified mode); the failing stage of a unit
+        is not known, so a failure is reported for the stage ``round``."""
         error = None if future.cancelled() else future.exception()
-        if error is not None:
-            self._round_failed(record, "round", error)
-            return
-        for stage in STAGES:
-            self._advance(record, stage)
+        try:
+            if error is not None:
+                self._round_failed(record, "round", error)
+                return
+            for stage in STAGES:
+                self._advance(record, stage)
+        except Exception as raised:
+            self._round_failed(record, "round", raised)
 
     def _advance(self, record: RoundRecord, stage: str) -> None:
         record.machine.fire(TRIGGER_OF[stage])
@@ -388,11 +405,47 @@ class Pipeline:
                                         slot=record.slot, stage=stage))
 
     def _round_failed(self, record: RoundRecord, stage: str, error: BaseException) -> None:
-        """The one failure handler: the round ends failed, its requests fail with the cause,
-        and nothing of it is committed to them (their later tokens are dropped)."""
+        """The one failure handler, as the failure arrives: the round ends failed and its
+        remaining stages are skipped. Its requests are failed when the round retires (in
+        order, like everything the policies and the batch depend on), so what the host
+        decides never depends on when a failure arrived."""
+        if record.error is not None:
+            return
         record.error = error
         record.failed_stage = stage
-        record.machine.fire("fail")
+        record.work.abandoned = True
+        if not record.machine.terminal:
+            try:
+                record.machine.fire("fail")
+            except Exception as hook_error:  # a hook raising on failure: keep the cause
+                error.__context__ = hook_error
+
+    # --- retirement ------------------------------------------------------------------------
+    async def _retire_round(self, record: RoundRecord) -> None:
+        assert record.retired is not None
+        try:
+            host = await record.retired
+        except Exception:  # the failure handler has the cause
+            host = None
+        self.counters.in_flight.discard(record.round)
+        self.retired_through = record.round
+        # An idle loop retires rounds early; numbering the next round past them keeps the
+        # lag rule: no decision for round n ever follows the feedback of round n-1.
+        self.next_round = max(self.next_round, record.round + self.lag)
+        if record.error is not None:
+            self._fail_round_requests(record, record.error)
+            return
+        assert host is not None
+        feedback = self._feedback(record, host)
+        self.depth_policy.observe(feedback)
+        self.budget_policy.observe(feedback)
+        self.counters.rounds_retired += 1
+        if self.bus.listening:
+            self.publish(RoundRetired(time=self.now(), round=record.round, slot=record.slot,
+                                      feedback=feedback))
+
+    def _fail_round_requests(self, record: RoundRecord, error: BaseException) -> None:
+        stage = record.failed_stage
         self.counters.rounds_failed += 1
         self.publish(RoundFailed(time=self.now(), round=record.round, slot=record.slot,
                                  stage=stage, error=type(error).__name__,
@@ -402,28 +455,6 @@ class Pipeline:
         for request in record.batch:
             if request.running:
                 self._fail_request(request, reason)
-
-    # --- retirement ------------------------------------------------------------------------
-    async def _retire_round(self, record: RoundRecord) -> None:
-        assert record.retired is not None
-        try:
-            host = await record.retired
-        except Exception:  # already handled by the failure handler
-            host = None
-        self.counters.in_flight.discard(record.round)
-        self.retired_through = record.round
-        # An idle loop retires rounds early; numbering the next round past them keeps the
-        # lag rule: no decision for round n ever follows the feedback of round n-1.
-        self.next_round = max(self.next_round, record.round + self.lag)
-        if host is None or record.error is not None:
-            return
-        feedback = self._feedback(record, host)
-        self.depth_policy.observe(feedback)
-        self.budget_policy.observe(feedback)
-        self.counters.rounds_retired += 1
-        if self.bus.listening:
-            self.publish(RoundRetired(time=self.now(), round=record.round, slot=record.slot,
-                                      feedback=feedback))
 
     def _feedback(self, record: RoundRecord, host: dict[str, Any]) -> RoundFeedback:
         """Stream each live request's tokens, finish those that ended, and build the round's
@@ -455,7 +486,7 @@ class Pipeline:
             if finish[index]:
                 self._finish(request, FINISH_REASONS[finish[index]])
         return RoundFeedback(
-            round=record.round, num_reqs=num, num_reqs_bucket=record.num_reqs_bucket,
+            round=record.round, num_reqs=len(rows), num_reqs_bucket=record.num_reqs_bucket,
             width=self.width, depth=record.depth, num_rows=record.num_rows,
             verify_lengths=tuple(lengths[i] for i in rows),
             num_accepted=tuple(accepted[i] for i in rows),
@@ -495,7 +526,7 @@ class Pipeline:
         self.releasing = keep
 
     def _prefill_pending(self, request: Request) -> bool:
-        return any(kind == "prefill" and request in payload
+        return any(kind == "prefill" and request in payload[0]
                    for kind, _, payload, _ in self.pending)
 
     def statistics(self) -> RuntimeStatistics:

@@ -85,7 +85,8 @@ class Request:
     async def wait_beyond(self, count: int) -> None:
         """Return once more than ``count`` tokens exist or the request has ended."""
         while len(self.tokens) <= count and self.running:
-            self._wakeup = asyncio.get_running_loop().create_future()
+            if self._wakeup is None:  # shared by every consumer waiting now
+                self._wakeup = asyncio.get_running_loop().create_future()
             await self._wakeup
 
     def result(self) -> RequestResult:
@@ -99,7 +100,7 @@ class RequestHandle:
     """What ``Runtime.submit`` returns: iterate it for token chunks as rounds retire, or await
     ``result()``; ``cancel()`` ends the request between rounds."""
 
-    def __init__(self, request: Request, cancel: Callable[[int], None]) -> None:
+    def __init__(self, request: Request, cancel: Callable[[Request], None]) -> None:
         self._request = request
         self._cancel = cancel
 
@@ -127,7 +128,7 @@ class RequestHandle:
     def cancel(self) -> None:
         """End the request before its next round; tokens of rounds already in flight are
         dropped and its KV slot is freed once they retire."""
-        self._cancel(self._request.id)
+        self._cancel(self._request)
 
     async def result(self) -> RequestResult:
         await self._request.done.wait()

@@ -26,6 +26,13 @@ from adaspec.runtime.slots import MAX_STOP_TOKENS, SlotSampling, SlotStates
 
 T = TypeVar("T")
 
+
+class RoundAbandoned(Exception):
+    """A stage skipped because an earlier stage of its round failed."""
+
+    def __init__(self, round_index: int, stage: str) -> None:
+        super().__init__(f"round {round_index} {stage} skipped: an earlier stage failed")
+
 StageHook = Callable[[int, str], None]
 """Called with (round, stage) as each stage's device work starts (fault injection in tests)."""
 
@@ -74,8 +81,11 @@ class RoundWork:
     out: TargetOutput | None = None
     sampled: Tensor | None = None  # [G]
     result: CommitResult | None = None
+    abandoned: bool = False  # set by the host when the round failed: later stages skip
 
     def _enter(self, stage: str) -> None:
+        if self.abandoned:
+            raise RoundAbandoned(self.inputs.round, stage)
         hook = self.ctx.stage_hook
         if hook is not None:
             hook(self.inputs.round, stage)

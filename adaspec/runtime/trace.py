@@ -100,6 +100,7 @@ def capture_trace(runtime: Any) -> Iterator[list[dict[str, Any]]]:
     try:
         yield lines
     finally:
+        runtime.hooks.remove(trace.hook)
         runtime.bus.unsubscribe(trace.observe)
 
 

@@ -1,10 +1,10 @@
 """Device streams: where the round runtime enqueues the device work of each stage.
 
-The runtime enqueues the stages of a round (draft, pack, verify, sample, commit, retire) one
-after another without the host waiting in between; the only host wait is the retirement of
-round n-2. A stream runs work items in submission order and
-reports each one's end as a ``Completion``: an awaitable resolved on the runtime's asyncio loop
-once the device has finished that work, not merely once it was launched.
+The runtime enqueues the stages of a round (draft, consensus, pack, verify, sample, commit,
+retire) one after another without the host waiting in between; the only host wait is the
+retirement of round n-2. A stream runs work items in submission order and reports each one's
+end as a ``Completion``: an awaitable resolved on the runtime's asyncio loop once the device
+has finished that work, not merely once it was launched.
 
 - cpu: the "device" is one worker thread; work is finished when the function has returned.
 - cuda / npu: a launcher thread runs each item under the stream and records an event after
@@ -180,10 +180,20 @@ class _QueueStream:
         with self._outbox_lock:
             ready, self._outbox = self._outbox, []
             self._delivery_scheduled = False
-        for future, outcome, on_done in ready:
+        for future, outcome, _ in ready:
             _settle(future, outcome)
-            if on_done is not None and not future.cancelled():
+        # Every completion is settled before any callback runs, so a raising callback cannot
+        # leave a later completion unresolved; the first error surfaces after all ran.
+        first_error: Exception | None = None
+        for future, _, on_done in ready:
+            if on_done is None or future.cancelled():
+                continue
+            try:
                 on_done(future)
+            except Exception as error:
+                first_error = first_error or error
+        if first_error is not None:
+            raise first_error
 
 
 class WorkerStream(_QueueStream):

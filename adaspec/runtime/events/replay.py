@@ -53,7 +53,8 @@ class LagViolation:
 
     round: int
     decision: Decision
-    newest_feedback: int  # newest retired round the decision could see (>= round - 1)
+    newest_feedback: int  # newest retired round the decision could see (> allowed)
+    allowed: int  # newest round the lag allows: round - 2 (round - 1 without overlap)
     from_context: bool  # True: the context says so; False: a retirement came first in the log
     event_index: int
 
@@ -61,7 +62,7 @@ class LagViolation:
         seen = ("its context says feedback through round" if self.from_context
                 else "it came after the log retired round")
         return (f"{seen} {self.newest_feedback}, but the lag allows feedback of rounds <= "
-                f"{self.round - 2} only (event {self.event_index}, log line "
+                f"{self.allowed} only (event {self.event_index}, log line "
                 f"{self.event_index + 2})")
 
     def describe(self) -> str:
@@ -166,7 +167,8 @@ def replay(
     if budget_policy is None:
         budget_policy = make_budget_policy(recorded["budget"]["name"],
                                            recorded["budget"]["settings"])
-    walk = _Walk(depth_policy, budget_policy)
+    # Logs record their lag (2 with schedule overlap, 1 without); older logs meant 2.
+    walk = _Walk(depth_policy, budget_policy, int(header.get("lag", 2)))
     for index, event in enumerate(events):
         walk.step(index, event)
     return walk.report(recorded)
@@ -175,7 +177,9 @@ def replay(
 class _Walk:
     """The replay's running state; one ``step`` per event."""
 
-    def __init__(self, depth_policy: DepthPolicy, budget_policy: BudgetPolicy) -> None:
+    def __init__(self, depth_policy: DepthPolicy, budget_policy: BudgetPolicy,
+                 lag: int) -> None:
+        self.lag = lag
         self.depth_policy = depth_policy
         self.budget_policy = budget_policy
         self.newest_observed = -1  # newest round whose feedback the policies observed
@@ -208,10 +212,11 @@ class _Walk:
             self.divergences.append(Divergence(round=round, decision=decision, recorded=recorded,
                                                replayed=replayed, event_index=index))
         newest = max(retired_through, self.newest_observed)
-        if newest >= 0 and newest >= round - 1:  # -1: no feedback seen yet
+        allowed = round - self.lag
+        if newest >= 0 and newest > allowed:  # -1: no feedback seen yet
             self.lag_violations.append(LagViolation(
-                round=round, decision=decision, newest_feedback=newest,
-                from_context=retired_through >= round - 1, event_index=index))
+                round=round, decision=decision, newest_feedback=newest, allowed=allowed,
+                from_context=retired_through > allowed, event_index=index))
 
     def report(self, recorded: Mapping[str, Any]) -> ReplayReport:
         depth = _entry(self.depth_policy)

@@ -328,6 +328,11 @@ class RoundHooks:
         self._registered.append((None, hook))
         self._compile()
 
+    def remove(self, hook: RoundHook) -> None:
+        """Stop running ``hook`` (every registration of it)."""
+        self._registered = [(state, h) for state, h in self._registered if h is not hook]
+        self._compile()
+
     def _compile(self) -> None:
         self._by_target = tuple(
             tuple(hook for state, hook in self._registered if state is None or state is target)
