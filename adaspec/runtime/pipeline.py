@@ -470,21 +470,20 @@ class Pipeline:
         # Entries no longer live on the device finished in an earlier round: they tell
         # nothing about this one.
         rows = [index for index in range(num) if live[index]]
-        counters = self.counters
-        for index in rows:
+        delivered = [index for index in rows if record.batch[index].running]
+        for index in delivered:  # cancelled or failed requests: their tokens are dropped
             request = record.batch[index]
-            if not request.running:
-                continue  # cancelled or failed: its in-flight rounds' tokens are dropped
             request.rounds += 1
             request.verified += lengths[index]
             request.accepted += accepted[index]
-            counters.request_rounds += 1
-            counters.drafted_verified += lengths[index]
-            counters.drafted_accepted += accepted[index]
-            counters.tokens_generated += emitted[index]
             request.emit(tokens[index][:emitted[index]])
             if finish[index]:
                 self._finish(request, FINISH_REASONS[finish[index]])
+        counters = self.counters
+        counters.request_rounds += len(delivered)
+        counters.drafted_verified += sum(lengths[i] for i in delivered)
+        counters.drafted_accepted += sum(accepted[i] for i in delivered)
+        counters.tokens_generated += sum(emitted[i] for i in delivered)
         return RoundFeedback(
             round=record.round, num_reqs=len(rows), num_reqs_bucket=record.num_reqs_bucket,
             width=self.width, depth=record.depth, num_rows=record.num_rows,

@@ -63,7 +63,8 @@ class Request:
 
     def emit(self, token_ids: list[int]) -> None:
         self.tokens.extend(token_ids)
-        self._wake()
+        if self._wakeup is not None:
+            self._wake()
 
     def finish(self, reason: str) -> None:
         self.running = False
