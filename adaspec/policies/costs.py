@@ -1,0 +1,198 @@
+"""Full-step cost models of a round, fitted to calibration samples: SPS and additive.
+
+A sample is the wall time of one complete decode interval (draft, verification, sampling,
+commit and retirement together) at a padded shape: Bcap physical request entries and G
+target graph rows. These are full-step costs; nothing is added on top of them.
+
+- **SPS**: steps per second over G alone, ``cost_ms = 1000 / SPS(G)``.
+- **Additive**: ``seconds = bias + alpha(Bcap) + theta(G)`` by least squares over the probe
+  grid, with one gauge fixed (alpha of the smallest bucket and theta of the smallest G are
+  zero, the bias absorbs them), so the fit is unique when the grid is connected.
+
+Prices are step functions of the padded shape. A shape without a measurement is priced at
+the next larger measured shape, never extrapolated down to free, and fitted terms are made
+monotone (a larger G or Bcap never costs less), because padding is real work.
+"""
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Literal, Protocol
+
+import numpy as np
+
+from adaspec.errors import AdaspecError
+
+
+@dataclass(frozen=True, slots=True)
+class CostSample:
+    """One measured decode interval."""
+
+    num_reqs_bucket: int  # Bcap
+    num_rows: int  # G
+    seconds: float  # wall time of the complete interval
+
+
+class UnpricedShape(AdaspecError):
+    """A shape above everything the table measured: nothing larger can price it."""
+
+    def __init__(self, what: str, value: int, largest: int) -> None:
+        super().__init__(what, value, largest)
+        self.what, self.value, self.largest = what, value, largest
+
+    def __str__(self) -> str:
+        return (f"cost table: {self.what}={self.value} lies above the largest measured "
+                f"{self.what}={self.largest}; calibrate that shape")
+
+
+class CostTable(Protocol):
+    @property
+    def kind(self) -> Literal["sps", "additive"]: ...
+
+    def cost_ms(self, num_reqs_bucket: int, num_rows: int) -> float:
+        """Predicted full-step milliseconds of a round at (Bcap, G)."""
+        ...
+
+    def as_dict(self) -> dict[str, object]: ...
+
+
+def _next_measured(values: tuple[int, ...], value: int, what: str) -> int:
+    """Index of the smallest measured value >= ``value``."""
+    index = bisect.bisect_left(values, value)
+    if index == len(values):
+        raise UnpricedShape(what, value, values[-1])
+    return index
+
+
+def _running_max(values: Sequence[float]) -> tuple[float, ...]:
+    out: list[float] = []
+    for value in values:
+        out.append(value if not out else max(out[-1], value))
+    return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class SpsTable:
+    """Steps per second over G; monotone: a larger G never runs more steps per second."""
+
+    rows: tuple[int, ...]  # measured G, ascending
+    steps_per_second: tuple[float, ...]
+    kind: Literal["sps"] = "sps"
+
+    def cost_ms(self, num_reqs_bucket: int, num_rows: int) -> float:
+        index = _next_measured(self.rows, num_rows, "G")
+        return 1000.0 / self.steps_per_second[index]
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class AdditiveTable:
+    """``bias + alpha(Bcap) + theta(G)`` seconds, terms monotone in their argument."""
+
+    bias: float
+    buckets: tuple[int, ...]  # measured Bcap, ascending
+    alpha: tuple[float, ...]  # seconds; alpha[0] = 0 before monotone repair
+    rows: tuple[int, ...]  # measured G, ascending
+    theta: tuple[float, ...]  # seconds; theta[0] = 0 before monotone repair
+    residual_rms: float  # seconds, over the fitted samples
+    residual_max_relative: float  # largest |residual| / measured
+    kind: Literal["additive"] = "additive"
+
+    def seconds(self, num_reqs_bucket: int, num_rows: int) -> float:
+        b = _next_measured(self.buckets, num_reqs_bucket, "Bcap")
+        g = _next_measured(self.rows, num_rows, "G")
+        return self.bias + self.alpha[b] + self.theta[g]
+
+    def cost_ms(self, num_reqs_bucket: int, num_rows: int) -> float:
+        return 1000.0 * self.seconds(num_reqs_bucket, num_rows)
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+class FitError(AdaspecError):
+    """The samples cannot determine the model (too few points, a disconnected grid)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"cost fit: {self.reason}"
+
+
+def fit_sps(samples: Sequence[CostSample]) -> SpsTable:
+    """Median interval time per G, pooled over buckets, as steps per second."""
+    if not samples:
+        raise FitError("no samples")
+    rows = tuple(sorted({s.num_rows for s in samples}))
+    medians = [float(np.median([s.seconds for s in samples if s.num_rows == g])) for g in rows]
+    # Monotone: a larger G never costs less; the running max keeps measured steps intact.
+    seconds = _running_max(medians)
+    return SpsTable(rows=rows, steps_per_second=tuple(1.0 / t for t in seconds))
+
+
+def fit_additive(samples: Sequence[CostSample]) -> AdditiveTable:
+    """Least squares of ``bias + alpha(Bcap) + theta(G)``; the grid must be connected."""
+    if not samples:
+        raise FitError("no samples")
+    buckets = tuple(sorted({s.num_reqs_bucket for s in samples}))
+    rows = tuple(sorted({s.num_rows for s in samples}))
+    components = grid_components([(s.num_reqs_bucket, s.num_rows) for s in samples])
+    if components > 1:
+        raise FitError(f"the sampled (Bcap, G) points form {components} groups with no G in "
+                       "common; an additive fit needs them connected through shared G")
+    design, measured = _design(samples, buckets, rows)
+    solution, *_ = np.linalg.lstsq(design, measured, rcond=None)
+    fitted = design @ solution
+    residuals = measured - fitted
+    alpha = (0.0, *solution[1:len(buckets)].tolist())
+    theta = (0.0, *solution[len(buckets):].tolist())
+    return AdditiveTable(
+        bias=float(solution[0]), buckets=buckets, alpha=_running_max(alpha), rows=rows,
+        theta=_running_max(theta), residual_rms=float(np.sqrt(np.mean(residuals ** 2))),
+        residual_max_relative=float(np.max(np.abs(residuals) / measured)))
+
+
+def _design(samples: Sequence[CostSample], buckets: tuple[int, ...], rows: tuple[int, ...]
+            ) -> tuple[np.ndarray, np.ndarray]:
+    """Columns: bias, one per bucket but the first, one per G but the first (the gauge)."""
+    b_index = {b: i for i, b in enumerate(buckets)}
+    g_index = {g: i for i, g in enumerate(rows)}
+    design = np.zeros((len(samples), len(buckets) + len(rows) - 1))
+    design[:, 0] = 1.0
+    for row, sample in enumerate(samples):
+        b, g = b_index[sample.num_reqs_bucket], g_index[sample.num_rows]
+        if b:
+            design[row, b] = 1.0
+        if g:
+            design[row, len(buckets) - 1 + g] = 1.0
+    return design, np.array([s.seconds for s in samples])
+
+
+def grid_components(points: Sequence[tuple[int, int]]) -> int:
+    """Connected groups of the bipartite graph Bcap -- G drawn by the (Bcap, G) points."""
+    parent: dict[tuple[str, int], tuple[str, int]] = {}
+
+    def root(node: tuple[str, int]) -> tuple[str, int]:
+        parent.setdefault(node, node)
+        while parent[node] != node:
+            parent[node] = parent[parent[node]]
+            node = parent[node]
+        return node
+
+    for bucket, rows in points:
+        parent[root(("b", bucket))] = root(("g", rows))
+    return len({root(node) for node in list(parent)})
+
+
+def fit(kind: Literal["sps", "additive"], samples: Sequence[CostSample]) -> CostTable:
+    return fit_sps(samples) if kind == "sps" else fit_additive(samples)
+
+
+def relative_errors(table: CostTable, samples: Sequence[CostSample]) -> list[float]:
+    """|predicted - measured| / measured for each sample (held-out evaluation)."""
+    return [abs(table.cost_ms(s.num_reqs_bucket, s.num_rows) / 1000.0 - s.seconds) / s.seconds
+            for s in samples]

@@ -1,0 +1,129 @@
+"""The calibration probe grid and its checks, all made before any sampling starts.
+
+Startup measures every (Bcap, G) point of the grid. The grid is refused up front when a
+measurement could not be used: an uncaptured bucket or G (calibration never captures a
+shape), a bucket without its full-width G (the fallback every round may take), an additive
+grid in several pieces (the fit would not be unique), context intervals that overlap or that
+the model, its cache, or the worst-case progress of both in-flight slots cannot hold.
+"""
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from adaspec.config.calibration import ContextInterval
+from adaspec.errors import ConfigError
+from adaspec.policies.costs import grid_components
+
+DEFAULT_PREFILL = 2048
+DEFAULT_MAX_KV = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeGrid:
+    """The (Bcap, G) points calibration measures, ascending."""
+
+    width: int
+    points: tuple[tuple[int, int], ...]
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        return tuple(sorted({b for b, _ in self.points}))
+
+    @property
+    def rows(self) -> tuple[int, ...]:
+        return tuple(sorted({g for _, g in self.points}))
+
+
+def probe_grid(width: int, request_buckets: Sequence[int],
+               legal_rows: Mapping[int, Sequence[int]], captured_buckets: Sequence[int],
+               target_graph_rows: Sequence[int] | None, model: str,
+               setting: str = "calibration") -> ProbeGrid:
+    """The grid of a calibration config against the captured geometry, checked.
+
+    ``legal_rows[b]`` lists the captured G a bucket b may run (its tiers, full width
+    included); ``target_graph_rows`` restricts them when the config gives it.
+    """
+    for bucket in request_buckets:
+        if bucket not in captured_buckets:
+            raise ConfigError(f"{setting}: request_buckets", list(request_buckets),
+                              f"bucket {bucket} is not captured; captured buckets: "
+                              f"{list(captured_buckets)}")
+    points = []
+    for bucket in request_buckets:
+        rows = list(legal_rows[bucket])
+        if target_graph_rows is not None:
+            rows = [g for g in rows if g in target_graph_rows]
+        full = bucket * (width + 1)
+        if full not in rows:
+            raise ConfigError(f"{setting}: target_graph_rows", _shown(target_graph_rows),
+                              f"must keep full width G={full} of bucket {bucket} (Bcap * "
+                              f"(w + 1)); every round may fall back to it")
+        points += [(bucket, g) for g in rows]
+    grid = ProbeGrid(width=width, points=tuple(sorted(points)))
+    _check_used(grid, target_graph_rows, setting)
+    if model == "additive":
+        check_connected(grid, setting)
+    return grid
+
+
+def _shown(rows: Sequence[int] | None) -> object:
+    return "all legal tiers" if rows is None else list(rows)
+
+
+def _check_used(grid: ProbeGrid, target_graph_rows: Sequence[int] | None,
+                setting: str) -> None:
+    """Every explicit G must be a captured tier of some sampled bucket."""
+    if target_graph_rows is None:
+        return
+    unused = [g for g in target_graph_rows if g not in grid.rows]
+    if unused:
+        raise ConfigError(f"{setting}: target_graph_rows", list(target_graph_rows),
+                          f"G={unused[0]} is not a captured tier of any sampled bucket")
+
+
+def check_connected(grid: ProbeGrid, setting: str = "calibration") -> None:
+    """An additive fit is unique only when all buckets and G connect through shared G."""
+    pieces = grid_components(grid.points)
+    if pieces > 1:
+        raise ConfigError(f"{setting}: target_graph_rows", list(grid.rows),
+                          f"the additive grid falls into {pieces} groups of buckets with no "
+                          "G in common; add a G that the groups share, or use model sps")
+
+
+def sampling_progress(width: int, warmup_steps: int, window_steps: int,
+                      windows_per_point: int) -> int:
+    """Most tokens one synthetic request can gain while a grid point is measured: every
+    decode interval commits up to w + 1 tokens, and two rounds are in flight."""
+    rounds = warmup_steps + window_steps * windows_per_point + 2
+    return rounds * (width + 1)
+
+
+def default_contexts(context_limit: int, progress: int) -> tuple[ContextInterval, ...]:
+    """The built-in interval (prefill 2048, KV 1..4096) capped by the model's context. For a
+    short context the prefill shrinks so the measured progress still fits."""
+    max_kv = min(DEFAULT_MAX_KV, context_limit)
+    prefill = min(DEFAULT_PREFILL, max_kv - progress)
+    if prefill < 1:
+        raise ConfigError("calibration: contexts", "built-in default",
+                          f"a context limit of {context_limit} tokens cannot hold "
+                          f"{progress} tokens of sampling progress; give a calibration file "
+                          "with fewer warmup_steps, window_steps or windows_per_point")
+    return (ContextInterval(prefill_tokens=prefill, min_kv_length=1, max_kv_length=max_kv),)
+
+
+def check_contexts(contexts: Sequence[ContextInterval], context_limit: int, progress: int,
+                   setting: str = "calibration") -> None:
+    """Each interval fits the model, and its prompts plus the sampling progress stay in it.
+    (Overlap is checked when the config is built.)"""
+    for index, context in enumerate(contexts):
+        if context.max_kv_length > context_limit:
+            raise ConfigError(f"{setting}: contexts[{index}].max_kv_length",
+                              context.max_kv_length,
+                              f"expected at most the model's context limit {context_limit}")
+        room = context.max_kv_length - progress
+        if context.prefill_tokens > room:
+            raise ConfigError(f"{setting}: contexts[{index}].prefill_tokens",
+                              context.prefill_tokens,
+                              f"expected at most {room}: measuring a point adds up to "
+                              f"{progress} tokens, which must stay within max_kv_length="
+                              f"{context.max_kv_length}")
