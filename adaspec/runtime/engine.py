@@ -257,6 +257,18 @@ class Runtime:
             raise RuntimeStopped("the runtime has not started")
         return self._pipeline.statistics()
 
+    @property
+    def vocab_size(self) -> int:
+        return self._running().ctx.target.vocab_size
+
+    @property
+    def context_limit(self) -> int:
+        return self._running().ctx.target.context_limit
+
+    @property
+    def geometry(self) -> BucketGeometry:
+        return self._running().geometry
+
     def subscribe(self, handler: Any) -> None:
         """Receive every event (a plain callable, run in subscription order)."""
         self.bus.subscribe(handler)

@@ -126,6 +126,11 @@ class RequestHandle:
             elif not request.running:
                 return
 
+    @property
+    def done(self) -> bool:
+        """Whether the request has ended (finished, cancelled or failed)."""
+        return not self._request.running
+
     def cancel(self) -> None:
         """End the request before its next round; tokens of rounds already in flight are
         dropped and its KV slot is freed once they retire."""
