@@ -430,3 +430,12 @@ def test_feedback_describes_exactly_the_live_requests_and_replays_at_either_lag(
         assert feedback.num_reqs == len(feedback.verify_lengths) == len(feedback.num_accepted)
         assert len(feedback.confidences) == feedback.num_reqs
     assert replay(header, events).ok
+
+
+def test_without_schedule_overlap_every_round_uses_slot_0(models: ReferenceModels) -> None:
+    runtime = Runtime(config("DSpark", 2, 2, enable_schedule_overlap=False), models=models)
+    slots: set[tuple[int, int]] = set()
+    runtime.hooks.on_transition(lambda s, a, b, t: slots.add((s.round_index, s.slot)))
+    asyncio.run(_hook_count(runtime, [SamplingParams(temperature=0.0, max_tokens=12)]))
+    assert len(slots) > 2
+    assert {slot for _, slot in slots} == {0}

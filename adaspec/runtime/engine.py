@@ -7,6 +7,7 @@ itself is ``adaspec.runtime.pipeline``.
 """
 
 import asyncio
+import dataclasses
 import functools
 import itertools
 import os
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from adaspec.config.effective import EffectiveConfig
+from adaspec.config.launch import LaunchConfig
 from adaspec.config.requests import SamplingParams, check_request
 from adaspec.errors import ConfigError, InvalidRequest
 from adaspec.models.checkpoint import ReferenceModels, load_reference_models
@@ -274,12 +276,11 @@ class Runtime:
         self.bus.subscribe(handler)
 
 
-def adaptive_budget(launch: Any) -> bool:
+def adaptive_budget(launch: LaunchConfig) -> bool:
     """Whether the budget policy may pick any legal G (adaptive target verify or depth)."""
     return bool(launch.enable_adaptive_target_verify or launch.enable_adaptive_draft_step)
 
 
 def params_dict(params: SamplingParams) -> dict[str, object]:
-    return {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
-            "min_p": params.min_p, "max_tokens": params.max_tokens, "stop": list(params.stop)}
+    return dataclasses.asdict(params)
 

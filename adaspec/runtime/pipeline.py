@@ -12,7 +12,7 @@ round through its states; a failed stage fails the round through one handler.
 import asyncio
 import functools
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, cast
 
 import torch
@@ -294,7 +294,7 @@ class Pipeline:
         inputs = self._round_inputs(number, batch, bucket, depth, num_rows, verify)
         record = RoundRecord(round=number, slot=slot, batch=batch, num_reqs_bucket=bucket,
                              depth=depth, num_rows=num_rows,
-                             machine=RoundStates(number, self.hooks),
+                             machine=RoundStates(number, self.hooks, slot),
                              work=RoundWork(self.ctx, inputs), started=self.now())
         for request in batch:
             request.last_round = number
@@ -529,15 +529,10 @@ class Pipeline:
                    for kind, _, payload, _ in self.pending)
 
     def statistics(self) -> RuntimeStatistics:
-        c = self.counters
-        return RuntimeStatistics(
-            rounds_submitted=c.rounds_submitted, rounds_retired=c.rounds_retired,
-            rounds_failed=c.rounds_failed, requests_finished=c.requests_finished,
-            requests_failed=c.requests_failed, tokens_generated=c.tokens_generated,
-            drafted_verified=c.drafted_verified, drafted_accepted=c.drafted_accepted,
-            request_rounds=c.request_rounds, max_rounds_in_flight=c.max_rounds_in_flight,
-            depth_policy=self.depth_policy.statistics(),
-            budget_policy=self.budget_policy.statistics())
+        counts = {f.name: getattr(self.counters, f.name) for f in fields(Counters)
+                  if f.name != "in_flight"}
+        return RuntimeStatistics(**counts, depth_policy=self.depth_policy.statistics(),
+                                 budget_policy=self.budget_policy.statistics())
 
 
 def run_unified(work: RoundWork) -> Any:

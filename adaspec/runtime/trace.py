@@ -57,9 +57,9 @@ class StateTrace:
         return cls([keep], structlog.PrintLogger(), clock)
 
     def observe(self, event: Event) -> None:
-        """Remember each round's slot, start and decisions until its transitions are traced."""
+        """Remember each round's start and decisions until its transitions are traced."""
         if isinstance(event, RoundSubmitted):
-            self._info(event.round).update(slot=event.slot, start=event.time)
+            self._info(event.round)["start"] = event.time
         elif isinstance(event, DepthDecided):
             self._info(event.round)["depth"] = event.depth
         elif isinstance(event, BudgetDecided):
@@ -78,7 +78,7 @@ class StateTrace:
             decision = {"G": info["rows"], "bound_G": info["bound_rows"]}
         start = info.get("start")
         elapsed = None if start is None else round((self._clock.now() - start) * 1e3, 3)
-        self._log.info("transition", round=states.round_index, slot=info.get("slot"),
+        self._log.info("transition", round=states.round_index, slot=states.slot,
                        **{"from": source.label, "to": target.label}, cause=trigger,
                        decision=decision, elapsed_ms=elapsed)
         if target in (RoundState.RETIRED, RoundState.FAILED):

@@ -350,20 +350,20 @@ class RoundStates:
     state, which is always a working state, so the failure handler can still fire ``fail``.
     """
 
-    __slots__ = ("_hooks", "_state", "round_index")
+    __slots__ = ("_hooks", "_state", "round_index", "slot")
 
-    def __init__(self, round_index: int, hooks: RoundHooks = _NO_HOOKS) -> None:
+    def __init__(self, round_index: int, hooks: RoundHooks = _NO_HOOKS,
+                 slot: int | None = None) -> None:
         self.round_index = round_index
+        # The pipeline says which slot the round uses (always 0 without schedule overlap);
+        # round % 2 is the two-slot default.
+        self.slot = round_index % NUM_SLOTS if slot is None else slot
         self._state = INITIAL_STATE
         self._hooks = hooks
 
     @property
     def state(self) -> RoundState:
         return self._state
-
-    @property
-    def slot(self) -> int:
-        return self.round_index % NUM_SLOTS
 
     @property
     def terminal(self) -> bool:
