@@ -24,6 +24,7 @@ commands:
   config    check a launch line and print its effective configuration as JSON
   models    identities, sizes and measured quality of the built-in reference models
   generate  decode prompts with the built-in models (speculative or target alone)
+  calibrate measure and fit the costs of adaptive target verify, save the bundle
   states    the round state graph (--diagram prints it as mermaid)
   replay    re-run the policies of a recorded event log and report the first divergence
 
@@ -94,6 +95,12 @@ def run_generate(argv: Sequence[str]) -> int:
     return generate(argv)
 
 
+def run_calibrate(argv: Sequence[str]) -> int:
+    from adaspec.runtime.calibrate_command import run_calibrate as calibrate  # loads torch
+
+    return calibrate(argv)
+
+
 def run_states(argv: Sequence[str]) -> int:
     if list(argv) in (["-h"], ["--help"]):
         print("usage: adaspec states --diagram\n\n  --diagram  print the round state graph "
@@ -115,7 +122,7 @@ def run_replay(argv: Sequence[str]) -> int:
 
 COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "config": run_config, "models": run_models, "generate": run_generate,
-    "states": run_states, "replay": run_replay}
+    "calibrate": run_calibrate, "states": run_states, "replay": run_replay}
 
 
 def run(argv: Sequence[str]) -> int:

@@ -202,3 +202,25 @@ class ReplayMismatch(AdaspecError):
     def __str__(self) -> str:
         return _printable(f"replay of round {self.round} ({self.decision} decision): "
                           f"{self.reason}")
+
+
+class IncompatibleCostTable(AdaspecError):
+    """A saved cost table was made for another launch: costs of another model, algorithm,
+    width, parallel layout, graph mode, geometry or device would price this one wrongly.
+
+    ``field`` is the compatibility field that differs, ``saved`` its value in the table,
+    ``launch`` the value of this launch.
+    """
+
+    def __init__(self, path: str, field: str, saved: object, launch: object) -> None:
+        super().__init__(path, field, saved, launch)
+        self.path = path
+        self.field = field
+        self.saved = saved
+        self.launch = launch
+
+    def __str__(self) -> str:
+        return _printable(f"--adaptive_target_verify_cost_table={self.path}: {self.field} is "
+                          f"{show_value(self.saved)} in the saved table but "
+                          f"{show_value(self.launch)} in this launch; calibrate this launch "
+                          "(drop the flag) or give a table saved by a matching one")

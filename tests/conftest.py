@@ -27,3 +27,34 @@ def serving_models(num_slots: int) -> ReferenceModels:
     loaded.target.allocate(num_slots)
     loaded.mtp.allocate(num_slots)
     return loaded
+
+
+@pytest.fixture(scope="session")
+def dspark5_batch4_costs(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A cost bundle calibrated on the reference models for DSpark, width 5, batch 4, for
+    tests of adaptive target verify that are not about calibration."""
+    import asyncio
+    import json
+
+    from runtime_helpers import TINY_CALIBRATION
+
+    from adaspec.config import load_config
+    from adaspec.runtime.engine import Runtime, RuntimeOptions
+
+    folder = tmp_path_factory.mktemp("costs")
+    calibration, output = folder / "tiny.json", folder / "dspark5-batch4.json"
+    calibration.write_text(json.dumps(TINY_CALIBRATION))
+    runtime = Runtime(load_config({
+        "speculative_algorithm": "DSpark", "num_speculative_tokens": 5,
+        "max_seqs_per_batch": 4, "enable_adaptive_target_verify": True,
+        "adaptive_target_verify_calibration": str(calibration),
+        "adaptive_target_verify_cost_table_output": str(output)}),
+        models=load_reference_models(),
+        options=RuntimeOptions(calibration_progress=lambda _: None))
+
+    async def run() -> None:
+        await runtime.start()
+        await runtime.stop()
+
+    asyncio.run(run())
+    return str(output)

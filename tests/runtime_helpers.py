@@ -37,6 +37,11 @@ def lossless_prompts() -> list[bytes]:
     return prompts
 
 
+TINY_CALIBRATION = {"request_buckets": [1, 2], "warmup_steps": 2, "window_steps": 3,
+                    "windows_per_point": 2}
+"""A grid small enough for a test launch to calibrate at start in about a second."""
+
+
 def config(algorithm: str, width: int, batch: int, **launch: Any) -> EffectiveConfig:
     return load_config({"speculative_algorithm": algorithm, "num_speculative_tokens": width,
                         "max_seqs_per_batch": batch, **launch})

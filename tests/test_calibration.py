@@ -1,22 +1,40 @@
-"""Startup calibration on the real pipeline: plans are checked before sampling, and a small
-grid is measured from stable rounds only."""
+"""Startup calibration on the real pipeline: plans are refused before anything runs, a small
+grid is measured from stable rounds in alternating passes and fitted before ready, the bundle
+is saved and reloaded without sampling, and incompatible launches are refused."""
 
 import asyncio
+import json
+import logging
+import random
+import threading
+from pathlib import Path
+from typing import Any
 
 import pytest
+from runtime_helpers import TINY_CALIBRATION
 
 from adaspec.config import load_config
 from adaspec.config.calibration import CalibrationConfig, ContextInterval
-from adaspec.errors import ConfigError
-from adaspec.models import load_reference_models
-from adaspec.policies.costs import fit_additive
-from adaspec.runtime.calibration import ForcedBudget, calibrate, plan_calibration
+from adaspec.config.requests import SamplingParams
+from adaspec.errors import ConfigError, IncompatibleCostTable
+from adaspec.models import ReferenceModels, load_reference_models
+from adaspec.policies.bundles import CostBundle
+from adaspec.policies.verify import choose_rows
+from adaspec.runtime.calibration import PointMeasured, plan_calibration
 from adaspec.runtime.devices.buckets import BucketGeometry
 from adaspec.runtime.engine import Runtime, RuntimeOptions
+from adaspec.runtime.events.log import read_event_log
 
 LAUNCH = {"speculative_algorithm": "DSpark", "num_speculative_tokens": 5,
           "max_seqs_per_batch": 4, "enable_adaptive_target_verify": True}
 GEOMETRY = BucketGeometry.of(load_config(LAUNCH).launch)
+TINY = TINY_CALIBRATION
+TINY_POINTS = [(1, 1), (1, 2), (1, 4), (1, 6), (2, 2), (2, 4), (2, 6), (2, 8), (2, 12)]
+
+
+@pytest.fixture(scope="module")
+def models() -> ReferenceModels:
+    return load_reference_models()
 
 
 def small(**changes: object) -> CalibrationConfig:
@@ -25,12 +43,29 @@ def small(**changes: object) -> CalibrationConfig:
     return CalibrationConfig(**(values | changes))  # type: ignore[arg-type]
 
 
+def start_stop(flags: dict[str, object], models: ReferenceModels,
+               **options: Any) -> tuple[Runtime, list[PointMeasured]]:
+    windows: list[PointMeasured] = []
+    runtime = Runtime(load_config(flags), models=models,
+                      options=RuntimeOptions(calibration_progress=windows.append, **options))
+
+    async def run() -> None:
+        await runtime.start()
+        await runtime.submit([65, 66], SamplingParams(temperature=0.0, max_tokens=4)).result()
+        await runtime.stop()
+
+    asyncio.run(run())
+    return runtime, windows
+
+
 def test_the_default_plan_samples_every_captured_bucket_and_fits_the_short_context() -> None:
     plan = plan_calibration(None, GEOMETRY, context_limit=1024)
     assert plan.grid.buckets == GEOMETRY.request_buckets
     assert (4, 24) in plan.grid.points
-    assert plan.context.max_kv_length == 1024
-    assert plan.context.prefill_tokens == 1024 - (8 + 96 + 2) * 6
+    (context,) = plan.contexts
+    assert context.max_kv_length == 1024
+    # Each window runs on fresh requests: 8 warmup + 32 measured + 2 in flight, w + 1 each.
+    assert context.prefill_tokens == 1024 - (8 + 32 + 2) * 6
 
 
 def test_plans_are_refused_before_any_sampling() -> None:
@@ -43,22 +78,121 @@ def test_plans_are_refused_before_any_sampling() -> None:
         plan_calibration(small(contexts=beyond), GEOMETRY, 1024)
 
 
-def test_a_small_grid_is_measured_on_the_real_pipeline_and_fitted() -> None:
-    forced = ForcedBudget()
-    runtime = Runtime(load_config(LAUNCH), models=load_reference_models(),
-                      options=RuntimeOptions(budget_policy=forced))
+def test_a_context_beyond_the_model_fails_start_before_any_device_work(
+        tmp_path: Path, models: ReferenceModels) -> None:
+    calibration = tmp_path / "calibration.json"
+    calibration.write_text(json.dumps(TINY | {"contexts": [
+        {"prefill_tokens": 100, "min_kv_length": 1, "max_kv_length": 4096}]}))
+    stages: list[str] = []
+    runtime = Runtime(load_config(LAUNCH | {"adaptive_target_verify_calibration":
+                                            str(calibration)}), models=models,
+                      options=RuntimeOptions(stage_hook=lambda _round, stage: stages.append(stage)))
+    with pytest.raises(ConfigError, match=r"contexts\[0\]\.max_kv_length=4096: expected at most "
+                                          "the model's context limit 1024"):
+        asyncio.run(runtime.start())
+    assert stages == []
+    assert not any(t.name.startswith("adaspec-cpu-") for t in threading.enumerate())
+    assert runtime.costs is None
 
-    async def run() -> list[object]:
-        await runtime.start()
-        plan = plan_calibration(small(), runtime.geometry, runtime.context_limit)
-        samples = await calibrate(runtime, forced, plan)
-        await runtime.stop()
-        return list(samples)
 
-    samples = asyncio.run(run())
-    points = {(s.num_reqs_bucket, s.num_rows) for s in samples}  # type: ignore[attr-defined]
-    assert points == {(1, 1), (1, 2), (1, 4), (1, 6), (2, 2), (2, 4), (2, 6), (2, 8), (2, 12)}
-    assert len(samples) == 2 * len(points)  # windows_per_point samples per point
-    assert all(s.seconds > 0 for s in samples)  # type: ignore[attr-defined]
-    table = fit_additive(samples)  # type: ignore[arg-type]
-    assert table.cost_ms(2, 12) >= table.cost_ms(1, 1) > 0
+def test_startup_calibrates_a_small_grid_saves_it_and_a_reload_skips_sampling(
+        tmp_path: Path, models: ReferenceModels, caplog: pytest.LogCaptureFixture) -> None:
+    calibration, output = tmp_path / "calibration.json", tmp_path / "costs.json"
+    calibration.write_text(json.dumps(TINY))
+    flags = LAUNCH | {"adaptive_target_verify_calibration": str(calibration),
+                      "adaptive_target_verify_cost_table_output": str(output)}
+    with caplog.at_level(logging.INFO, logger="adaspec"):
+        first, windows = start_stop(flags, models, event_log=str(tmp_path / "first.jsonl"))
+    costs = first.costs
+    assert costs is not None
+    assert output.exists()
+    assert costs.source == f"calibrated at startup from {calibration}"
+    # Two passes, forwards then backwards, one window of every point each.
+    order = [(w.num_reqs_bucket, w.num_rows) for w in windows]
+    assert order == TINY_POINTS + TINY_POINTS[::-1]
+    assert [w.window for w in windows] == [0] * 9 + [1] * 9
+    assert [w.done for w in windows] == list(range(1, 19))
+    assert windows[0].total == 18
+    (profile,) = costs.profiles
+    assert sorted((s.num_reqs_bucket, s.num_rows) for s in profile.samples) == \
+        sorted(TINY_POINTS * 2)
+    assert profile.table.cost_ms(2, 12) >= profile.table.cost_ms(1, 1) > 0
+    # The effective configuration line names the source, the settings and the geometry.
+    (line,) = [json.loads(r.message) for r in caplog.records if r.name == "adaspec"]
+    assert line["costs"]["source"] == costs.source
+    assert line["costs"]["settings"]["warmup_steps"] == 2
+    assert line["captured_geometry"]["target_rows"]["4"] == [4, 6, 8, 12, 16, 24]
+    assert line["config"]["launch"]["settings"]["num_speculative_tokens"] == 5
+
+    reload = LAUNCH | {"adaptive_target_verify_cost_table": str(output)}
+    second, windows = start_stop(reload, models, event_log=str(tmp_path / "second.jsonl"))
+    assert windows == []  # no sampling, no fitting
+    assert second.costs == costs
+    assert second.costs.source == f"saved table {output}"
+    headers = [read_event_log(tmp_path / name).header for name in ("first.jsonl",
+                                                                      "second.jsonl")]
+    assert headers[0]["cost_table"] == headers[1]["cost_table"] == json.loads(costs.to_json())
+    saved_decisions = budget_decisions(costs)
+    assert budget_decisions(second.costs) == saved_decisions
+    assert len(set(saved_decisions)) > 1  # the table does drive the choice
+
+
+def budget_decisions(costs: CostBundle) -> list[int]:
+    """The budget chosen for every bucket, batch size, KV length around the coverage edge and
+    40 seeded survival profiles (from all-rejected to all-accepted)."""
+    rng = random.Random(3)
+    profiles = [[rng.random() ** (3 * k / 40) for _ in range(5 * 4)] for k in range(40)]
+    decisions = []
+    for bucket in GEOMETRY.request_buckets:
+        tiers = GEOMETRY.legal_rows(bucket)
+        for num_reqs in range(1, bucket + 1):
+            for kv_length in (1, 900, 1024, 1025):
+                for survivals in profiles:
+                    decisions.append(choose_rows(
+                        tiers, num_reqs, survivals[:5 * num_reqs],
+                        lambda g, b=bucket, kv=kv_length: costs.cost_ms(b, g, kv),
+                        bucket * 6))
+    return decisions
+
+
+def test_incompatible_launches_refuse_a_saved_table_before_warmup(
+        tmp_path: Path, models: ReferenceModels) -> None:
+    calibration, output = tmp_path / "calibration.json", tmp_path / "draft5.json"
+    calibration.write_text(json.dumps(TINY | {"request_buckets": [1]}))
+    start_stop(LAUNCH | {"adaptive_target_verify_calibration": str(calibration),
+                         "adaptive_target_verify_cost_table_output": str(output)}, models)
+    cases = [({"num_speculative_tokens": 7},
+              "draft_width is 5 in the saved table but 7 in this launch"),
+             ({"speculative_algorithm": "MTP"},
+              "algorithm is DSpark in the saved table but MTP in this launch"),
+             ({"max_seqs_per_batch": 8}, r"request_buckets is \[1, 2, 4\] in the saved table "
+                                         r"but \[1, 2, 4, 8\] in this launch")]
+    stages: list[str] = []
+    for change, message in cases:
+        runtime = Runtime(load_config(LAUNCH | change | {
+            "adaptive_target_verify_cost_table": str(output)}), models=models,
+            options=RuntimeOptions(stage_hook=lambda _round, stage: stages.append(stage)))
+        with pytest.raises(IncompatibleCostTable, match=message):
+            asyncio.run(runtime.start())
+    assert stages == []
+    assert not any(t.name.startswith("adaspec-cpu-") for t in threading.enumerate())
+    # The hook does see the rounds of a launch the table fits.
+    start_stop(LAUNCH | {"adaptive_target_verify_cost_table": str(output)}, models,
+               stage_hook=lambda _round, stage: stages.append(stage))
+    assert "verify" in stages
+
+
+def test_a_start_that_fails_after_warmup_leaves_nothing_running(
+        tmp_path: Path, models: ReferenceModels) -> None:
+    calibration, folder = tmp_path / "calibration.json", tmp_path / "results"
+    calibration.write_text(json.dumps(TINY | {"request_buckets": [1]}))
+    folder.mkdir()
+    config = load_config(LAUNCH | {"adaptive_target_verify_calibration": str(calibration),
+                                   "adaptive_target_verify_cost_table_output":
+                                   str(folder / "costs.json")})
+    folder.rmdir()  # gone by the time calibration saves
+    runtime = Runtime(config, models=models,
+                      options=RuntimeOptions(calibration_progress=lambda _: None))
+    with pytest.raises(ConfigError, match="costs.json: expected a writable file"):
+        asyncio.run(runtime.start())
+    assert not any(t.name.startswith("adaspec-cpu-") for t in threading.enumerate())

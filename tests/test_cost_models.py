@@ -127,24 +127,24 @@ def test_a_disconnected_additive_grid_is_refused_but_sps_accepts_it() -> None:
 
 
 def test_contexts_beyond_the_model_or_without_room_for_progress_are_refused() -> None:
-    progress = sampling_progress(5, warmup_steps=8, window_steps=32, windows_per_point=3)
-    assert progress == (8 + 96 + 2) * 6
+    progress = sampling_progress(5, warmup_steps=8, window_steps=32)
+    assert progress == (8 + 32 + 2) * 6
     with pytest.raises(ConfigError, match=r"contexts\[0\]\.max_kv_length=4096: expected at "
                                           "most the model's context limit 1024"):
         check_contexts([ContextInterval(prefill_tokens=10, min_kv_length=1,
                                         max_kv_length=4096)], 1024, progress)
-    with pytest.raises(ConfigError, match=r"contexts\[0\]\.prefill_tokens=500: expected at "
-                                          "most 388"):
-        check_contexts([ContextInterval(prefill_tokens=500, min_kv_length=1,
+    with pytest.raises(ConfigError, match=r"contexts\[0\]\.prefill_tokens=800: expected at "
+                                          "most 772"):
+        check_contexts([ContextInterval(prefill_tokens=800, min_kv_length=1,
                                         max_kv_length=1024)], 1024, progress)
 
 
 def test_default_contexts_shrink_the_prefill_for_a_short_context() -> None:
-    progress = sampling_progress(5, 8, 32, 3)
+    progress = sampling_progress(5, 8, 32)
     (context,) = default_contexts(1024, progress)
     assert (context.prefill_tokens, context.min_kv_length, context.max_kv_length) == \
         (1024 - progress, 1, 1024)
     (long,) = default_contexts(32768, progress)
     assert (long.prefill_tokens, long.max_kv_length) == (2048, 4096)
-    with pytest.raises(ConfigError, match="cannot hold 636 tokens of sampling progress"):
-        default_contexts(600, progress)
+    with pytest.raises(ConfigError, match="cannot hold 252 tokens of sampling progress"):
+        default_contexts(250, progress)

@@ -201,8 +201,9 @@ def test_cancelling_between_rounds_ends_the_request_and_frees_its_slot(
 
 
 def test_requests_the_launch_cannot_honour_are_refused_before_execution(
-        models: ReferenceModels) -> None:
-    runtime = Runtime(config("DSpark", 5, 4, enable_adaptive_target_verify=True),
+        models: ReferenceModels, dspark5_batch4_costs: str) -> None:
+    runtime = Runtime(config("DSpark", 5, 4, enable_adaptive_target_verify=True,
+                             adaptive_target_verify_cost_table=dspark5_batch4_costs),
                       models=models)
 
     async def run() -> None:

@@ -15,13 +15,21 @@ monotone (a larger G or Bcap never costs less), because padding is real work.
 """
 
 import bisect
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Literal, Protocol
 
 import numpy as np
 
-from adaspec.errors import AdaspecError
+from adaspec.config.calibration import (
+    MAX_BATCH_ROWS,
+    json_type,
+    key_prefix,
+    require_float,
+    require_increasing,
+)
+from adaspec.errors import AdaspecError, ConfigError
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,10 +142,22 @@ def fit_sps(samples: Sequence[CostSample]) -> SpsTable:
     return SpsTable(rows=rows, steps_per_second=tuple(1.0 / t for t in seconds))
 
 
+def point_medians(samples: Sequence[CostSample]) -> list[CostSample]:
+    """One sample per (Bcap, G): the median of its windows. A window that an unrelated stall
+    (the OS, another process) inflated then moves nothing, where a mean would follow it."""
+    by_point: dict[tuple[int, int], list[float]] = {}
+    for s in samples:
+        by_point.setdefault((s.num_reqs_bucket, s.num_rows), []).append(s.seconds)
+    return [CostSample(b, g, float(np.median(times))) for (b, g), times in
+            sorted(by_point.items())]
+
+
 def fit_additive(samples: Sequence[CostSample]) -> AdditiveTable:
-    """Least squares of ``bias + alpha(Bcap) + theta(G)``; the grid must be connected."""
+    """Least squares of ``bias + alpha(Bcap) + theta(G)`` over the points' medians; the grid
+    must be connected."""
     if not samples:
         raise FitError("no samples")
+    samples = point_medians(samples)
     buckets = tuple(sorted({s.num_reqs_bucket for s in samples}))
     rows = tuple(sorted({s.num_rows for s in samples}))
     components = grid_components([(s.num_reqs_bucket, s.num_rows) for s in samples])
@@ -196,3 +216,63 @@ def relative_errors(table: CostTable, samples: Sequence[CostSample]) -> list[flo
     """|predicted - measured| / measured for each sample (held-out evaluation)."""
     return [abs(table.cost_ms(s.num_reqs_bucket, s.num_rows) / 1000.0 - s.seconds) / s.seconds
             for s in samples]
+
+
+def table_from_dict(data: Mapping[str, object]) -> CostTable:
+    """A table from ``as_dict`` output (a saved bundle), every field checked: a table that
+    could price a shape at zero, a negative or a non-monotone cost is refused."""
+    kind = data.get("kind")
+    expected = {"sps": {"kind", "rows", "steps_per_second"},
+                "additive": {"kind", "bias", "buckets", "alpha", "rows", "theta",
+                             "residual_rms", "residual_max_relative"}}
+    if kind not in expected:
+        raise ConfigError("kind", kind, "expected sps or additive")
+    keys = set(data)
+    if keys != expected[str(kind)]:
+        wrong = sorted(keys ^ expected[str(kind)])[0]
+        raise ConfigError(wrong, data.get(wrong, "missing"),
+                          f"expected exactly the keys {sorted(expected[str(kind)])}")
+    if kind == "sps":
+        rows = require_increasing("rows", _tuple(data["rows"]), MAX_BATCH_ROWS)
+        sps = _terms("steps_per_second", data["steps_per_second"], len(rows), positive=True)
+        if any(b > a for a, b in zip(sps, sps[1:], strict=False)):
+            raise ConfigError("steps_per_second", list(sps),
+                              "expected values that never rise with G (a larger G is never "
+                              "faster)")
+        return SpsTable(rows=rows, steps_per_second=sps)
+    buckets = require_increasing("buckets", _tuple(data["buckets"]), MAX_BATCH_ROWS)
+    rows = require_increasing("rows", _tuple(data["rows"]), MAX_BATCH_ROWS)
+    bias = require_float("bias", data["bias"], -math.inf, math.inf)
+    alpha = _terms("alpha", data["alpha"], len(buckets), monotone=True)
+    theta = _terms("theta", data["theta"], len(rows), monotone=True)
+    if bias + alpha[0] + theta[0] <= 0:
+        raise ConfigError("bias", bias, "expected bias + alpha[0] + theta[0] > 0 (the "
+                          "smallest shape would cost nothing)")
+    return AdditiveTable(
+        bias=bias, buckets=buckets, alpha=alpha, rows=rows, theta=theta,
+        residual_rms=require_float("residual_rms", data["residual_rms"], 0.0, math.inf),
+        residual_max_relative=require_float("residual_max_relative",
+                                            data["residual_max_relative"], 0.0, math.inf))
+
+
+def _tuple(value: object) -> object:
+    return tuple(value) if isinstance(value, list | tuple) else value
+
+
+def _terms(name: str, value: object, length: int, *, positive: bool = False,
+           monotone: bool = False) -> tuple[float, ...]:
+    if not isinstance(value, list | tuple):
+        raise ConfigError(name, value, f"expected a list of {length} numbers, got "
+                          f"{json_type(value)}")
+    if len(value) != length:
+        raise ConfigError(name, f"{len(value)} values",
+                          f"expected {length} numbers, one per measured shape")
+    low = math.ulp(0.0) if positive else -math.inf
+    terms = []
+    for index, term in enumerate(value):
+        with key_prefix(f"{name}"):
+            terms.append(require_float(f"[{index}]", term, low, math.inf))
+    if monotone and any(b < a for a, b in zip(terms, terms[1:], strict=False)):
+        raise ConfigError(name, terms, "expected values that never fall (a larger shape "
+                          "never costs less)")
+    return tuple(terms)

@@ -90,11 +90,11 @@ def check_connected(grid: ProbeGrid, setting: str = "calibration") -> None:
                           "G in common; add a G that the groups share, or use model sps")
 
 
-def sampling_progress(width: int, warmup_steps: int, window_steps: int,
-                      windows_per_point: int) -> int:
-    """Most tokens one synthetic request can gain while a grid point is measured: every
-    decode interval commits up to w + 1 tokens, and two rounds are in flight."""
-    rounds = warmup_steps + window_steps * windows_per_point + 2
+def sampling_progress(width: int, warmup_steps: int, window_steps: int) -> int:
+    """Most tokens one synthetic request can gain while one window is measured (each window
+    runs on fresh requests): every decode interval commits up to w + 1 tokens, and two
+    rounds are in flight."""
+    rounds = warmup_steps + window_steps + 2
     return rounds * (width + 1)
 
 
@@ -107,7 +107,7 @@ def default_contexts(context_limit: int, progress: int) -> tuple[ContextInterval
         raise ConfigError("calibration: contexts", "built-in default",
                           f"a context limit of {context_limit} tokens cannot hold "
                           f"{progress} tokens of sampling progress; give a calibration file "
-                          "with fewer warmup_steps, window_steps or windows_per_point")
+                          "with fewer warmup_steps or window_steps")
     return (ContextInterval(prefill_tokens=prefill, min_kv_length=1, max_kv_length=max_kv),)
 
 

@@ -1,17 +1,28 @@
 """Startup calibration: measure full-cycle round times over the probe grid on the real
-pipeline, then fit the cost table.
+pipeline, fit the cost table, and build the bundle the runtime installs before ready.
 
-For each grid point (Bcap, G) the running runtime decodes Bcap seeded synthetic requests
-with the verification budget forced to G. A sample is one window of ``window_steps``
-complete decode intervals (the time between consecutive round retirements, two rounds in
-flight) after ``warmup_steps``; only rounds whose batch is exactly the point's requests and
-whose binding is the point's own G count, so a transient request set never pollutes a
-sample. Nothing of this adds timing to normal serving: the times come from the retirement
-events the runtime publishes anyway, read only while calibrating.
+For each grid point (Bcap, G) a calibration pipeline (the runtime's own device context,
+stream and prepared bindings, with the budget forced to the point) decodes Bcap seeded
+synthetic greedy requests. A sample is one window of ``window_steps`` complete decode
+intervals (the time between consecutive round retirements, two rounds in flight) after
+``warmup_steps``; only rounds whose batch is exactly the point's requests and whose binding
+is the point's own G count, so a transient request set never pollutes a sample.
+
+The ``windows_per_point`` windows of a point are taken in separate passes over the grid,
+alternately forwards and backwards, each on fresh requests. A shared machine changes speed
+over seconds (other tenants, frequency); spreading every point over the whole calibration
+lets those changes hit all points alike instead of biasing whichever were measured during
+a slow spell, and the fit takes each point's median window.
+
+Nothing of this adds timing to normal serving: the times come from the retirement events the
+calibration pipeline publishes on its own bus, which is discarded when calibration ends.
 """
 
 import asyncio
+import json
+import logging
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +30,8 @@ from adaspec.config.calibration import DEFAULT_CONTEXTS, CalibrationConfig, Cont
 from adaspec.config.requests import SamplingParams
 from adaspec.errors import AdaspecError
 from adaspec.policies.base import BudgetContext, PolicyStatistics, RoundFeedback, covering_rows
-from adaspec.policies.costs import CostSample
+from adaspec.policies.bundles import Compatibility, CostBundle, CostProfile, fitted_bundle
+from adaspec.policies.costs import CostSample, fit
 from adaspec.policies.grid import (
     ProbeGrid,
     check_contexts,
@@ -28,7 +40,11 @@ from adaspec.policies.grid import (
     sampling_progress,
 )
 from adaspec.runtime.devices.buckets import BucketGeometry
+from adaspec.runtime.events.bus import EventBus
 from adaspec.runtime.events.types import BudgetDecided, Event, RoundRetired
+from adaspec.runtime.requests import Request
+
+LOG = logging.getLogger("adaspec.calibration")
 
 
 class CalibrationError(AdaspecError):
@@ -48,11 +64,16 @@ class CalibrationPlan:
 
     settings: CalibrationConfig
     grid: ProbeGrid
-    context: ContextInterval  # the interval sampled (the first one given)
+    contexts: tuple[ContextInterval, ...]  # effective intervals, one profile each
 
-    def as_dict(self) -> dict[str, object]:
-        return {"settings": self.settings.as_dict(), "points": [list(p) for p in self.grid.points],
-                "context": self.context.as_dict()}
+    @property
+    def num_windows(self) -> int:
+        return len(self.contexts) * len(self.grid.points) * self.settings.windows_per_point
+
+    def settings_dict(self) -> dict[str, object]:
+        """The settings as used: the effective contexts and the sampled points included."""
+        return {**self.settings.as_dict(), "contexts": [c.as_dict() for c in self.contexts],
+                "points": [list(point) for point in self.grid.points]}
 
 
 def plan_calibration(settings: CalibrationConfig | None, geometry: BucketGeometry,
@@ -62,8 +83,7 @@ def plan_calibration(settings: CalibrationConfig | None, geometry: BucketGeometr
     if settings is None:
         settings = CalibrationConfig(draft_width=geometry.width,
                                      request_buckets=geometry.request_buckets)
-    progress = sampling_progress(geometry.width, settings.warmup_steps, settings.window_steps,
-                                 settings.windows_per_point)
+    progress = sampling_progress(geometry.width, settings.warmup_steps, settings.window_steps)
     if settings.contexts == DEFAULT_CONTEXTS:
         contexts = default_contexts(context_limit, progress)
     else:
@@ -73,7 +93,7 @@ def plan_calibration(settings: CalibrationConfig | None, geometry: BucketGeometr
              if b in geometry.request_buckets}
     grid = probe_grid(geometry.width, settings.request_buckets, legal,
                       geometry.request_buckets, settings.target_graph_rows, settings.model)
-    return CalibrationPlan(settings=settings, grid=grid, context=contexts[0])
+    return CalibrationPlan(settings=settings, grid=grid, contexts=contexts)
 
 
 class ForcedBudget:
@@ -134,50 +154,122 @@ class _Recorder:
         return run
 
 
+@dataclass(frozen=True, slots=True)
+class PointMeasured:
+    """One window measured (what progress reporting shows)."""
+
+    done: int  # windows measured so far, this one included
+    total: int  # windows calibration measures in all
+    context: int  # index of the context interval
+    window: int  # pass over the grid (0-based)
+    num_reqs_bucket: int
+    num_rows: int
+    seconds: float
+
+    def log_line(self) -> str:
+        return json.dumps({"event": "calibration_window", "done": self.done,
+                           "total": self.total, "context": self.context,
+                           "window": self.window, "Bcap": self.num_reqs_bucket,
+                           "G": self.num_rows, "ms": round(1000 * self.seconds, 4)})
+
+
+Progress = Callable[[PointMeasured], None]
+
+
+def log_progress(measured: PointMeasured) -> None:
+    """The default reporter: one structured log line per window."""
+    LOG.info(measured.log_line())
+
+
 def synthetic_prompt(seed: int, index: int, length: int, vocab: int) -> list[int]:
     rng = random.Random(seed * 1_000_003 + index)
     return [rng.randrange(vocab) for _ in range(length)]
 
 
-async def measure_point(runtime: Any, forced: ForcedBudget, plan: CalibrationPlan,
-                        bucket: int, rows: int, first_id: int) -> list[CostSample]:
-    """Samples of one grid point on a started runtime whose budget policy is ``forced``."""
-    settings = plan.settings
+class CalibrationDriver:
+    """Submits synthetic requests to a calibration pipeline and reads its retirements."""
+
+    def __init__(self, pipeline: Any, bus: EventBus, vocab_size: int) -> None:
+        self.pipeline, self.bus, self.vocab_size = pipeline, bus, vocab_size
+        self._next_id = 0
+
+    def submit(self, prompt: list[int], params: SamplingParams) -> Request:
+        request = Request(id=self._next_id, prompt=tuple(prompt), params=params)
+        self._next_id += 1
+        self.pipeline.add(request)
+        return request
+
+    def cancel(self, request: Request) -> None:
+        if request.running:
+            self.pipeline.cancel(request)
+
+
+async def measure_window(driver: CalibrationDriver, forced: ForcedBudget,
+                         settings: CalibrationConfig, context: ContextInterval, bucket: int,
+                         rows: int, first_id: int) -> CostSample:
+    """One window of one grid point, on fresh synthetic requests."""
     forced.rows = rows
     recorder = _Recorder(bucket=bucket, rows=rows)
-    runtime.subscribe(recorder)
-    vocab = runtime.vocab_size
-    needed = settings.warmup_steps + settings.window_steps * settings.windows_per_point + 1
+    driver.bus.subscribe(recorder)
+    needed = settings.warmup_steps + settings.window_steps + 1
     params = SamplingParams(temperature=0.0, max_tokens=1 << 20)
-    handles = [runtime.submit(synthetic_prompt(settings.token_seed, first_id + i,
-                                               plan.context.prefill_tokens, vocab), params)
-               for i in range(bucket)]
+    requests = [driver.submit(synthetic_prompt(settings.token_seed, first_id + i,
+                                               context.prefill_tokens, driver.vocab_size),
+                              params) for i in range(bucket)]
+    # Requests that all ended (their context filled, or a fault failed them) retire no more
+    # rounds, so the wait also ends when they do.
+    all_ended = asyncio.ensure_future(asyncio.gather(*(r.done.wait() for r in requests)))
     try:
-        while len(recorder.stable_run()) < needed:
-            if all(handle.done for handle in handles):
-                raise CalibrationError(bucket, rows, "its requests ended before the point "
-                                       "was measured (is the G bound, and does the context "
-                                       "hold the sampling progress?)")
+        while len(recorder.stable_run()) < needed and not all_ended.done():
             recorder.wake.clear()
-            await recorder.wake.wait()
+            woke = asyncio.ensure_future(recorder.wake.wait())
+            await asyncio.wait((woke, all_ended), return_when=asyncio.FIRST_COMPLETED)
+            woke.cancel()
     finally:
-        for handle in handles:
-            handle.cancel()
-        runtime.bus.unsubscribe(recorder)
-        for handle in handles:
-            await handle.result()
-    times = recorder.stable_run()[settings.warmup_steps:]
+        for request in requests:
+            driver.cancel(request)
+        driver.bus.unsubscribe(recorder)
+        await all_ended
+    failed = next((r.error for r in requests if r.error is not None), None)
+    if failed is not None:
+        raise CalibrationError(bucket, rows, str(failed))
+    times = recorder.stable_run()
+    if len(times) < needed:
+        raise CalibrationError(bucket, rows, "its requests ended before the point was "
+                               "measured (is the G bound, and does the context hold the "
+                               "sampling progress?)")
+    start = settings.warmup_steps
     step = settings.window_steps
-    return [CostSample(bucket, rows, (times[i + step] - times[i]) / step)
-            for i in range(0, step * settings.windows_per_point, step)]
+    return CostSample(bucket, rows, (times[start + step] - times[start]) / step)
 
 
-async def calibrate(runtime: Any, forced: ForcedBudget, plan: CalibrationPlan
-                    ) -> list[CostSample]:
-    """Every grid point in turn, on the runtime's real asynchronous pipeline."""
-    samples: list[CostSample] = []
-    first_id = 0
-    for bucket, rows in plan.grid.points:
-        samples += await measure_point(runtime, forced, plan, bucket, rows, first_id)
-        first_id += bucket
-    return samples
+async def calibrate(driver: CalibrationDriver, forced: ForcedBudget, plan: CalibrationPlan,
+                    progress: Progress | None = None) -> list[list[CostSample]]:
+    """Samples of every context interval: passes over the grid, alternately forwards and
+    backwards, one window of every point per pass."""
+    settings, points = plan.settings, plan.grid.points
+    report = progress or log_progress
+    done, first_id = 0, 0
+    per_context: list[list[CostSample]] = []
+    for index, context in enumerate(plan.contexts):
+        samples: list[CostSample] = []
+        for window in range(settings.windows_per_point):
+            for bucket, rows in (points if window % 2 == 0 else points[::-1]):
+                sample = await measure_window(driver, forced, settings, context, bucket, rows,
+                                              first_id)
+                first_id += bucket
+                done += 1
+                samples.append(sample)
+                report(PointMeasured(done, plan.num_windows, index, window, bucket, rows,
+                                     sample.seconds))
+        per_context.append(samples)
+    return per_context
+
+
+def fit_bundle(plan: CalibrationPlan, samples: list[list[CostSample]],
+               compatibility: Compatibility, source: str) -> CostBundle:
+    """One fitted profile per context interval, on CPU."""
+    profiles = [CostProfile(context, fit(plan.settings.model, context_samples),
+                            tuple(context_samples))
+                for context, context_samples in zip(plan.contexts, samples, strict=True)]
+    return fitted_bundle(compatibility, plan.settings_dict(), profiles, source)

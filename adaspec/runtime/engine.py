@@ -10,6 +10,8 @@ import asyncio
 import dataclasses
 import functools
 import itertools
+import json
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,12 +20,23 @@ from typing import Any
 import torch
 
 from adaspec.config.effective import EffectiveConfig
+from adaspec.config.files import read_json_object
 from adaspec.config.launch import LaunchConfig
 from adaspec.config.requests import SamplingParams, check_request
 from adaspec.errors import ConfigError, InvalidRequest
 from adaspec.models.checkpoint import ReferenceModels, load_reference_models
 from adaspec.policies.base import BudgetPolicy, DepthPolicy
+from adaspec.policies.bundles import Compatibility, CostBundle, bundle_from_dict, load_bundle
 from adaspec.policies.registry import make_budget_policy, make_depth_policy
+from adaspec.runtime.calibration import (
+    CalibrationDriver,
+    CalibrationPlan,
+    ForcedBudget,
+    Progress,
+    calibrate,
+    fit_bundle,
+    plan_calibration,
+)
 from adaspec.runtime.devices.buckets import BindingRegistry, BucketGeometry
 from adaspec.runtime.devices.collectives import Collectives, LocalCollectives
 from adaspec.runtime.devices.graphs import binding_factory
@@ -45,6 +58,8 @@ MAX_SEED = 1 << 40
 TRACE_ENV = "ADASPEC_TRACE"
 """Environment variable naming a state-trace file when ``RuntimeOptions.trace`` is unset."""
 
+LOG = logging.getLogger("adaspec")
+
 
 @dataclass(frozen=True, slots=True)
 class RuntimeOptions:
@@ -65,6 +80,9 @@ class RuntimeOptions:
     """Replaces the configured draft-depth policy (counterfactual runs, tests)."""
     budget_policy: BudgetPolicy | None = None
     """Replaces the configured budget policy."""
+    calibration_progress: Progress | None = None
+    """Called after each calibration window (a progress bar); default: one structured log
+    line per window on the ``adaspec.calibration`` logger."""
 
     def __post_init__(self) -> None:
         seed = self.seed
@@ -95,6 +113,8 @@ class Runtime:
         self._stream: DeviceStream | None = None
         self._pipeline: Pipeline | None = None
         self._closers: list[Any] = []
+        self.costs: CostBundle | None = None
+        """The immutable cost table installed at start (adaptive target verify only)."""
 
     # --- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -105,11 +125,35 @@ class Runtime:
                               "expected 1: this runtime drives one rank per process; start "
                               "one process per rank")
         device = torch.device(launch.device)
-        self._stream = open_stream(launch.device, asyncio.get_running_loop())
         models = self._models or load_reference_models(device)
-        ctx = self._device_context(models, device)
         geometry = BucketGeometry.of(launch)
+        # Everything refusable about the costs is refused before any device work.
+        plan, saved = self._cost_source(models, geometry)
+        self._stream = open_stream(launch.device, asyncio.get_running_loop())
+        try:
+            await self._start_on_stream(models, device, geometry, plan, saved)
+        except BaseException:
+            # A start that fails leaves nothing running: no worker thread, no open file.
+            self._stream.close()
+            self._stream = None
+            for closer in self._closers:
+                closer.close()
+            self._closers.clear()
+            raise
+
+    async def _start_on_stream(self, models: ReferenceModels, device: torch.device,
+                               geometry: BucketGeometry, plan: CalibrationPlan | None,
+                               saved: CostBundle | None) -> None:
+        launch = self.launch
+        assert self._stream is not None
+        ctx = self._device_context(models, device)
         registries = await self._prepare_bindings(models, geometry)
+        if saved is not None:
+            self.costs = self._shared(saved)
+        elif plan is not None:
+            self.costs = self._shared(await self._calibrate(ctx, geometry, registries, plan,
+                                                             models))
+        LOG.info(json.dumps(self.effective_log(geometry)))
         self._open_observers()
         self._pipeline = Pipeline(
             launch=launch, ctx=ctx, stream=self._stream, geometry=geometry,
@@ -155,6 +199,88 @@ class Runtime:
             registries.append(registry)
         return registries
 
+    # --- costs -----------------------------------------------------------------------------
+    def _cost_source(self, models: ReferenceModels, geometry: BucketGeometry
+                     ) -> tuple[CalibrationPlan | None, CostBundle | None]:
+        """The checked calibration plan, or the saved table checked against this launch."""
+        launch = self.launch
+        if not launch.enable_adaptive_target_verify:
+            return None, None
+        path = launch.adaptive_target_verify_cost_table
+        if path is None:
+            return plan_calibration(self.config.target_verify_calibration, geometry,
+                                    models.target.context_limit), None
+        saved = load_bundle(path, read_json_object("adaptive_target_verify_cost_table", path))
+        saved.check_compatible(self.compatibility(models, geometry), path)
+        return None, saved
+
+    def compatibility(self, models: ReferenceModels, geometry: BucketGeometry
+                      ) -> Compatibility:
+        """What a saved table must share with this launch."""
+        launch = self.launch
+        draft = models.mtp if launch.speculative_algorithm == "MTP" else models.dspark
+        return Compatibility(
+            target=models.target.identity, draft=draft.identity,
+            algorithm=launch.speculative_algorithm, draft_width=launch.num_speculative_tokens,
+            dp_size=launch.dp_size, tp_size=launch.resolved.tp_size,
+            unified=launch.enable_unified_mtp_graph, request_buckets=geometry.request_buckets,
+            target_rows=tuple(geometry.legal_rows(b) for b in geometry.request_buckets),
+            device=torch.device(launch.device).type)
+
+    async def _calibrate(self, ctx: DeviceContext, geometry: BucketGeometry,
+                         registries: list[BindingRegistry] | None, plan: CalibrationPlan,
+                         models: ReferenceModels) -> CostBundle:
+        """Drive a calibration pipeline (this runtime's context, stream and bindings, its own
+        bus and a real clock) over the plan, fit, and save the bundle when asked."""
+        assert self._stream is not None
+        forced, bus = ForcedBudget(), EventBus()
+        pipeline = Pipeline(
+            launch=self.launch, ctx=ctx, stream=self._stream, geometry=geometry,
+            registries=registries, depth_policy=make_depth_policy("fixed", {}),
+            budget_policy=forced, bus=bus, clock=MonotonicClock(), hooks=RoundHooks(),
+            seed=self.options.seed)
+        task = asyncio.get_running_loop().create_task(pipeline.run())
+        try:
+            driver = CalibrationDriver(pipeline, bus, ctx.target.vocab_size)
+            samples = await calibrate(driver, forced, plan, self.options.calibration_progress)
+        finally:
+            pipeline.stop()
+            await task
+        if pipeline.fault is not None:
+            raise pipeline.fault
+        settings = self.config.target_verify_calibration
+        source = ("calibrated at startup from built-in defaults" if settings is None
+                  or settings.source == "default"
+                  else f"calibrated at startup from {settings.source}")
+        bundle = fit_bundle(plan, samples, self.compatibility(models, geometry), source)
+        output = self.launch.adaptive_target_verify_cost_table_output
+        if output is not None and self._collectives.tp_rank == 0 \
+                and self._collectives.dp_rank == 0:
+            bundle.save(output)
+        return bundle
+
+    def _shared(self, bundle: CostBundle) -> CostBundle:
+        """Rank 0's table on every rank: each rank timed its own rounds, but decisions must
+        agree, so all install the same immutable table."""
+        data = self._collectives.share_from_first_rank(bundle.to_json().encode())
+        if data == bundle.to_json().encode():
+            return bundle
+        return bundle_from_dict(json.loads(data), source=f"{bundle.source} (rank 0's table)")
+
+    def effective_log(self, geometry: BucketGeometry) -> dict[str, object]:
+        """The startup log line: every effective setting, the costs' source and coverage,
+        and the captured geometry."""
+        costs: dict[str, object] = {"source": "none: no adaptive target verify"}
+        if self.costs is not None:
+            costs = {"source": self.costs.source, "settings": dict(self.costs.settings),
+                     "coverage": [p.context.as_dict() for p in self.costs.profiles],
+                     "unchecked_compatibility": list(self.costs.unchecked)}
+        return {"event": "effective_config", "config": self.config.as_dict(), "costs": costs,
+                "captured_geometry": {
+                    "request_buckets": list(geometry.request_buckets),
+                    "target_rows": {str(b): list(geometry.legal_rows(b))
+                                    for b in geometry.request_buckets}}}
+
     def _open_observers(self) -> None:
         """Event log and state trace, each only when asked for."""
         if self.options.event_log is not None:
@@ -172,7 +298,8 @@ class Runtime:
 
     def _log_header(self) -> dict[str, object]:
         depth, budget = self._depth_policy(), self._budget_policy()
-        return {"config": self.config.as_dict(), "cost_table": None,
+        cost_table = None if self.costs is None else self.costs.as_dict()
+        return {"config": self.config.as_dict(), "cost_table": cost_table,
                 "seeds": {"run": self.options.seed},
                 "lag": 2 if self.launch.enable_schedule_overlap else 1,
                 "policies": {"depth": {"name": depth.name, "settings": depth.settings()},

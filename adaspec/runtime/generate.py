@@ -20,6 +20,7 @@ from typing import Any
 from adaspec.config import SamplingParams, load_config_from_argv
 from adaspec.config.launch import BUILTIN_TARGET
 from adaspec.errors import MISSING, ConfigError
+from adaspec.runtime.calibrate_command import progress_reporter
 from adaspec.runtime.engine import MAX_SEED, Runtime, RuntimeOptions
 from adaspec.runtime.requests import RequestResult
 
@@ -179,7 +180,8 @@ def run_generate(argv: Sequence[str]) -> int:
         raise ConfigError("--seed", seed, f"expected an integer in 0..{MAX_SEED - 1}")
     options = RuntimeOptions(seed=seed,
                              event_log=args.values.get("event_log"),
-                             trace=args.values.get("trace"))
+                             trace=args.values.get("trace"),
+                             calibration_progress=progress_reporter(sys.stderr))
     results = asyncio.run(decode(Runtime(config, options=options), prompts, params))
     rows = [result_dict(p, r) for p, r in zip(prompts, results, strict=True)]
     if args.as_json:

@@ -54,6 +54,10 @@ class Collectives(Protocol):
         """Return G when every rank (every DP shard and TP rank) chose it; raise
         ``ConsensusMismatch`` with each rank's value otherwise."""
 
+    def share_from_first_rank(self, data: bytes) -> bytes:
+        """Rank 0's ``data`` on every rank (the cost table installed everywhere before
+        ready); a startup call on the host, never one of a round."""
+
     def close(self) -> None:
         """Release the process groups; calling it again does nothing."""
 
@@ -71,6 +75,9 @@ class LocalCollectives:
 
     def dp_agree_rows(self, num_rows: int) -> int:
         return num_rows
+
+    def share_from_first_rank(self, data: bytes) -> bytes:
+        return data
 
     def close(self) -> None:
         """Nothing was opened."""
@@ -217,6 +224,16 @@ class DistributedCollectives:
         if len(set(values)) > 1:
             raise ConsensusMismatch("target graph rows G", values)
         return num_rows
+
+    def share_from_first_rank(self, data: bytes) -> bytes:
+        if self._host_group is None:
+            return data
+        box: list[object] = [data if self.rank == 0 else None]
+        with _collective("share_from_first_rank", tuple(range(self.world_size))):
+            dist.broadcast_object_list(box, src=0, group=self._host_group)
+        shared = box[0]
+        assert isinstance(shared, bytes)
+        return shared
 
     def close(self) -> None:
         """Destroy the process groups this object created: all of them when it created the

@@ -1,0 +1,264 @@
+"""Saved cost tables (bundles): the fitted costs of one launch, what they were measured on,
+and what a later launch must share to reuse them.
+
+A bundle is one versioned JSON object:
+
+    {"version": 1, "format": "adaspec-cost-table",
+     "compatibility": {algorithm, draft_width, dp_size, tp_size, unified, device,
+                       target, draft, request_buckets, target_rows},
+     "settings": {the calibration settings used},
+     "profiles": [{"context": {prefill_tokens, min_kv_length, max_kv_length},
+                   "table": {...}, "samples": [[Bcap, G, seconds], ...]}]}
+
+One profile per calibrated KV interval; a round whose KV length no profile covers has no
+price and the policy keeps full width. Loading checks every compatibility field against the
+launch and names the first that differs. A legacy table (a bare table object, no version)
+carries no metadata beyond an optional ``draft_width``, which means width 7 when absent; its
+other fields cannot be checked and are reported as unchecked.
+"""
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from adaspec.config.calibration import (
+    MAX_TOKENS_IN_CONTEXT,
+    ContextInterval,
+    json_type,
+    key_prefix,
+    require_int,
+)
+from adaspec.errors import ConfigError, IncompatibleCostTable
+from adaspec.policies.costs import CostSample, CostTable, UnpricedShape, table_from_dict
+
+BUNDLE_VERSION = 1
+BUNDLE_FORMAT = "adaspec-cost-table"
+LEGACY_DRAFT_WIDTH = 7
+"""Width of a legacy table that does not say: those tables predate Draft5."""
+
+ALL_CONTEXTS = ContextInterval(prefill_tokens=1, min_kv_length=1,
+                               max_kv_length=MAX_TOKENS_IN_CONTEXT)
+"""Coverage of a legacy table, which records none: it prices every KV length."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Compatibility:
+    """What a launch must share with the one that measured a table to reuse it."""
+
+    # Checked in this order, so a refusal names the most telling difference first.
+    algorithm: str  # DSpark or MTP: their tables are never interchangeable
+    draft_width: int  # w
+    dp_size: int
+    tp_size: int
+    unified: bool  # unified (whole-round) graphs rather than split ones
+    device: str  # cpu, cuda or npu
+    target: str  # target checkpoint identity
+    draft: str  # draft checkpoint identity (the DSpark head or the MTP layer)
+    request_buckets: tuple[int, ...]  # captured Bcap
+    target_rows: tuple[tuple[int, ...], ...]  # captured tiers G, one tuple per bucket
+
+    def as_dict(self) -> dict[str, object]:
+        data = asdict(self)
+        data["request_buckets"] = list(self.request_buckets)
+        data["target_rows"] = [list(rows) for rows in self.target_rows]
+        return data
+
+
+COMPATIBILITY_FIELDS = tuple(Compatibility.__dataclass_fields__)
+
+
+@dataclass(frozen=True, slots=True)
+class CostProfile:
+    """The table fitted for one KV interval, with the samples it was fitted to."""
+
+    context: ContextInterval
+    table: CostTable
+    samples: tuple[CostSample, ...] = ()
+
+    def as_dict(self) -> dict[str, object]:
+        return {"context": self.context.as_dict(), "table": self.table.as_dict(),
+                "samples": [[s.num_reqs_bucket, s.num_rows, s.seconds] for s in self.samples]}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CostBundle:
+    """The immutable cost model installed before ready, and what saves or reloads it."""
+
+    compatibility: Mapping[str, object]
+    """The saved compatibility fields (all of them, except in a legacy table)."""
+    settings: Mapping[str, object]
+    """The calibration settings the samples were taken with ({} for a legacy table)."""
+    profiles: tuple[CostProfile, ...]
+    version: int | None = BUNDLE_VERSION
+    """None for a legacy (unversioned) table."""
+    source: str = field(default="calibrated at startup", compare=False)
+    """Where the costs came from: calibrated at startup (and from which settings) or the
+    saved file."""
+
+    def profile(self, kv_length: int) -> CostProfile | None:
+        """The profile covering a KV length, None when none does."""
+        for profile in self.profiles:
+            if profile.context.min_kv_length <= kv_length <= profile.context.max_kv_length:
+                return profile
+        return None
+
+    def cost_ms(self, num_reqs_bucket: int, num_rows: int, kv_length: int) -> float | None:
+        """Predicted full-step milliseconds at (Bcap, G) for a batch whose longest KV is
+        ``kv_length``; None when no profile covers it or the shape lies above everything
+        measured (the policy then keeps the prewarmed full width)."""
+        profile = self.profile(kv_length)
+        if profile is None:
+            return None
+        try:
+            return profile.table.cost_ms(num_reqs_bucket, num_rows)
+        except UnpricedShape:
+            return None
+
+    @property
+    def unchecked(self) -> tuple[str, ...]:
+        """Compatibility fields the table does not record (a legacy table)."""
+        return tuple(name for name in COMPATIBILITY_FIELDS if name not in self.compatibility)
+
+    def as_dict(self) -> dict[str, object]:
+        return {"version": self.version, "format": BUNDLE_FORMAT,
+                "compatibility": dict(self.compatibility), "settings": dict(self.settings),
+                "profiles": [profile.as_dict() for profile in self.profiles]}
+
+    def to_json(self) -> str:
+        # repr-exact floats: a reloaded table prices every shape bit for bit the same.
+        return json.dumps(self.as_dict(), indent=1, sort_keys=False) + "\n"
+
+    def save(self, path: str) -> None:
+        """Write the bundle to a new file; an existing file is never overwritten."""
+        try:
+            with open(path, "x", encoding="utf-8") as handle:
+                handle.write(self.to_json())
+                handle.flush()
+                os.fsync(handle.fileno())
+        except FileExistsError:
+            raise ConfigError("--adaptive_target_verify_cost_table_output", path,
+                              "expected a file that does not exist yet; choose a new output "
+                              "file") from None
+        except OSError as error:
+            raise ConfigError("--adaptive_target_verify_cost_table_output", path,
+                              f"expected a writable file: {error.strerror}") from None
+
+    def check_compatible(self, launch: Compatibility, path: str) -> None:
+        """Refuse the table unless every field it records equals this launch's."""
+        wanted = launch.as_dict()
+        for name in COMPATIBILITY_FIELDS:
+            if name in self.compatibility and self.compatibility[name] != wanted[name]:
+                raise IncompatibleCostTable(path, name, self.compatibility[name], wanted[name])
+
+
+def bundle_from_dict(data: Mapping[str, object], source: str) -> CostBundle:
+    """A bundle from its JSON object, every field checked (errors name the key path)."""
+    if "version" not in data:
+        return _legacy(data, source)
+    version = data["version"]
+    if type(version) is not int or version != BUNDLE_VERSION:
+        raise ConfigError("version", version, f"expected {BUNDLE_VERSION} (the only bundle "
+                          "version; a table without a version is read as a legacy table)")
+    _exact_keys("", data, {"version", "format", "compatibility", "settings", "profiles"})
+    if data["format"] != BUNDLE_FORMAT:
+        raise ConfigError("format", data["format"], f"expected {BUNDLE_FORMAT}")
+    compatibility = _object("compatibility", data["compatibility"])
+    with key_prefix("compatibility."):
+        _exact_keys("", compatibility, set(COMPATIBILITY_FIELDS))
+        _check_compatibility_types(compatibility)
+    profiles = _list("profiles", data["profiles"])
+    if not profiles:
+        raise ConfigError("profiles", [], "expected at least one profile")
+    parsed = []
+    for index, profile in enumerate(profiles):
+        checked = _object(f"profiles[{index}]", profile)
+        with key_prefix(f"profiles[{index}]."):
+            parsed.append(_profile(checked))
+    return CostBundle(compatibility=compatibility, settings=_object("settings",
+                      data["settings"]), profiles=tuple(parsed), source=source)
+
+
+def _legacy(data: Mapping[str, object], source: str) -> CostBundle:
+    """An unversioned bare table: the table's own keys, plus an optional draft_width."""
+    table = dict(data)
+    width = table.pop("draft_width", LEGACY_DRAFT_WIDTH)
+    require_int("draft_width", width, 1, 64)
+    if "model" in table and "kind" not in table:
+        table["kind"] = table.pop("model")
+    return CostBundle(compatibility={"draft_width": width}, settings={},
+                      profiles=(CostProfile(ALL_CONTEXTS, table_from_dict(table)),),
+                      version=None, source=source)
+
+
+def _profile(profile: Mapping[str, object]) -> CostProfile:
+    _exact_keys("", profile, {"context", "table", "samples"})
+    context = _object("context", profile["context"])
+    with key_prefix("context."):
+        _exact_keys("", context, {"prefill_tokens", "min_kv_length", "max_kv_length"})
+        interval = ContextInterval(**context)
+    table_data = _object("table", profile["table"])
+    with key_prefix("table."):
+        table = table_from_dict(table_data)
+    samples = []
+    for index, sample in enumerate(_list("samples", profile["samples"])):
+        if (not isinstance(sample, list) or len(sample) != 3
+                or not all(type(v) is int for v in sample[:2])
+                or type(sample[2]) not in (int, float) or not sample[2] > 0):
+            raise ConfigError(f"samples[{index}]", sample,
+                              "expected [Bcap, G, seconds] with positive seconds")
+        samples.append(CostSample(sample[0], sample[1], float(sample[2])))
+    return CostProfile(interval, table, tuple(samples))
+
+
+def _check_compatibility_types(data: Mapping[str, object]) -> None:
+    for name in ("target", "draft", "algorithm", "device"):
+        if not isinstance(data[name], str):
+            raise ConfigError(name, data[name], f"expected a string, got {json_type(data[name])}")
+    for name in ("draft_width", "dp_size", "tp_size"):
+        require_int(name, data[name], 1, 1 << 20)
+    if not isinstance(data["unified"], bool):
+        raise ConfigError("unified", data["unified"], "expected true or false")
+    buckets = data["request_buckets"]
+    if not isinstance(buckets, list) or not all(type(b) is int for b in buckets):
+        raise ConfigError("request_buckets", buckets, "expected a list of integers")
+    rows = data["target_rows"]
+    if (not isinstance(rows, list) or len(rows) != len(buckets)
+            or not all(isinstance(r, list) and all(type(g) is int for g in r) for r in rows)):
+        raise ConfigError("target_rows", rows, "expected one list of integer tiers per "
+                          "request bucket")
+
+
+def _exact_keys(where: str, data: Mapping[str, object], keys: set[str]) -> None:
+    missing = sorted(keys - set(data))
+    if missing:
+        raise ConfigError(f"{where}{missing[0]}", "missing", "expected this key")
+    extra = sorted(set(data) - keys)
+    if extra:
+        raise ConfigError(f"{where}{extra[0]}", data[extra[0]],
+                          f"is not a key here; expected only {sorted(keys)}")
+
+
+def _object(name: str, value: object) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ConfigError(name, value, f"expected an object, got {json_type(value)}")
+    return value
+
+
+def _list(name: str, value: object) -> list[Any]:
+    if not isinstance(value, list):
+        raise ConfigError(name, value, f"expected a list, got {json_type(value)}")
+    return value
+
+
+def load_bundle(path: str, data: Mapping[str, object]) -> CostBundle:
+    """The bundle saved at ``path`` (already read as ``data``), errors prefixed with the flag."""
+    with key_prefix(f"--adaptive_target_verify_cost_table={path}: "):
+        return bundle_from_dict(data, source=f"saved table {path}")
+
+
+def fitted_bundle(compatibility: Compatibility, settings: Mapping[str, object],
+                  profiles: Sequence[CostProfile], source: str) -> CostBundle:
+    return CostBundle(compatibility=compatibility.as_dict(), settings=dict(settings),
+                      profiles=tuple(profiles), source=source)

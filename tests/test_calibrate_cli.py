@@ -1,0 +1,75 @@
+"""`adaspec calibrate` as scripts use it: progress on stderr, the bundle saved, a summary on
+stdout, and one-line errors for a launch it cannot calibrate."""
+
+import json
+from pathlib import Path
+
+import pytest
+from runtime_helpers import TINY_CALIBRATION
+
+from adaspec import cli
+from adaspec.runtime.calibrate_command import progress_reporter
+from adaspec.runtime.calibration import PointMeasured
+
+LAUNCH = ["--speculative_algorithm=DSpark", "--num_speculative_tokens=5",
+          "--max_seqs_per_batch=4", "--enable_adaptive_target_verify=true"]
+
+
+def test_calibrate_saves_the_bundle_and_prints_a_summary(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    calibration, output = tmp_path / "tiny.json", tmp_path / "costs.json"
+    calibration.write_text(json.dumps(TINY_CALIBRATION))
+    argv = [*LAUNCH, f"--adaptive_target_verify_calibration={calibration}",
+            f"--adaptive_target_verify_cost_table_output={output}", "--json"]
+    assert cli.run(["calibrate", *argv]) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert report["output"] == str(output)
+    assert report["source"] == f"calibrated at startup from {calibration}"
+    (profile,) = report["profiles"]
+    assert (profile["points"], profile["windows"], profile["model"]) == (9, 18, "additive")
+    assert json.loads(output.read_text())["compatibility"]["draft_width"] == 5
+    # stderr (not a terminal here): one JSON line per window, then the effective config.
+    lines = [json.loads(line) for line in captured.err.splitlines()]
+    assert [line["event"] for line in lines] == ["calibration_window"] * 18 + ["effective_config"]
+    assert lines[-1]["costs"]["source"] == report["source"]
+    # The same output again is refused before anything runs.
+    assert cli.run(["calibrate", *argv]) == 2
+    assert capsys.readouterr().err.strip().endswith("choose a new output file")
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (LAUNCH[:3], "--enable_adaptive_target_verify=false: expected true"),
+    (LAUNCH, "--adaptive_target_verify_cost_table_output: required"),
+])
+def test_a_launch_calibrate_cannot_use_is_one_line_on_stderr(
+        argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.run(["calibrate", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count("\n") == 1
+    assert message in captured.err
+
+
+class Terminal:
+    def __init__(self) -> None:
+        self.text = ""
+
+    def isatty(self) -> bool:
+        return True
+
+    def write(self, text: str) -> None:
+        self.text += text
+
+    def flush(self) -> None:
+        """Nothing buffered."""
+
+
+def test_a_terminal_gets_one_bar_redrawn_in_place() -> None:
+    terminal = Terminal()
+    bar = progress_reporter(terminal)  # type: ignore[arg-type]
+    for done in (1, 2):
+        bar(PointMeasured(done, 2, 0, 0, 4, 8, 0.0125))
+    assert terminal.text.count("\r") == 2
+    assert terminal.text.endswith("\n")
+    assert "2/2 windows  Bcap=4 G=8 12.50 ms" in terminal.text
