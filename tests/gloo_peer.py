@@ -57,7 +57,15 @@ def hang(comm: DistributedCollectives, args: argparse.Namespace) -> dict[str, An
     return {}
 
 
-SCENARIOS: dict[str, Scenario] = {"round": round_collectives, "die": die, "hang": hang}
+def share(comm: DistributedCollectives, args: argparse.Namespace) -> dict[str, Any]:
+    """Startup's table agreement: each rank offers its own bytes (its own fitted table),
+    every rank installs rank 0's."""
+    offered = json.dumps({"fitted_by": comm.rank}).encode()
+    return {"installed": json.loads(comm.share_from_first_rank(offered))}
+
+
+SCENARIOS: dict[str, Scenario] = {"round": round_collectives, "die": die, "hang": hang,
+                                  "share": share}
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

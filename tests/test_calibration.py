@@ -196,3 +196,31 @@ def test_a_start_that_fails_after_warmup_leaves_nothing_running(
     with pytest.raises(ConfigError, match="costs.json: expected a writable file"):
         asyncio.run(runtime.start())
     assert not any(t.name.startswith("adaspec-cpu-") for t in threading.enumerate())
+
+
+@pytest.mark.parametrize("algorithm", ["DSpark", "MTP"])
+def test_serving_after_startup_calibration_stays_lossless(
+        tmp_path: Path, models: ReferenceModels, algorithm: str) -> None:
+    """Calibration runs on the same KV slots and drafter state that serving then uses."""
+    calibration = tmp_path / "calibration.json"
+    calibration.write_text(json.dumps(TINY))
+    prompts = [b"ROMEO.\nBut soft", b"Enter Hamlet", b"O"]
+
+    def decode(flags: dict[str, object]) -> list[tuple[int, ...]]:
+        runtime = Runtime(load_config(flags), models=models,
+                          options=RuntimeOptions(calibration_progress=lambda _: None))
+
+        async def run() -> list[tuple[int, ...]]:
+            await runtime.start()
+            params = SamplingParams(temperature=0.0, max_tokens=24)
+            handles = [runtime.submit(list(p), params) for p in prompts]
+            results = [(await h.result()).token_ids for h in handles]
+            await runtime.stop()
+            return results
+
+        return asyncio.run(run())
+
+    adaptive = decode(LAUNCH | {"speculative_algorithm": algorithm,
+                                "adaptive_target_verify_calibration": str(calibration)})
+    target_only = decode({"speculative_algorithm": "none", "max_seqs_per_batch": 4})
+    assert adaptive == target_only

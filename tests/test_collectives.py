@@ -124,6 +124,13 @@ def test_an_engines_existing_process_group_is_joined_and_left_alive(tmp_path: Pa
     assert [r["default_group_alive"] for r in reports] == [True, True]
 
 
+def test_every_rank_installs_rank_0s_cost_table(tmp_path: Path) -> None:
+    with GlooJob(tmp_path, tp_size=1, dp_size=2) as job:
+        peers = [job.start("share", rank) for rank in range(2)]
+        reports = [job.report(peer) for peer in peers]
+    assert [r["installed"] for r in reports] == [{"fitted_by": 0}, {"fitted_by": 0}]
+
+
 def test_dp_shards_that_chose_the_same_g_both_get_it(tmp_path: Path) -> None:
     reports = run_round(tmp_path, tp_size=1, dp_size=2, options=[
         {"token_ids": [1, 2], "rows": 16}, {"token_ids": [5, 6], "rows": 16}])
