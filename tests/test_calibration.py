@@ -24,11 +24,13 @@ from adaspec.runtime.calibration import PointMeasured, plan_calibration
 from adaspec.runtime.devices.buckets import BucketGeometry
 from adaspec.runtime.engine import Runtime, RuntimeOptions
 from adaspec.runtime.events.log import read_event_log
+from adaspec.runtime.events.types import BudgetDecided
 
 LAUNCH = {"speculative_algorithm": "DSpark", "num_speculative_tokens": 5,
           "max_seqs_per_batch": 4, "enable_adaptive_target_verify": True}
 GEOMETRY = BucketGeometry.of(load_config(LAUNCH).launch)
 TINY = TINY_CALIBRATION
+PROMPTS = [b"ROMEO.\nBut soft", b"Enter Hamlet", b"O"]
 TINY_POINTS = [(1, 1), (1, 2), (1, 4), (1, 6), (2, 2), (2, 4), (2, 6), (2, 8), (2, 12)]
 
 
@@ -51,7 +53,10 @@ def start_stop(flags: dict[str, object], models: ReferenceModels,
 
     async def run() -> None:
         await runtime.start()
-        await runtime.submit([65, 66], SamplingParams(temperature=0.0, max_tokens=4)).result()
+        params = SamplingParams(temperature=0.0, max_tokens=16)
+        handles = [runtime.submit(list(prompt), params) for prompt in PROMPTS]
+        for handle in handles:
+            await handle.result()
         await runtime.stop()
 
     asyncio.run(run())
@@ -132,6 +137,11 @@ def test_startup_calibrates_a_small_grid_saves_it_and_a_reload_skips_sampling(
     headers = [read_event_log(tmp_path / name).header for name in ("first.jsonl",
                                                                       "second.jsonl")]
     assert headers[0]["cost_table"] == headers[1]["cost_table"] == json.loads(costs.to_json())
+    # The reloaded launch decides every round exactly as the launch that saved the table.
+    logged = [[(e.round, e.num_rows) for e in read_event_log(tmp_path / name).events
+               if isinstance(e, BudgetDecided)] for name in ("first.jsonl", "second.jsonl")]
+    assert logged[0] == logged[1]
+    assert len(logged[0]) > 5
     saved_decisions = budget_decisions(costs)
     assert budget_decisions(second.costs) == saved_decisions
     assert len(set(saved_decisions)) > 1  # the table does drive the choice

@@ -311,7 +311,7 @@ def test_cli_unknown_policy_in_the_header_exit_2(
     assert main([str(path)]) == 2
     assert capsys.readouterr().err == (
         f"adaspec replay: error: event log {path}, line 1: header policies: "
-        "budget_policy=oracle: expected one of full\n")
+        "budget_policy=oracle: expected one of adaptive-verify, full\n")
 
 
 @pytest.mark.parametrize(("argv", "message"), [

@@ -2,7 +2,13 @@
 
 import pytest
 
-from adaspec.policies.verify import choose_rows, expected_tokens
+from adaspec.policies.base import BudgetContext, RoundFeedback
+from adaspec.policies.verify import (
+    FORGET_AFTER_ROUNDS,
+    AdaptiveVerify,
+    choose_rows,
+    expected_tokens,
+)
 
 TIERS = (8, 16, 32, 48)  # Draft5, B = 8
 HIGH = [0.9 ** (k + 1) for k in range(5)] * 8  # 40 drafted positions of 8 requests
@@ -33,3 +39,89 @@ def test_the_argmax_is_global_not_the_first_dip() -> None:
 def test_equal_rates_go_to_the_smaller_tier_and_unpriced_tiers_keep_full_width() -> None:
     assert choose_rows(TIERS, 8, [0.0] * 40, lambda g: 10.0, 48) == 8
     assert choose_rows(TIERS, 8, HIGH, lambda g: None if g == 32 else 10.0, 48) == 48
+
+
+# ---- the adaptive-verify policy on synthetic feedback ----------------------------------------
+
+class Table:
+    """A cost table priced by a formula over G; KV lengths above ``covered`` have no price."""
+
+    def __init__(self, per_row_ms: float, covered: int = 4096) -> None:
+        self.per_row_ms, self.covered = per_row_ms, covered
+
+    def cost_ms(self, num_reqs_bucket: int, num_rows: int, kv_length: int) -> float | None:
+        return None if kv_length > self.covered else 10.0 + self.per_row_ms * num_rows
+
+
+def context(round: int, ids: tuple[int, ...] = tuple(range(8)), kv: int = 100
+            ) -> BudgetContext:
+    return BudgetContext(round=round, num_reqs=len(ids), num_reqs_bucket=8, width=5, depth=5,
+                         tiers=TIERS, retired_through=round - 2, request_ids=ids,
+                         max_kv_length=kv)
+
+
+def feedback(round: int, conditional: float, ids: tuple[int, ...] = tuple(range(8))
+             ) -> RoundFeedback:
+    return RoundFeedback(round=round, num_reqs=len(ids), num_reqs_bucket=8, width=5, depth=5,
+                         num_rows=48, verify_lengths=(5,) * len(ids),
+                         num_accepted=(0,) * len(ids),
+                         confidences=((conditional,) * 5,) * len(ids), request_ids=ids)
+
+
+def test_without_retired_feedback_the_round_keeps_full_width() -> None:
+    policy = AdaptiveVerify(Table(per_row_ms=0.5))
+    assert policy.decide(context(0)) == 48
+    assert policy.statistics().values["full_width_no_history"] == 1
+
+
+def test_low_confidence_on_a_costly_table_trims_and_high_confidence_verifies_all() -> None:
+    policy = AdaptiveVerify(Table(per_row_ms=0.5))
+    policy.observe(feedback(0, 0.2))
+    assert policy.decide(context(2)) == 8
+    policy.observe(feedback(1, 0.95))
+    assert policy.decide(context(3)) == 48
+    assert policy.statistics().values["trimmed_rounds"] == 1
+
+
+def test_nearly_free_rows_are_verified_whatever_the_confidence() -> None:
+    policy = AdaptiveVerify(Table(per_row_ms=1e-6))
+    policy.observe(feedback(0, 0.05))
+    assert policy.decide(context(2)) == 48
+
+
+def test_a_new_request_borrows_the_newest_rounds_mean_survivals() -> None:
+    policy = AdaptiveVerify(Table(per_row_ms=0.5))
+    policy.observe(feedback(0, 0.2, ids=(0, 1, 2, 3)))
+    # Requests 4..7 arrived since: no history of their own, the low mean stands in.
+    assert policy.decide(context(2)) == 8
+
+
+def test_an_uncovered_kv_length_keeps_full_width() -> None:
+    policy = AdaptiveVerify(Table(per_row_ms=0.5, covered=1024))
+    policy.observe(feedback(0, 0.2))
+    assert policy.decide(context(2, kv=1025)) == 48
+    assert policy.statistics().values["full_width_unpriced"] == 1
+    assert policy.decide(context(3, kv=1024)) == 8
+
+
+def test_ended_requests_are_forgotten() -> None:
+    policy = AdaptiveVerify(Table(per_row_ms=0.5))
+    policy.observe(feedback(0, 0.2, ids=(0,)))
+    for number in range(1, FORGET_AFTER_ROUNDS + 2):
+        policy.observe(feedback(number, 0.9, ids=(1,)))
+    assert set(policy._survivals) == {1}
+
+
+def test_the_same_calls_make_the_same_decisions() -> None:
+    def run() -> list[int]:
+        policy = AdaptiveVerify(Table(per_row_ms=0.3))
+        decisions = []
+        for number in range(40):
+            if number >= 2:
+                policy.observe(feedback(number - 2, 0.1 + 0.02 * number))
+            decisions.append(policy.decide(context(number)))
+        return decisions
+
+    first = run()
+    assert first == run()
+    assert len(set(first)) > 1

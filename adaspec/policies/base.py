@@ -30,6 +30,7 @@ class RoundFeedback:
     verify_lengths: tuple[int, ...]  # [B] drafted tokens verified per request
     num_accepted: tuple[int, ...]  # [B] drafted tokens accepted per request
     confidences: tuple[tuple[float, ...], ...] = ()  # [B, w] conditional confidences, if any
+    request_ids: tuple[int, ...] = ()  # [B] which request each entry is
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -42,7 +43,8 @@ class RoundFeedback:
                    depth=data["depth"], num_rows=data["num_rows"],
                    verify_lengths=tuple(data["verify_lengths"]),
                    num_accepted=tuple(data["num_accepted"]),
-                   confidences=tuple(tuple(row) for row in data["confidences"]))
+                   confidences=tuple(tuple(row) for row in data["confidences"]),
+                   request_ids=tuple(data["request_ids"]))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -70,6 +72,8 @@ class BudgetContext:
     depth: int  # d chosen for this round: at most B * (d + 1) rows are useful
     tiers: tuple[int, ...]  # legal padded target rows G for this bucket, ascending
     retired_through: int  # newest round whose feedback was observed (-1: none yet)
+    request_ids: tuple[int, ...] = ()  # [B] the batch's requests, in batch order
+    max_kv_length: int = 0  # bound on the longest context this round can reach (coverage)
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)

@@ -11,7 +11,12 @@ G. Without a price for the batch (a KV length or bucket the table does not cover
 decision is the prewarmed full width.
 """
 
+import itertools
+import operator
 from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from adaspec.policies.base import BudgetContext, PolicyStatistics, RoundFeedback, covering_rows
 
 
 def expected_tokens(num_reqs: int, survivals: Sequence[float], num_rows: int) -> float:
@@ -36,3 +41,100 @@ def choose_rows(tiers: Sequence[int], num_reqs: int, survivals: Sequence[float],
         if rate > best_rate:
             best, best_rate = rows, rate
     return best
+
+
+class CostPricing(Protocol):
+    """What the policy needs of an installed cost table (a ``CostBundle``)."""
+
+    def cost_ms(self, num_reqs_bucket: int, num_rows: int, kv_length: int) -> float | None: ...
+
+
+FORGET_AFTER_ROUNDS = 16
+"""A request absent from this many retired rounds has ended (ids are never reused): its
+survivals are dropped so the policy's memory stays bounded by the live batch."""
+
+
+class AdaptiveVerify:
+    """Adaptive target verify: the padded target rows G of round n from feedback retired
+    through round n-2 and the installed cost table.
+
+    Each request's survival estimates are the running products of the confidences it was
+    drafted with in its newest retired round (the DSpark head's, or MTP's selected-token
+    probability); the device then fills the chosen G rows with the current round's own
+    survivals. A request with no retired round yet borrows the mean survivals of the newest
+    retired round; with no retired round at all, or no price for the batch (a bucket or KV
+    length the table does not cover), the round keeps the prewarmed full width.
+    """
+
+    name = "adaptive-verify"
+
+    def __init__(self, costs: CostPricing | None) -> None:
+        self._costs = costs
+        self._survivals: dict[int, tuple[float, ...]] = {}
+        self._seen: dict[int, int] = {}
+        self._prior: tuple[float, ...] | None = None
+        self._decisions = self._observed = 0
+        self._full_unpriced = self._full_no_history = self._trimmed = 0
+        self._rows_chosen = self._rows_full = 0
+
+    def observe(self, feedback: RoundFeedback) -> None:
+        self._observed += 1
+        if not feedback.confidences or not feedback.request_ids:
+            return
+        rows = [tuple(itertools.accumulate(row, operator.mul))
+                for row in feedback.confidences]
+        for request_id, survivals in zip(feedback.request_ids, rows, strict=True):
+            self._survivals[request_id] = survivals
+            self._seen[request_id] = feedback.round
+        self._prior = tuple(sum(column) / len(rows) for column in zip(*rows, strict=True))
+        gone = [r for r, seen in self._seen.items()
+                if feedback.round - seen > FORGET_AFTER_ROUNDS]
+        for request_id in gone:
+            del self._survivals[request_id], self._seen[request_id]
+
+    def decide(self, context: BudgetContext) -> int:
+        self._decisions += 1
+        full = covering_rows(context, context.depth)
+        chosen = self._choose(context, full)
+        self._rows_chosen += chosen
+        self._rows_full += full
+        self._trimmed += chosen < full
+        return chosen
+
+    def _choose(self, context: BudgetContext, full: int) -> int:
+        pooled = self._pooled(context)
+        if pooled is None:
+            self._full_no_history += 1
+            return full
+        costs = self._costs
+        if costs is None or costs.cost_ms(context.num_reqs_bucket, full,
+                                          context.max_kv_length) is None:
+            self._full_unpriced += 1
+            return full
+        return choose_rows(
+            context.tiers, context.num_reqs, pooled,
+            lambda rows: costs.cost_ms(context.num_reqs_bucket, rows, context.max_kv_length),
+            full)
+
+    def _pooled(self, context: BudgetContext) -> list[float] | None:
+        """Survivals of every (request, position) this round can verify; None without any
+        retired evidence."""
+        ids = context.request_ids or (-1,) * context.num_reqs
+        pooled: list[float] = []
+        for request_id in ids:
+            survivals = self._survivals.get(request_id, self._prior)
+            if survivals is None:
+                return None
+            pooled.extend(survivals[:context.depth])
+        return pooled
+
+    def statistics(self) -> PolicyStatistics:
+        fraction = self._rows_chosen / self._rows_full if self._rows_full else 1.0
+        return PolicyStatistics(self.name, self._decisions, self._observed, {
+            "rows_vs_full_width": round(fraction, 4), "trimmed_rounds": self._trimmed,
+            "full_width_unpriced": self._full_unpriced,
+            "full_width_no_history": self._full_no_history})
+
+    def settings(self) -> dict[str, object]:
+        """The cost table travels in the event-log header, not here."""
+        return {}

@@ -309,7 +309,11 @@ class Runtime:
         return self.options.depth_policy or make_depth_policy("fixed", {})
 
     def _budget_policy(self) -> BudgetPolicy:
-        return self.options.budget_policy or make_budget_policy("full", {})
+        if self.options.budget_policy is not None:
+            return self.options.budget_policy
+        if self.launch.enable_adaptive_target_verify:
+            return make_budget_policy("adaptive-verify", {}, self.costs)
+        return make_budget_policy("full", {})
 
     async def stop(self) -> None:
         """Finish every submitted request, retire every round, release the stream and files."""

@@ -290,7 +290,7 @@ class Pipeline:
         num_reqs = len(batch)
         bucket = self.geometry.request_bucket(num_reqs)
         depth = self._decide_depth(number, slot, num_reqs, bucket)
-        num_rows, verify = self._decide_rows(number, slot, num_reqs, bucket, depth)
+        num_rows, verify = self._decide_rows(number, slot, batch, bucket, depth)
         inputs = self._round_inputs(number, batch, bucket, depth, num_rows, verify)
         record = RoundRecord(round=number, slot=slot, batch=batch, num_reqs_bucket=bucket,
                              depth=depth, num_rows=num_rows,
@@ -322,14 +322,19 @@ class Pipeline:
                                       context=context, depth=depth))
         return depth
 
-    def _decide_rows(self, number: int, slot: int, num_reqs: int, bucket: int, depth: int
-                     ) -> tuple[int, Binding]:
+    def _decide_rows(self, number: int, slot: int, batch: list[Request], bucket: int,
+                     depth: int) -> tuple[int, Binding]:
         tiers = self._tiers.get(bucket)
         if tiers is None:
             tiers = self._tiers[bucket] = self.geometry.legal_rows(bucket)
-        context = BudgetContext(round=number, num_reqs=num_reqs, num_reqs_bucket=bucket,
+        # The host lags the device: the prefill's token and the round in flight (lag 2) may
+        # not have reached it, and this round itself writes up to w + 1 positions.
+        known = max(len(r.prompt) + len(r.tokens) for r in batch) + 1
+        context = BudgetContext(round=number, num_reqs=len(batch), num_reqs_bucket=bucket,
                                 width=self.width, depth=depth, tiers=tiers,
-                                retired_through=self.retired_through)
+                                retired_through=self.retired_through,
+                                request_ids=tuple(r.id for r in batch),
+                                max_kv_length=known + self.lag * (self.width + 1))
         chosen = self.budget_policy.decide(context)
         if chosen not in tiers:
             raise AdaspecError(f"budget policy {self.budget_policy.name} chose G={chosen}; "
@@ -490,7 +495,8 @@ class Pipeline:
             verify_lengths=tuple(lengths[i] for i in rows),
             num_accepted=tuple(accepted[i] for i in rows),
             confidences=() if confidences is None else tuple(tuple(confidences[i])
-                                                            for i in rows))
+                                                            for i in rows),
+            request_ids=tuple(record.batch[i].id for i in rows))
 
     # --- request ends and slots --------------------------------------------------------------
     def _finish(self, request: Request, reason: str) -> None:

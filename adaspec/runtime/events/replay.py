@@ -16,8 +16,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+from adaspec.config.calibration import key_prefix
 from adaspec.errors import MISSING, AdaspecError, ConfigError, EventLogError, ReplayMismatch
 from adaspec.policies.base import BudgetPolicy, DepthPolicy
+from adaspec.policies.bundles import CostBundle, bundle_from_dict
 from adaspec.policies.registry import make_budget_policy, make_depth_policy
 from adaspec.runtime.events.log import read_event_log
 from adaspec.runtime.events.types import BudgetDecided, DepthDecided, Event, RoundRetired
@@ -149,7 +151,17 @@ def recorded_policies(header: Mapping[str, Any]) -> tuple[DepthPolicy, BudgetPol
     policy this adaspec does not know)."""
     policies = header["policies"]
     return (make_depth_policy(policies["depth"]["name"], policies["depth"]["settings"]),
-            make_budget_policy(policies["budget"]["name"], policies["budget"]["settings"]))
+            make_budget_policy(policies["budget"]["name"], policies["budget"]["settings"],
+                               recorded_costs(header)))
+
+
+def recorded_costs(header: Mapping[str, Any]) -> CostBundle | None:
+    """The cost table the run installed, as its header carries it (None when it had none)."""
+    table = header.get("cost_table")
+    if table is None:
+        return None
+    with key_prefix("cost_table."):
+        return bundle_from_dict(table, source="the event log's header")
 
 
 def replay(
@@ -166,7 +178,8 @@ def replay(
         depth_policy = make_depth_policy(recorded["depth"]["name"], recorded["depth"]["settings"])
     if budget_policy is None:
         budget_policy = make_budget_policy(recorded["budget"]["name"],
-                                           recorded["budget"]["settings"])
+                                           recorded["budget"]["settings"],
+                                           recorded_costs(header))
     # Logs record their lag (2 with schedule overlap, 1 without); older logs meant 2.
     walk = _Walk(depth_policy, budget_policy, int(header.get("lag", 2)))
     for index, event in enumerate(events):
