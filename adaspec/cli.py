@@ -25,6 +25,7 @@ commands:
   models    identities, sizes and measured quality of the built-in reference models
   generate  decode prompts with the built-in models (speculative or target alone)
   calibrate measure and fit the costs of adaptive target verify, save the bundle
+  simulate  evaluate policies offline on a workload (or an event log) and a cost bundle
   states    the round state graph (--diagram prints it as mermaid)
   replay    re-run the policies of a recorded event log and report the first divergence
 
@@ -101,6 +102,12 @@ def run_calibrate(argv: Sequence[str]) -> int:
     return calibrate(argv)
 
 
+def run_simulate(argv: Sequence[str]) -> int:
+    from adaspec.runtime.simulate_command import run_simulate as simulate
+
+    return simulate(argv)
+
+
 def run_states(argv: Sequence[str]) -> int:
     if list(argv) in (["-h"], ["--help"]):
         print("usage: adaspec states --diagram\n\n  --diagram  print the round state graph "
@@ -122,7 +129,8 @@ def run_replay(argv: Sequence[str]) -> int:
 
 COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "config": run_config, "models": run_models, "generate": run_generate,
-    "calibrate": run_calibrate, "states": run_states, "replay": run_replay}
+    "calibrate": run_calibrate, "simulate": run_simulate, "states": run_states,
+    "replay": run_replay}
 
 
 def run(argv: Sequence[str]) -> int:

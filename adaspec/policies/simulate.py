@@ -1,0 +1,358 @@
+"""Offline policy evaluation: run depth and budget policies over a workload, without models,
+through the runtime's lag and tier rules, and price every round with a saved cost table.
+
+A workload is a sequence of rounds; each gives its batch's requests, the per-position
+confidences each request's drafter reported, and how many drafted tokens the target would
+accept if offered the full width (``docs/workload.md``). For round n the simulator:
+
+1. lets the policies observe the simulated feedback of every round through n - lag;
+2. asks the depth policy for d and the budget policy for G among the legal tiers of the
+   request bucket (both read from the bundle's captured geometry);
+3. allocates the G - B rows to the best surviving positions of this round (the device rule:
+   survival order, ties to the lower request then the lower position, contiguous prefixes,
+   at most d per request);
+4. counts each request's accepted tokens as ``min(verified, accepted at full width)`` plus
+   the residual or bonus token, and prices the round at ``cost_ms(Bcap, G, kv)``.
+
+``oracle`` is not a policy: it knows each round's true acceptance and picks the G that
+maximises this round's tokens per millisecond, an upper bound for any budget policy under the
+same allocation rule.
+"""
+
+import itertools
+import math
+import operator
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from adaspec.config.calibration import json_type
+from adaspec.errors import ConfigError
+from adaspec.policies.base import (
+    BudgetContext,
+    BudgetPolicy,
+    DepthContext,
+    DepthPolicy,
+    RoundFeedback,
+    covering_rows,
+)
+from adaspec.policies.bundles import CostBundle
+from adaspec.policies.costs import UnpricedShape
+from adaspec.policies.fixed import FixedDepth, FullBudget
+from adaspec.policies.verify import AdaptiveVerify
+
+WORKLOAD_FORMAT = "adaspec-workload"
+WORKLOAD_VERSION = 1
+LAG = 2
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadRequest:
+    id: int
+    confidences: tuple[float, ...]  # [w] conditional confidences the drafter reported
+    accepted: int  # drafted tokens the target accepts when offered all w
+    censored: bool = False  # accepted is only a lower bound (a recorded run verified fewer)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadRound:
+    requests: tuple[WorkloadRequest, ...]
+    kv_length: int | None = None  # longest context of the batch, for the table's coverage
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    width: int
+    rounds: tuple[WorkloadRound, ...]
+    name: str = ""
+
+    def as_lines(self) -> list[str]:
+        """The workload as JSON lines (``docs/workload.md``)."""
+        import json
+
+        lines = [json.dumps({"format": WORKLOAD_FORMAT, "version": WORKLOAD_VERSION,
+                             "width": self.width, "name": self.name})]
+        for rnd in self.rounds:
+            entry: dict[str, Any] = {"requests": [
+                {"id": r.id, "confidences": list(r.confidences), "accepted": r.accepted,
+                 **({"censored": True} if r.censored else {})} for r in rnd.requests]}
+            if rnd.kv_length is not None:
+                entry["kv_length"] = rnd.kv_length
+            lines.append(json.dumps(entry))
+        return lines
+
+
+def parse_workload(lines: Iterable[str], source: str) -> Workload:
+    """A workload from its JSON lines; errors name the file, the line and the field."""
+    import json
+
+    rows = iter(enumerate(lines, start=1))
+    header: Any = None
+    for number, text in rows:
+        if text.strip():
+            header = _json(json, source, number, text)
+            break
+    if not isinstance(header, dict) or header.get("format") != WORKLOAD_FORMAT:
+        raise ConfigError("--workload", f"{source}:1",
+                          f'expected a first line {{"format": "{WORKLOAD_FORMAT}", '
+                          '"version": 1, "width": W}')
+    if header.get("version") != WORKLOAD_VERSION:
+        raise ConfigError("--workload", f"{source}:1", f"version={header.get('version')}: "
+                          f"expected {WORKLOAD_VERSION}")
+    width = header.get("width")
+    if type(width) is not int or not 1 <= width <= 64:
+        raise ConfigError("--workload", f"{source}:1", f"width={width}: expected an integer "
+                          "in 1..64")
+    rounds = [_round(_json(json, source, number, text), width, f"{source}:{number}")
+              for number, text in rows if text.strip()]
+    if not rounds:
+        raise ConfigError("--workload", source, "expected at least one round line")
+    return Workload(width=width, rounds=tuple(rounds), name=str(header.get("name", "")))
+
+
+def _json(json: Any, source: str, number: int, text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as error:
+        raise ConfigError("--workload", f"{source}:{number}",
+                          f"expected one JSON object per line ({error})") from None
+
+
+def _round(data: Any, width: int, where: str) -> WorkloadRound:
+    if not isinstance(data, dict) or not isinstance(data.get("requests"), list) \
+            or not data["requests"]:
+        raise ConfigError("--workload", where, 'expected {"requests": [...]} with at least '
+                          "one request")
+    unknown = sorted(set(data) - {"requests", "kv_length"})
+    if unknown:
+        raise ConfigError("--workload", where, f"{unknown[0]}: not a round field; expected "
+                          "requests, kv_length")
+    kv = data.get("kv_length")
+    if kv is not None and (type(kv) is not int or kv < 1):
+        raise ConfigError("--workload", where, f"kv_length={kv}: expected a positive integer")
+    requests = tuple(_request(r, width, f"{where}, requests[{i}]")
+                     for i, r in enumerate(data["requests"]))
+    if len({r.id for r in requests}) != len(requests):
+        raise ConfigError("--workload", where, "request ids repeat within the round")
+    return WorkloadRound(requests=requests, kv_length=kv)
+
+
+def _request(data: Any, width: int, where: str) -> WorkloadRequest:
+    if not isinstance(data, dict):
+        raise ConfigError("--workload", where, f"expected an object, got {json_type(data)}")
+    unknown = sorted(set(data) - {"id", "confidences", "accepted", "censored"})
+    if unknown:
+        raise ConfigError("--workload", where, f"{unknown[0]}: not a request field")
+    rid, confidences, accepted = data.get("id"), data.get("confidences"), data.get("accepted")
+    if type(rid) is not int or rid < 0:
+        raise ConfigError("--workload", where, f"id={rid}: expected an integer >= 0")
+    if (not isinstance(confidences, list) or len(confidences) != width
+            or not all(type(c) in (int, float) and 0.0 <= c <= 1.0 for c in confidences)):
+        raise ConfigError("--workload", where, f"confidences: expected {width} numbers in "
+                          "0..1 (one per drafted position)")
+    if type(accepted) is not int or not 0 <= accepted <= width:
+        raise ConfigError("--workload", where, f"accepted={accepted}: expected an integer in "
+                          f"0..{width}")
+    return WorkloadRequest(id=rid, confidences=tuple(float(c) for c in confidences),
+                           accepted=accepted, censored=bool(data.get("censored", False)))
+
+
+def survivals_of(confidences: Sequence[float], depth: int) -> list[float]:
+    """Running products of the first ``depth`` conditional confidences."""
+    return list(itertools.accumulate(confidences[:depth], operator.mul))
+
+
+def allocate(survivals: Sequence[Sequence[float]], num_rows: int) -> list[int]:
+    """Verify lengths of the device's allocation rule (``runtime.devices.allocation``) in
+    plain Python: the top ``G - B`` survivals, ties to the lower request then position."""
+    candidates = [(-s, request, position) for request, row in enumerate(survivals)
+                  for position, s in enumerate(row)]
+    candidates.sort()
+    admitted = {(request, position) for _, request, position in
+                candidates[:max(0, num_rows - len(survivals))]}
+    lengths = []
+    for request, row in enumerate(survivals):
+        length = 0
+        while length < len(row) and (request, length) in admitted:
+            length += 1
+        lengths.append(length)
+    return lengths
+
+
+@dataclass(slots=True)
+class SimulationResult:
+    """What one policy did over a workload, priced by the cost table."""
+
+    policy: str
+    rounds: int = 0
+    request_rounds: int = 0
+    tokens: int = 0  # accepted drafts plus one residual or bonus per request-round
+    cost_ms: float = 0.0
+    rows: int = 0
+    depth_switches: int = 0
+    censored_rounds: int = 0  # rounds where a recorded (censored) acceptance bound was used
+    decisions: list[tuple[int, int]] = field(default_factory=list)  # (depth, G) per round
+
+    def as_dict(self) -> dict[str, object]:
+        return {"policy": self.policy, "rounds": self.rounds,
+                "tokens_per_round": round(self.tokens / self.rounds, 4),
+                "mean_acceptance_length": round(self.tokens / self.request_rounds, 4),
+                "predicted_cost_ms_per_round": round(self.cost_ms / self.rounds, 4),
+                "predicted_tokens_per_second": round(1000 * self.tokens / self.cost_ms, 2),
+                "mean_rows": round(self.rows / self.rounds, 2),
+                "depth_switches_per_1000_rounds": round(1000 * self.depth_switches
+                                                        / self.rounds, 2),
+                "censored_rounds": self.censored_rounds}
+
+    @property
+    def tokens_per_second(self) -> float:
+        return 1000 * self.tokens / self.cost_ms
+
+
+class Geometry:
+    """Buckets and tiers of the launch a bundle was calibrated on."""
+
+    def __init__(self, bundle: CostBundle, path: str) -> None:
+        compat: Mapping[str, Any] = bundle.compatibility
+        if "request_buckets" not in compat or "target_rows" not in compat:
+            raise ConfigError("--cost_table", path, "expected a versioned bundle (a legacy "
+                              "table records no buckets or tiers to simulate with)")
+        self.buckets: tuple[int, ...] = tuple(compat["request_buckets"])
+        self.tiers: dict[int, tuple[int, ...]] = {
+            b: tuple(rows) for b, rows in zip(self.buckets, compat["target_rows"], strict=True)}
+        self.width = int(compat["draft_width"])
+
+    def bucket(self, num_reqs: int, where: str) -> int:
+        for bucket in self.buckets:
+            if bucket >= num_reqs:
+                return bucket
+        raise ConfigError("--workload", where, f"{num_reqs} requests in one round exceed the "
+                          f"largest captured bucket {self.buckets[-1]} of the cost table")
+
+
+class Oracle:
+    """Marker for the policy that knows each round's true acceptance."""
+
+    name = "oracle"
+
+
+PolicySpec = tuple[DepthPolicy, BudgetPolicy | Oracle]
+
+
+def make_policies(spec: str, costs: CostBundle, width: int) -> PolicySpec:
+    """``fixed:K``, ``adaptive-verify`` or ``oracle`` as a (depth, budget) pair."""
+    if spec.startswith("fixed:"):
+        value = spec.partition(":")[2]
+        if not value.isdigit() or not 1 <= int(value) <= width:
+            raise ConfigError("--policy", spec, f"expected fixed:K with K in 1..{width}")
+        return FixedAt(int(value)), FullBudget()
+    if spec == "adaptive-verify":
+        return FixedDepth(), AdaptiveVerify(costs)
+    if spec == "oracle":
+        return FixedDepth(), Oracle()
+    raise ConfigError("--policy", spec, f"expected fixed:K (K in 1..{width}), "
+                      "adaptive-verify or oracle")
+
+
+class FixedAt(FixedDepth):
+    """Draft (and verify) exactly K positions every round: fixed width K."""
+
+    def __init__(self, depth: int) -> None:
+        super().__init__()
+        self.depth = depth
+        self.name = f"fixed:{depth}"
+
+    def decide(self, context: DepthContext) -> int:
+        self._decisions += 1
+        return self.depth
+
+
+def simulate(spec: str, workload: Workload, costs: CostBundle, path: str = "cost table"
+             ) -> SimulationResult:
+    """Run one policy over the workload (fresh policy instances)."""
+    geometry = Geometry(costs, path)
+    if workload.width != geometry.width:
+        raise ConfigError("--workload", workload.name or "workload",
+                          f"width {workload.width} differs from the cost table's draft_width "
+                          f"{geometry.width}")
+    depth_policy, budget_policy = make_policies(spec, costs, workload.width)
+    result = SimulationResult(policy=spec)
+    pending: list[RoundFeedback] = []
+    default_kv = costs.profiles[0].context.max_kv_length
+    last_depth: int | None = None
+    for number, rnd in enumerate(workload.rounds):
+        while pending and pending[0].round <= number - LAG:
+            feedback = pending.pop(0)
+            depth_policy.observe(feedback)
+            if not isinstance(budget_policy, Oracle):
+                budget_policy.observe(feedback)
+        where = f"round {number}"
+        num_reqs = len(rnd.requests)
+        bucket = geometry.bucket(num_reqs, where)
+        tiers = geometry.tiers[bucket]
+        kv = rnd.kv_length if rnd.kv_length is not None else default_kv
+        retired = number - LAG
+        depth = depth_policy.decide(DepthContext(
+            round=number, num_reqs=num_reqs, num_reqs_bucket=bucket, width=workload.width,
+            retired_through=retired))
+        context = BudgetContext(round=number, num_reqs=num_reqs, num_reqs_bucket=bucket,
+                                width=workload.width, depth=depth, tiers=tiers,
+                                retired_through=retired,
+                                request_ids=tuple(r.id for r in rnd.requests),
+                                max_kv_length=kv)
+        survivals = [survivals_of(r.confidences, depth) for r in rnd.requests]
+        if isinstance(budget_policy, Oracle):
+            rows = _oracle_rows(rnd, survivals, context, costs, path)
+        else:
+            rows = budget_policy.decide(context)
+        lengths = allocate(survivals, rows)
+        accepted = [min(length, r.accepted) for length, r in zip(lengths, rnd.requests,
+                                                                  strict=True)]
+        cost = _price(costs, bucket, rows, kv, path)
+        result.rounds += 1
+        result.request_rounds += num_reqs
+        result.tokens += sum(accepted) + num_reqs
+        result.cost_ms += cost
+        result.rows += rows
+        result.censored_rounds += any(r.censored for r in rnd.requests)
+        result.depth_switches += last_depth is not None and depth != last_depth
+        result.decisions.append((depth, rows))
+        last_depth = depth
+        pending.append(RoundFeedback(
+            round=number, num_reqs=num_reqs, num_reqs_bucket=bucket, width=workload.width,
+            depth=depth, num_rows=rows, verify_lengths=tuple(lengths),
+            num_accepted=tuple(accepted),
+            confidences=tuple(r.confidences[:depth] + (0.0,) * (workload.width - depth)
+                              for r in rnd.requests),
+            request_ids=tuple(r.id for r in rnd.requests)))
+    return result
+
+
+def _price(costs: CostBundle, bucket: int, rows: int, kv: int, path: str) -> float:
+    cost = costs.cost_ms(bucket, rows, kv)
+    if cost is None:  # a KV length outside the coverage: price with the nearest profile
+        profile = min(costs.profiles, key=lambda p: min(abs(kv - p.context.min_kv_length),
+                                                        abs(kv - p.context.max_kv_length)))
+        try:
+            cost = profile.table.cost_ms(bucket, rows)
+        except UnpricedShape as error:
+            raise ConfigError("--cost_table", path, f"cannot price Bcap={bucket} G={rows} "
+                              f"({error}); calibrate the buckets the workload uses") from None
+    if not math.isfinite(cost) or cost <= 0:
+        raise ConfigError("--cost_table", path, f"prices Bcap={bucket} G={rows} at {cost} ms")
+    return cost
+
+
+def _oracle_rows(rnd: WorkloadRound, survivals: list[list[float]], context: BudgetContext,
+                 costs: CostBundle, path: str) -> int:
+    """The tier with the most true tokens per millisecond this round (ties: smaller G)."""
+    best, best_rate = covering_rows(context, context.depth), -1.0
+    for rows in context.tiers:
+        lengths = allocate(survivals, rows)
+        tokens = sum(min(length, r.accepted) + 1 for length, r in zip(lengths, rnd.requests,
+                                                                        strict=True))
+        rate = tokens / _price(costs, context.num_reqs_bucket, rows, context.max_kv_length,
+                               path)
+        if rate > best_rate:
+            best, best_rate = rows, rate
+    return best

@@ -1,0 +1,176 @@
+"""``adaspec simulate``: evaluate policies offline on a workload and a saved cost bundle.
+
+    adaspec simulate --workload FILE --cost_table FILE --policy NAME [--policy NAME ...]
+                     [--json]
+
+The workload is a JSON-lines file (``docs/workload.md``) or a recorded event log, so a real
+run can be re-evaluated under another policy; an event log that carries its cost table needs
+no ``--cost_table``. No model is loaded and torch is not imported.
+"""
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from adaspec.errors import MISSING, ConfigError
+from adaspec.policies.bundles import CostBundle, bundle_from_dict, load_bundle
+from adaspec.policies.simulate import (
+    WORKLOAD_FORMAT,
+    SimulationResult,
+    Workload,
+    WorkloadRequest,
+    WorkloadRound,
+    make_policies,
+    parse_workload,
+    simulate,
+)
+
+USAGE = """usage: adaspec simulate --workload FILE --cost_table FILE --policy NAME
+                        [--policy NAME ...] [--json]
+
+Runs each policy over the workload through the runtime's lag (decisions for round n see
+feedback through n-2) and tier rules, pricing every round with the saved cost bundle.
+
+  --workload FILE    JSON lines (see docs/workload.md) or an event log of a recorded run
+  --cost_table FILE  a bundle saved by --adaptive_target_verify_cost_table_output (optional
+                     for an event log that carries its table)
+  --policy NAME      fixed:K (K in 1..width), adaptive-verify, oracle; repeat for several
+  --json             print one JSON object instead of a table"""
+
+
+def run_simulate(argv: Sequence[str]) -> int:
+    if any(arg in ("-h", "--help") for arg in argv):
+        print(USAGE)
+        return 0
+    values = _arguments(argv)
+    workload, logged = read_workload(values["workload"][0])
+    costs = _costs(values.get("cost_table"), logged)
+    for spec in values["policy"]:  # every name checked before any policy runs
+        make_policies(spec, costs, workload.width)
+    results = [simulate(spec, workload, costs, values.get("cost_table", ["log"])[0])
+               for spec in values["policy"]]
+    report = _report(workload, costs, results)
+    if "json" in values:
+        print(json.dumps(report, indent=2))
+    else:
+        print(_table(report))
+    return 0
+
+
+def _arguments(argv: Sequence[str]) -> dict[str, list[str]]:
+    values: dict[str, list[str]] = {}
+    index = 0
+    while index < len(argv):
+        name, has_value, value = argv[index].partition("=")
+        if name == "--json":
+            values["json"] = []
+            index += 1
+            continue
+        if name not in ("--workload", "--cost_table", "--policy"):
+            raise ConfigError(argv[index], MISSING, "unknown flag; expected --workload, "
+                              "--cost_table, --policy or --json")
+        if not has_value:
+            if index + 1 >= len(argv):
+                raise ConfigError(name, MISSING, "expected a value")
+            value, index = argv[index + 1], index + 1
+        if name != "--policy" and name[2:] in values:
+            raise ConfigError(name, value, "given twice; give it once")
+        values.setdefault(name[2:], []).append(value)
+        index += 1
+    for required in ("workload", "policy"):
+        if required not in values:
+            raise ConfigError(f"--{required}", MISSING, "required (adaspec simulate --help "
+                              "shows the usage)")
+    return values
+
+
+def read_workload(path: str) -> tuple[Workload, dict[str, Any] | None]:
+    """The workload of a file, and the header when the file is an event log."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError("--workload", path, f"cannot be read ({type(error).__name__})") \
+            from None
+    first = text.lstrip().split("\n", 1)[0]
+    if WORKLOAD_FORMAT in first:
+        return parse_workload(text.splitlines(), path), None
+    from adaspec.runtime.events.log import read_event_log
+
+    header, events = read_event_log(path)
+    return workload_of_log(header, events, path), header
+
+
+def workload_of_log(header: dict[str, Any], events: Sequence[Any], path: str) -> Workload:
+    """Each retired round of a recorded run as a workload round. Where the run verified fewer
+    drafts than the width and all of them were accepted, the full-width acceptance is unknown:
+    the recorded count stands in as a lower bound and the request is marked censored."""
+    from adaspec.runtime.events.types import BudgetDecided, RoundRetired
+
+    width = int(header["config"]["launch"]["settings"]["num_speculative_tokens"])
+    kv = {e.round: e.context.max_kv_length for e in events if isinstance(e, BudgetDecided)}
+    rounds = []
+    for event in events:
+        if not isinstance(event, RoundRetired):
+            continue
+        feedback = event.feedback
+        if feedback.num_reqs == 0:  # every entry had finished in an earlier round
+            continue
+        if not feedback.confidences or not feedback.request_ids:
+            raise ConfigError("--workload", path, f"round {feedback.round} records no "
+                              "confidences or request ids; the run cannot be re-evaluated")
+        requests = tuple(
+            WorkloadRequest(id=rid, confidences=tuple(conf), accepted=accepted,
+                            censored=accepted == length < width)
+            for rid, conf, accepted, length in zip(
+                feedback.request_ids, feedback.confidences, feedback.num_accepted,
+                feedback.verify_lengths, strict=True))
+        rounds.append(WorkloadRound(requests=requests, kv_length=kv.get(feedback.round)))
+    if not rounds:
+        raise ConfigError("--workload", path, "the event log has no retired round")
+    return Workload(width=width, rounds=tuple(rounds), name=path)
+
+
+def _costs(paths: list[str] | None, header: dict[str, Any] | None) -> CostBundle:
+    if paths:
+        from adaspec.config.files import read_json_object
+
+        return load_bundle(paths[0], read_json_object("cost_table", paths[0]))
+    if header is not None and header.get("cost_table") is not None:
+        return bundle_from_dict(header["cost_table"], source="the event log's header")
+    raise ConfigError("--cost_table", MISSING, "required (the workload carries no cost table)")
+
+
+def _report(workload: Workload, costs: CostBundle, results: list[SimulationResult]
+            ) -> dict[str, Any]:
+    fixed = [r for r in results if r.policy.startswith("fixed:")]
+    best = max(fixed, key=lambda r: r.tokens_per_second) if fixed else None
+    oracle = next((r for r in results if r.policy == "oracle"), None)
+    rows = []
+    for result in results:
+        row = result.as_dict()
+        if best is not None:
+            row["vs_best_fixed"] = round(result.tokens_per_second / best.tokens_per_second, 4)
+        if oracle is not None:
+            row["vs_oracle"] = round(result.tokens_per_second / oracle.tokens_per_second, 4)
+        rows.append(row)
+    return {"workload": workload.name, "rounds": len(workload.rounds),
+            "width": workload.width, "cost_table": costs.source,
+            "best_fixed": best.policy if best else None, "policies": rows,
+            "acceptance_length": "accepted + 1 (counts the residual or bonus token)"}
+
+
+def _table(report: dict[str, Any]) -> str:
+    lines = [f"workload {report['workload']}: {report['rounds']} rounds, width "
+             f"{report['width']}; costs from {report['cost_table']}",
+             f"{'policy':16} {'tokens/round':>12} {'AL':>6} {'ms/round':>9} {'tokens/s':>10} "
+             f"{'vs best fixed':>13} {'vs oracle':>9}"]
+    for row in report["policies"]:
+        lines.append(f"{row['policy']:16} {row['tokens_per_round']:12.3f} "
+                     f"{row['mean_acceptance_length']:6.3f} "
+                     f"{row['predicted_cost_ms_per_round']:9.3f} "
+                     f"{row['predicted_tokens_per_second']:10.1f} "
+                     f"{row.get('vs_best_fixed', float('nan')):13.3f} "
+                     f"{row.get('vs_oracle', float('nan')):9.3f}")
+    lines.append("AL = accepted + 1 (counts the residual or bonus token)")
+    return "\n".join(lines)

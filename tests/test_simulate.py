@@ -1,0 +1,153 @@
+"""Offline evaluation: the simulator follows the runtime's lag, tier and allocation rules,
+and on synthetic workloads with known regimes adaptive verify is never worse than the best
+fixed width chosen in hindsight, beats it when conditions change, and stays near the oracle."""
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from adaspec import cli
+from adaspec.errors import ConfigError
+from adaspec.policies.base import BudgetContext, RoundFeedback
+from adaspec.policies.bundles import CostBundle
+from adaspec.policies.simulate import allocate, parse_workload, simulate
+from adaspec.policies.verify import AdaptiveVerify
+from adaspec.policies.workloads import shaped_tables, synthetic
+from adaspec.runtime.devices.allocation import allocate_prefixes
+
+KINDS = ("high", "low", "step", "drift", "alternating")
+CHANGING = ("step", "drift", "alternating")
+POLICIES = ("fixed:1", "fixed:2", "fixed:3", "fixed:4", "fixed:5", "adaptive-verify", "oracle")
+
+
+TABLES = shaped_tables()
+
+
+def rates(table: CostBundle, kind: str) -> dict[str, float]:
+    workload = synthetic(kind, rounds=800, batch=8, seed=11)
+    return {p: simulate(p, workload, table).tokens_per_second for p in POLICIES}
+
+
+@pytest.mark.parametrize("table_name", list(TABLES))
+def test_adaptive_verify_against_the_best_fixed_width_and_the_oracle(table_name: str) -> None:
+    for kind in KINDS:
+        rate = rates(TABLES[table_name], kind)
+        best = max(v for p, v in rate.items() if p.startswith("fixed:"))
+        adaptive = rate["adaptive-verify"]
+        assert adaptive >= 0.98 * best, (kind, adaptive / best)
+        assert adaptive >= 0.9 * rate["oracle"], (kind, adaptive / rate["oracle"])
+        assert rate["oracle"] >= max(rate.values()) - 1e-9  # an upper bound indeed
+        if kind in CHANGING and table_name != "nearly free":
+            assert adaptive > 1.05 * best, (kind, adaptive / best)
+
+
+def test_nearly_free_rows_are_all_verified_and_a_saturated_table_trims() -> None:
+    workload = synthetic("high", rounds=300, batch=8)
+    free = simulate("adaptive-verify", workload, TABLES["nearly free"])
+    assert {rows for _, rows in free.decisions[2:]} == {48}
+    low = synthetic("low", rounds=300, batch=8)
+    saturated = simulate("adaptive-verify", low, TABLES["saturated"])
+    assert saturated.rows / saturated.rounds < 16
+
+
+def test_allocation_equals_the_device_kernel() -> None:
+    rng = random.Random(5)
+    for _ in range(200):
+        num_reqs, width = rng.randint(1, 6), rng.randint(1, 6)
+        # Quantised confidences make equal survivals (and so the tie-break) common.
+        confidences = [[rng.choice((0.0, 0.25, 0.5, 0.75, 1.0)) for _ in range(width)]
+                       for _ in range(num_reqs)]
+        rows = rng.randint(num_reqs, num_reqs * (width + 1))
+        survivals = [[float(v) for v in torch.tensor(row, dtype=torch.float64).cumprod(0)]
+                     for row in confidences]
+        device = allocate_prefixes(torch.tensor(confidences), rows,
+                                   torch.full((num_reqs,), width),
+                                   torch.ones(num_reqs, dtype=torch.bool))
+        assert allocate(survivals, rows) == device.tolist()
+
+
+class Witness(AdaptiveVerify):
+    """Records which rounds it had observed when it decided each round."""
+
+    def __init__(self) -> None:
+        super().__init__(TABLES["staircase"])
+        self.seen: list[int] = []
+        self.at_decision: dict[int, int] = {}
+
+    def observe(self, feedback: RoundFeedback) -> None:
+        super().observe(feedback)
+        self.seen.append(feedback.round)
+
+    def decide(self, context: BudgetContext) -> int:
+        self.at_decision[context.round] = max(self.seen, default=-1)
+        return super().decide(context)
+
+
+def test_decisions_see_feedback_through_round_n_minus_2_only(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    witness = Witness()
+    monkeypatch.setattr("adaspec.policies.simulate.AdaptiveVerify", lambda costs: witness)
+    simulate("adaptive-verify", synthetic("step", rounds=50), TABLES["staircase"])
+    assert witness.at_decision == {n: n - 2 if n >= 2 else -1 for n in range(50)}
+
+
+def test_a_workload_file_round_trips_and_bad_lines_name_file_line_and_field(
+        tmp_path: Path) -> None:
+    workload = synthetic("drift", rounds=20)
+    assert parse_workload(workload.as_lines(), "w.jsonl") == workload
+    lines = workload.as_lines()
+    bad = json.loads(lines[3])
+    bad["requests"][1]["accepted"] = 9
+    with pytest.raises(ConfigError, match=r"--workload=w\.jsonl:4, requests\[1\]: accepted=9: "
+                                          r"expected an integer in 0\.\.5"):
+        parse_workload([*lines[:3], json.dumps(bad)], "w.jsonl")
+    with pytest.raises(ConfigError, match=r"--workload=w\.jsonl:1: expected a first line"):
+        parse_workload(lines[1:], "w.jsonl")
+
+
+def test_cli_table_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    workload, table = tmp_path / "step.jsonl", tmp_path / "costs.json"
+    workload.write_text("\n".join(synthetic("step", rounds=200).as_lines()) + "\n")
+    TABLES["staircase"].save(str(table))
+    argv = ["simulate", "--workload", str(workload), f"--cost_table={table}",
+            "--policy", "fixed:5", "--policy", "adaptive-verify", "--policy", "oracle"]
+    assert cli.run(argv) == 0
+    text = capsys.readouterr().out
+    assert "adaptive-verify" in text
+    assert "AL = accepted + 1" in text
+    assert cli.run([*argv, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["best_fixed"] == "fixed:5"
+    assert [p["policy"] for p in report["policies"]] == ["fixed:5", "adaptive-verify", "oracle"]
+    assert report["policies"][2]["vs_oracle"] == 1.0
+
+
+def test_cli_refuses_an_unknown_policy_before_running_any(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    workload, table = tmp_path / "w.jsonl", tmp_path / "costs.json"
+    workload.write_text("\n".join(synthetic("high", rounds=10).as_lines()))
+    TABLES["staircase"].save(str(table))
+    assert cli.run(["simulate", "--workload", str(workload), "--cost_table", str(table),
+                    "--policy", "fixed:5", "--policy", "fixed:9"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == "adaspec simulate: error: --policy=fixed:9: expected fixed:K with K " \
+                           "in 1..5\n"
+
+
+def test_the_documented_schema_accepts_written_workloads_and_rejects_bad_lines() -> None:
+    import jsonschema
+
+    root = Path(__file__).resolve().parents[1]
+    schema = json.loads((root / "docs" / "workload.schema.json").read_text())
+    validator = jsonschema.Draft202012Validator(schema)
+    lines = synthetic("alternating", rounds=5).as_lines()
+    for line in lines:
+        validator.validate(json.loads(line))
+    bad = json.loads(lines[1])
+    bad["requests"][0]["accepted"] = -1
+    assert not validator.is_valid(bad)
+    assert not validator.is_valid({"format": "adaspec-workload", "version": 2, "width": 5})
