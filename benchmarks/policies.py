@@ -1,6 +1,7 @@
-"""Budget policies on seeded synthetic regimes and shaped cost tables, evaluated offline by
-the simulator (no models): each policy's predicted tokens per second relative to the best
-fixed width chosen in hindsight and to the oracle.
+"""Adaptive policies on seeded synthetic regimes and shaped cost tables, evaluated offline by
+the simulator (no models): predicted tokens per second of adaptive verify and adaptive depth
+relative to the best fixed width chosen in hindsight (and adaptive verify's relative to the
+oracle), and adaptive depth's switches per 1000 rounds.
 
     python benchmarks/policies.py [--rounds 2000] [--seeds 3] [--json]
 
@@ -24,19 +25,27 @@ def evaluate(rounds: int, seeds: int) -> list[dict[str, object]]:
     rows = []
     for table_name, table in shaped_tables().items():
         for kind in KINDS:
-            vs_best, vs_oracle, best_names = [], [], []
+            ratios: dict[str, list[float]] = {key: [] for key in (
+                "verify_vs_best_fixed", "verify_vs_oracle", "depth_vs_best_fixed",
+                "depth_switches_per_1000")}
+            best_names = []
             for seed in range(seeds):
                 workload = synthetic(kind, rounds=rounds, batch=8, seed=seed)
-                rate = {p: simulate(p, workload, table).tokens_per_second
-                        for p in (*FIXED, "adaptive-verify", "oracle")}
+                results = {p: simulate(p, workload, table)
+                           for p in (*FIXED, "adaptive-verify", "adaptive-depth", "oracle")}
+                rate = {p: r.tokens_per_second for p, r in results.items()}
                 best = max(FIXED, key=rate.__getitem__)
                 best_names.append(best)
-                vs_best.append(rate["adaptive-verify"] / rate[best])
-                vs_oracle.append(rate["adaptive-verify"] / rate["oracle"])
+                ratios["verify_vs_best_fixed"].append(rate["adaptive-verify"] / rate[best])
+                ratios["verify_vs_oracle"].append(rate["adaptive-verify"] / rate["oracle"])
+                ratios["depth_vs_best_fixed"].append(rate["adaptive-depth"] / rate[best])
+                depth = results["adaptive-depth"]
+                ratios["depth_switches_per_1000"].append(1000 * depth.depth_switches
+                                                         / depth.rounds)
             rows.append({"table": table_name, "workload": kind,
                          "best_fixed": statistics.mode(best_names),
-                         "adaptive_vs_best_fixed": round(statistics.median(vs_best), 3),
-                         "adaptive_vs_oracle": round(statistics.median(vs_oracle), 3)})
+                         **{key: round(statistics.median(values), 3)
+                            for key, values in ratios.items()}})
     return rows
 
 
@@ -50,7 +59,9 @@ if __name__ == "__main__":
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        print(f"{'table':12} {'workload':12} {'best fixed':>10} {'vs best':>8} {'vs oracle':>9}")
+        print(f"{'table':12} {'workload':12} {'best fixed':>10} {'verify/best':>11} "
+              f"{'verify/oracle':>13} {'depth/best':>10} {'switches/1000':>13}")
         for row in result:
             print(f"{row['table']:12} {row['workload']:12} {row['best_fixed']:>10} "
-                  f"{row['adaptive_vs_best_fixed']:8.3f} {row['adaptive_vs_oracle']:9.3f}")
+                  f"{row['verify_vs_best_fixed']:11.3f} {row['verify_vs_oracle']:13.3f} "
+                  f"{row['depth_vs_best_fixed']:10.3f} {row['depth_switches_per_1000']:13.1f}")

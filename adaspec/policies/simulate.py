@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from adaspec.config.calibration import json_type
+from adaspec.config.calibration import DraftStepPolicyConfig, json_type
 from adaspec.errors import ConfigError
 from adaspec.policies.base import (
     BudgetContext,
@@ -38,6 +38,7 @@ from adaspec.policies.base import (
 )
 from adaspec.policies.bundles import CostBundle
 from adaspec.policies.costs import UnpricedShape
+from adaspec.policies.depth import AdaptiveDepth, DepthPricing
 from adaspec.policies.fixed import FixedDepth, FullBudget
 from adaspec.policies.verify import AdaptiveVerify
 
@@ -189,7 +190,9 @@ class SimulationResult:
     tokens: int = 0  # accepted drafts plus one residual or bonus per request-round
     cost_ms: float = 0.0
     rows: int = 0
-    depth_switches: int = 0
+    depth_changes: int = 0  # rounds whose depth differs from the round before (probes too)
+    depth_switches: int = 0  # changes of the depth the policy settled on (probes excluded)
+    probes: int = 0
     censored_rounds: int = 0  # rounds where a recorded (censored) acceptance bound was used
     decisions: list[tuple[int, int]] = field(default_factory=list)  # (depth, G) per round
 
@@ -200,8 +203,11 @@ class SimulationResult:
                 "predicted_cost_ms_per_round": round(self.cost_ms / self.rounds, 4),
                 "predicted_tokens_per_second": round(1000 * self.tokens / self.cost_ms, 2),
                 "mean_rows": round(self.rows / self.rounds, 2),
+                "depth_changes_per_1000_rounds": round(1000 * self.depth_changes
+                                                       / self.rounds, 2),
                 "depth_switches_per_1000_rounds": round(1000 * self.depth_switches
                                                         / self.rounds, 2),
+                "probes_per_1000_rounds": round(1000 * self.probes / self.rounds, 2),
                 "censored_rounds": self.censored_rounds}
 
     @property
@@ -239,8 +245,25 @@ class Oracle:
 PolicySpec = tuple[DepthPolicy, BudgetPolicy | Oracle]
 
 
-def make_policies(spec: str, costs: CostBundle, width: int) -> PolicySpec:
-    """``fixed:K``, ``adaptive-verify`` or ``oracle`` as a (depth, budget) pair."""
+def depth_pricing(costs: CostBundle, geometry: "Geometry") -> DepthPricing:
+    """A round at depth d priced at the tier verifying every drafted token, ``B * (d + 1)``
+    rows: the verification table's view of a shallower round (draft steps not priced
+    apart, which a per-depth calibration would add)."""
+    kv = costs.profiles[0].context.max_kv_length
+
+    def price(context: DepthContext, depth: int) -> float | None:
+        tiers = geometry.tiers[context.num_reqs_bucket]
+        need = context.num_reqs * (depth + 1)
+        rows = next((g for g in tiers if g >= need), tiers[-1])
+        return costs.cost_ms(context.num_reqs_bucket, rows, kv)
+
+    return price
+
+
+def make_policies(spec: str, costs: CostBundle, width: int,
+                  geometry: "Geometry | None" = None) -> PolicySpec:
+    """``fixed:K``, ``adaptive-depth``, ``adaptive-verify`` or ``oracle`` as a (depth,
+    budget) pair."""
     if spec.startswith("fixed:"):
         value = spec.partition(":")[2]
         if not value.isdigit() or not 1 <= int(value) <= width:
@@ -250,8 +273,11 @@ def make_policies(spec: str, costs: CostBundle, width: int) -> PolicySpec:
         return FixedDepth(), AdaptiveVerify(costs)
     if spec == "oracle":
         return FixedDepth(), Oracle()
+    if spec == "adaptive-depth":
+        pricing = depth_pricing(costs, geometry) if geometry is not None else None
+        return AdaptiveDepth(DraftStepPolicyConfig(), pricing), FullBudget()
     raise ConfigError("--policy", spec, f"expected fixed:K (K in 1..{width}), "
-                      "adaptive-verify or oracle")
+                      "adaptive-depth, adaptive-verify or oracle")
 
 
 class FixedAt(FixedDepth):
@@ -275,7 +301,7 @@ def simulate(spec: str, workload: Workload, costs: CostBundle, path: str = "cost
         raise ConfigError("--workload", workload.name or "workload",
                           f"width {workload.width} differs from the cost table's draft_width "
                           f"{geometry.width}")
-    depth_policy, budget_policy = make_policies(spec, costs, workload.width)
+    depth_policy, budget_policy = make_policies(spec, costs, workload.width, geometry)
     result = SimulationResult(policy=spec)
     pending: list[RoundFeedback] = []
     default_kv = costs.profiles[0].context.max_kv_length
@@ -315,7 +341,7 @@ def simulate(spec: str, workload: Workload, costs: CostBundle, path: str = "cost
         result.cost_ms += cost
         result.rows += rows
         result.censored_rounds += any(r.censored for r in rnd.requests)
-        result.depth_switches += last_depth is not None and depth != last_depth
+        result.depth_changes += last_depth is not None and depth != last_depth
         result.decisions.append((depth, rows))
         last_depth = depth
         pending.append(RoundFeedback(
@@ -325,6 +351,11 @@ def simulate(spec: str, workload: Workload, costs: CostBundle, path: str = "cost
             confidences=tuple(r.confidences[:depth] + (0.0,) * (workload.width - depth)
                               for r in rnd.requests),
             request_ids=tuple(r.id for r in rnd.requests)))
+    values = depth_policy.statistics().values
+    # A policy that probes says which changes were switches; otherwise every change is one.
+    switches, probes = values.get("switches"), values.get("probes")
+    result.depth_switches = switches if isinstance(switches, int) else result.depth_changes
+    result.probes = probes if isinstance(probes, int) else 0
     return result
 
 

@@ -35,7 +35,8 @@ feedback through n-2) and tier rules, pricing every round with the saved cost bu
   --workload FILE    JSON lines (see docs/workload.md) or an event log of a recorded run
   --cost_table FILE  a bundle saved by --adaptive_target_verify_cost_table_output (optional
                      for an event log that carries its table)
-  --policy NAME      fixed:K (K in 1..width), adaptive-verify, oracle; repeat for several
+  --policy NAME      fixed:K (K in 1..width), adaptive-depth, adaptive-verify, oracle;
+                     repeat for several
   --json             print one JSON object instead of a table"""
 
 

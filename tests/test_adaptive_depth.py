@@ -1,0 +1,78 @@
+"""Adaptive MTP draft depth: censoring-aware prefix acceptance, switches only for a real gain,
+no oscillation on stationary workloads, and a depth that follows a step change."""
+
+import pytest
+
+from adaspec.config.calibration import DraftStepPolicyConfig
+from adaspec.policies.base import DepthContext, RoundFeedback
+from adaspec.policies.depth import AdaptiveDepth
+from adaspec.policies.simulate import simulate
+from adaspec.policies.workloads import shaped_tables, synthetic
+
+TABLES = shaped_tables()
+
+
+def feedback(round: int, lengths: tuple[int, ...], accepted: tuple[int, ...]) -> RoundFeedback:
+    return RoundFeedback(round=round, num_reqs=len(lengths), num_reqs_bucket=8, width=5,
+                         depth=max(lengths), num_rows=8, verify_lengths=lengths,
+                         num_accepted=accepted)
+
+
+def test_positions_a_round_did_not_verify_are_not_counted_as_rejected() -> None:
+    policy = AdaptiveDepth(DraftStepPolicyConfig(), pricing=None)
+    # Depth 2, every request accepted both drafts: nothing is known beyond position 2.
+    for number in range(5):
+        policy.observe(feedback(number, (2, 2, 2, 2), (2, 2, 2, 2)))
+    acceptance = policy.prefix_acceptance(5)
+    assert acceptance[:2] == [1.0, 1.0]
+    assert acceptance[2:] == [1.0, 1.0, 1.0]  # borrowed, not zero
+    # A deeper round that rejects at position 3 half the time moves position 3 only.
+    policy.observe(feedback(5, (5, 5, 5, 5), (2, 2, 5, 5)))
+    assert policy.prefix_acceptance(5)[2] == pytest.approx(0.5)
+
+
+def test_conditional_acceptance_counts_only_requests_that_reached_the_position() -> None:
+    policy = AdaptiveDepth(DraftStepPolicyConfig(), pricing=None)
+    policy.observe(feedback(0, (5, 5, 5, 5), (0, 1, 3, 5)))
+    # Position 1: 3 of 4 accepted. Position 2: reached by 3, accepted by 2. Position 4:
+    # reached by 2 (accepted 3 and 5), accepted by 1.
+    assert policy.prefix_acceptance(5)[0] == pytest.approx(3 / 4)
+    assert policy.prefix_acceptance(5)[1] == pytest.approx(3 / 4 * 2 / 3)
+    assert policy.prefix_acceptance(5)[3] == pytest.approx(3 / 4 * 2 / 3 * 1 * 1 / 2)
+
+
+def test_a_switch_needs_a_gain_above_the_threshold() -> None:
+    costs = {1: 10.0, 2: 10.4, 3: 10.8, 4: 11.2, 5: 11.6}
+    policy = AdaptiveDepth(DraftStepPolicyConfig(switch_min_gain=0.5),
+                           pricing=lambda context, depth: costs[depth])
+    context = DepthContext(round=1, num_reqs=4, num_reqs_bucket=4, width=5, retired_through=-1)
+    for number in range(10):
+        policy.observe(feedback(number, (5, 5, 5, 5), (0, 0, 1, 0)))
+    assert policy.decide(context) == 5  # depth 1 is better, but not by more than 50 %
+    eager = AdaptiveDepth(DraftStepPolicyConfig(switch_min_gain=0.05),
+                          pricing=lambda context, depth: costs[depth])
+    for number in range(10):
+        eager.observe(feedback(number, (5, 5, 5, 5), (0, 0, 1, 0)))
+    assert eager.decide(context) == 1
+
+
+@pytest.mark.parametrize("table_name", ["staircase", "saturated"])
+@pytest.mark.parametrize("kind", ["high", "low"])
+def test_no_oscillation_on_a_stationary_workload(table_name: str, kind: str) -> None:
+    result = simulate("adaptive-depth", synthetic(kind, rounds=2000, seed=1),
+                      TABLES[table_name])
+    assert result.depth_switches * 1000 / result.rounds <= 1.0  # at most the initial settle
+    fixed = max(simulate(f"fixed:{k}", synthetic(kind, rounds=2000, seed=1),
+                         TABLES[table_name]).tokens_per_second for k in range(1, 6))
+    assert result.tokens_per_second >= 0.97 * fixed
+
+
+def test_the_depth_follows_a_step_change_and_beats_every_fixed_width() -> None:
+    workload = synthetic("step", rounds=2000, seed=1)
+    result = simulate("adaptive-depth", workload, TABLES["staircase"])
+    depths = [depth for depth, _ in result.decisions]
+    assert depths[900] == 5  # high acceptance: full width
+    assert max(depths[1500:]) <= 2  # low acceptance: shallow (probes one step deeper)
+    fixed = max(simulate(f"fixed:{k}", workload, TABLES["staircase"]).tokens_per_second
+                for k in range(1, 6))
+    assert result.tokens_per_second > 1.1 * fixed
