@@ -1,13 +1,25 @@
 """Adaptive MTP draft depth: censoring-aware prefix acceptance, switches only for a real gain,
 no oscillation on stationary workloads, and a depth that follows a step change."""
 
-import pytest
+import json
+from pathlib import Path
 
+import pytest
+from runtime_helpers import TINY_CALIBRATION, config, decode, excerpt_prompts, max_tokens_of
+
+from adaspec.config import SamplingParams
 from adaspec.config.calibration import DraftStepPolicyConfig
+from adaspec.models import load_reference_models
 from adaspec.policies.base import DepthContext, RoundFeedback
 from adaspec.policies.depth import AdaptiveDepth
 from adaspec.policies.simulate import simulate
 from adaspec.policies.workloads import shaped_tables, synthetic
+from adaspec.runtime.calibration import PointMeasured
+from adaspec.runtime.devices.buckets import BucketGeometry
+from adaspec.runtime.engine import RuntimeOptions
+from adaspec.runtime.events.log import read_event_log
+from adaspec.runtime.events.replay import replay
+from adaspec.runtime.events.types import DepthDecided
 
 TABLES = shaped_tables()
 
@@ -76,3 +88,35 @@ def test_the_depth_follows_a_step_change_and_beats_every_fixed_width() -> None:
     fixed = max(simulate(f"fixed:{k}", workload, TABLES["staircase"]).tokens_per_second
                 for k in range(1, 6))
     assert result.tokens_per_second > 1.1 * fixed
+
+
+def test_adaptive_depth_runs_lossless_on_the_runtime_and_replays_bit_exactly(
+        tmp_path: Path) -> None:
+    settings, log = tmp_path / "draft-steps.json", tmp_path / "run.jsonl"
+    settings.write_text(json.dumps({
+        "version": 1, "policy": {"window_size": 4, "update_interval": 2, "switch_min_gain": 0.0},
+        "calibration": TINY_CALIBRATION | {"request_buckets": [1, 2, 4]}}))
+    windows: list[PointMeasured] = []
+    models = load_reference_models()
+    prompts = excerpt_prompts(12)
+    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens_of(i))
+              for i in range(len(prompts))]
+    launch = config("MTP", 3, 4, enable_adaptive_draft_step=True,
+                    adaptive_draft_step_config=str(settings))
+    geometry = BucketGeometry.of(launch.launch)
+    adaptive = decode(launch, prompts, params, models=models, wave=3,
+                      options=RuntimeOptions(event_log=str(log),
+                                             calibration_progress=windows.append))
+    target_only = decode(config("none", 0, 4), prompts, params, models=models, wave=3)
+    assert [r.token_ids for r in adaptive] == [r.token_ids for r in target_only]
+    # Every bucket was calibrated at every depth, each with the rows of its full width.
+    assert {(w.num_reqs_bucket, w.depth, w.num_rows) for w in windows} == {
+        (b, d, next(g for g in geometry.legal_rows(b) if g >= b * (d + 1)))
+        for b in (1, 2, 4) for d in (1, 2, 3)}
+    header, events = read_event_log(log)
+    assert header["policies"]["depth"]["name"] == "adaptive-depth"
+    assert [p["over"] for p in header["cost_table"]["profiles"]] == ["depth"]
+    depths = [e.depth for e in events if isinstance(e, DepthDecided)]
+    assert depths
+    assert set(depths) <= {1, 2, 3}
+    replay(header, events).check()

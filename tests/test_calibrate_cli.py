@@ -69,7 +69,7 @@ def test_a_terminal_gets_one_bar_redrawn_in_place() -> None:
     terminal = Terminal()
     bar = progress_reporter(terminal)  # type: ignore[arg-type]
     for done in (1, 2):
-        bar(PointMeasured(done, 2, 0, 0, 4, 8, 0.0125))
+        bar(PointMeasured(done, 2, 0, 0, 4, 8, 0.0125, 5))
     assert terminal.text.count("\r") == 2
     assert terminal.text.endswith("\n")
-    assert "2/2 windows  Bcap=4 G=8 12.50 ms" in terminal.text
+    assert "2/2 windows  Bcap=4 d=5 G=8 12.50 ms" in terminal.text

@@ -8,7 +8,8 @@ A bundle is one versioned JSON object:
                        target, draft, request_buckets, target_rows},
      "settings": {the calibration settings used},
      "profiles": [{"context": {prefill_tokens, min_kv_length, max_kv_length},
-                   "table": {...}, "samples": [[Bcap, G, seconds], ...]}]}
+                   "over": "rows" or "depth", "table": {...},
+                   "samples": [[Bcap, G or depth, seconds], ...]}]}
 
 One profile per calibrated KV interval; a round whose KV length no profile covers has no
 price and the policy keeps full width. Loading checks every compatibility field against the
@@ -71,14 +72,21 @@ COMPATIBILITY_FIELDS = tuple(Compatibility.__dataclass_fields__)
 
 @dataclass(frozen=True, slots=True)
 class CostProfile:
-    """The table fitted for one KV interval, with the samples it was fitted to."""
+    """The table fitted for one KV interval, with the samples it was fitted to.
+
+    ``over="rows"``: the table prices (Bcap, G) at full depth (adaptive target verify).
+    ``over="depth"``: its second axis is the draft depth d, each measured with the rows that
+    verify every drafted token (adaptive draft steps); the samples' second value is then d.
+    """
 
     context: ContextInterval
     table: CostTable
     samples: tuple[CostSample, ...] = ()
+    over: str = "rows"
 
     def as_dict(self) -> dict[str, object]:
-        return {"context": self.context.as_dict(), "table": self.table.as_dict(),
+        return {"context": self.context.as_dict(), "over": self.over,
+                "table": self.table.as_dict(),
                 "samples": [[s.num_reqs_bucket, s.num_rows, s.seconds] for s in self.samples]}
 
 
@@ -97,12 +105,29 @@ class CostBundle:
     """Where the costs came from: calibrated at startup (and from which settings) or the
     saved file."""
 
-    def profile(self, kv_length: int) -> CostProfile | None:
-        """The profile covering a KV length, None when none does."""
+    def profile(self, kv_length: int, over: str = "rows") -> CostProfile | None:
+        """The profile of that axis covering a KV length, None when none does."""
         for profile in self.profiles:
-            if profile.context.min_kv_length <= kv_length <= profile.context.max_kv_length:
+            if (profile.over == over and profile.context.min_kv_length <= kv_length
+                    <= profile.context.max_kv_length):
                 return profile
         return None
+
+    def depth_cost_ms(self, num_reqs_bucket: int, depth: int,
+                      kv_length: int | None = None) -> float | None:
+        """Predicted full-cycle milliseconds of a round at depth d (all drafted tokens
+        verified); None when no depth profile covers it. Without a KV length, the first
+        depth profile prices it."""
+        if kv_length is None:
+            profile = next((p for p in self.profiles if p.over == "depth"), None)
+        else:
+            profile = self.profile(kv_length, over="depth")
+        if profile is None:
+            return None
+        try:
+            return profile.table.cost_ms(num_reqs_bucket, depth)
+        except UnpricedShape:
+            return None
 
     def cost_ms(self, num_reqs_bucket: int, num_rows: int, kv_length: int) -> float | None:
         """Predicted full-step milliseconds at (Bcap, G) for a batch whose longest KV is
@@ -193,7 +218,9 @@ def _legacy(data: Mapping[str, object], source: str) -> CostBundle:
 
 
 def _profile(profile: Mapping[str, object]) -> CostProfile:
-    _exact_keys("", profile, {"context", "table", "samples"})
+    _exact_keys("", profile, {"context", "over", "table", "samples"})
+    if profile["over"] not in ("rows", "depth"):
+        raise ConfigError("over", profile["over"], "expected rows or depth")
     context = _object("context", profile["context"])
     with key_prefix("context."):
         _exact_keys("", context, {"prefill_tokens", "min_kv_length", "max_kv_length"})
@@ -209,7 +236,7 @@ def _profile(profile: Mapping[str, object]) -> CostProfile:
             raise ConfigError(f"samples[{index}]", sample,
                               "expected [Bcap, G, seconds] with positive seconds")
         samples.append(CostSample(sample[0], sample[1], float(sample[2])))
-    return CostProfile(interval, table, tuple(samples))
+    return CostProfile(interval, table, tuple(samples), over=str(profile["over"]))
 
 
 def _check_compatibility_types(data: Mapping[str, object]) -> None:

@@ -49,7 +49,8 @@ def progress_reporter(stream: TextIO) -> Progress:
             filled = BAR_WIDTH * measured.done // measured.total
             stream.write(f"\rcalibrating [{'#' * filled}{'.' * (BAR_WIDTH - filled)}] "
                          f"{measured.done}/{measured.total} windows  "
-                         f"Bcap={measured.num_reqs_bucket} G={measured.num_rows} "
+                         f"Bcap={measured.num_reqs_bucket} d={measured.depth} "
+                         f"G={measured.num_rows} "
                          f"{1000 * measured.seconds:.2f} ms  ")
             if measured.done == measured.total:
                 stream.write("\n")

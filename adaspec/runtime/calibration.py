@@ -22,14 +22,20 @@ import asyncio
 import json
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from adaspec.config.calibration import DEFAULT_CONTEXTS, CalibrationConfig, ContextInterval
 from adaspec.config.requests import SamplingParams
-from adaspec.errors import AdaspecError
-from adaspec.policies.base import BudgetContext, PolicyStatistics, RoundFeedback, covering_rows
+from adaspec.errors import AdaspecError, ConfigError
+from adaspec.policies.base import (
+    BudgetContext,
+    DepthContext,
+    PolicyStatistics,
+    RoundFeedback,
+    covering_rows,
+)
 from adaspec.policies.bundles import Compatibility, CostBundle, CostProfile, fitted_bundle
 from adaspec.policies.costs import CostSample, fit
 from adaspec.policies.grid import (
@@ -41,7 +47,7 @@ from adaspec.policies.grid import (
 )
 from adaspec.runtime.devices.buckets import BucketGeometry
 from adaspec.runtime.events.bus import EventBus
-from adaspec.runtime.events.types import BudgetDecided, Event, RoundRetired
+from adaspec.runtime.events.types import BudgetDecided, DepthDecided, Event, RoundRetired
 from adaspec.runtime.requests import Request
 
 LOG = logging.getLogger("adaspec.calibration")
@@ -60,11 +66,25 @@ class CalibrationError(AdaspecError):
 
 @dataclass(frozen=True, slots=True)
 class CalibrationPlan:
-    """What calibration will measure, checked before any sampling."""
+    """What calibration will measure, checked before any sampling.
+
+    ``over="rows"`` (adaptive target verify): the grid's points are (Bcap, G) at full depth.
+    ``over="depth"`` (adaptive draft steps): they are (Bcap, d), each run at depth d with the
+    tier verifying every drafted token, ``rows_at[(Bcap, d)]``; the fit then treats d as its
+    second axis, so every depth gets its own measured full-cycle cost.
+    """
 
     settings: CalibrationConfig
     grid: ProbeGrid
     contexts: tuple[ContextInterval, ...]  # effective intervals, one profile each
+    over: str = "rows"
+    rows_at: Mapping[tuple[int, int], int] = field(default_factory=dict)
+
+    def shape(self, bucket: int, second: int) -> tuple[int, int]:
+        """(depth, G) a point runs at."""
+        if self.over == "depth":
+            return second, self.rows_at[(bucket, second)]
+        return self.grid.width, second
 
     @property
     def num_windows(self) -> int:
@@ -96,6 +116,30 @@ def plan_calibration(settings: CalibrationConfig | None, geometry: BucketGeometr
     return CalibrationPlan(settings=settings, grid=grid, contexts=contexts)
 
 
+def plan_depth_calibration(settings: CalibrationConfig, geometry: BucketGeometry,
+                           context_limit: int) -> CalibrationPlan:
+    """Every captured bucket of the settings at every depth 1..w, checked before sampling."""
+    progress = sampling_progress(geometry.width, settings.warmup_steps, settings.window_steps)
+    if settings.contexts == DEFAULT_CONTEXTS:
+        contexts = default_contexts(context_limit, progress)
+    else:
+        contexts = settings.contexts
+        check_contexts(contexts, context_limit, progress, "draft-step calibration")
+    points, rows_at = [], {}
+    for bucket in settings.request_buckets:
+        if bucket not in geometry.request_buckets:
+            raise ConfigError("draft-step calibration: request_buckets",
+                              list(settings.request_buckets),
+                              f"bucket {bucket} is not captured; captured buckets: "
+                              f"{list(geometry.request_buckets)}")
+        tiers = geometry.legal_rows(bucket)
+        for depth in range(1, geometry.width + 1):
+            points.append((bucket, depth))
+            rows_at[(bucket, depth)] = next(g for g in tiers if g >= bucket * (depth + 1))
+    return CalibrationPlan(settings=settings, grid=ProbeGrid(geometry.width, tuple(points)),
+                           contexts=contexts, over="depth", rows_at=rows_at)
+
+
 class ForcedBudget:
     """Calibration's budget policy: the point's G whenever the batch is the point's requests
     (the smallest tier covering everything otherwise)."""
@@ -122,22 +166,50 @@ class ForcedBudget:
         return {}
 
 
+class ForcedDepth:
+    """Calibration's depth policy: the point's depth (full width when none is set)."""
+
+    name = "calibration-forced-depth"
+
+    def __init__(self) -> None:
+        self.depth: int | None = None
+        self._decisions = 0
+
+    def decide(self, context: DepthContext) -> int:
+        self._decisions += 1
+        return self.depth if self.depth is not None else context.width
+
+    def observe(self, feedback: RoundFeedback) -> None:
+        """Calibration learns from timings, not feedback."""
+
+    def statistics(self) -> PolicyStatistics:
+        return PolicyStatistics(self.name, self._decisions, 0)
+
+    def settings(self) -> dict[str, object]:
+        return {}
+
+
 @dataclass(slots=True)
 class _Recorder:
     """Retirement times of the rounds that ran exactly the point's shape."""
 
     bucket: int
     rows: int
+    depth: int
     bound: dict[int, int] = field(default_factory=dict)  # round -> bound G
+    depths: dict[int, int] = field(default_factory=dict)  # round -> depth run
     times: list[tuple[int, float, bool]] = field(default_factory=list)  # (round, t, stable)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __call__(self, event: Event) -> None:
         if isinstance(event, BudgetDecided):
             self.bound[event.round] = event.bound_rows
+        elif isinstance(event, DepthDecided):
+            self.depths[event.round] = event.depth
         elif isinstance(event, RoundRetired):
             stable = (event.feedback.num_reqs == self.bucket
-                      and self.bound.get(event.round) == self.rows)
+                      and self.bound.get(event.round) == self.rows
+                      and self.depths.get(event.round) == self.depth)
             self.times.append((event.round, event.time, stable))
             self.wake.set()
 
@@ -165,12 +237,14 @@ class PointMeasured:
     num_reqs_bucket: int
     num_rows: int
     seconds: float
+    depth: int
 
     def log_line(self) -> str:
         return json.dumps({"event": "calibration_window", "done": self.done,
                            "total": self.total, "context": self.context,
                            "window": self.window, "Bcap": self.num_reqs_bucket,
-                           "G": self.num_rows, "ms": round(1000 * self.seconds, 4)})
+                           "G": self.num_rows, "depth": self.depth,
+                           "ms": round(1000 * self.seconds, 4)})
 
 
 Progress = Callable[[PointMeasured], None]
@@ -189,8 +263,10 @@ def synthetic_prompt(seed: int, index: int, length: int, vocab: int) -> list[int
 class CalibrationDriver:
     """Submits synthetic requests to a calibration pipeline and reads its retirements."""
 
-    def __init__(self, pipeline: Any, bus: EventBus, vocab_size: int) -> None:
+    def __init__(self, pipeline: Any, bus: EventBus, vocab_size: int,
+                 forced: ForcedBudget, forced_depth: ForcedDepth) -> None:
         self.pipeline, self.bus, self.vocab_size = pipeline, bus, vocab_size
+        self.forced, self.forced_depth = forced, forced_depth
         self._next_id = 0
 
     def submit(self, prompt: list[int], params: SamplingParams) -> Request:
@@ -204,12 +280,13 @@ class CalibrationDriver:
             self.pipeline.cancel(request)
 
 
-async def measure_window(driver: CalibrationDriver, forced: ForcedBudget,
-                         settings: CalibrationConfig, context: ContextInterval, bucket: int,
-                         rows: int, first_id: int) -> CostSample:
-    """One window of one grid point, on fresh synthetic requests."""
-    forced.rows = rows
-    recorder = _Recorder(bucket=bucket, rows=rows)
+async def measure_window(driver: CalibrationDriver, settings: CalibrationConfig,
+                         context: ContextInterval, bucket: int, depth: int, rows: int,
+                         first_id: int) -> float:
+    """Seconds per complete decode interval of one window at (Bcap, d, G), on fresh
+    synthetic requests."""
+    driver.forced.rows, driver.forced_depth.depth = rows, depth
+    recorder = _Recorder(bucket=bucket, rows=rows, depth=depth)
     driver.bus.subscribe(recorder)
     needed = settings.warmup_steps + settings.window_steps + 1
     params = SamplingParams(temperature=0.0, max_tokens=1 << 20)
@@ -240,13 +317,14 @@ async def measure_window(driver: CalibrationDriver, forced: ForcedBudget,
                                "sampling progress?)")
     start = settings.warmup_steps
     step = settings.window_steps
-    return CostSample(bucket, rows, (times[start + step] - times[start]) / step)
+    return (times[start + step] - times[start]) / step
 
 
-async def calibrate(driver: CalibrationDriver, forced: ForcedBudget, plan: CalibrationPlan,
+async def calibrate(driver: CalibrationDriver, plan: CalibrationPlan,
                     progress: Progress | None = None) -> list[list[CostSample]]:
     """Samples of every context interval: passes over the grid, alternately forwards and
-    backwards, one window of every point per pass."""
+    backwards, one window of every point per pass. A sample's second coordinate is the
+    plan's: G, or the depth."""
     settings, points = plan.settings, plan.grid.points
     report = progress or log_progress
     done, first_id = 0, 0
@@ -254,14 +332,15 @@ async def calibrate(driver: CalibrationDriver, forced: ForcedBudget, plan: Calib
     for index, context in enumerate(plan.contexts):
         samples: list[CostSample] = []
         for window in range(settings.windows_per_point):
-            for bucket, rows in (points if window % 2 == 0 else points[::-1]):
-                sample = await measure_window(driver, forced, settings, context, bucket, rows,
-                                              first_id)
+            for bucket, second in (points if window % 2 == 0 else points[::-1]):
+                depth, rows = plan.shape(bucket, second)
+                seconds = await measure_window(driver, settings, context, bucket, depth, rows,
+                                               first_id)
                 first_id += bucket
                 done += 1
-                samples.append(sample)
+                samples.append(CostSample(bucket, second, seconds))
                 report(PointMeasured(done, plan.num_windows, index, window, bucket, rows,
-                                     sample.seconds))
+                                     seconds, depth))
         per_context.append(samples)
     return per_context
 
@@ -270,6 +349,6 @@ def fit_bundle(plan: CalibrationPlan, samples: list[list[CostSample]],
                compatibility: Compatibility, source: str) -> CostBundle:
     """One fitted profile per context interval, on CPU."""
     profiles = [CostProfile(context, fit(plan.settings.model, context_samples),
-                            tuple(context_samples))
+                            tuple(context_samples), over=plan.over)
                 for context, context_samples in zip(plan.contexts, samples, strict=True)]
     return fitted_bundle(compatibility, plan.settings_dict(), profiles, source)

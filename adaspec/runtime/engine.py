@@ -32,10 +32,12 @@ from adaspec.runtime.calibration import (
     CalibrationDriver,
     CalibrationPlan,
     ForcedBudget,
+    ForcedDepth,
     Progress,
     calibrate,
     fit_bundle,
     plan_calibration,
+    plan_depth_calibration,
 )
 from adaspec.runtime.devices.buckets import BindingRegistry, BucketGeometry
 from adaspec.runtime.devices.collectives import Collectives, LocalCollectives
@@ -204,6 +206,10 @@ class Runtime:
                      ) -> tuple[CalibrationPlan | None, CostBundle | None]:
         """The checked calibration plan, or the saved table checked against this launch."""
         launch = self.launch
+        if launch.enable_adaptive_draft_step:
+            assert self.config.draft_step is not None
+            return plan_depth_calibration(self.config.draft_step.calibration, geometry,
+                                          models.target.context_limit), None
         if not launch.enable_adaptive_target_verify:
             return None, None
         path = launch.adaptive_target_verify_cost_table
@@ -233,24 +239,23 @@ class Runtime:
         """Drive a calibration pipeline (this runtime's context, stream and bindings, its own
         bus and a real clock) over the plan, fit, and save the bundle when asked."""
         assert self._stream is not None
-        forced, bus = ForcedBudget(), EventBus()
+        forced, forced_depth, bus = ForcedBudget(), ForcedDepth(), EventBus()
         pipeline = Pipeline(
             launch=self.launch, ctx=ctx, stream=self._stream, geometry=geometry,
-            registries=registries, depth_policy=make_depth_policy("fixed", {}),
-            budget_policy=forced, bus=bus, clock=MonotonicClock(), hooks=RoundHooks(),
-            seed=self.options.seed)
+            registries=registries, depth_policy=forced_depth, budget_policy=forced, bus=bus,
+            clock=MonotonicClock(), hooks=RoundHooks(), seed=self.options.seed)
         task = asyncio.get_running_loop().create_task(pipeline.run())
         try:
-            driver = CalibrationDriver(pipeline, bus, ctx.target.vocab_size)
-            samples = await calibrate(driver, forced, plan, self.options.calibration_progress)
+            driver = CalibrationDriver(pipeline, bus, ctx.target.vocab_size, forced,
+                                       forced_depth)
+            samples = await calibrate(driver, plan, self.options.calibration_progress)
         finally:
             pipeline.stop()
             await task
         if pipeline.fault is not None:
             raise pipeline.fault
-        settings = self.config.target_verify_calibration
-        source = ("calibrated at startup from built-in defaults" if settings is None
-                  or settings.source == "default"
+        settings = plan.settings
+        source = ("calibrated at startup from built-in defaults" if settings.source == "default"
                   else f"calibrated at startup from {settings.source}")
         bundle = fit_bundle(plan, samples, self.compatibility(models, geometry), source)
         output = self.launch.adaptive_target_verify_cost_table_output
@@ -306,7 +311,13 @@ class Runtime:
                              "budget": {"name": budget.name, "settings": budget.settings()}}}
 
     def _depth_policy(self) -> DepthPolicy:
-        return self.options.depth_policy or make_depth_policy("fixed", {})
+        if self.options.depth_policy is not None:
+            return self.options.depth_policy
+        if self.launch.enable_adaptive_draft_step:
+            assert self.config.draft_step is not None
+            return make_depth_policy("adaptive-depth", self.config.draft_step.policy.as_dict(),
+                                     self.costs)
+        return make_depth_policy("fixed", {})
 
     def _budget_policy(self) -> BudgetPolicy:
         if self.options.budget_policy is not None:

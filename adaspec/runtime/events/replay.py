@@ -150,9 +150,10 @@ def recorded_policies(header: Mapping[str, Any]) -> tuple[DepthPolicy, BudgetPol
     """The run's policies, rebuilt from the header's names and settings (``ConfigError`` for a
     policy this adaspec does not know)."""
     policies = header["policies"]
-    return (make_depth_policy(policies["depth"]["name"], policies["depth"]["settings"]),
+    costs = recorded_costs(header)
+    return (make_depth_policy(policies["depth"]["name"], policies["depth"]["settings"], costs),
             make_budget_policy(policies["budget"]["name"], policies["budget"]["settings"],
-                               recorded_costs(header)))
+                               costs))
 
 
 def recorded_costs(header: Mapping[str, Any]) -> CostBundle | None:
@@ -175,7 +176,8 @@ def replay(
     instances: replay feeds them the whole run from its first event)."""
     recorded = header["policies"]
     if depth_policy is None:
-        depth_policy = make_depth_policy(recorded["depth"]["name"], recorded["depth"]["settings"])
+        depth_policy = make_depth_policy(recorded["depth"]["name"], recorded["depth"]["settings"],
+                                         recorded_costs(header))
     if budget_policy is None:
         budget_policy = make_budget_policy(recorded["budget"]["name"],
                                            recorded["budget"]["settings"],
