@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from runtime_helpers import TINY_CALIBRATION, config, decode, excerpt_prompts, max_tokens_of
 
+from adaspec import cli
 from adaspec.config import SamplingParams
 from adaspec.config.calibration import DraftStepPolicyConfig
 from adaspec.models import load_reference_models
@@ -91,7 +92,7 @@ def test_the_depth_follows_a_step_change_and_beats_every_fixed_width() -> None:
 
 
 def test_adaptive_depth_runs_lossless_on_the_runtime_and_replays_bit_exactly(
-        tmp_path: Path) -> None:
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     settings, log = tmp_path / "draft-steps.json", tmp_path / "run.jsonl"
     settings.write_text(json.dumps({
         "version": 1, "policy": {"window_size": 4, "update_interval": 2, "switch_min_gain": 0.0},
@@ -120,3 +121,9 @@ def test_adaptive_depth_runs_lossless_on_the_runtime_and_replays_bit_exactly(
     assert depths
     assert set(depths) <= {1, 2, 3}
     replay(header, events).check()
+    # The recorded run re-evaluated offline with the per-depth table its header carries.
+    assert cli.run(["simulate", "--workload", str(log), "--policy", "fixed:1", "--policy",
+                    "fixed:3", "--policy", "adaptive-depth", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [p["policy"] for p in report["policies"]] == ["fixed:1", "fixed:3", "adaptive-depth"]
+    assert all(p["predicted_cost_ms_per_round"] > 0 for p in report["policies"])

@@ -246,10 +246,12 @@ PolicySpec = tuple[DepthPolicy, BudgetPolicy | Oracle]
 
 
 def depth_pricing(costs: CostBundle, geometry: "Geometry") -> DepthPricing:
-    """A round at depth d priced at the tier verifying every drafted token, ``B * (d + 1)``
-    rows: the verification table's view of a shallower round (draft steps not priced
-    apart, which a per-depth calibration would add)."""
+    """Depth d's price: from a table measured per depth when the bundle has one; otherwise
+    the verification table at the tier verifying every drafted token, ``B * (d + 1)`` rows
+    (draft steps then not priced apart)."""
     kv = costs.profiles[0].context.max_kv_length
+    if any(p.over == "depth" for p in costs.profiles):  # a table measured per depth
+        return lambda context, depth: costs.depth_cost_ms(context.num_reqs_bucket, depth)
 
     def price(context: DepthContext, depth: int) -> float | None:
         tiers = geometry.tiers[context.num_reqs_bucket]
@@ -334,7 +336,7 @@ def simulate(spec: str, workload: Workload, costs: CostBundle, path: str = "cost
         lengths = allocate(survivals, rows)
         accepted = [min(length, r.accepted) for length, r in zip(lengths, rnd.requests,
                                                                   strict=True)]
-        cost = _price(costs, bucket, rows, kv, path)
+        cost = _price(costs, bucket, rows, kv, path, depth)
         result.rounds += 1
         result.request_rounds += num_reqs
         result.tokens += sum(accepted) + num_reqs
@@ -359,13 +361,20 @@ def simulate(spec: str, workload: Workload, costs: CostBundle, path: str = "cost
     return result
 
 
-def _price(costs: CostBundle, bucket: int, rows: int, kv: int, path: str) -> float:
-    cost = costs.cost_ms(bucket, rows, kv)
+def _price(costs: CostBundle, bucket: int, rows: int, kv: int, path: str,
+           depth: int | None = None) -> float:
+    """A round's predicted milliseconds: from the (Bcap, G) profiles, or from the depth
+    profiles of an adaptive-draft-step table (a round at depth d verifying every draft)."""
+    over = "rows" if any(p.over == "rows" for p in costs.profiles) else "depth"
+    second = rows if over == "rows" or depth is None else depth
+    cost = (costs.cost_ms(bucket, rows, kv) if over == "rows"
+            else costs.depth_cost_ms(bucket, second, kv))
     if cost is None:  # a KV length outside the coverage: price with the nearest profile
-        profile = min(costs.profiles, key=lambda p: min(abs(kv - p.context.min_kv_length),
-                                                        abs(kv - p.context.max_kv_length)))
+        profiles = [p for p in costs.profiles if p.over == over]
+        profile = min(profiles, key=lambda p: min(abs(kv - p.context.min_kv_length),
+                                                  abs(kv - p.context.max_kv_length)))
         try:
-            cost = profile.table.cost_ms(bucket, rows)
+            cost = profile.table.cost_ms(bucket, second)
         except UnpricedShape as error:
             raise ConfigError("--cost_table", path, f"cannot price Bcap={bucket} G={rows} "
                               f"({error}); calibrate the buckets the workload uses") from None
