@@ -28,10 +28,11 @@ from adaspec.policies.base import DepthContext, PolicyStatistics, RoundFeedback
 DepthPricing = Callable[[DepthContext, int], float | None]
 """Full-cycle milliseconds of a round at depth d for this context's batch (None: unpriced)."""
 
-PROBE_EVERY_WINDOWS = 2
-"""One probe every two windows of rounds: a probe round costs one step more, so at the
-default window of 20 the overhead is a step in 40 rounds, and the next position's window
-still renews within a few hundred rounds."""
+PROBE_EVERY_WINDOWS = 3
+"""One probe every three windows of rounds: a probe round costs one step more, so at the
+default window of 20 the overhead is a step in 60 rounds (about 1 % against the best fixed
+width where that is depth 1), while the next position's estimate still renews fast enough to
+follow a step change (benchmarks/policies.py)."""
 
 
 @dataclass(slots=True)
