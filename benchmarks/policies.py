@@ -1,7 +1,8 @@
 """Adaptive policies on seeded synthetic regimes and shaped cost tables, evaluated offline by
 the simulator (no models): predicted tokens per second of adaptive verify and adaptive depth
-relative to the best fixed width chosen in hindsight (and adaptive verify's relative to the
-oracle), and adaptive depth's switches per 1000 rounds.
+relative to the best fixed width chosen in hindsight and to the oracle of their decision (best
+G, or best depth, per round with the round's true acceptance), and adaptive depth's switches
+per 1000 rounds.
 
     python benchmarks/policies.py [--rounds 2000] [--seeds 3] [--json]
 
@@ -27,18 +28,21 @@ def evaluate(rounds: int, seeds: int) -> list[dict[str, object]]:
         for kind in KINDS:
             ratios: dict[str, list[float]] = {key: [] for key in (
                 "verify_vs_best_fixed", "verify_vs_oracle", "depth_vs_best_fixed",
-                "depth_switches_per_1000")}
+                "depth_vs_oracle_depth", "depth_switches_per_1000")}
             best_names = []
             for seed in range(seeds):
                 workload = synthetic(kind, rounds=rounds, batch=8, seed=seed)
                 results = {p: simulate(p, workload, table)
-                           for p in (*FIXED, "adaptive-verify", "adaptive-depth", "oracle")}
+                           for p in (*FIXED, "adaptive-verify", "adaptive-depth", "oracle",
+                                     "oracle-depth")}
                 rate = {p: r.tokens_per_second for p, r in results.items()}
                 best = max(FIXED, key=rate.__getitem__)
                 best_names.append(best)
                 ratios["verify_vs_best_fixed"].append(rate["adaptive-verify"] / rate[best])
                 ratios["verify_vs_oracle"].append(rate["adaptive-verify"] / rate["oracle"])
                 ratios["depth_vs_best_fixed"].append(rate["adaptive-depth"] / rate[best])
+                ratios["depth_vs_oracle_depth"].append(rate["adaptive-depth"]
+                                                       / rate["oracle-depth"])
                 depth = results["adaptive-depth"]
                 ratios["depth_switches_per_1000"].append(1000 * depth.depth_switches
                                                          / depth.rounds)
@@ -60,8 +64,10 @@ if __name__ == "__main__":
         print(json.dumps(result, indent=2))
     else:
         print(f"{'table':12} {'workload':12} {'best fixed':>10} {'verify/best':>11} "
-              f"{'verify/oracle':>13} {'depth/best':>10} {'switches/1000':>13}")
+              f"{'verify/oracle':>13} {'depth/best':>10} {'depth/oracle':>12} "
+              f"{'switches/1000':>13}")
         for row in result:
             print(f"{row['table']:12} {row['workload']:12} {row['best_fixed']:>10} "
                   f"{row['verify_vs_best_fixed']:11.3f} {row['verify_vs_oracle']:13.3f} "
-                  f"{row['depth_vs_best_fixed']:10.3f} {row['depth_switches_per_1000']:13.1f}")
+                  f"{row['depth_vs_best_fixed']:10.3f} {row['depth_vs_oracle_depth']:12.3f} "
+                  f"{row['depth_switches_per_1000']:13.1f}")

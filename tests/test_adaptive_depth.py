@@ -127,3 +127,11 @@ def test_adaptive_depth_runs_lossless_on_the_runtime_and_replays_bit_exactly(
     report = json.loads(capsys.readouterr().out)
     assert [p["policy"] for p in report["policies"]] == ["fixed:1", "fixed:3", "adaptive-depth"]
     assert all(p["predicted_cost_ms_per_round"] > 0 for p in report["policies"])
+
+
+def test_the_depth_oracle_bounds_every_depth_policy() -> None:
+    workload = synthetic("alternating", rounds=600, seed=2)
+    table = TABLES["staircase"]
+    oracle = simulate("oracle-depth", workload, table).tokens_per_second
+    for spec in ("fixed:1", "fixed:3", "fixed:5", "adaptive-depth"):
+        assert simulate(spec, workload, table).tokens_per_second <= oracle

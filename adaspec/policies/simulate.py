@@ -16,7 +16,8 @@ accept if offered the full width (``docs/workload.md``). For round n the simulat
 
 ``oracle`` is not a policy: it knows each round's true acceptance and picks the G that
 maximises this round's tokens per millisecond, an upper bound for any budget policy under the
-same allocation rule.
+same allocation rule. ``oracle-depth`` does the same for the depth (all drafts verified), the
+bound for depth policies.
 """
 
 import itertools
@@ -242,6 +243,14 @@ class Oracle:
     name = "oracle"
 
 
+class OracleDepth(FixedDepth):
+    """Marker for the depth chooser that knows each round's true acceptance: the depth with
+    the most true tokens per millisecond this round (all drafts verified), an upper bound
+    for any depth policy."""
+
+    name = "oracle-depth"
+
+
 PolicySpec = tuple[DepthPolicy, BudgetPolicy | Oracle]
 
 
@@ -275,11 +284,13 @@ def make_policies(spec: str, costs: CostBundle, width: int,
         return FixedDepth(), AdaptiveVerify(costs)
     if spec == "oracle":
         return FixedDepth(), Oracle()
+    if spec == "oracle-depth":
+        return OracleDepth(), FullBudget()
     if spec == "adaptive-depth":
         pricing = depth_pricing(costs, geometry) if geometry is not None else None
         return AdaptiveDepth(DraftStepPolicyConfig(), pricing), FullBudget()
     raise ConfigError("--policy", spec, f"expected fixed:K (K in 1..{width}), "
-                      "adaptive-depth, adaptive-verify or oracle")
+                      "adaptive-depth, adaptive-verify, oracle or oracle-depth")
 
 
 class FixedAt(FixedDepth):
@@ -320,9 +331,12 @@ def simulate(spec: str, workload: Workload, costs: CostBundle, path: str = "cost
         tiers = geometry.tiers[bucket]
         kv = rnd.kv_length if rnd.kv_length is not None else default_kv
         retired = number - LAG
-        depth = depth_policy.decide(DepthContext(
-            round=number, num_reqs=num_reqs, num_reqs_bucket=bucket, width=workload.width,
-            retired_through=retired))
+        depth_context = DepthContext(round=number, num_reqs=num_reqs, num_reqs_bucket=bucket,
+                                     width=workload.width, retired_through=retired)
+        if isinstance(depth_policy, OracleDepth):
+            depth = _oracle_depth(rnd, depth_context, tiers, kv, costs, path)
+        else:
+            depth = depth_policy.decide(depth_context)
         context = BudgetContext(round=number, num_reqs=num_reqs, num_reqs_bucket=bucket,
                                 width=workload.width, depth=depth, tiers=tiers,
                                 retired_through=retired,
@@ -395,4 +409,18 @@ def _oracle_rows(rnd: WorkloadRound, survivals: list[list[float]], context: Budg
                                path)
         if rate > best_rate:
             best, best_rate = rows, rate
+    return best
+
+
+def _oracle_depth(rnd: WorkloadRound, context: DepthContext, tiers: Sequence[int], kv: int,
+                  costs: CostBundle, path: str) -> int:
+    """The depth with the most true tokens per millisecond this round (ties: shallower)."""
+    best, best_rate = context.width, -1.0
+    for depth in range(1, context.width + 1):
+        need = context.num_reqs * (depth + 1)
+        rows = next((g for g in tiers if g >= need), tiers[-1])
+        tokens = sum(min(depth, r.accepted) + 1 for r in rnd.requests)
+        rate = tokens / _price(costs, context.num_reqs_bucket, rows, kv, path, depth)
+        if rate > best_rate:
+            best, best_rate = depth, rate
     return best

@@ -35,8 +35,8 @@ feedback through n-2) and tier rules, pricing every round with the saved cost bu
   --workload FILE    JSON lines (see docs/workload.md) or an event log of a recorded run
   --cost_table FILE  a bundle saved by --adaptive_target_verify_cost_table_output (optional
                      for an event log that carries its table)
-  --policy NAME      fixed:K (K in 1..width), adaptive-depth, adaptive-verify, oracle;
-                     repeat for several
+  --policy NAME      fixed:K (K in 1..width), adaptive-depth, adaptive-verify, oracle
+                     (best G per round), oracle-depth (best depth per round); repeat
   --json             print one JSON object instead of a table"""
 
 
@@ -147,6 +147,7 @@ def _report(workload: Workload, costs: CostBundle, results: list[SimulationResul
     fixed = [r for r in results if r.policy.startswith("fixed:")]
     best = max(fixed, key=lambda r: r.tokens_per_second) if fixed else None
     oracle = next((r for r in results if r.policy == "oracle"), None)
+    oracle_depth = next((r for r in results if r.policy == "oracle-depth"), None)
     rows = []
     for result in results:
         row = result.as_dict()
@@ -154,6 +155,9 @@ def _report(workload: Workload, costs: CostBundle, results: list[SimulationResul
             row["vs_best_fixed"] = round(result.tokens_per_second / best.tokens_per_second, 4)
         if oracle is not None:
             row["vs_oracle"] = round(result.tokens_per_second / oracle.tokens_per_second, 4)
+        if oracle_depth is not None:
+            row["vs_oracle_depth"] = round(result.tokens_per_second
+                                           / oracle_depth.tokens_per_second, 4)
         rows.append(row)
     return {"workload": workload.name, "rounds": len(workload.rounds),
             "width": workload.width, "cost_table": costs.source,
