@@ -7,7 +7,7 @@ same sequence of ``observe`` and ``decide`` calls a policy makes the same decisi
 what ``adaspec replay`` checks.
 """
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -121,11 +121,16 @@ class BudgetPolicy(Protocol):
     def settings(self) -> dict[str, object]: ...
 
 
-def covering_rows(context: BudgetContext, depth: int) -> int:
-    """The smallest legal G that verifies every drafted token of every request: B * (d + 1)
-    rows rounded up to a tier (the largest tier when none covers it)."""
-    need = context.num_reqs * (depth + 1)
-    for rows in context.tiers:
+def covering_tier(tiers: Sequence[int], num_reqs: int, depth: int) -> int:
+    """The smallest tier that verifies every drafted token of every request: B * (d + 1)
+    rows rounded up (the largest tier when none covers it)."""
+    need = num_reqs * (depth + 1)
+    for rows in tiers:
         if rows >= need:
             return rows
-    return context.tiers[-1]
+    return tiers[-1]
+
+
+def covering_rows(context: BudgetContext, depth: int) -> int:
+    """``covering_tier`` of a budget decision's legal tiers."""
+    return covering_tier(context.tiers, context.num_reqs, depth)

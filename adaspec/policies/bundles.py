@@ -122,24 +122,13 @@ class CostBundle:
             profile = next((p for p in self.profiles if p.over == "depth"), None)
         else:
             profile = self.profile(kv_length, over="depth")
-        if profile is None:
-            return None
-        try:
-            return profile.table.cost_ms(num_reqs_bucket, depth)
-        except UnpricedShape:
-            return None
+        return _priced(profile, num_reqs_bucket, depth)
 
     def cost_ms(self, num_reqs_bucket: int, num_rows: int, kv_length: int) -> float | None:
         """Predicted full-step milliseconds at (Bcap, G) for a batch whose longest KV is
         ``kv_length``; None when no profile covers it or the shape lies above everything
         measured (the policy then keeps the prewarmed full width)."""
-        profile = self.profile(kv_length)
-        if profile is None:
-            return None
-        try:
-            return profile.table.cost_ms(num_reqs_bucket, num_rows)
-        except UnpricedShape:
-            return None
+        return _priced(self.profile(kv_length), num_reqs_bucket, num_rows)
 
     @property
     def unchecked(self) -> tuple[str, ...]:
@@ -176,6 +165,16 @@ class CostBundle:
         for name in COMPATIBILITY_FIELDS:
             if name in self.compatibility and self.compatibility[name] != wanted[name]:
                 raise IncompatibleCostTable(path, name, self.compatibility[name], wanted[name])
+
+
+def _priced(profile: CostProfile | None, num_reqs_bucket: int, second: int) -> float | None:
+    """A profile's price at (Bcap, G or d); None without a profile or above its shapes."""
+    if profile is None:
+        return None
+    try:
+        return profile.table.cost_ms(num_reqs_bucket, second)
+    except UnpricedShape:
+        return None
 
 
 def bundle_from_dict(data: Mapping[str, object], source: str) -> CostBundle:

@@ -21,6 +21,7 @@ bound for depth policies.
 """
 
 import itertools
+import json
 import math
 import operator
 from collections.abc import Iterable, Mapping, Sequence
@@ -36,6 +37,7 @@ from adaspec.policies.base import (
     DepthPolicy,
     RoundFeedback,
     covering_rows,
+    covering_tier,
 )
 from adaspec.policies.bundles import CostBundle
 from adaspec.policies.costs import UnpricedShape
@@ -70,8 +72,6 @@ class Workload:
 
     def as_lines(self) -> list[str]:
         """The workload as JSON lines (``docs/workload.md``)."""
-        import json
-
         lines = [json.dumps({"format": WORKLOAD_FORMAT, "version": WORKLOAD_VERSION,
                              "width": self.width, "name": self.name})]
         for rnd in self.rounds:
@@ -86,13 +86,11 @@ class Workload:
 
 def parse_workload(lines: Iterable[str], source: str) -> Workload:
     """A workload from its JSON lines; errors name the file, the line and the field."""
-    import json
-
     rows = iter(enumerate(lines, start=1))
     header: Any = None
     for number, text in rows:
         if text.strip():
-            header = _json(json, source, number, text)
+            header = _json(source, number, text)
             break
     if not isinstance(header, dict) or header.get("format") != WORKLOAD_FORMAT:
         raise ConfigError("--workload", f"{source}:1",
@@ -105,14 +103,14 @@ def parse_workload(lines: Iterable[str], source: str) -> Workload:
     if type(width) is not int or not 1 <= width <= 64:
         raise ConfigError("--workload", f"{source}:1", f"width={width}: expected an integer "
                           "in 1..64")
-    rounds = [_round(_json(json, source, number, text), width, f"{source}:{number}")
+    rounds = [_round(_json(source, number, text), width, f"{source}:{number}")
               for number, text in rows if text.strip()]
     if not rounds:
         raise ConfigError("--workload", source, "expected at least one round line")
     return Workload(width=width, rounds=tuple(rounds), name=str(header.get("name", "")))
 
 
-def _json(json: Any, source: str, number: int, text: str) -> Any:
+def _json(source: str, number: int, text: str) -> Any:
     try:
         return json.loads(text)
     except ValueError as error:
@@ -263,9 +261,7 @@ def depth_pricing(costs: CostBundle, geometry: "Geometry") -> DepthPricing:
         return lambda context, depth: costs.depth_cost_ms(context.num_reqs_bucket, depth)
 
     def price(context: DepthContext, depth: int) -> float | None:
-        tiers = geometry.tiers[context.num_reqs_bucket]
-        need = context.num_reqs * (depth + 1)
-        rows = next((g for g in tiers if g >= need), tiers[-1])
+        rows = covering_tier(geometry.tiers[context.num_reqs_bucket], context.num_reqs, depth)
         return costs.cost_ms(context.num_reqs_bucket, rows, kv)
 
     return price
@@ -417,8 +413,7 @@ def _oracle_depth(rnd: WorkloadRound, context: DepthContext, tiers: Sequence[int
     """The depth with the most true tokens per millisecond this round (ties: shallower)."""
     best, best_rate = context.width, -1.0
     for depth in range(1, context.width + 1):
-        need = context.num_reqs * (depth + 1)
-        rows = next((g for g in tiers if g >= need), tiers[-1])
+        rows = covering_tier(tiers, context.num_reqs, depth)
         tokens = sum(min(depth, r.accepted) + 1 for r in rnd.requests)
         rate = tokens / _price(costs, context.num_reqs_bucket, rows, kv, path, depth)
         if rate > best_rate:

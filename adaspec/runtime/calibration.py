@@ -35,6 +35,7 @@ from adaspec.policies.base import (
     PolicyStatistics,
     RoundFeedback,
     covering_rows,
+    covering_tier,
 )
 from adaspec.policies.bundles import Compatibility, CostBundle, CostProfile, fitted_bundle
 from adaspec.policies.costs import CostSample, fit
@@ -96,6 +97,16 @@ class CalibrationPlan:
                 "points": [list(point) for point in self.grid.points]}
 
 
+def effective_contexts(settings: CalibrationConfig, width: int, context_limit: int,
+                       setting: str) -> tuple[ContextInterval, ...]:
+    """The default interval fitted to the model, or the given ones checked against it."""
+    progress = sampling_progress(width, settings.warmup_steps, settings.window_steps)
+    if settings.contexts == DEFAULT_CONTEXTS:
+        return default_contexts(context_limit, progress)
+    check_contexts(settings.contexts, context_limit, progress, setting)
+    return settings.contexts
+
+
 def plan_calibration(settings: CalibrationConfig | None, geometry: BucketGeometry,
                      context_limit: int) -> CalibrationPlan:
     """The built-in defaults (every captured bucket, every legal tier, prefill 2048 and KV
@@ -103,12 +114,7 @@ def plan_calibration(settings: CalibrationConfig | None, geometry: BucketGeometr
     if settings is None:
         settings = CalibrationConfig(draft_width=geometry.width,
                                      request_buckets=geometry.request_buckets)
-    progress = sampling_progress(geometry.width, settings.warmup_steps, settings.window_steps)
-    if settings.contexts == DEFAULT_CONTEXTS:
-        contexts = default_contexts(context_limit, progress)
-    else:
-        contexts = settings.contexts
-        check_contexts(contexts, context_limit, progress)
+    contexts = effective_contexts(settings, geometry.width, context_limit, "calibration")
     legal = {b: geometry.legal_rows(b) for b in settings.request_buckets
              if b in geometry.request_buckets}
     grid = probe_grid(geometry.width, settings.request_buckets, legal,
@@ -119,12 +125,8 @@ def plan_calibration(settings: CalibrationConfig | None, geometry: BucketGeometr
 def plan_depth_calibration(settings: CalibrationConfig, geometry: BucketGeometry,
                            context_limit: int) -> CalibrationPlan:
     """Every captured bucket of the settings at every depth 1..w, checked before sampling."""
-    progress = sampling_progress(geometry.width, settings.warmup_steps, settings.window_steps)
-    if settings.contexts == DEFAULT_CONTEXTS:
-        contexts = default_contexts(context_limit, progress)
-    else:
-        contexts = settings.contexts
-        check_contexts(contexts, context_limit, progress, "draft-step calibration")
+    contexts = effective_contexts(settings, geometry.width, context_limit,
+                                  "draft-step calibration")
     points, rows_at = [], {}
     for bucket in settings.request_buckets:
         if bucket not in geometry.request_buckets:
@@ -135,7 +137,7 @@ def plan_depth_calibration(settings: CalibrationConfig, geometry: BucketGeometry
         tiers = geometry.legal_rows(bucket)
         for depth in range(1, geometry.width + 1):
             points.append((bucket, depth))
-            rows_at[(bucket, depth)] = next(g for g in tiers if g >= bucket * (depth + 1))
+            rows_at[(bucket, depth)] = covering_tier(tiers, bucket, depth)
     return CalibrationPlan(settings=settings, grid=ProbeGrid(geometry.width, tuple(points)),
                            contexts=contexts, over="depth", rows_at=rows_at)
 

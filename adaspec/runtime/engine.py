@@ -267,8 +267,9 @@ class Runtime:
     def _shared(self, bundle: CostBundle) -> CostBundle:
         """Rank 0's table on every rank: each rank timed its own rounds, but decisions must
         agree, so all install the same immutable table."""
-        data = self._collectives.share_from_first_rank(bundle.to_json().encode())
-        if data == bundle.to_json().encode():
+        mine = bundle.to_json().encode()
+        data = self._collectives.share_from_first_rank(mine)
+        if data == mine:
             return bundle
         return bundle_from_dict(json.loads(data), source=f"{bundle.source} (rank 0's table)")
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from adaspec.config.files import read_json_object
 from adaspec.errors import MISSING, ConfigError
 from adaspec.policies.bundles import CostBundle, bundle_from_dict, load_bundle
 from adaspec.policies.simulate import (
@@ -134,8 +135,6 @@ def workload_of_log(header: dict[str, Any], events: Sequence[Any], path: str) ->
 
 def _costs(paths: list[str] | None, header: dict[str, Any] | None) -> CostBundle:
     if paths:
-        from adaspec.config.files import read_json_object
-
         return load_bundle(paths[0], read_json_object("cost_table", paths[0]))
     if header is not None and header.get("cost_table") is not None:
         return bundle_from_dict(header["cost_table"], source="the event log's header")
