@@ -1,8 +1,9 @@
 """Adaptive policies on seeded synthetic regimes and shaped cost tables, evaluated offline by
 the simulator (no models): predicted tokens per second of adaptive verify and adaptive depth
 relative to the best fixed width chosen in hindsight and to the oracle of their decision (best
-G, or best depth, per round with the round's true acceptance), and adaptive depth's switches
-per 1000 rounds.
+G, or best depth, per round with the round's true acceptance), adaptive depth's switches
+per 1000 rounds, and how much the depth oracle gains over the best fixed width (where that is
+about 1, no depth policy can beat the fixed width).
 
     python benchmarks/policies.py [--rounds 2000] [--seeds 3] [--json]
 
@@ -28,7 +29,8 @@ def evaluate(rounds: int, seeds: int) -> list[dict[str, object]]:
         for kind in KINDS:
             ratios: dict[str, list[float]] = {key: [] for key in (
                 "verify_vs_best_fixed", "verify_vs_oracle", "depth_vs_best_fixed",
-                "depth_vs_oracle_depth", "depth_switches_per_1000")}
+                "depth_vs_oracle_depth", "depth_switches_per_1000",
+                "oracle_depth_vs_best_fixed")}
             best_names = []
             for seed in range(seeds):
                 workload = synthetic(kind, rounds=rounds, batch=8, seed=seed)
@@ -43,6 +45,7 @@ def evaluate(rounds: int, seeds: int) -> list[dict[str, object]]:
                 ratios["depth_vs_best_fixed"].append(rate["adaptive-depth"] / rate[best])
                 ratios["depth_vs_oracle_depth"].append(rate["adaptive-depth"]
                                                        / rate["oracle-depth"])
+                ratios["oracle_depth_vs_best_fixed"].append(rate["oracle-depth"] / rate[best])
                 depth = results["adaptive-depth"]
                 ratios["depth_switches_per_1000"].append(1000 * depth.depth_switches
                                                          / depth.rounds)
@@ -65,9 +68,10 @@ if __name__ == "__main__":
     else:
         print(f"{'table':12} {'workload':12} {'best fixed':>10} {'verify/best':>11} "
               f"{'verify/oracle':>13} {'depth/best':>10} {'depth/oracle':>12} "
-              f"{'switches/1000':>13}")
+              f"{'switches/1000':>13} {'oracle-depth/best':>17}")
         for row in result:
             print(f"{row['table']:12} {row['workload']:12} {row['best_fixed']:>10} "
                   f"{row['verify_vs_best_fixed']:11.3f} {row['verify_vs_oracle']:13.3f} "
                   f"{row['depth_vs_best_fixed']:10.3f} {row['depth_vs_oracle_depth']:12.3f} "
-                  f"{row['depth_switches_per_1000']:13.1f}")
+                  f"{row['depth_switches_per_1000']:13.1f} "
+                  f"{row['oracle_depth_vs_best_fixed']:17.3f}")
