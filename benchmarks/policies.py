@@ -5,11 +5,12 @@ G, or best depth, per round with the round's true acceptance), adaptive depth's 
 per 1000 rounds, and how much the depth oracle gains over the best fixed width (where that is
 about 1, no depth policy can beat the fixed width).
 
-    python benchmarks/policies.py [--rounds 2000] [--seeds 3] [--json]
+    python benchmarks/policies.py [--rounds 2000] [--seeds 3] [--dp_size 1] [--json]
 
 Regimes (``adaspec.policies.workloads``): high and low stationary acceptance, a step change,
 a slow drift, alternating phases. Tables: nearly free rows, a staircase, a saturated device.
-Figures are medians over the seeds.
+Figures are medians over the seeds. With ``--dp_size 2`` every round has two shards of 8
+requests sharing one G (in the alternating regime the shards are out of phase).
 """
 
 import argparse
@@ -23,9 +24,9 @@ KINDS = ("high", "low", "step", "drift", "alternating")
 FIXED = tuple(f"fixed:{k}" for k in range(1, 6))
 
 
-def evaluate(rounds: int, seeds: int) -> list[dict[str, object]]:
+def evaluate(rounds: int, seeds: int, dp_size: int = 1) -> list[dict[str, object]]:
     rows = []
-    for table_name, table in shaped_tables().items():
+    for table_name, table in shaped_tables(dp_size).items():
         for kind in KINDS:
             ratios: dict[str, list[float]] = {key: [] for key in (
                 "verify_vs_best_fixed", "verify_vs_oracle", "depth_vs_best_fixed",
@@ -33,7 +34,7 @@ def evaluate(rounds: int, seeds: int) -> list[dict[str, object]]:
                 "oracle_depth_vs_best_fixed")}
             best_names = []
             for seed in range(seeds):
-                workload = synthetic(kind, rounds=rounds, batch=8, seed=seed)
+                workload = synthetic(kind, rounds=rounds, batch=8, seed=seed, dp_size=dp_size)
                 results = {p: simulate(p, workload, table)
                            for p in (*FIXED, "adaptive-verify", "adaptive-depth", "oracle",
                                      "oracle-depth")}
@@ -60,9 +61,10 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2000)
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--dp_size", type=int, default=1)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    result = evaluate(args.rounds, args.seeds)
+    result = evaluate(args.rounds, args.seeds, args.dp_size)
     if args.json:
         print(json.dumps(result, indent=2))
     else:

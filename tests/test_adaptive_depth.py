@@ -89,6 +89,17 @@ def test_probes_stop_where_no_acceptance_could_make_a_deeper_depth_pay() -> None
     assert staircase.probes >= 600 // 60 - 1
 
 
+def test_batches_where_nobody_reached_a_position_still_count_for_it() -> None:
+    # Full width, easy and hard batches alternating (two DP shards out of phase, say): the
+    # pooled prefix acceptance is one half at every position. A window of only the batches
+    # that reached position 2 (the easy ones) must not read as a regime change.
+    policy = AdaptiveDepth(DraftStepPolicyConfig(), pricing=None)
+    for number in range(10):
+        policy.observe(feedback(number, (5, 5, 5, 5), (5, 5, 5, 5)))
+        policy.observe(feedback(number, (5, 5, 5, 5), (0, 0, 0, 0)))
+    assert policy.prefix_acceptance(5) == pytest.approx([0.5] * 5)
+
+
 def test_a_switch_needs_a_gain_above_the_threshold() -> None:
     costs = {1: 10.0, 2: 10.4, 3: 10.8, 4: 11.2, 5: 11.6}
     policy = AdaptiveDepth(DraftStepPolicyConfig(switch_min_gain=0.5),

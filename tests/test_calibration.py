@@ -159,7 +159,7 @@ def budget_decisions(costs: CostBundle) -> list[int]:
             for kv_length in (1, 900, 1024, 1025):
                 for survivals in profiles:
                     decisions.append(choose_rows(
-                        tiers, num_reqs, survivals[:5 * num_reqs],
+                        tiers, [(num_reqs, survivals[:5 * num_reqs])],
                         lambda g, b=bucket, kv=kv_length: costs.cost_ms(b, g, kv),
                         bucket * 6))
     return decisions

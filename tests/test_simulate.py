@@ -151,3 +151,44 @@ def test_the_documented_schema_accepts_written_workloads_and_rejects_bad_lines()
     bad["requests"][0]["accepted"] = -1
     assert not validator.is_valid(bad)
     assert not validator.is_valid({"format": "adaspec-workload", "version": 2, "width": 5})
+
+
+# ---- DP shards --------------------------------------------------------------------------
+
+DP_TABLES = shaped_tables(dp_size=2)
+
+
+@pytest.mark.parametrize("kind", ["step", "alternating"])
+def test_dp_shards_share_g_and_adaptive_verify_holds_its_bounds(kind: str) -> None:
+    workload = synthetic(kind, rounds=600, batch=8, seed=3, dp_size=2)
+    table = DP_TABLES["saturated"]
+    rate = {p: simulate(p, workload, table).tokens_per_second for p in POLICIES}
+    best = max(v for p, v in rate.items() if p.startswith("fixed:"))
+    assert rate["adaptive-verify"] >= 0.98 * best
+    assert rate["adaptive-verify"] >= 0.9 * rate["oracle"]
+    result = simulate("adaptive-verify", workload, table)
+    assert result.request_rounds == 600 * 16  # both shards' requests count, each once
+
+
+def test_an_idle_shard_retires_nothing_and_rows_cover_one_shard_not_the_sum() -> None:
+    base = synthetic("high", rounds=12, batch=4, seed=1, dp_size=2)
+    # From round 6 on shard 1 is idle: the batch is shard 0's alone.
+    rounds = tuple(rnd if n < 6 else type(rnd)(requests=tuple(
+        r for r in rnd.requests if r.shard == 0)) for n, rnd in enumerate(base.rounds))
+    workload = type(base)(width=5, rounds=rounds, name="idle", dp_size=2)
+    assert parse_workload(workload.as_lines(), "w.jsonl") == workload
+    result = simulate("fixed:5", workload, DP_TABLES["staircase"])
+    assert result.request_rounds == 6 * 8 + 6 * 4
+    # Full width covers one shard's 4 * 6 rows (tier 32), not both shards' 48.
+    assert {rows for _, rows in result.decisions} == {32}
+
+
+def test_dp_workloads_are_checked_against_the_header_and_the_table(tmp_path: Path) -> None:
+    lines = synthetic("high", rounds=3, dp_size=2).as_lines()
+    bad = json.loads(lines[2])
+    bad["requests"][0]["shard"] = 2
+    with pytest.raises(ConfigError, match=r"--workload=w\.jsonl:3, requests\[0\]: shard=2: "
+                                          r"expected an integer in 0\.\.1"):
+        parse_workload([*lines[:2], json.dumps(bad)], "w.jsonl")
+    with pytest.raises(ConfigError, match=r"dp_size 2 differs from the cost table's dp_size 1"):
+        simulate("fixed:5", parse_workload(lines, "w.jsonl"), TABLES["staircase"])

@@ -22,23 +22,23 @@ def test_expected_tokens_counts_one_per_request_and_the_best_survivals() -> None
 
 
 def test_nearly_free_rows_are_all_verified() -> None:
-    assert choose_rows(TIERS, 8, LOW, lambda g: 10.0 + 1e-6 * g, 48) == 48
+    assert choose_rows(TIERS, [(8, LOW)], lambda g: 10.0 + 1e-6 * g, 48) == 48
 
 
 def test_a_saturated_table_trims_when_acceptance_is_low() -> None:
-    assert choose_rows(TIERS, 8, LOW, lambda g: 10.0 + 0.5 * g, 48) == 8
-    assert choose_rows(TIERS, 8, HIGH, lambda g: 10.0 + 0.05 * g, 48) == 48
+    assert choose_rows(TIERS, [(8, LOW)], lambda g: 10.0 + 0.5 * g, 48) == 8
+    assert choose_rows(TIERS, [(8, HIGH)], lambda g: 10.0 + 0.05 * g, 48) == 48
 
 
 def test_the_argmax_is_global_not_the_first_dip() -> None:
     # 16 rows cost a step more than 8, but 48 pays off: a greedy walk would stop at 8.
     step = {8: 10.0, 16: 14.0, 32: 14.2, 48: 14.4}
-    assert choose_rows(TIERS, 8, HIGH, step.__getitem__, 48) == 48
+    assert choose_rows(TIERS, [(8, HIGH)], step.__getitem__, 48) == 48
 
 
 def test_equal_rates_go_to_the_smaller_tier_and_unpriced_tiers_keep_full_width() -> None:
-    assert choose_rows(TIERS, 8, [0.0] * 40, lambda g: 10.0, 48) == 8
-    assert choose_rows(TIERS, 8, HIGH, lambda g: None if g == 32 else 10.0, 48) == 48
+    assert choose_rows(TIERS, [(8, [0.0] * 40)], lambda g: 10.0, 48) == 8
+    assert choose_rows(TIERS, [(8, HIGH)], lambda g: None if g == 32 else 10.0, 48) == 48
 
 
 # ---- the adaptive-verify policy on synthetic feedback ----------------------------------------
@@ -109,7 +109,7 @@ def test_ended_requests_are_forgotten() -> None:
     policy.observe(feedback(0, 0.2, ids=(0,)))
     for number in range(1, FORGET_AFTER_ROUNDS + 2):
         policy.observe(feedback(number, 0.9, ids=(1,)))
-    assert set(policy._survivals) == {1}
+    assert set(policy._survivals) == {(0, 1)}  # (shard, request)
 
 
 def test_the_same_calls_make_the_same_decisions() -> None:
@@ -125,3 +125,49 @@ def test_the_same_calls_make_the_same_decisions() -> None:
     first = run()
     assert first == run()
     assert len(set(first)) > 1
+
+
+# ---- DP shards: one common G from the same lagged metadata --------------------------------
+
+def dp_context(round: int, sizes: tuple[int, ...]) -> BudgetContext:
+    ids = tuple(i for size in sizes for i in range(size))  # every shard numbers from 0
+    return BudgetContext(round=round, num_reqs=max(sizes), num_reqs_bucket=8, width=5,
+                         depth=5, tiers=TIERS, retired_through=round - 2, request_ids=ids,
+                         max_kv_length=100, shard_sizes=sizes)
+
+
+def shard_feedback(round: int, conditional: float, shard: int) -> RoundFeedback:
+    ids = tuple(range(8))
+    return RoundFeedback(round=round, num_reqs=8, num_reqs_bucket=8, width=5, depth=5,
+                         num_rows=48, verify_lengths=(5,) * 8, num_accepted=(0,) * 8,
+                         confidences=((conditional,) * 5,) * 8, request_ids=ids, shard=shard)
+
+
+def test_dp_shards_share_one_g_that_maximises_their_summed_tokens() -> None:
+    table = Table(per_row_ms=0.5)
+    shards = [AdaptiveVerify(table), AdaptiveVerify(table)]  # one policy per shard
+    for policy in shards:  # every shard observes every shard's retired feedback, in order
+        policy.observe(shard_feedback(0, 0.9, shard=0))
+        policy.observe(shard_feedback(0, 0.1, shard=1))
+    chosen = [policy.decide(dp_context(2, (8, 8))) for policy in shards]
+    assert chosen[0] == chosen[1]
+    # The argmax of (tau_0(G) + tau_1(G)) / cost(G), each shard filling its own G rows.
+    high = [0.9 ** (k + 1) for k in range(5)] * 8
+    low = [0.1 ** (k + 1) for k in range(5)] * 8
+    expected = max(TIERS, key=lambda g: (expected_tokens(8, sorted(high, reverse=True), g)
+                                         + expected_tokens(8, sorted(low, reverse=True), g))
+                   / table.cost_ms(8, g, 100))  # type: ignore[operator]
+    assert chosen[0] == expected == 32
+    # Each shard alone would pick another graph: neither local choice is the common one.
+    alone = [choose_rows(TIERS, [(8, survivals)], lambda g: table.cost_ms(8, g, 100), 48)
+             for survivals in (high, low)]
+    assert alone == [48, 8]
+
+
+def test_dp_request_histories_are_kept_per_shard() -> None:
+    policy = AdaptiveVerify(Table(per_row_ms=0.5))
+    policy.observe(shard_feedback(0, 0.97, shard=0))
+    policy.observe(shard_feedback(0, 0.05, shard=1))  # the same ids 0..7, another shard
+    # Shard 0 alone (shard 1 idle this round) still reads its own high survivals.
+    assert policy.decide(dp_context(2, (8, 0))) == 48
+    assert policy.decide(dp_context(3, (0, 8))) == 8

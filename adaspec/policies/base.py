@@ -31,6 +31,7 @@ class RoundFeedback:
     num_accepted: tuple[int, ...]  # [B] drafted tokens accepted per request
     confidences: tuple[tuple[float, ...], ...] = ()  # [B, w] conditional confidences, if any
     request_ids: tuple[int, ...] = ()  # [B] which request each entry is
+    shard: int = 0  # the DP shard that ran it (request ids are per shard)
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -44,7 +45,7 @@ class RoundFeedback:
                    verify_lengths=tuple(data["verify_lengths"]),
                    num_accepted=tuple(data["num_accepted"]),
                    confidences=tuple(tuple(row) for row in data["confidences"]),
-                   request_ids=tuple(data["request_ids"]))
+                   request_ids=tuple(data["request_ids"]), shard=data.get("shard", 0))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -74,6 +75,21 @@ class BudgetContext:
     retired_through: int  # newest round whose feedback was observed (-1: none yet)
     request_ids: tuple[int, ...] = ()  # [B] the batch's requests, in batch order
     max_kv_length: int = 0  # bound on the longest context this round can reach (coverage)
+    shard_sizes: tuple[int, ...] = ()
+    """DP: every shard's B, in shard order; ``request_ids`` then lists shard 0's requests,
+    then shard 1's, and ``num_reqs`` is the largest B (the common physical graph must hold
+    it). Every shard builds the same context, so all choose one G and allocate their own
+    rows. Empty: one shard."""
+
+    def batches(self) -> list[tuple[int, tuple[int, ...]]]:
+        """(shard, its request ids) of every shard, in shard order."""
+        if not self.shard_sizes:
+            return [(0, self.request_ids)]
+        out, start = [], 0
+        for shard, size in enumerate(self.shard_sizes):
+            out.append((shard, self.request_ids[start:start + size]))
+            start += size
+        return out
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)

@@ -98,7 +98,11 @@ class AdaptiveDepth:
             self._positions.append(_Position(deque(maxlen=self._config.window_size)))
         counts = [self._position_counts(feedback, k) for k in range(width)]
         for k, (reached, accepted) in enumerate(counts):
-            if reached:
+            # Every batch that verified position k joins its window, even if no request got
+            # that far: the anchor must be position 1 over the same batches as the recent
+            # window, or a window of only the batches that reached k (the easy ones) would
+            # read as a regime change.
+            if any(length > k for length in feedback.verify_lengths):
                 self._positions[k].counts.append((reached, accepted, *counts[0]))
 
     @staticmethod

@@ -14,6 +14,10 @@ accept if offered the full width (``docs/workload.md``). For round n the simulat
 4. counts each request's accepted tokens as ``min(verified, accepted at full width)`` plus
    the residual or bonus token, and prices the round at ``cost_ms(Bcap, G, kv)``.
 
+DP shards (``dp_size`` > 1) share one decision per round, made from every shard's retired
+feedback (what each shard of a DP launch receives); each shard allocates the G rows to its
+own requests, the bucket holds the largest shard, and the round is priced once.
+
 ``oracle`` is not a policy: it knows each round's true acceptance and picks the G that
 maximises this round's tokens per millisecond, an upper bound for any budget policy under the
 same allocation rule. ``oracle-depth`` does the same for the depth (all drafts verified), the
@@ -29,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from adaspec.config.calibration import DraftStepPolicyConfig, json_type
+from adaspec.config.launch import MAX_PARALLEL_SIZE
 from adaspec.errors import ConfigError
 from adaspec.policies.base import (
     BudgetContext,
@@ -56,6 +61,7 @@ class WorkloadRequest:
     confidences: tuple[float, ...]  # [w] conditional confidences the drafter reported
     accepted: int  # drafted tokens the target accepts when offered all w
     censored: bool = False  # accepted is only a lower bound (a recorded run verified fewer)
+    shard: int = 0  # the DP shard that decodes it (ids are per shard)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,21 +69,28 @@ class WorkloadRound:
     requests: tuple[WorkloadRequest, ...]
     kv_length: int | None = None  # longest context of the batch, for the table's coverage
 
+    def shards(self, dp_size: int) -> list[tuple[WorkloadRequest, ...]]:
+        """Every DP shard's batch, in shard order (a shard may be idle this round)."""
+        return [tuple(r for r in self.requests if r.shard == shard) for shard in range(dp_size)]
+
 
 @dataclass(frozen=True, slots=True)
 class Workload:
     width: int
     rounds: tuple[WorkloadRound, ...]
     name: str = ""
+    dp_size: int = 1
 
     def as_lines(self) -> list[str]:
         """The workload as JSON lines (``docs/workload.md``)."""
+        dp = {"dp_size": self.dp_size} if self.dp_size > 1 else {}
         lines = [json.dumps({"format": WORKLOAD_FORMAT, "version": WORKLOAD_VERSION,
-                             "width": self.width, "name": self.name})]
+                             "width": self.width, "name": self.name, **dp})]
         for rnd in self.rounds:
             entry: dict[str, Any] = {"requests": [
                 {"id": r.id, "confidences": list(r.confidences), "accepted": r.accepted,
-                 **({"censored": True} if r.censored else {})} for r in rnd.requests]}
+                 **({"censored": True} if r.censored else {}),
+                 **({"shard": r.shard} if self.dp_size > 1 else {})} for r in rnd.requests]}
             if rnd.kv_length is not None:
                 entry["kv_length"] = rnd.kv_length
             lines.append(json.dumps(entry))
@@ -103,11 +116,16 @@ def parse_workload(lines: Iterable[str], source: str) -> Workload:
     if type(width) is not int or not 1 <= width <= 64:
         raise ConfigError("--workload", f"{source}:1", f"width={width}: expected an integer "
                           "in 1..64")
-    rounds = [_round(_json(source, number, text), width, f"{source}:{number}")
+    dp_size = header.get("dp_size", 1)
+    if type(dp_size) is not int or not 1 <= dp_size <= MAX_PARALLEL_SIZE:
+        raise ConfigError("--workload", f"{source}:1", f"dp_size={dp_size}: expected an "
+                          f"integer in 1..{MAX_PARALLEL_SIZE}")
+    rounds = [_round(_json(source, number, text), width, dp_size, f"{source}:{number}")
               for number, text in rows if text.strip()]
     if not rounds:
         raise ConfigError("--workload", source, "expected at least one round line")
-    return Workload(width=width, rounds=tuple(rounds), name=str(header.get("name", "")))
+    return Workload(width=width, rounds=tuple(rounds), name=str(header.get("name", "")),
+                    dp_size=dp_size)
 
 
 def _json(source: str, number: int, text: str) -> Any:
@@ -118,7 +136,7 @@ def _json(source: str, number: int, text: str) -> Any:
                           f"expected one JSON object per line ({error})") from None
 
 
-def _round(data: Any, width: int, where: str) -> WorkloadRound:
+def _round(data: Any, width: int, dp_size: int, where: str) -> WorkloadRound:
     if not isinstance(data, dict) or not isinstance(data.get("requests"), list) \
             or not data["requests"]:
         raise ConfigError("--workload", where, 'expected {"requests": [...]} with at least '
@@ -130,17 +148,17 @@ def _round(data: Any, width: int, where: str) -> WorkloadRound:
     kv = data.get("kv_length")
     if kv is not None and (type(kv) is not int or kv < 1):
         raise ConfigError("--workload", where, f"kv_length={kv}: expected a positive integer")
-    requests = tuple(_request(r, width, f"{where}, requests[{i}]")
+    requests = tuple(_request(r, width, dp_size, f"{where}, requests[{i}]")
                      for i, r in enumerate(data["requests"]))
-    if len({r.id for r in requests}) != len(requests):
-        raise ConfigError("--workload", where, "request ids repeat within the round")
+    if len({(r.shard, r.id) for r in requests}) != len(requests):
+        raise ConfigError("--workload", where, "request ids repeat within a shard's batch")
     return WorkloadRound(requests=requests, kv_length=kv)
 
 
-def _request(data: Any, width: int, where: str) -> WorkloadRequest:
+def _request(data: Any, width: int, dp_size: int, where: str) -> WorkloadRequest:
     if not isinstance(data, dict):
         raise ConfigError("--workload", where, f"expected an object, got {json_type(data)}")
-    unknown = sorted(set(data) - {"id", "confidences", "accepted", "censored"})
+    unknown = sorted(set(data) - {"id", "confidences", "accepted", "censored", "shard"})
     if unknown:
         raise ConfigError("--workload", where, f"{unknown[0]}: not a request field")
     rid, confidences, accepted = data.get("id"), data.get("confidences"), data.get("accepted")
@@ -153,8 +171,13 @@ def _request(data: Any, width: int, where: str) -> WorkloadRequest:
     if type(accepted) is not int or not 0 <= accepted <= width:
         raise ConfigError("--workload", where, f"accepted={accepted}: expected an integer in "
                           f"0..{width}")
+    shard = data.get("shard", 0)
+    if type(shard) is not int or not 0 <= shard < dp_size:
+        raise ConfigError("--workload", where, f"shard={shard}: expected an integer in "
+                          f"0..{dp_size - 1} (the header's dp_size is {dp_size})")
     return WorkloadRequest(id=rid, confidences=tuple(float(c) for c in confidences),
-                           accepted=accepted, censored=bool(data.get("censored", False)))
+                           accepted=accepted, censored=bool(data.get("censored", False)),
+                           shard=shard)
 
 
 def survivals_of(confidences: Sequence[float], depth: int) -> list[float]:
@@ -226,6 +249,7 @@ class Geometry:
         self.tiers: dict[int, tuple[int, ...]] = {
             b: tuple(rows) for b, rows in zip(self.buckets, compat["target_rows"], strict=True)}
         self.width = int(compat["draft_width"])
+        self.dp_size = int(compat.get("dp_size", 1))
 
     def bucket(self, num_reqs: int, where: str) -> int:
         for bucket in self.buckets:
@@ -310,6 +334,10 @@ def simulate(spec: str, workload: Workload, costs: CostBundle, path: str = "cost
         raise ConfigError("--workload", workload.name or "workload",
                           f"width {workload.width} differs from the cost table's draft_width "
                           f"{geometry.width}")
+    if workload.dp_size != geometry.dp_size:
+        raise ConfigError("--workload", workload.name or "workload",
+                          f"dp_size {workload.dp_size} differs from the cost table's dp_size "
+                          f"{geometry.dp_size}")
     depth_policy, budget_policy = make_policies(spec, costs, workload.width, geometry)
     result = SimulationResult(policy=spec)
     pending: list[RoundFeedback] = []
@@ -321,9 +349,10 @@ def simulate(spec: str, workload: Workload, costs: CostBundle, path: str = "cost
             depth_policy.observe(feedback)
             if not isinstance(budget_policy, Oracle):
                 budget_policy.observe(feedback)
-        where = f"round {number}"
-        num_reqs = len(rnd.requests)
-        bucket = geometry.bucket(num_reqs, where)
+        shards = rnd.shards(workload.dp_size)
+        # DP shards run one physical graph: the bucket holds the largest shard's batch.
+        num_reqs = max(len(batch) for batch in shards)
+        bucket = geometry.bucket(num_reqs, f"round {number}")
         tiers = geometry.tiers[bucket]
         kv = rnd.kv_length if rnd.kv_length is not None else default_kv
         retired = number - LAG
@@ -333,36 +362,36 @@ def simulate(spec: str, workload: Workload, costs: CostBundle, path: str = "cost
             depth = _oracle_depth(rnd, depth_context, tiers, kv, costs, path)
         else:
             depth = depth_policy.decide(depth_context)
-        context = BudgetContext(round=number, num_reqs=num_reqs, num_reqs_bucket=bucket,
-                                width=workload.width, depth=depth, tiers=tiers,
-                                retired_through=retired,
-                                request_ids=tuple(r.id for r in rnd.requests),
-                                max_kv_length=kv)
-        survivals = [survivals_of(r.confidences, depth) for r in rnd.requests]
+        context = BudgetContext(
+            round=number, num_reqs=num_reqs, num_reqs_bucket=bucket, width=workload.width,
+            depth=depth, tiers=tiers, retired_through=retired,
+            request_ids=tuple(r.id for batch in shards for r in batch), max_kv_length=kv,
+            shard_sizes=tuple(len(batch) for batch in shards) if workload.dp_size > 1 else ())
         if isinstance(budget_policy, Oracle):
-            rows = _oracle_rows(rnd, survivals, context, costs, path)
+            rows = _oracle_rows(shards, context, costs, path)
         else:
             rows = budget_policy.decide(context)
-        lengths = allocate(survivals, rows)
-        accepted = [min(length, r.accepted) for length, r in zip(lengths, rnd.requests,
-                                                                  strict=True)]
         cost = _price(costs, bucket, rows, kv, path, depth)
         result.rounds += 1
-        result.request_rounds += num_reqs
-        result.tokens += sum(accepted) + num_reqs
         result.cost_ms += cost
         result.rows += rows
         result.censored_rounds += any(r.censored for r in rnd.requests)
         result.depth_changes += last_depth is not None and depth != last_depth
         result.decisions.append((depth, rows))
         last_depth = depth
-        pending.append(RoundFeedback(
-            round=number, num_reqs=num_reqs, num_reqs_bucket=bucket, width=workload.width,
-            depth=depth, num_rows=rows, verify_lengths=tuple(lengths),
-            num_accepted=tuple(accepted),
-            confidences=tuple(r.confidences[:depth] + (0.0,) * (workload.width - depth)
-                              for r in rnd.requests),
-            request_ids=tuple(r.id for r in rnd.requests)))
+        for shard, batch in enumerate(shards):
+            if not batch:
+                continue  # an idle shard retires nothing
+            lengths, accepted = _verify(batch, depth, rows)
+            result.request_rounds += len(batch)
+            result.tokens += sum(accepted) + len(batch)
+            pending.append(RoundFeedback(
+                round=number, num_reqs=len(batch), num_reqs_bucket=bucket,
+                width=workload.width, depth=depth, num_rows=rows,
+                verify_lengths=tuple(lengths), num_accepted=tuple(accepted),
+                confidences=tuple(r.confidences[:depth] + (0.0,) * (workload.width - depth)
+                                  for r in batch),
+                request_ids=tuple(r.id for r in batch), shard=shard))
     values = depth_policy.statistics().values
     # A policy that probes says which changes were switches; otherwise every change is one.
     switches, probes = values.get("switches"), values.get("probes")
@@ -393,14 +422,22 @@ def _price(costs: CostBundle, bucket: int, rows: int, kv: int, path: str,
     return cost
 
 
-def _oracle_rows(rnd: WorkloadRound, survivals: list[list[float]], context: BudgetContext,
+def _verify(batch: Sequence[WorkloadRequest], depth: int, rows: int
+            ) -> tuple[list[int], list[int]]:
+    """One shard's verify lengths under the device's allocation of ``rows`` rows to the
+    round's own survivals, and the drafted tokens each request then accepts."""
+    lengths = allocate([survivals_of(r.confidences, depth) for r in batch], rows)
+    return lengths, [min(length, r.accepted) for length, r in zip(lengths, batch, strict=True)]
+
+
+def _oracle_rows(shards: Sequence[Sequence[WorkloadRequest]], context: BudgetContext,
                  costs: CostBundle, path: str) -> int:
-    """The tier with the most true tokens per millisecond this round (ties: smaller G)."""
+    """The tier with the most true tokens per millisecond this round, summed over the
+    shards (ties: smaller G)."""
     best, best_rate = covering_rows(context, context.depth), -1.0
     for rows in context.tiers:
-        lengths = allocate(survivals, rows)
-        tokens = sum(min(length, r.accepted) + 1 for length, r in zip(lengths, rnd.requests,
-                                                                        strict=True))
+        tokens = sum(sum(_verify(batch, context.depth, rows)[1]) + len(batch)
+                     for batch in shards)
         rate = tokens / _price(costs, context.num_reqs_bucket, rows, context.max_kv_length,
                                path)
         if rate > best_rate:

@@ -9,6 +9,11 @@ budget is the legal tier with the largest ``tau(G) / cost_ms(Bcap, G)`` over all
 global argmax, not a greedy walk that stops at the first dip). Equal values go to the smaller
 G. Without a price for the batch (a KV length or bucket the table does not cover) the
 decision is the prewarmed full width.
+
+DP shards run one common physical graph of G rows each, in parallel, so a round costs
+``cost_ms(Bcap, G)`` once and yields the sum of every shard's ``tau_s(G)`` (each shard fills
+its own G rows with its own requests' survivals): the common G maximises
+``sum_s tau_s(G) / cost_ms(Bcap, G)``.
 """
 
 import itertools
@@ -25,19 +30,22 @@ def expected_tokens(num_reqs: int, survivals: Sequence[float], num_rows: int) ->
     return num_reqs + float(sum(survivals[:extra]))
 
 
-def choose_rows(tiers: Sequence[int], num_reqs: int, survivals: Sequence[float],
-                cost_ms: Callable[[int], float | None], full_rows: int) -> int:
-    """The tier maximising ``tau(G) / cost_ms(G)``; ``full_rows`` when any tier is unpriced.
+ShardSurvivals = tuple[int, Sequence[float]]
+"""One shard's B and its per-(request, position) survival estimates, in any order."""
 
-    ``survivals`` are the batch's per-(request, position) survival estimates, in any order.
-    """
-    ranked = sorted(survivals, reverse=True)
+
+def choose_rows(tiers: Sequence[int], shards: Sequence[ShardSurvivals],
+                cost_ms: Callable[[int], float | None], full_rows: int) -> int:
+    """The tier maximising ``sum of tau_s(G) / cost_ms(G)`` over the shards (one shard
+    without DP); ``full_rows`` when any tier is unpriced."""
+    ranked = [(num_reqs, sorted(survivals, reverse=True)) for num_reqs, survivals in shards]
     best, best_rate = full_rows, -1.0
     for rows in tiers:
         cost = cost_ms(rows)
         if cost is None:
             return full_rows
-        rate = expected_tokens(num_reqs, ranked, rows) / cost
+        rate = sum(expected_tokens(num_reqs, survivals, rows)
+                   for num_reqs, survivals in ranked) / cost
         if rate > best_rate:
             best, best_rate = rows, rate
     return best
@@ -56,7 +64,8 @@ survivals are dropped so the policy's memory stays bounded by the live batch."""
 
 class AdaptiveVerify:
     """Adaptive target verify: the padded target rows G of round n from feedback retired
-    through round n-2 and the installed cost table.
+    through round n-2 and the installed cost table (one G common to all DP shards when the
+    context lists them; request history is kept per shard).
 
     Each request's survival estimates are the running products of the confidences it was
     drafted with in its newest retired round (the DSpark head's, or MTP's selected-token
@@ -70,9 +79,9 @@ class AdaptiveVerify:
 
     def __init__(self, costs: CostPricing | None) -> None:
         self._costs = costs
-        self._survivals: dict[int, tuple[float, ...]] = {}
-        self._seen: dict[int, int] = {}
-        self._prior: tuple[float, ...] | None = None
+        self._survivals: dict[tuple[int, int], tuple[float, ...]] = {}  # (shard, request)
+        self._seen: dict[tuple[int, int], int] = {}
+        self._newest: tuple[int, list[tuple[float, ...]]] | None = None  # round, its rows
         self._decisions = self._observed = 0
         self._full_unpriced = self._full_no_history = self._trimmed = 0
         self._rows_chosen = self._rows_full = 0
@@ -84,13 +93,17 @@ class AdaptiveVerify:
         rows = [tuple(itertools.accumulate(row, operator.mul))
                 for row in feedback.confidences]
         for request_id, survivals in zip(feedback.request_ids, rows, strict=True):
-            self._survivals[request_id] = survivals
-            self._seen[request_id] = feedback.round
-        self._prior = tuple(sum(column) / len(rows) for column in zip(*rows, strict=True))
-        gone = [r for r, seen in self._seen.items()
+            self._survivals[feedback.shard, request_id] = survivals
+            self._seen[feedback.shard, request_id] = feedback.round
+        # The prior pools every shard's rows of the newest retired round.
+        if self._newest is not None and self._newest[0] == feedback.round:
+            self._newest[1].extend(rows)
+        else:
+            self._newest = (feedback.round, list(rows))
+        gone = [key for key, seen in self._seen.items()
                 if feedback.round - seen > FORGET_AFTER_ROUNDS]
-        for request_id in gone:
-            del self._survivals[request_id], self._seen[request_id]
+        for key in gone:
+            del self._survivals[key], self._seen[key]
 
     def decide(self, context: BudgetContext) -> int:
         self._decisions += 1
@@ -102,8 +115,8 @@ class AdaptiveVerify:
         return chosen
 
     def _choose(self, context: BudgetContext, full: int) -> int:
-        pooled = self._pooled(context)
-        if pooled is None:
+        shards = self._pooled(context)
+        if shards is None:
             self._full_no_history += 1
             return full
         costs = self._costs
@@ -112,21 +125,26 @@ class AdaptiveVerify:
             self._full_unpriced += 1
             return full
         return choose_rows(
-            context.tiers, context.num_reqs, pooled,
+            context.tiers, shards,
             lambda rows: costs.cost_ms(context.num_reqs_bucket, rows, context.max_kv_length),
             full)
 
-    def _pooled(self, context: BudgetContext) -> list[float] | None:
-        """Survivals of every (request, position) this round can verify; None without any
-        retired evidence."""
-        ids = context.request_ids or (-1,) * context.num_reqs
-        pooled: list[float] = []
-        for request_id in ids:
-            survivals = self._survivals.get(request_id, self._prior)
-            if survivals is None:
-                return None
-            pooled.extend(survivals[:context.depth])
-        return pooled
+    def _pooled(self, context: BudgetContext) -> list[ShardSurvivals] | None:
+        """Every shard's B and the survivals of every (request, position) it can verify this
+        round; None without any retired evidence."""
+        if self._newest is None:
+            return None
+        rows = self._newest[1]
+        prior = tuple(sum(column) / len(rows) for column in zip(*rows, strict=True))
+        out: list[ShardSurvivals] = []
+        for shard, ids in context.batches():
+            if not ids and not context.shard_sizes:  # a context without ids: all borrow
+                ids = (-1,) * context.num_reqs
+            pooled: list[float] = []
+            for request_id in ids:
+                pooled.extend(self._survivals.get((shard, request_id), prior)[:context.depth])
+            out.append((len(ids), pooled))
+        return out
 
     def statistics(self) -> PolicyStatistics:
         fraction = self._rows_chosen / self._rows_full if self._rows_full else 1.0

@@ -49,47 +49,56 @@ def _sigmoid(x: float) -> float:
 
 
 def synthetic(kind: str, *, rounds: int = 2000, batch: int = 8, width: int = 5,
-              seed: int = 0, phase: int = 100) -> Workload:
-    """A workload of ``rounds`` rounds of ``batch`` requests (ids change every 64 rounds, as
-    requests finish and new ones arrive)."""
+              seed: int = 0, phase: int = 100, dp_size: int = 1) -> Workload:
+    """A workload of ``rounds`` rounds of ``batch`` requests per DP shard (ids change every
+    64 rounds, as requests finish and new ones arrive). With several shards in the
+    alternating regime, shard s runs ``s`` phases later: one shard's easy phase is the
+    other's hard one, so every round mixes easy and hard shards."""
     level = _levels(kind, rounds, phase)
+    lag = phase if kind == "alternating" else 0
     rng = random.Random(seed)
     out = []
     for number in range(rounds):
-        center = _logit(level(number))
-        requests = []
-        for slot in range(batch):
-            probabilities = [_sigmoid(center + rng.gauss(0, SPREAD)) for _ in range(width)]
-            confidences = tuple(min(1.0, max(0.0, p + rng.gauss(0, CONFIDENCE_NOISE)))
-                                for p in probabilities)
-            accepted = 0
-            while accepted < width and rng.random() < probabilities[accepted]:
-                accepted += 1
-            requests.append(WorkloadRequest(id=(number // 64) * batch + slot,
-                                            confidences=confidences, accepted=accepted))
+        requests: list[WorkloadRequest] = []
+        for shard in range(dp_size):
+            requests.extend(_request(rng, _logit(level(number + shard * lag)), width, shard,
+                                     (number // 64) * batch + slot) for slot in range(batch))
         out.append(WorkloadRound(requests=tuple(requests)))
-    return Workload(width=width, rounds=tuple(out), name=f"{kind} (seed {seed})")
+    return Workload(width=width, rounds=tuple(out), name=f"{kind} (seed {seed})",
+                    dp_size=dp_size)
+
+
+def _request(rng: random.Random, center: float, width: int, shard: int, rid: int
+             ) -> WorkloadRequest:
+    probabilities = [_sigmoid(center + rng.gauss(0, SPREAD)) for _ in range(width)]
+    confidences = tuple(min(1.0, max(0.0, p + rng.gauss(0, CONFIDENCE_NOISE)))
+                        for p in probabilities)
+    accepted = 0
+    while accepted < width and rng.random() < probabilities[accepted]:
+        accepted += 1
+    return WorkloadRequest(id=rid, confidences=confidences, accepted=accepted, shard=shard)
 
 
 SHAPE_TIERS = (8, 16, 32, 48)  # Draft5 at B = 8
 
 
-def shaped_table(theta: tuple[float, ...], bias: float = 0.01) -> CostBundle:
+def shaped_table(theta: tuple[float, ...], bias: float = 0.01, dp_size: int = 1) -> CostBundle:
     """A cost bundle of Draft5 at B = 8 (tiers 8, 16, 32, 48) priced ``bias + theta(G)``
     seconds, for policy tests that need a table of a known shape."""
     table = AdditiveTable(bias=bias, buckets=(8,), alpha=(0.0,), rows=SHAPE_TIERS, theta=theta,
                           residual_rms=0.0, residual_max_relative=0.0)
     compatibility = Compatibility(
-        algorithm="DSpark", draft_width=5, dp_size=1, tp_size=1, unified=False, device="cpu",
+        algorithm="DSpark", draft_width=5, dp_size=dp_size, tp_size=1, unified=False, device="cpu",
         target="synthetic", draft="synthetic", request_buckets=(8,), target_rows=(SHAPE_TIERS,))
     context = ContextInterval(prefill_tokens=1, min_kv_length=1, max_kv_length=4096)
     return fitted_bundle(compatibility, {}, [CostProfile(context, table)], "synthetic table")
 
 
-def shaped_tables() -> dict[str, CostBundle]:
+def shaped_tables(dp_size: int = 1) -> dict[str, CostBundle]:
     """Three shapes a policy must handle: rows that cost about nothing (verify everything),
     a staircase (16 rows cost what 8 cost, 48 what 32), and a saturated device (every row
     is dear, so trimming pays)."""
-    return {"nearly free": shaped_table((0.0, 1e-7, 2e-7, 3e-7)),
-            "staircase": shaped_table((0.0, 0.0, 0.006, 0.006)),
-            "saturated": shaped_table((0.0, 0.004, 0.012, 0.020), bias=0.005)}
+    return {"nearly free": shaped_table((0.0, 1e-7, 2e-7, 3e-7), dp_size=dp_size),
+            "staircase": shaped_table((0.0, 0.0, 0.006, 0.006), dp_size=dp_size),
+            "saturated": shaped_table((0.0, 0.004, 0.012, 0.020), bias=0.005,
+                                      dp_size=dp_size)}
