@@ -21,6 +21,7 @@ from adaspec.errors import MISSING, AdaspecError, ConfigError, show_value
 USAGE = """usage: adaspec COMMAND [FLAGS]
 
 commands:
+  bench     adaptive against fixed-width speculation on real requests (the main job)
   config    check a launch line and print its effective configuration as JSON
   models    identities, sizes and measured quality of the built-in reference models
   generate  decode prompts with the built-in models (speculative or target alone)
@@ -102,6 +103,12 @@ def run_calibrate(argv: Sequence[str]) -> int:
     return calibrate(argv)
 
 
+def run_bench(argv: Sequence[str]) -> int:
+    from adaspec.runtime.bench_command import run_bench_command  # deferred: loads torch
+
+    return run_bench_command(argv)
+
+
 def run_simulate(argv: Sequence[str]) -> int:
     from adaspec.runtime.simulate_command import run_simulate as simulate
 
@@ -129,7 +136,7 @@ def run_replay(argv: Sequence[str]) -> int:
 
 COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "config": run_config, "models": run_models, "generate": run_generate,
-    "calibrate": run_calibrate, "simulate": run_simulate, "states": run_states,
+    "calibrate": run_calibrate, "bench": run_bench, "simulate": run_simulate, "states": run_states,
     "replay": run_replay}
 
 

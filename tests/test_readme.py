@@ -25,5 +25,10 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert test_command in ci
 
 
+def test_the_main_command_is_the_quick_bench() -> None:
+    # tests/test_bench.py runs it and checks the table it prints.
+    assert readme_commands()[0].endswith("&& adaspec bench --quick")
+
+
 def test_main_command_installs_the_cpu_torch_pin() -> None:
     assert all("torch==2.13.0" in c for c in readme_commands())

@@ -414,6 +414,14 @@ class Runtime:
     def geometry(self) -> BucketGeometry:
         return self._running().geometry
 
+    async def wait_idle(self) -> None:
+        """Return once every submitted request has ended and every round has retired (a
+        round submitted before its requests were seen to finish retires after them)."""
+        pipeline = self._running()
+        if pipeline.waiting or pipeline.pending or any(r.running for r in pipeline.active):
+            pipeline.idle.clear()
+        await pipeline.idle.wait()
+
     def subscribe(self, handler: Any) -> None:
         """Receive every event (a plain callable, run in subscription order)."""
         self.bus.subscribe(handler)

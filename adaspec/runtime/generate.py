@@ -21,6 +21,7 @@ from adaspec.config import SamplingParams, load_config_from_argv
 from adaspec.config.launch import BUILTIN_TARGET
 from adaspec.errors import MISSING, ConfigError
 from adaspec.runtime.calibrate_command import progress_reporter
+from adaspec.runtime.command_flags import flag_lines, take_flags
 from adaspec.runtime.engine import MAX_SEED, Runtime, RuntimeOptions
 from adaspec.runtime.requests import RequestResult
 
@@ -45,12 +46,8 @@ def generate_help() -> str:
              "                        --max_tokens N --temperature T [--top_k K --top_p P "
              "--min_p M] [--json]", "",
              "Decodes the prompts with the built-in reference models (byte-level: token ids",
-             "are UTF-8 bytes). Launch flags are those of `adaspec config --help`.", "",
-             "flags:"]
-    for name, (metavar, text) in GENERATE_FLAGS.items():
-        value = f"={metavar}" if metavar else ""
-        lines.append(f"  --{name}{value}".ljust(26) + text)
-    return "\n".join(lines)
+             "are UTF-8 bytes). Launch flags are those of `adaspec config --help`.", ""]
+    return "\n".join(lines + flag_lines(GENERATE_FLAGS))
 
 
 @dataclass(slots=True)
@@ -65,28 +62,12 @@ class GenerateArgs:
 def split_argv(argv: Sequence[str]) -> GenerateArgs:
     """Take the generate flags out of ``argv``; everything else is a launch flag."""
     args = GenerateArgs()
-    index = 0
-    while index < len(argv):
-        token = argv[index]
-        name, has_value, value = token[2:].partition("=") if token.startswith("--") \
-            else ("", False, "")
-        if name not in GENERATE_FLAGS:
-            args.launch_argv.append(token)
-            index += 1
-            continue
+    own, args.launch_argv = take_flags(argv, GENERATE_FLAGS, ("json",))
+    for name, value in own:
         if name == "json":
-            if has_value:
-                raise ConfigError("--json", value, "takes no value")
             args.as_json = True
-            index += 1
-            continue
-        if not has_value:
-            if index + 1 >= len(argv):
-                raise ConfigError(f"--{name}", MISSING, f"expected a value ({name} "
-                                  f"{GENERATE_FLAGS[name][0]})")
-            value, index = argv[index + 1], index + 1
-        index += 1
-        _store(args, name, value)
+        else:
+            _store(args, name, value)
     return args
 
 

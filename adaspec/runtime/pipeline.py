@@ -153,11 +153,13 @@ class Pipeline:
         self.retired_through = -1
         self.counters = Counters()
         self.wake = asyncio.Event()
+        self.idle = asyncio.Event()  # set while nothing waits, runs or awaits retirement
         self.stopping = False
         self.fault: BaseException | None = None
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+        self.idle.clear()
         self.wake.set()
 
     def find(self, request_id: int) -> Request | None:
@@ -184,6 +186,7 @@ class Pipeline:
             self._fail_everything(error)
         finally:
             await self._drain()
+            self.idle.set()  # nobody waits for a loop that has ended
 
     async def _drain(self) -> None:
         while self.pending:
@@ -214,6 +217,7 @@ class Pipeline:
             if self.stopping and not self.waiting:
                 return
             self.wake.clear()
+            self.idle.set()
             await self.wake.wait()
 
     async def _retire_due(self) -> None:

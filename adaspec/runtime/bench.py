@@ -1,0 +1,475 @@
+"""The bench: real requests through the real runtime, adaptive speculation against every fixed
+width and against no speculation, side by side in one process and one run.
+
+Arms. ``none`` (the target alone), ``fixed:K`` for the launch's algorithm at each width K,
+and the adaptive modes the launch allows: ``adaptive-verify`` (DSpark or MTP at width 5 or
+7) and ``adaptive-depth`` (MTP). Every arm is its own ``Runtime`` started once, so adaptive
+arms calibrate their costs once, at start, as a serving launch would.
+
+Runs. At each concurrency C a closed loop of C clients sends the level's prompts (each client
+sends its next prompt when the previous one finishes), greedy, ``max_tokens`` each. One pass
+runs every (level, arm) once; passes repeat, and the order of the arms rotates between
+passes, so a slow spell of the machine does not land on the same arm every time.
+
+Figures per arm and level: output tokens per second (all passes' tokens over their wall
+time), TPOT (time per output token after the first: a request's last-token time minus its
+first-token time, over its tokens minus one) mean, p50 and p90, mean acceptance length AL
+(drafted tokens accepted plus the residual or bonus token, per request and round),
+acceptance rate (accepted over verified drafts), per-position acceptance (of the requests and
+rounds that verified position k, the share that accepted drafts 1..k), mean padded target
+rows verified per round, and the speedups over no speculation and over the best fixed width
+of that level. The greedy outputs of all arms must be identical token for token: the bench
+compares them and reports every difference.
+"""
+
+import asyncio
+import itertools
+import json
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from adaspec.config import EffectiveConfig, SamplingParams, load_config
+from adaspec.config.flags import coerce
+from adaspec.config.launch import launch_field_types
+from adaspec.errors import ConfigError
+from adaspec.models import ReferenceModels
+from adaspec.runtime.calibration import Progress
+from adaspec.runtime.engine import Runtime, RuntimeOptions
+from adaspec.runtime.events.types import Event, RoundRetired
+
+FULL_LEVELS = (1, 4, 16)
+ADAPTIVE_FLAGS = ("enable_adaptive_target_verify", "enable_adaptive_draft_step",
+                  "adaptive_target_verify_cost_table", "adaptive_target_verify_calibration",
+                  "adaptive_target_verify_cost_table_output", "adaptive_draft_step_config")
+"""Launch flags that belong to the adaptive arms only (the fixed arms run without them)."""
+
+QUICK_CALIBRATION = {"warmup_steps": 2, "window_steps": 8, "windows_per_point": 2}
+"""The quick run's startup calibration: few short windows per grid point (a rough table
+measured in seconds; the full run calibrates with the defaults)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Arm:
+    name: str  # none | fixed:K | adaptive-verify | adaptive-depth
+    config: EffectiveConfig
+
+
+@dataclass(frozen=True, slots=True)
+class BenchPlan:
+    arms: tuple[Arm, ...]
+    levels: tuple[int, ...]  # concurrency levels
+    prompts: tuple[bytes, ...]  # the pool each level draws from, in order
+    requests: Mapping[int, int]  # requests per pass at each level
+    max_tokens: int
+    passes: int
+    seed: int = 0
+    event_log_dir: str | None = None
+    skipped: tuple[tuple[str, str], ...] = ()  # (arm, why the launch does not allow it)
+
+    def level_prompts(self, level: int) -> list[bytes]:
+        count = self.requests[level]
+        return [self.prompts[i % len(self.prompts)] for i in range(count)]
+
+    @property
+    def total_runs(self) -> int:
+        return len(self.arms) * len(self.levels) * self.passes
+
+
+def shipped_prompts() -> tuple[bytes, ...]:
+    """The packaged prompt set (four domains interleaved, so acceptance differs between
+    neighbouring requests)."""
+    text = resources.files("adaspec.models.data").joinpath("prompts.jsonl").read_text()
+    rows = [json.loads(line) for line in text.splitlines() if line]
+    by_domain: dict[str, list[bytes]] = {}
+    for row in rows:
+        by_domain.setdefault(row["domain"], []).append(row["prompt"].encode())
+    columns = [by_domain[d] for d in sorted(by_domain)]
+    return tuple(p for group in itertools.zip_longest(*columns) for p in group if p)
+
+
+# ---- the arms ------------------------------------------------------------------------------
+
+def plan_arms(settings: Mapping[str, object], *, widths: Sequence[int] | None,
+              names: Sequence[str] | None, quick: bool, levels: Sequence[int],
+              scratch: Path) -> tuple[tuple[Arm, ...], tuple[tuple[str, str], ...]]:
+    """The arms of a launch: every one checked (``load_config``) before anything runs.
+
+    ``settings`` are the launch flags given; without an algorithm the bench runs DSpark at
+    width 5. ``names`` picks arms explicitly (refused when the launch does not allow one);
+    otherwise adaptive arms the launch does not allow are skipped with the reason."""
+    base = dict(settings)
+    algorithm = str(_typed(base.pop("speculative_algorithm", "DSpark"), "speculative_algorithm"))
+    width = int(str(_typed(base.pop("num_speculative_tokens", 5), "num_speculative_tokens")))
+    if algorithm.lower() == "none":
+        raise ConfigError("--speculative_algorithm", algorithm, "expected MTP or DSpark: the "
+                          "bench always runs the target alone as its baseline")
+    adaptive = {k: base.pop(k) for k in ADAPTIVE_FLAGS if k in base}
+    base.setdefault("max_seqs_per_batch", max(16, max(levels)))
+    _check_capacity(base, levels)
+    fixed_widths = tuple(widths) if widths else tuple(range(1, width + 1))
+    for k in fixed_widths:
+        if not 1 <= k <= width:
+            raise ConfigError("--widths", k, f"expected widths in 1..{width} (the launch's "
+                              "--num_speculative_tokens)")
+    candidates: dict[str, Callable[[], EffectiveConfig]] = {
+        "none": lambda: load_config({**{k: v for k, v in base.items() if k != "draft_model"},
+                                     "speculative_algorithm": "none"}),
+        **{f"fixed:{k}": _fixed(base, algorithm, k) for k in fixed_widths},
+        **_adaptive(base, adaptive, algorithm, width, quick, levels, scratch)}
+    return _choose(candidates, names)
+
+
+def _fixed(base: Mapping[str, object], algorithm: str, k: int
+           ) -> Callable[[], EffectiveConfig]:
+    return lambda: load_config({**base, "speculative_algorithm": algorithm,
+                                "num_speculative_tokens": k})
+
+
+def _adaptive(base: Mapping[str, object], adaptive: Mapping[str, object], algorithm: str,
+              width: int, quick: bool, levels: Sequence[int], scratch: Path
+              ) -> dict[str, Callable[[], EffectiveConfig]]:
+    common = {**base, "speculative_algorithm": algorithm, "num_speculative_tokens": width}
+    verify = {k: v for k, v in adaptive.items() if k.startswith("adaptive_target_verify")}
+    depth = {k: v for k, v in adaptive.items() if k == "adaptive_draft_step_config"}
+    quick_calibration = {**QUICK_CALIBRATION, **_level_buckets(common, levels)}
+    if quick and not verify:
+        verify["adaptive_target_verify_calibration"] = _write(
+            scratch / "verify-calibration.json", quick_calibration)
+    if quick and not depth:
+        depth["adaptive_draft_step_config"] = _write(
+            scratch / "draft-steps.json", {"version": 1, "calibration": quick_calibration})
+    return {
+        "adaptive-verify": lambda: load_config(
+            {**common, "enable_adaptive_target_verify": True, **verify}),
+        "adaptive-depth": lambda: load_config(
+            {**common, "enable_adaptive_draft_step": True, **depth})}
+
+
+def _level_buckets(settings: Mapping[str, object], levels: Sequence[int]
+                   ) -> dict[str, list[int]]:
+    """The request buckets the levels' full batches pad to (a quick calibration measures
+    only those; smaller tail batches keep the prewarmed full width)."""
+    try:
+        prepared = load_config(settings).launch.prepared_request_buckets()
+    except ConfigError:
+        return {}  # the adaptive arm's own check reports why the launch does not allow it
+    chosen = sorted({next((b for b in prepared if b >= level), prepared[-1])
+                     for level in levels} if prepared else set())
+    return {"request_buckets": chosen} if chosen else {}
+
+
+def _write(path: Path, data: Mapping[str, object]) -> str:
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def _choose(candidates: Mapping[str, Callable[[], EffectiveConfig]],
+            names: Sequence[str] | None
+            ) -> tuple[tuple[Arm, ...], tuple[tuple[str, str], ...]]:
+    if names is not None:
+        for name in names:
+            if name not in candidates:
+                raise ConfigError("--arms", name, f"expected some of {', '.join(candidates)}")
+        return tuple(Arm(name, candidates[name]()) for name in names), ()
+    arms, skipped = [], []
+    for name, build in candidates.items():
+        try:
+            arms.append(Arm(name, build()))
+        except ConfigError as error:
+            if not name.startswith("adaptive"):
+                raise
+            skipped.append((name, str(error)))
+    return tuple(arms), tuple(skipped)
+
+
+def _typed(raw: object, name: str) -> object:
+    """A launch flag's value as its field's type (a clear error for bad text)."""
+    return coerce(name, raw, launch_field_types()[name])
+
+
+def _check_capacity(base: Mapping[str, object], levels: Sequence[int]) -> None:
+    capacity = int(str(_typed(base["max_seqs_per_batch"], "max_seqs_per_batch")))
+    if max(levels) > capacity:
+        raise ConfigError("--concurrency", max(levels), f"expected at most "
+                          f"--max_seqs_per_batch={capacity}: requests beyond it would queue "
+                          "instead of running concurrently")
+
+
+# ---- measuring -----------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class RunRecord:
+    """One arm at one concurrency in one pass."""
+
+    arm: str
+    level: int
+    passed: int  # the pass number
+    seconds: float = 0.0
+    tokens: int = 0
+    tpot_s: list[float] = field(default_factory=list)
+    outputs: list[tuple[int, ...]] = field(default_factory=list)  # in prompt order
+    rounds: int = 0
+    rows: int = 0
+    request_rounds: int = 0
+    verified: int = 0
+    accepted: int = 0
+    reached: list[int] = field(default_factory=list)  # per position: verified it
+    through: list[int] = field(default_factory=list)  # per position: accepted 1..k
+
+    def observe(self, event: Event) -> None:
+        """Count one retired round (the runtime's own feedback, no extra device reads)."""
+        if not isinstance(event, RoundRetired):
+            return
+        feedback = event.feedback
+        self.rounds += 1
+        self.rows += feedback.num_rows
+        self.request_rounds += feedback.num_reqs
+        width = feedback.width
+        if len(self.reached) < width:
+            grow = width - len(self.reached)
+            self.reached.extend([0] * grow)
+            self.through.extend([0] * grow)
+        for length, accepted in zip(feedback.verify_lengths, feedback.num_accepted,
+                                    strict=True):
+            self.verified += length
+            self.accepted += accepted
+            for k in range(length):
+                self.reached[k] += 1
+                self.through[k] += accepted > k
+
+
+async def timed_request(runtime: Runtime, prompt: bytes, params: SamplingParams
+                        ) -> tuple[tuple[int, ...], float | None]:
+    """The output token ids and the request's TPOT (None with fewer than two tokens)."""
+    handle = runtime.submit(list(prompt), params)
+    first = last = None
+    async for _ in handle:
+        last = time.perf_counter()
+        first = first if first is not None else last
+    result = await handle.result()
+    count = len(result.token_ids)
+    tpot = (last - first) / (count - 1) if count > 1 and first is not None \
+        and last is not None else None
+    return result.token_ids, tpot
+
+
+async def run_level(runtime: Runtime, prompts: Sequence[bytes], max_tokens: int,
+                    concurrency: int, record: RunRecord) -> None:
+    """C closed-loop clients over the prompts; fills ``record``'s timing and outputs."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    queue = list(enumerate(prompts))
+    outputs: list[tuple[int, ...]] = [()] * len(prompts)
+
+    async def client() -> None:
+        while queue:
+            index, prompt = queue.pop(0)
+            tokens, tpot = await timed_request(runtime, prompt, params)
+            outputs[index] = tokens
+            if tpot is not None:
+                record.tpot_s.append(tpot)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    record.seconds = time.perf_counter() - started
+    record.outputs = outputs
+    record.tokens = sum(len(t) for t in outputs)
+
+
+RunProgress = Callable[[RunRecord, int, int], None]
+"""Called after each run with the record, runs done and runs in all."""
+
+
+async def run_bench(plan: BenchPlan, models: Callable[[], ReferenceModels] | None = None,
+                    run_progress: RunProgress | None = None,
+                    calibration_progress: Progress | None = None) -> list[RunRecord]:
+    """Start every arm, run every pass, stop every arm; the records in run order.
+
+    ``models`` makes one set of models per arm (each runtime owns its KV caches, so arms
+    never share one set); default: the built-in reference models."""
+    runtimes: dict[str, Runtime] = {}
+    current: dict[str, RunRecord] = {}
+    try:
+        for arm in plan.arms:
+            runtime = Runtime(arm.config, models=models() if models is not None else None,
+                              options=_options(plan, arm, calibration_progress))
+            await runtime.start()
+            runtimes[arm.name] = runtime
+            runtime.subscribe(_route(current, arm.name))
+        return await _passes(plan, runtimes, current, run_progress)
+    finally:
+        for runtime in runtimes.values():
+            await runtime.stop()
+
+
+def _options(plan: BenchPlan, arm: Arm, progress: Progress | None) -> RuntimeOptions:
+    log = None
+    if plan.event_log_dir is not None:
+        log = str(Path(plan.event_log_dir) / f"{arm.name.replace(':', '-')}.jsonl")
+    return RuntimeOptions(seed=plan.seed, event_log=log, calibration_progress=progress)
+
+
+def _route(current: dict[str, RunRecord], name: str) -> Callable[[Event], None]:
+    def observe(event: Event) -> None:
+        record = current.get(name)
+        if record is not None:
+            record.observe(event)
+    return observe
+
+
+async def _passes(plan: BenchPlan, runtimes: Mapping[str, Runtime],
+                  current: dict[str, RunRecord], progress: RunProgress | None
+                  ) -> list[RunRecord]:
+    records: list[RunRecord] = []
+    names = [arm.name for arm in plan.arms]
+    for number in range(plan.passes):
+        order = names[number % len(names):] + names[:number % len(names)]
+        for level in plan.levels:
+            for name in order:
+                record = RunRecord(arm=name, level=level, passed=number)
+                current[name] = record
+                await run_level(runtimes[name], plan.level_prompts(level), plan.max_tokens,
+                                level, record)
+                # Retirement of the last rounds may trail the last token by a round.
+                await runtimes[name].wait_idle()
+                del current[name]
+                records.append(record)
+                if progress is not None:
+                    progress(record, len(records), plan.total_runs)
+    return records
+
+
+# ---- figures -------------------------------------------------------------------------------
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-quantile by linear interpolation between order statistics."""
+    ordered = sorted(values)
+    if not ordered:
+        return 0.0
+    position = q * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def summarise(plan: BenchPlan, records: Sequence[RunRecord]) -> dict[str, Any]:
+    """The JSON report: one entry per (arm, level), the output comparison, the settings."""
+    groups: dict[tuple[str, int], list[RunRecord]] = {}
+    for record in records:
+        groups.setdefault((record.arm, record.level), []).append(record)
+    entries = [_entry(arm.name, level, groups[arm.name, level])
+               for level in plan.levels for arm in plan.arms]
+    for level in plan.levels:
+        _speedups([e for e in entries if e["concurrency"] == level], groups, level)
+    mismatches = compare_outputs(records)
+    return {
+        "arms": entries,
+        "greedy_outputs_identical": not mismatches,
+        "outputs_compared": _compared(records),
+        "output_mismatches": mismatches[:20],
+        "skipped_arms": [{"arm": name, "why": why} for name, why in plan.skipped],
+        "settings": {"concurrency": list(plan.levels), "passes": plan.passes,
+                     "max_tokens": plan.max_tokens, "seed": plan.seed,
+                     "requests_per_pass": {str(k): v for k, v in plan.requests.items()},
+                     "launch": {arm.name: arm.config.launch.num_speculative_tokens
+                                for arm in plan.arms}},
+        "definitions": {
+            "acceptance_length": "accepted drafts + 1 per request and round (counts the "
+                                 "residual or bonus token)",
+            "tpot_ms": "(last token time - first token time) / (tokens - 1) per request",
+            "position_acceptance": "of the request-rounds that verified position k, the "
+                                   "share that accepted drafts 1..k",
+            "mean_rows_per_round": "padded target rows G verified per round"},
+    }
+
+
+def _entry(arm: str, level: int, runs: Sequence[RunRecord]) -> dict[str, Any]:
+    seconds = sum(r.seconds for r in runs)
+    tokens = sum(r.tokens for r in runs)
+    tpot = [t for r in runs for t in r.tpot_s]
+    request_rounds = sum(r.request_rounds for r in runs)
+    accepted, verified = sum(r.accepted for r in runs), sum(r.verified for r in runs)
+    reached = [sum(c) for c in itertools.zip_longest(*(r.reached for r in runs), fillvalue=0)]
+    through = [sum(c) for c in itertools.zip_longest(*(r.through for r in runs), fillvalue=0)]
+    rounds = sum(r.rounds for r in runs)
+    return {
+        "arm": arm, "concurrency": level,
+        "tokens_per_second": round(tokens / seconds, 2) if seconds else 0.0,
+        "pass_tokens_per_second": [round(r.tokens / r.seconds, 2) for r in runs if r.seconds],
+        "tpot_ms": {"mean": _ms(statistics.fmean(tpot)) if tpot else None,
+                    "p50": _ms(percentile(tpot, 0.5)) if tpot else None,
+                    "p90": _ms(percentile(tpot, 0.9)) if tpot else None},
+        "mean_acceptance_length": round((accepted + request_rounds) / request_rounds, 4)
+        if request_rounds else None,
+        "acceptance_rate": round(accepted / verified, 4) if verified else None,
+        "position_acceptance": [round(t / n, 4) if n else None
+                                for t, n in zip(through, reached, strict=True)],
+        "mean_rows_per_round": round(sum(r.rows for r in runs) / rounds, 2) if rounds else None,
+        "tokens": tokens, "seconds": round(seconds, 3), "rounds": rounds,
+    }
+
+
+def _ms(seconds: float) -> float:
+    return round(1000 * seconds, 3)
+
+
+def _speedups(entries: list[dict[str, Any]], groups: Mapping[tuple[str, int], list[RunRecord]],
+              level: int) -> None:
+    """Speedups over no speculation and over the level's best fixed width, as ratios of the
+    aggregate rates, with the range of the per-pass ratios (the passes pair the arms in
+    time, so that range is the noise to read the ratio against)."""
+    by_arm = {e["arm"]: e for e in entries}
+    fixed = [e for e in entries if e["arm"].startswith("fixed:")]
+    best = max(fixed, key=lambda e: e["tokens_per_second"])["arm"] if fixed else None
+    for entry in entries:
+        for key, reference in (("none", "none"), ("best_fixed", best)):
+            if reference is None or reference not in by_arm:
+                entry[f"speedup_vs_{key}"] = None
+                continue
+            base = by_arm[reference]["tokens_per_second"]
+            entry[f"speedup_vs_{key}"] = round(entry["tokens_per_second"] / base, 4) \
+                if base else None
+            paired = _paired(groups[entry["arm"], level], groups[reference, level])
+            entry[f"speedup_vs_{key}_range"] = [round(min(paired), 4), round(max(paired), 4)]
+        entry["best_fixed"] = best
+
+
+def _paired(runs: Sequence[RunRecord], reference: Sequence[RunRecord]) -> list[float]:
+    by_pass = {r.passed: r for r in reference}
+    return [(r.tokens / r.seconds) / (by_pass[r.passed].tokens / by_pass[r.passed].seconds)
+            for r in runs if r.passed in by_pass and r.seconds and by_pass[r.passed].seconds]
+
+
+def compare_outputs(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
+    """Every (level, pass, prompt) whose output differs from the ``none`` arm's (or the first
+    arm's when there is no ``none`` arm)."""
+    runs: dict[tuple[int, int], dict[str, RunRecord]] = {}
+    for record in records:
+        runs.setdefault((record.level, record.passed), {})[record.arm] = record
+    mismatches = []
+    for (level, number), arms in sorted(runs.items()):
+        reference = arms.get("none") or next(iter(arms.values()))
+        for name, record in arms.items():
+            for index, (mine, theirs) in enumerate(zip(record.outputs, reference.outputs,
+                                                       strict=True)):
+                if mine != theirs:
+                    mismatches.append({"arm": name, "reference": reference.arm,
+                                       "concurrency": level, "pass": number, "prompt": index,
+                                       "first_difference": _first_difference(mine, theirs)})
+    return mismatches
+
+
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
+    for index, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return index
+    return min(len(a), len(b))
+
+
+def _compared(records: Sequence[RunRecord]) -> int:
+    return sum(len(r.outputs) for r in records if r.arm != "none")
+

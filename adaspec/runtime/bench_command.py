@@ -1,0 +1,290 @@
+"""``adaspec bench``: adaptive against fixed-width speculation on real requests.
+
+    adaspec bench [LAUNCH FLAGS] [--quick] [--concurrency 1,4,16] [--widths 1,...,w]
+                  [--arms NAME,...] [--passes N] [--requests N] [--max_tokens N] [--seed S]
+                  [--event_log_dir DIR] [--plot FILE.png] [--json]
+
+Launch flags are those of ``adaspec config`` (default: DSpark, width 5, on the built-in
+reference models); the fixed arms drop the adaptive flags, the adaptive arms keep them. See
+``adaspec.runtime.bench`` for what is measured and how.
+"""
+
+import asyncio
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from adaspec.config.flags import parse_argv
+from adaspec.config.launch import BUILTIN_TARGET
+from adaspec.errors import MISSING, ConfigError
+from adaspec.runtime.bench import (
+    BenchPlan,
+    RunProgress,
+    RunRecord,
+    plan_arms,
+    run_bench,
+    shipped_prompts,
+    summarise,
+)
+from adaspec.runtime.calibrate_command import progress_reporter
+from adaspec.runtime.command_flags import flag_lines, take_flags
+from adaspec.runtime.engine import MAX_SEED
+
+# name -> (metavar, help); every one takes a value except --quick and --json.
+BENCH_FLAGS: dict[str, tuple[str, str]] = {
+    "quick": ("", "a short run (one pass, 48 tokens, a quick calibration): about a minute"),
+    "concurrency": ("LIST", "comma-separated concurrency levels (default 1,4,16)"),
+    "widths": ("LIST", "fixed widths to run (default every width 1..w)"),
+    "arms": ("LIST", "run only these arms (none, fixed:K, adaptive-verify, adaptive-depth)"),
+    "passes": ("N", "passes over every arm and level (default 3; --quick: 1)"),
+    "requests": ("N", "requests per pass at every level (default max(8, 4C); --quick: "
+                      "max(4, 2C))"),
+    "max_tokens": ("N", "tokens generated per request (default 128; --quick: 48)"),
+    "seed": ("S", "seed of every random draw (default 0)"),
+    "event_log_dir": ("DIR", "write each arm's event log there (ARM.jsonl, new files)"),
+    "plot": ("FILE", "save a plot (PNG) of tokens/s and per-position acceptance (needs "
+                     "matplotlib: pip install 'adaspec[plot]')"),
+    "json": ("", "print one JSON object instead of the table"),
+}
+SWITCHES = ("quick", "json")
+
+
+def bench_help() -> str:
+    lines = ["usage: adaspec bench [LAUNCH FLAGS] [--quick] [--concurrency LIST] [--json] ...",
+             "",
+             "Runs no speculation, every fixed width and the adaptive modes the launch allows",
+             "on the shipped prompt set at several concurrency levels, greedy, in one process,",
+             "and compares tokens/s, TPOT, acceptance and verified rows. Launch flags are those",
+             "of `adaspec config --help` (default: --speculative_algorithm=DSpark",
+             "--num_speculative_tokens=5).", ""]
+    return "\n".join(lines + flag_lines(BENCH_FLAGS))
+
+
+@dataclass(slots=True)
+class BenchArgs:
+    switches: set[str] = field(default_factory=set)
+    values: dict[str, str] = field(default_factory=dict)
+    launch_argv: list[str] = field(default_factory=list)
+
+
+def split_argv(argv: Sequence[str]) -> BenchArgs:
+    """Take the bench flags out of ``argv``; everything else is a launch flag."""
+    args = BenchArgs()
+    own, args.launch_argv = take_flags(argv, BENCH_FLAGS, SWITCHES)
+    for name, value in own:
+        if name in args.switches or name in args.values:
+            raise ConfigError(f"--{name}", value or MISSING, "given twice; give each flag once")
+        if name in SWITCHES:
+            args.switches.add(name)
+        else:
+            args.values[name] = value
+    return args
+
+
+def _int(name: str, raw: str, low: int, high: int) -> int:
+    text = raw.strip()
+    if not text.lstrip("-").isdigit() or not low <= int(text) <= high:
+        raise ConfigError(f"--{name}", raw, f"expected an integer in {low}..{high}")
+    return int(text)
+
+
+def _ints(name: str, raw: str, low: int, high: int) -> tuple[int, ...]:
+    parts = raw.split(",")
+    values = tuple(_int(name, part, low, high) if part.strip() else
+                   _int(name, raw, low, high) for part in parts)
+    if len(set(values)) != len(values):
+        raise ConfigError(f"--{name}", raw, "expected distinct values")
+    return values
+
+
+@dataclass(frozen=True, slots=True)
+class Choices:
+    quick: bool
+    levels: tuple[int, ...]
+    widths: tuple[int, ...] | None
+    arms: tuple[str, ...] | None
+    passes: int
+    requests: int | None
+    max_tokens: int
+    seed: int
+    event_log_dir: str | None
+    plot: str | None
+    as_json: bool
+
+
+def read_choices(args: BenchArgs) -> Choices:
+    values, quick = args.values, "quick" in args.switches
+    get = values.get
+    return Choices(
+        quick=quick,
+        levels=tuple(sorted(_ints("concurrency", get("concurrency", "1,4,16"), 1, 1024))),
+        widths=_ints("widths", values["widths"], 1, 64) if "widths" in values else None,
+        arms=tuple(a.strip() for a in values["arms"].split(",")) if "arms" in values else None,
+        passes=_int("passes", get("passes", "1" if quick else "3"), 1, 100),
+        requests=_int("requests", values["requests"], 1, 100000) if "requests" in values
+        else None,
+        max_tokens=_int("max_tokens", get("max_tokens", "48" if quick else "128"), 1, 100000),
+        seed=_int("seed", get("seed", "0"), 0, MAX_SEED - 1),
+        event_log_dir=get("event_log_dir"), plot=get("plot"), as_json="json" in args.switches)
+
+
+def requests_per_level(choices: Choices) -> dict[int, int]:
+    if choices.requests is not None:
+        for level in choices.levels:
+            if choices.requests < level:
+                raise ConfigError("--requests", choices.requests, f"expected at least the "
+                                  f"largest concurrency {max(choices.levels)}, so every "
+                                  "client sends a request")
+        return dict.fromkeys(choices.levels, choices.requests)
+    if choices.quick:
+        return {level: max(4, 2 * level) for level in choices.levels}
+    return {level: max(8, 4 * level) for level in choices.levels}
+
+
+def check_outputs(choices: Choices, arm_names: Sequence[str]) -> None:
+    """Output places are checked before anything runs: nothing is overwritten."""
+    if choices.event_log_dir is not None:
+        folder = Path(choices.event_log_dir)
+        if not folder.is_dir():
+            raise ConfigError("--event_log_dir", choices.event_log_dir,
+                              "expected an existing directory")
+        for name in arm_names:
+            path = folder / f"{name.replace(':', '-')}.jsonl"
+            if path.exists():
+                raise ConfigError("--event_log_dir", choices.event_log_dir,
+                                  f"{path.name} exists already; expected a folder without "
+                                  "this bench's logs")
+    if choices.plot is not None:
+        path = Path(choices.plot)
+        if path.suffix.lower() != ".png":
+            raise ConfigError("--plot", choices.plot, "expected a .png file name")
+        if path.exists() or not path.parent.is_dir():
+            raise ConfigError("--plot", choices.plot, "expected a new file in an existing "
+                              "directory")
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ConfigError("--plot", choices.plot, "needs matplotlib: pip install "
+                              "'adaspec[plot]'") from None
+
+
+def machine() -> str:
+    return (f"{platform.machine()} {platform.processor() or ''}".strip()
+            + f", {os.cpu_count()} cores, torch {torch.__version__}, "
+            + f"python {platform.python_version()}")
+
+
+def run_progress(stream: TextIO) -> RunProgress:
+    """A bar on a terminal, one JSON line per run otherwise."""
+    if stream.isatty():
+        def bar(record: RunRecord, done: int, total: int) -> None:
+            filled = 30 * done // total
+            stream.write(f"\rbench [{'#' * filled}{'.' * (30 - filled)}] {done}/{total} runs  "
+                         f"{record.arm} C={record.level}          ")
+            if done == total:
+                stream.write("\n")
+            stream.flush()
+        return bar
+
+    def line(record: RunRecord, done: int, total: int) -> None:
+        stream.write(json.dumps({"bench_run": done, "of": total, "arm": record.arm,
+                                 "concurrency": record.level, "pass": record.passed,
+                                 "tokens_per_second": round(record.tokens / record.seconds, 2)
+                                 if record.seconds else None}) + "\n")
+        stream.flush()
+    return line
+
+
+def run_bench_command(argv: Sequence[str]) -> int:
+    if any(arg in ("-h", "--help") for arg in argv):
+        print(bench_help())
+        return 0
+    args = split_argv(argv)
+    choices = read_choices(args)
+    settings = parse_argv(args.launch_argv)
+    if settings.get("model", BUILTIN_TARGET) != BUILTIN_TARGET:
+        raise ConfigError("--model", settings["model"], "adaspec bench runs the built-in "
+                          f"reference models ({BUILTIN_TARGET}); to bench your own, embed the "
+                          "runtime and call adaspec.runtime.bench.run_bench(plan, models=FACTORY)")
+    with tempfile.TemporaryDirectory(prefix="adaspec-bench-") as scratch:
+        arms, skipped = plan_arms(settings, widths=choices.widths, names=choices.arms,
+                                  quick=choices.quick, levels=choices.levels,
+                                  scratch=Path(scratch))
+        check_outputs(choices, [arm.name for arm in arms])
+        plan = BenchPlan(arms=arms, levels=choices.levels, prompts=shipped_prompts(),
+                         requests=requests_per_level(choices), max_tokens=choices.max_tokens,
+                         passes=choices.passes, seed=choices.seed,
+                         event_log_dir=choices.event_log_dir, skipped=skipped)
+        started = time.perf_counter()
+        records = asyncio.run(run_bench(plan, run_progress=run_progress(sys.stderr),
+                                        calibration_progress=progress_reporter(sys.stderr)))
+    report = summarise(plan, records)
+    report["seconds"] = round(time.perf_counter() - started, 1)
+    report["machine"] = machine()
+    if choices.plot is not None:
+        from adaspec.runtime.bench_plot import save_plot  # deferred: optional matplotlib
+
+        save_plot(report, choices.plot)
+    if choices.as_json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_table(report, sys.stdout)
+    sys.stdout.flush()
+    return 0 if report["greedy_outputs_identical"] else 1
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_table(report: dict[str, Any], out: TextIO) -> None:
+    settings = report["settings"]
+    write: Callable[[str], Any] = lambda text: out.write(text + "\n")  # noqa: E731
+    write(f"adaspec bench: {report['machine']}; {settings['passes']} pass(es), "
+          f"{settings['max_tokens']} tokens per request, greedy; {report['seconds']} s")
+    for level in settings["concurrency"]:
+        entries = [e for e in report["arms"] if e["concurrency"] == level]
+        write("")
+        write(f"concurrency {level} ({settings['requests_per_pass'][str(level)]} requests per "
+              f"pass; best fixed width: {entries[0]['best_fixed']})")
+        write(f"{'arm':16} {'tok/s':>8} {'TPOT ms':>8} {'p50':>7} {'p90':>7} {'AL':>5} "
+              f"{'accept':>6} {'rows':>6} {'vs none':>8} {'vs best fixed (pass range)':>27}")
+        for e in entries:
+            tpot = e["tpot_ms"]
+            rng = e.get("speedup_vs_best_fixed_range") or [None, None]
+            write(f"{e['arm']:16} {e['tokens_per_second']:8.1f} {_fmt(tpot['mean'], '8.2f')} "
+                  f"{_fmt(tpot['p50'], '7.2f')} {_fmt(tpot['p90'], '7.2f')} "
+                  f"{_fmt(e['mean_acceptance_length'], '5.2f')} "
+                  f"{_fmt(e['acceptance_rate'], '6.2f')} "
+                  f"{_fmt(e['mean_rows_per_round'], '6.1f')} "
+                  f"{_fmt(e['speedup_vs_none'], '8.3f')} "
+                  f"{_fmt(e['speedup_vs_best_fixed'], '9.3f')} "
+                  f"({_fmt(rng[0], '.3f')}..{_fmt(rng[1], '.3f')})")
+        write("per-position acceptance (share of request-rounds verifying position k that "
+              "accepted drafts 1..k):")
+        for e in entries:
+            if e["position_acceptance"]:
+                write(f"  {e['arm']:16} " + " ".join(_fmt(a, '.2f')
+                                                      for a in e["position_acceptance"]))
+    write("")
+    write("AL counts the residual or bonus token (accepted + 1); rows = padded target rows "
+          "verified per round.")
+    for skipped in report["skipped_arms"]:
+        write(f"skipped {skipped['arm']}: {skipped['why']}")
+    if report["greedy_outputs_identical"]:
+        write(f"greedy outputs: identical in every arm ({report['outputs_compared']} outputs "
+              "compared with the target alone)")
+    else:
+        first = report["output_mismatches"][0]
+        write(f"greedy outputs DIFFER: {len(report['output_mismatches'])}+ mismatches, first "
+              f"{first['arm']} at concurrency {first['concurrency']}, prompt "
+              f"{first['prompt']}, token {first['first_difference']}")

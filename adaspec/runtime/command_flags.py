@@ -1,0 +1,46 @@
+"""Splitting a command line into the command's own flags and the launch flags around them."""
+
+from collections.abc import Collection, Mapping, Sequence
+
+from adaspec.errors import MISSING, ConfigError
+
+Flags = Mapping[str, tuple[str, str]]
+"""A command's flags: name -> (metavar, help); an empty metavar marks a switch."""
+
+
+def flag_lines(flags: Flags) -> list[str]:
+    """The flags section of a command's help."""
+    lines = ["flags:"]
+    for name, (metavar, text) in flags.items():
+        value = f"={metavar}" if metavar else ""
+        lines.append(f"  --{name}{value}".ljust(26) + text)
+    return lines
+
+
+def take_flags(argv: Sequence[str], flags: Flags, switches: Collection[str]
+               ) -> tuple[list[tuple[str, str]], list[str]]:
+    """``(name, value)`` of the command's flags in order (a switch's value is empty), and the
+    remaining tokens, which are launch flags."""
+    own: list[tuple[str, str]] = []
+    launch: list[str] = []
+    index = 0
+    while index < len(argv):
+        token = argv[index]
+        name, has_value, value = token[2:].partition("=") if token.startswith("--") \
+            else ("", "", "")
+        index += 1
+        if name not in flags:
+            launch.append(token)
+            continue
+        if name in switches:
+            if has_value:
+                raise ConfigError(f"--{name}", value, "takes no value")
+            own.append((name, ""))
+            continue
+        if not has_value:
+            if index >= len(argv):
+                raise ConfigError(f"--{name}", MISSING, f"expected a value ({name} "
+                                  f"{flags[name][0]})")
+            value, index = argv[index], index + 1
+        own.append((name, value))
+    return own, launch

@@ -1,0 +1,209 @@
+"""adaspec bench: every arm through the real runtime on the reference models, the figures
+consistent with what ran, the greedy outputs compared across arms, clear refusals before
+anything runs, and the README's main command printing its table."""
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from runtime_helpers import TINY_CALIBRATION
+
+from adaspec import cli
+from adaspec.config import SamplingParams, load_config
+from adaspec.models import load_reference_models
+from adaspec.runtime.bench import (
+    BenchPlan,
+    RunRecord,
+    compare_outputs,
+    percentile,
+    plan_arms,
+    run_bench,
+    shipped_prompts,
+    summarise,
+)
+from adaspec.runtime.engine import Runtime
+from adaspec.runtime.events.log import read_event_log
+from adaspec.runtime.events.replay import replay
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """A small bench: DSpark width 5, none / fixed:2 / fixed:5 / adaptive-verify, levels 1
+    and 2, two passes, event logs written."""
+    folder = tmp_path_factory.mktemp("bench")
+    calibration = folder / "tiny.json"
+    calibration.write_text(json.dumps(TINY_CALIBRATION))
+    logs = folder / "logs"
+    logs.mkdir()
+    settings = {"speculative_algorithm": "DSpark", "num_speculative_tokens": 5,
+                "adaptive_target_verify_calibration": str(calibration)}
+    arms, skipped = plan_arms(settings, widths=(2, 5), names=None, quick=False,
+                              levels=(1, 2), scratch=folder)
+    plan = BenchPlan(arms=arms, levels=(1, 2), prompts=shipped_prompts(),
+                     requests={1: 2, 2: 3}, max_tokens=10, passes=2, event_log_dir=str(logs),
+                     skipped=skipped)
+    records = asyncio.run(run_bench(plan, models=load_reference_models,
+                                    calibration_progress=lambda _: None))
+    return {"plan": plan, "records": records, "summary": summarise(plan, records),
+            "logs": logs}
+
+
+def entry(summary: dict[str, object], arm: str, level: int) -> dict[str, object]:
+    arms = summary["arms"]
+    assert isinstance(arms, list)
+    return next(e for e in arms if e["arm"] == arm and e["concurrency"] == level)
+
+
+def test_every_arm_runs_every_level_in_every_pass(report: dict[str, object]) -> None:
+    records = report["records"]
+    assert isinstance(records, list)
+    names = ["none", "fixed:2", "fixed:5", "adaptive-verify"]
+    assert [a.name for a in report["plan"].arms] == names  # type: ignore[attr-defined]
+    assert len(records) == 4 * 2 * 2
+    # The arm order rotates between passes, so no arm always runs first.
+    firsts = [r.arm for r in records if r.level == 1][::4]
+    assert firsts == ["none", "fixed:2"]
+    summary = report["summary"]
+    assert isinstance(summary, dict)
+    assert [s["arm"] for s in summary["skipped_arms"]] == ["adaptive-depth"]
+    assert "MTP" in summary["skipped_arms"][0]["why"]
+
+
+def test_figures_agree_with_what_ran(report: dict[str, object]) -> None:
+    summary = report["summary"]
+    assert isinstance(summary, dict)
+    for level, requests in ((1, 2), (2, 3)):
+        none = entry(summary, "none", level)
+        assert none["tokens"] == 2 * requests * 10  # two passes, ten tokens each
+        assert none["mean_acceptance_length"] == 1.0
+        assert none["speedup_vs_none"] == 1.0
+        assert none["position_acceptance"] == []
+        fixed = entry(summary, "fixed:5", level)
+        assert 1.0 < fixed["mean_acceptance_length"] <= 6.0
+        assert 0.0 <= fixed["acceptance_rate"] <= 1.0
+        shares = fixed["position_acceptance"]
+        assert len(shares) == 5
+        assert all(0.0 <= share <= 1.0 for share in shares)
+        best = entry(summary, fixed["best_fixed"], level)
+        assert best["speedup_vs_best_fixed"] == 1.0
+        tpot = fixed["tpot_ms"]
+        assert 0 < tpot["p50"] <= tpot["p90"]
+    # B = 1 verifies one row without drafts and w + 1 = 6 rows at full width.
+    assert entry(summary, "none", 1)["mean_rows_per_round"] == 1.0
+    assert entry(summary, "fixed:5", 1)["mean_rows_per_round"] == 6.0
+    assert entry(summary, "fixed:2", 1)["mean_rows_per_round"] == 3.0
+
+
+def test_the_greedy_outputs_of_every_arm_are_identical(report: dict[str, object]) -> None:
+    summary = report["summary"]
+    assert isinstance(summary, dict)
+    assert summary["greedy_outputs_identical"] is True
+    assert summary["outputs_compared"] == 3 * 2 * (2 + 3)  # three arms against none
+
+
+def test_a_differing_output_is_reported_with_its_place() -> None:
+    # Fabricated records (the point of the test): one arm's third token differs.
+    reference = RunRecord(arm="none", level=4, passed=1, outputs=[(1, 2, 3), (4, 5, 6)])
+    other = RunRecord(arm="fixed:3", level=4, passed=1, outputs=[(1, 2, 3), (4, 5, 7)])
+    assert compare_outputs([reference, other]) == [{
+        "arm": "fixed:3", "reference": "none", "concurrency": 4, "pass": 1, "prompt": 1,
+        "first_difference": 2}]
+
+
+def test_every_arm_writes_an_event_log_that_replays(report: dict[str, object]) -> None:
+    logs = report["logs"]
+    assert isinstance(logs, Path)
+    assert sorted(p.name for p in logs.iterdir()) == [
+        "adaptive-verify.jsonl", "fixed-2.jsonl", "fixed-5.jsonl", "none.jsonl"]
+    header, events = read_event_log(logs / "adaptive-verify.jsonl")
+    assert header["policies"]["budget"]["name"] == "adaptive-verify"
+    replay(header, events).check()
+
+
+def test_percentiles_interpolate_between_order_statistics() -> None:
+    assert percentile([4.0, 1.0, 3.0, 2.0], 0.5) == 2.5
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 0.9) == pytest.approx(4.6)
+    assert percentile([7.0], 0.9) == 7.0
+
+
+def test_wait_idle_returns_once_every_round_has_retired() -> None:
+    async def run() -> tuple[int, int]:
+        runtime = Runtime(load_config({"speculative_algorithm": "DSpark",
+                                       "num_speculative_tokens": 5}))
+        await runtime.start()
+        try:
+            handles = [runtime.submit(list(p), SamplingParams(temperature=0, max_tokens=9))
+                       for p in shipped_prompts()[:3]]
+            for handle in handles:
+                await handle.result()
+            await runtime.wait_idle()
+            stats = runtime.statistics()
+            return stats.rounds_submitted, stats.rounds_retired
+        finally:
+            await runtime.stop()
+
+    submitted, retired = asyncio.run(run())
+    assert submitted == retired > 0
+
+
+def test_cli_json_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plot = tmp_path / "bench.png"
+    argv = ["bench", "--arms", "none,fixed:3", "--concurrency", "1,2", "--requests", "2",
+            "--max_tokens", "6", "--passes", "1", "--speculative_algorithm=MTP",
+            "--num_speculative_tokens=3"]
+    assert cli.run([*argv, "--json", f"--plot={plot}"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [(a["arm"], a["concurrency"]) for a in data["arms"]] == [
+        ("none", 1), ("fixed:3", 1), ("none", 2), ("fixed:3", 2)]
+    assert data["greedy_outputs_identical"] is True
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert cli.run(argv) == 0
+    table = capsys.readouterr().out
+    assert "concurrency 2 (2 requests per pass; best fixed width: fixed:3)" in table
+    assert "AL counts the residual or bonus token" in table
+    assert "greedy outputs: identical in every arm (4 outputs compared" in table
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--concurrency=0"], "--concurrency=0: expected an integer in 1..1024"),
+    (["--concurrency=1,1"], "--concurrency=1,1: expected distinct values"),
+    (["--passes=x"], "--passes=x: expected an integer in 1..100"),
+    (["--quick=yes"], "--quick=yes: takes no value"),
+    (["--arms=fixed:9"], "--arms=fixed:9: expected some of none, fixed:1"),
+    (["--widths=6"], "--widths=6: expected widths in 1..5"),
+    (["--speculative_algorithm=none"], "--speculative_algorithm=none: expected MTP or DSpark"),
+    (["--requests=0"], "--requests=0: expected an integer in 1..100000"),
+    (["--max_seqs_per_batch=4"], "--concurrency=16: expected at most "
+                                 "--max_seqs_per_batch=4"),
+    (["--requests=2"], "--requests=2: expected at least the largest concurrency 16"),
+    (["--plot=out.txt"], "--plot=out.txt: expected a .png file name"),
+    (["--event_log_dir=/nonexistent/dir"], "--event_log_dir=/nonexistent/dir: expected an "
+                                           "existing directory"),
+    (["--model=/models/other"], "--model=/models/other: adaspec bench runs the built-in"),
+    (["--num_speculative_tokens=five"], "--num_speculative_tokens=five: expected an integer"),
+])
+def test_bad_flags_are_refused_in_one_line_before_anything_runs(
+        flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.run(["bench", *flags]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(f"adaspec bench: error: {message}")
+    assert captured.err.count("\n") == 1
+
+
+def test_the_readme_main_command_prints_the_table() -> None:
+    # The README's first command after the install: the quick run of the main job.
+    done = subprocess.run([sys.executable, "-m", "adaspec", "bench", "--quick"], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout
+    for level in (1, 4, 16):
+        assert f"concurrency {level} (" in out
+    for arm in ("none", "fixed:1", "fixed:5", "adaptive-verify"):
+        assert f"\n{arm} " in out
+    assert "greedy outputs: identical in every arm" in out
