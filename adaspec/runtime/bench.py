@@ -375,8 +375,7 @@ def summarise(plan: BenchPlan, records: Sequence[RunRecord]) -> dict[str, Any]:
         "settings": {"concurrency": list(plan.levels), "passes": plan.passes,
                      "max_tokens": plan.max_tokens, "seed": plan.seed,
                      "requests_per_pass": {str(k): v for k, v in plan.requests.items()},
-                     "launch": {arm.name: arm.config.launch.num_speculative_tokens
-                                for arm in plan.arms}},
+                     "modes": {arm.name: _mode(arm) for arm in plan.arms}},
         "definitions": {
             "acceptance_length": "accepted drafts + 1 per request and round (counts the "
                                  "residual or bonus token)",
@@ -385,6 +384,13 @@ def summarise(plan: BenchPlan, records: Sequence[RunRecord]) -> dict[str, Any]:
                                    "share that accepted drafts 1..k",
             "mean_rows_per_round": "padded target rows G verified per round"},
     }
+
+
+def _mode(arm: Arm) -> str:
+    """The arm's execution mode as the effective configuration words it."""
+    execution = arm.config.as_dict()["execution"]
+    assert isinstance(execution, dict)
+    return str(execution["mode"])
 
 
 def _entry(arm: str, level: int, runs: Sequence[RunRecord]) -> dict[str, Any]:

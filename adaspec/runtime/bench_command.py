@@ -65,7 +65,8 @@ def bench_help() -> str:
              "on the shipped prompt set at several concurrency levels, greedy, in one process,",
              "and compares tokens/s, TPOT, acceptance and verified rows. Launch flags are those",
              "of `adaspec config --help` (default: --speculative_algorithm=DSpark",
-             "--num_speculative_tokens=5).", ""]
+             "--num_speculative_tokens=5); the adaptive ones (cost table, calibration and",
+             "draft-step files) go to the adaptive arms only; --arms picks the arms.", ""]
     return "\n".join(lines + flag_lines(BENCH_FLAGS))
 
 
