@@ -2,6 +2,7 @@
 and on synthetic workloads with known regimes adaptive verify is never worse than the best
 fixed width chosen in hindsight, beats it when conditions change, and stays near the oracle."""
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -94,16 +95,22 @@ def test_decisions_see_feedback_through_round_n_minus_2_only(
     assert witness.at_decision == {n: n - 2 if n >= 2 else -1 for n in range(50)}
 
 
+def with_request_field(lines: list[str], line: int, request: int, field: str,
+                       value: object) -> list[str]:
+    """The workload's lines up to ``line``, that line with one request's field changed."""
+    bad = json.loads(lines[line])
+    bad["requests"][request][field] = value
+    return [*lines[:line], json.dumps(bad)]
+
+
 def test_a_workload_file_round_trips_and_bad_lines_name_file_line_and_field(
         tmp_path: Path) -> None:
     workload = synthetic("drift", rounds=20)
     assert parse_workload(workload.as_lines(), "w.jsonl") == workload
     lines = workload.as_lines()
-    bad = json.loads(lines[3])
-    bad["requests"][1]["accepted"] = 9
     with pytest.raises(ConfigError, match=r"--workload=w\.jsonl:4, requests\[1\]: accepted=9: "
                                           r"expected an integer in 0\.\.5"):
-        parse_workload([*lines[:3], json.dumps(bad)], "w.jsonl")
+        parse_workload(with_request_field(lines, 3, 1, "accepted", 9), "w.jsonl")
     with pytest.raises(ConfigError, match=r"--workload=w\.jsonl:1: expected a first line"):
         parse_workload(lines[1:], "w.jsonl")
 
@@ -185,10 +192,20 @@ def test_an_idle_shard_retires_nothing_and_rows_cover_one_shard_not_the_sum() ->
 
 def test_dp_workloads_are_checked_against_the_header_and_the_table(tmp_path: Path) -> None:
     lines = synthetic("high", rounds=3, dp_size=2).as_lines()
-    bad = json.loads(lines[2])
-    bad["requests"][0]["shard"] = 2
     with pytest.raises(ConfigError, match=r"--workload=w\.jsonl:3, requests\[0\]: shard=2: "
                                           r"expected an integer in 0\.\.1"):
-        parse_workload([*lines[:2], json.dumps(bad)], "w.jsonl")
+        parse_workload(with_request_field(lines, 2, 0, "shard", 2), "w.jsonl")
     with pytest.raises(ConfigError, match=r"dp_size 2 differs from the cost table's dp_size 1"):
         simulate("fixed:5", parse_workload(lines, "w.jsonl"), TABLES["staircase"])
+
+
+def test_budget_policies_are_refused_on_a_table_priced_per_depth() -> None:
+    staircase = TABLES["staircase"]
+    per_depth = dataclasses.replace(staircase, profiles=tuple(
+        dataclasses.replace(p, over="depth") for p in staircase.profiles))
+    workload = synthetic("high", rounds=5)
+    for spec in ("adaptive-verify", "oracle"):
+        with pytest.raises(ConfigError, match=rf"--policy={spec}: needs a cost table priced "
+                                              "over target rows G"):
+            simulate(spec, workload, per_depth)
+    assert simulate("fixed:3", workload, per_depth).rounds == 5

@@ -45,7 +45,7 @@ class RoundFeedback:
                    verify_lengths=tuple(data["verify_lengths"]),
                    num_accepted=tuple(data["num_accepted"]),
                    confidences=tuple(tuple(row) for row in data["confidences"]),
-                   request_ids=tuple(data["request_ids"]), shard=data.get("shard", 0))
+                   request_ids=tuple(data.get("request_ids", ())), shard=data.get("shard", 0))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -48,12 +48,13 @@ LOGIT_CLAMP = 0.01
 accepted (or none did) must give a finite shift."""
 
 
-def _logit(rate: float) -> float:
+def logit(rate: float) -> float:
+    """log(p / (1 - p)), with p clamped to [LOGIT_CLAMP, 1 - LOGIT_CLAMP]."""
     rate = min(1 - LOGIT_CLAMP, max(LOGIT_CLAMP, rate))
     return math.log(rate / (1 - rate))
 
 
-def _sigmoid(value: float) -> float:
+def sigmoid(value: float) -> float:
     return 1 / (1 + math.exp(-value))
 
 
@@ -96,14 +97,14 @@ class AdaptiveDepth:
         width = feedback.width
         while len(self._positions) < width:
             self._positions.append(_Position(deque(maxlen=self._config.window_size)))
-        counts = [self._position_counts(feedback, k) for k in range(width)]
+        deepest = max(feedback.verify_lengths, default=0)
+        counts = [self._position_counts(feedback, k) for k in range(deepest)]
         for k, (reached, accepted) in enumerate(counts):
             # Every batch that verified position k joins its window, even if no request got
             # that far: the anchor must be position 1 over the same batches as the recent
             # window, or a window of only the batches that reached k (the easy ones) would
             # read as a regime change.
-            if any(length > k for length in feedback.verify_lengths):
-                self._positions[k].counts.append((reached, accepted, *counts[0]))
+            self._positions[k].counts.append((reached, accepted, *counts[0]))
 
     @staticmethod
     def _position_counts(feedback: RoundFeedback, k: int) -> tuple[int, int]:
@@ -138,10 +139,10 @@ class AdaptiveDepth:
         conditional = position.conditional()
         if conditional is None or current is None:
             return conditional
-        shift = _logit(current) - _logit(position.anchor())
+        shift = logit(current) - logit(position.anchor())
         if shift == 0.0:
             return conditional  # verified with position 1 over the same window: as counted
-        return _sigmoid(_logit(conditional) + shift)
+        return sigmoid(logit(conditional) + shift)
 
     def decide(self, context: DepthContext) -> int:
         self._decisions += 1

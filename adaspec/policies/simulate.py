@@ -176,8 +176,15 @@ def _request(data: Any, width: int, dp_size: int, where: str) -> WorkloadRequest
         raise ConfigError("--workload", where, f"shard={shard}: expected an integer in "
                           f"0..{dp_size - 1} (the header's dp_size is {dp_size})")
     return WorkloadRequest(id=rid, confidences=tuple(float(c) for c in confidences),
-                           accepted=accepted, censored=bool(data.get("censored", False)),
+                           accepted=accepted, censored=_censored(data, where),
                            shard=shard)
+
+
+def _censored(data: Mapping[str, Any], where: str) -> bool:
+    value = data.get("censored", False)
+    if type(value) is not bool:
+        raise ConfigError("--workload", where, f"censored={value}: expected true or false")
+    return value
 
 
 def survivals_of(confidences: Sequence[float], depth: int) -> list[float]:
@@ -300,6 +307,10 @@ def make_policies(spec: str, costs: CostBundle, width: int,
         if not value.isdigit() or not 1 <= int(value) <= width:
             raise ConfigError("--policy", spec, f"expected fixed:K with K in 1..{width}")
         return FixedAt(int(value)), FullBudget()
+    if spec in ("adaptive-verify", "oracle") and not any(p.over == "rows"
+                                                       for p in costs.profiles):
+        raise ConfigError("--policy", spec, "needs a cost table priced over target rows G; "
+                          "this one is priced per draft depth (adaptive draft steps)")
     if spec == "adaptive-verify":
         return FixedDepth(), AdaptiveVerify(costs)
     if spec == "oracle":

@@ -98,8 +98,8 @@ class AdaptiveVerify:
         # The prior pools every shard's rows of the newest retired round.
         if self._newest is not None and self._newest[0] == feedback.round:
             self._newest[1].extend(rows)
-        else:
-            self._newest = (feedback.round, list(rows))
+            return  # another shard of the same round: nothing new to forget
+        self._newest = (feedback.round, list(rows))
         gone = [key for key, seen in self._seen.items()
                 if feedback.round - seen > FORGET_AFTER_ROUNDS]
         for key in gone:
@@ -124,8 +124,9 @@ class AdaptiveVerify:
                                           context.max_kv_length) is None:
             self._full_unpriced += 1
             return full
+        # A tier above full width verifies nothing more and costs no less: never better.
         return choose_rows(
-            context.tiers, shards,
+            [rows for rows in context.tiers if rows <= full], shards,
             lambda rows: costs.cost_ms(context.num_reqs_bucket, rows, context.max_kv_length),
             full)
 
@@ -134,17 +135,26 @@ class AdaptiveVerify:
         round; None without any retired evidence."""
         if self._newest is None:
             return None
-        rows = self._newest[1]
-        prior = tuple(sum(column) / len(rows) for column in zip(*rows, strict=True))
         out: list[ShardSurvivals] = []
+        prior: tuple[float, ...] | None = None  # computed only for a request without history
         for shard, ids in context.batches():
             if not ids and not context.shard_sizes:  # a context without ids: all borrow
                 ids = (-1,) * context.num_reqs
             pooled: list[float] = []
             for request_id in ids:
-                pooled.extend(self._survivals.get((shard, request_id), prior)[:context.depth])
+                survivals = self._survivals.get((shard, request_id))
+                if survivals is None:
+                    prior = prior or self._prior()
+                    survivals = prior
+                pooled.extend(survivals[:context.depth])
             out.append((len(ids), pooled))
         return out
+
+    def _prior(self) -> tuple[float, ...]:
+        """The mean survivals of the newest retired round (every shard's rows)."""
+        assert self._newest is not None
+        rows = self._newest[1]
+        return tuple(sum(column) / len(rows) for column in zip(*rows, strict=True))
 
     def statistics(self) -> PolicyStatistics:
         fraction = self._rows_chosen / self._rows_full if self._rows_full else 1.0

@@ -12,7 +12,6 @@ leading run of Bernoulli draws with them. Regimes:
 - ``alternating``: high and low phases of ``phase`` rounds each.
 """
 
-import math
 import random
 from collections.abc import Callable
 
@@ -20,6 +19,7 @@ from adaspec.config.calibration import ContextInterval
 from adaspec.errors import ConfigError
 from adaspec.policies.bundles import Compatibility, CostBundle, CostProfile, fitted_bundle
 from adaspec.policies.costs import AdditiveTable
+from adaspec.policies.depth import logit, sigmoid
 from adaspec.policies.simulate import Workload, WorkloadRequest, WorkloadRound
 
 HIGH, LOW = 0.85, 0.35
@@ -40,14 +40,6 @@ def _levels(kind: str, rounds: int, phase: int) -> Callable[[int], float]:
     return regimes[kind]
 
 
-def _logit(p: float) -> float:
-    return math.log(p / (1 - p))
-
-
-def _sigmoid(x: float) -> float:
-    return 1 / (1 + math.exp(-x))
-
-
 def synthetic(kind: str, *, rounds: int = 2000, batch: int = 8, width: int = 5,
               seed: int = 0, phase: int = 100, dp_size: int = 1) -> Workload:
     """A workload of ``rounds`` rounds of ``batch`` requests per DP shard (ids change every
@@ -61,7 +53,7 @@ def synthetic(kind: str, *, rounds: int = 2000, batch: int = 8, width: int = 5,
     for number in range(rounds):
         requests: list[WorkloadRequest] = []
         for shard in range(dp_size):
-            requests.extend(_request(rng, _logit(level(number + shard * lag)), width, shard,
+            requests.extend(_request(rng, logit(level(number + shard * lag)), width, shard,
                                      (number // 64) * batch + slot) for slot in range(batch))
         out.append(WorkloadRound(requests=tuple(requests)))
     return Workload(width=width, rounds=tuple(out), name=f"{kind} (seed {seed})",
@@ -70,7 +62,7 @@ def synthetic(kind: str, *, rounds: int = 2000, batch: int = 8, width: int = 5,
 
 def _request(rng: random.Random, center: float, width: int, shard: int, rid: int
              ) -> WorkloadRequest:
-    probabilities = [_sigmoid(center + rng.gauss(0, SPREAD)) for _ in range(width)]
+    probabilities = [sigmoid(center + rng.gauss(0, SPREAD)) for _ in range(width)]
     confidences = tuple(min(1.0, max(0.0, p + rng.gauss(0, CONFIDENCE_NOISE)))
                         for p in probabilities)
     accepted = 0

@@ -23,6 +23,7 @@ compares them and reports every difference.
 """
 
 import asyncio
+import contextlib
 import itertools
 import json
 import statistics
@@ -39,14 +40,18 @@ from adaspec.config.launch import launch_field_types
 from adaspec.errors import ConfigError
 from adaspec.models import ReferenceModels
 from adaspec.runtime.calibration import Progress
+from adaspec.runtime.devices.buckets import BucketGeometry
 from adaspec.runtime.engine import Runtime, RuntimeOptions
-from adaspec.runtime.events.types import Event, RoundRetired
+from adaspec.runtime.pipeline import RuntimeStatistics
 
 FULL_LEVELS = (1, 4, 16)
 ADAPTIVE_FLAGS = ("enable_adaptive_target_verify", "enable_adaptive_draft_step",
                   "adaptive_target_verify_cost_table", "adaptive_target_verify_calibration",
                   "adaptive_target_verify_cost_table_output", "adaptive_draft_step_config")
 """Launch flags that belong to the adaptive arms only (the fixed arms run without them)."""
+
+DRAFT_ONLY_FLAGS = ("draft_model", "enable_unified_mtp_graph")
+"""Launch flags that need a draft model: the ``none`` arm runs without them."""
 
 QUICK_CALIBRATION = {"warmup_steps": 2, "window_steps": 8, "windows_per_point": 2}
 """The quick run's startup calibration: few short windows per grid point (a rough table
@@ -104,7 +109,7 @@ def plan_arms(settings: Mapping[str, object], *, widths: Sequence[int] | None,
     otherwise adaptive arms the launch does not allow are skipped with the reason."""
     base = dict(settings)
     algorithm = str(_typed(base.pop("speculative_algorithm", "DSpark"), "speculative_algorithm"))
-    width = int(str(_typed(base.pop("num_speculative_tokens", 5), "num_speculative_tokens")))
+    width = int(_typed(base.pop("num_speculative_tokens", 5), "num_speculative_tokens"))
     if algorithm.lower() == "none":
         raise ConfigError("--speculative_algorithm", algorithm, "expected MTP or DSpark: the "
                           "bench always runs the target alone as its baseline")
@@ -117,7 +122,8 @@ def plan_arms(settings: Mapping[str, object], *, widths: Sequence[int] | None,
             raise ConfigError("--widths", k, f"expected widths in 1..{width} (the launch's "
                               "--num_speculative_tokens)")
     candidates: dict[str, Callable[[], EffectiveConfig]] = {
-        "none": lambda: load_config({**{k: v for k, v in base.items() if k != "draft_model"},
+        "none": lambda: load_config({**{k: v for k, v in base.items()
+                                        if k not in DRAFT_ONLY_FLAGS},
                                      "speculative_algorithm": "none"}),
         **{f"fixed:{k}": _fixed(base, algorithm, k) for k in fixed_widths},
         **_adaptive(base, adaptive, algorithm, width, quick, levels, scratch)}
@@ -137,7 +143,8 @@ def _adaptive(base: Mapping[str, object], adaptive: Mapping[str, object], algori
     verify = {k: v for k, v in adaptive.items() if k.startswith("adaptive_target_verify")}
     depth = {k: v for k, v in adaptive.items() if k == "adaptive_draft_step_config"}
     quick_calibration = {**QUICK_CALIBRATION, **_level_buckets(common, levels)}
-    if quick and not verify:
+    own_costs = {"adaptive_target_verify_calibration", "adaptive_target_verify_cost_table"}
+    if quick and not own_costs & set(verify):
         verify["adaptive_target_verify_calibration"] = _write(
             scratch / "verify-calibration.json", quick_calibration)
     if quick and not depth:
@@ -155,12 +162,14 @@ def _level_buckets(settings: Mapping[str, object], levels: Sequence[int]
     """The request buckets the levels' full batches pad to (a quick calibration measures
     only those; smaller tail batches keep the prewarmed full width)."""
     try:
-        prepared = load_config(settings).launch.prepared_request_buckets()
+        launch = load_config(settings).launch
     except ConfigError:
         return {}  # the adaptive arm's own check reports why the launch does not allow it
-    chosen = sorted({next((b for b in prepared if b >= level), prepared[-1])
-                     for level in levels} if prepared else set())
-    return {"request_buckets": chosen} if chosen else {}
+    if not launch.prepared_request_buckets():
+        return {}
+    geometry = BucketGeometry.of(launch)
+    return {"request_buckets": sorted({geometry.request_bucket(min(level, launch.seqs_per_shard))
+                                       for level in levels})}
 
 
 def _write(path: Path, data: Mapping[str, object]) -> str:
@@ -172,6 +181,8 @@ def _choose(candidates: Mapping[str, Callable[[], EffectiveConfig]],
             names: Sequence[str] | None
             ) -> tuple[tuple[Arm, ...], tuple[tuple[str, str], ...]]:
     if names is not None:
+        if len(set(names)) != len(names):
+            raise ConfigError("--arms", ",".join(names), "expected each arm once")
         for name in names:
             if name not in candidates:
                 raise ConfigError("--arms", name, f"expected some of {', '.join(candidates)}")
@@ -187,13 +198,13 @@ def _choose(candidates: Mapping[str, Callable[[], EffectiveConfig]],
     return tuple(arms), tuple(skipped)
 
 
-def _typed(raw: object, name: str) -> object:
+def _typed(raw: object, name: str) -> Any:
     """A launch flag's value as its field's type (a clear error for bad text)."""
     return coerce(name, raw, launch_field_types()[name])
 
 
 def _check_capacity(base: Mapping[str, object], levels: Sequence[int]) -> None:
-    capacity = int(str(_typed(base["max_seqs_per_batch"], "max_seqs_per_batch")))
+    capacity = int(_typed(base["max_seqs_per_batch"], "max_seqs_per_batch"))
     if max(levels) > capacity:
         raise ConfigError("--concurrency", max(levels), f"expected at most "
                           f"--max_seqs_per_batch={capacity}: requests beyond it would queue "
@@ -221,26 +232,19 @@ class RunRecord:
     reached: list[int] = field(default_factory=list)  # per position: verified it
     through: list[int] = field(default_factory=list)  # per position: accepted 1..k
 
-    def observe(self, event: Event) -> None:
-        """Count one retired round (the runtime's own feedback, no extra device reads)."""
-        if not isinstance(event, RoundRetired):
-            return
-        feedback = event.feedback
-        self.rounds += 1
-        self.rows += feedback.num_rows
-        self.request_rounds += feedback.num_reqs
-        width = feedback.width
-        if len(self.reached) < width:
-            grow = width - len(self.reached)
-            self.reached.extend([0] * grow)
-            self.through.extend([0] * grow)
-        for length, accepted in zip(feedback.verify_lengths, feedback.num_accepted,
-                                    strict=True):
-            self.verified += length
-            self.accepted += accepted
-            for k in range(length):
-                self.reached[k] += 1
-                self.through[k] += accepted > k
+    def count(self, before: RuntimeStatistics, after: RuntimeStatistics) -> None:
+        """The run's rounds from the runtime's own counters (no event is built for them)."""
+        self.rounds = after.rounds_retired - before.rounds_retired
+        self.rows = after.rows_verified - before.rows_verified
+        self.request_rounds = after.request_rounds - before.request_rounds
+        self.verified = after.drafted_verified - before.drafted_verified
+        self.accepted = after.drafted_accepted - before.drafted_accepted
+        outcomes = {key: n - before.outcomes.get(key, 0) for key, n in after.outcomes.items()}
+        width = max((length for length, _ in outcomes), default=0)
+        self.reached = [sum(n for (length, _), n in outcomes.items() if length > k)
+                        for k in range(width)]
+        self.through = [sum(n for (length, accepted), n in outcomes.items()
+                            if length > k and accepted > k) for k in range(width)]
 
 
 async def timed_request(runtime: Runtime, prompt: bytes, params: SamplingParams
@@ -274,7 +278,9 @@ async def run_level(runtime: Runtime, prompts: Sequence[bytes], max_tokens: int,
                 record.tpot_s.append(tpot)
 
     started = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(concurrency)))
+    async with asyncio.TaskGroup() as clients:  # one failing client cancels the others
+        for _ in range(concurrency):
+            clients.create_task(client())
     record.seconds = time.perf_counter() - started
     record.outputs = outputs
     record.tokens = sum(len(t) for t in outputs)
@@ -291,39 +297,31 @@ async def run_bench(plan: BenchPlan, models: Callable[[], ReferenceModels] | Non
 
     ``models`` makes one set of models per arm (each runtime owns its KV caches, so arms
     never share one set); default: the built-in reference models."""
-    runtimes: dict[str, Runtime] = {}
-    current: dict[str, RunRecord] = {}
-    try:
+    async with contextlib.AsyncExitStack() as stack:
+        runtimes: dict[str, Runtime] = {}
         for arm in plan.arms:
             runtime = Runtime(arm.config, models=models() if models is not None else None,
                               options=_options(plan, arm, calibration_progress))
             await runtime.start()
+            stack.push_async_callback(runtime.stop)  # every started arm stops, whatever fails
             runtimes[arm.name] = runtime
-            runtime.subscribe(_route(current, arm.name))
-        return await _passes(plan, runtimes, current, run_progress)
-    finally:
-        for runtime in runtimes.values():
-            await runtime.stop()
+        return await _passes(plan, runtimes, run_progress)
+
+
+def event_log_name(arm: str) -> str:
+    """The file an arm's event log gets in ``--event_log_dir``."""
+    return f"{arm.replace(':', '-')}.jsonl"
 
 
 def _options(plan: BenchPlan, arm: Arm, progress: Progress | None) -> RuntimeOptions:
     log = None
     if plan.event_log_dir is not None:
-        log = str(Path(plan.event_log_dir) / f"{arm.name.replace(':', '-')}.jsonl")
+        log = str(Path(plan.event_log_dir) / event_log_name(arm.name))
     return RuntimeOptions(seed=plan.seed, event_log=log, calibration_progress=progress)
 
 
-def _route(current: dict[str, RunRecord], name: str) -> Callable[[Event], None]:
-    def observe(event: Event) -> None:
-        record = current.get(name)
-        if record is not None:
-            record.observe(event)
-    return observe
-
-
 async def _passes(plan: BenchPlan, runtimes: Mapping[str, Runtime],
-                  current: dict[str, RunRecord], progress: RunProgress | None
-                  ) -> list[RunRecord]:
+                  progress: RunProgress | None) -> list[RunRecord]:
     records: list[RunRecord] = []
     names = [arm.name for arm in plan.arms]
     for number in range(plan.passes):
@@ -331,12 +329,13 @@ async def _passes(plan: BenchPlan, runtimes: Mapping[str, Runtime],
         for level in plan.levels:
             for name in order:
                 record = RunRecord(arm=name, level=level, passed=number)
-                current[name] = record
-                await run_level(runtimes[name], plan.level_prompts(level), plan.max_tokens,
-                                level, record)
+                runtime = runtimes[name]
+                before = runtime.statistics()
+                await run_level(runtime, plan.level_prompts(level), plan.max_tokens, level,
+                                record)
                 # Retirement of the last rounds may trail the last token by a round.
-                await runtimes[name].wait_idle()
-                del current[name]
+                await runtime.wait_idle()
+                record.count(before, runtime.statistics())
                 records.append(record)
                 if progress is not None:
                     progress(record, len(records), plan.total_runs)
@@ -346,14 +345,10 @@ async def _passes(plan: BenchPlan, runtimes: Mapping[str, Runtime],
 # ---- figures -------------------------------------------------------------------------------
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """The q-quantile by linear interpolation between order statistics."""
-    ordered = sorted(values)
-    if not ordered:
-        return 0.0
-    position = q * (len(ordered) - 1)
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+    """The q-quantile (q in hundredths) by linear interpolation between order statistics."""
+    if len(values) < 2:
+        return values[0] if values else 0.0
+    return statistics.quantiles(values, n=100, method="inclusive")[round(100 * q) - 1]
 
 
 def summarise(plan: BenchPlan, records: Sequence[RunRecord]) -> dict[str, Any]:

@@ -23,13 +23,14 @@ from typing import Any, TextIO
 
 import torch
 
-from adaspec.config.flags import parse_argv
+from adaspec.config.flags import coerce, parse_argv
 from adaspec.config.launch import BUILTIN_TARGET
 from adaspec.errors import MISSING, ConfigError
 from adaspec.runtime.bench import (
     BenchPlan,
     RunProgress,
     RunRecord,
+    event_log_name,
     plan_arms,
     run_bench,
     shipped_prompts,
@@ -92,10 +93,14 @@ def split_argv(argv: Sequence[str]) -> BenchArgs:
 
 
 def _int(name: str, raw: str, low: int, high: int) -> int:
-    text = raw.strip()
-    if not text.lstrip("-").isdigit() or not low <= int(text) <= high:
-        raise ConfigError(f"--{name}", raw, f"expected an integer in {low}..{high}")
-    return int(text)
+    expected = f"expected an integer in {low}..{high}"
+    try:
+        value = coerce(name, raw, int)
+    except ConfigError:
+        raise ConfigError(f"--{name}", raw, expected) from None
+    if not isinstance(value, int) or not low <= value <= high:
+        raise ConfigError(f"--{name}", raw, expected)
+    return value
 
 
 def _ints(name: str, raw: str, low: int, high: int) -> tuple[int, ...]:
@@ -159,7 +164,7 @@ def check_outputs(choices: Choices, arm_names: Sequence[str]) -> None:
             raise ConfigError("--event_log_dir", choices.event_log_dir,
                               "expected an existing directory")
         for name in arm_names:
-            path = folder / f"{name.replace(':', '-')}.jsonl"
+            path = folder / event_log_name(name)
             if path.exists():
                 raise ConfigError("--event_log_dir", choices.event_log_dir,
                                   f"{path.name} exists already; expected a folder without "

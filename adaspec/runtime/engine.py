@@ -417,10 +417,8 @@ class Runtime:
     async def wait_idle(self) -> None:
         """Return once every submitted request has ended and every round has retired (a
         round submitted before its requests were seen to finish retires after them)."""
-        pipeline = self._running()
-        if pipeline.waiting or pipeline.pending or any(r.running for r in pipeline.active):
-            pipeline.idle.clear()
-        await pipeline.idle.wait()
+        await self._running().idle.wait()  # cleared by every submit, set only by the loop
+        self._running()  # a fault that ended the loop is raised here
 
     def subscribe(self, handler: Any) -> None:
         """Receive every event (a plain callable, run in subscription order)."""

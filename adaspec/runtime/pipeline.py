@@ -11,7 +11,8 @@ round through its states; a failed stage fails the round through one handler.
 
 import asyncio
 import functools
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, cast
 
@@ -89,6 +90,8 @@ class RuntimeStatistics:
     drafted_verified: int
     drafted_accepted: int
     request_rounds: int  # sum over rounds of the requests each one advanced
+    rows_verified: int  # padded target rows G summed over retired rounds
+    outcomes: Mapping[tuple[int, int], int]  # (verify length, accepted) -> request-rounds
     max_rounds_in_flight: int
     depth_policy: PolicyStatistics
     budget_policy: PolicyStatistics
@@ -112,6 +115,8 @@ class Counters:
     drafted_verified: int = 0
     drafted_accepted: int = 0
     request_rounds: int = 0
+    rows_verified: int = 0
+    outcomes: Counter[tuple[int, int]] = field(default_factory=Counter)
     max_rounds_in_flight: int = 0
     in_flight: set[int] = field(default_factory=set)
 
@@ -449,6 +454,7 @@ class Pipeline:
         self.depth_policy.observe(feedback)
         self.budget_policy.observe(feedback)
         self.counters.rounds_retired += 1
+        self.counters.rows_verified += record.num_rows
         if self.bus.listening:
             self.publish(RoundRetired(time=self.now(), round=record.round, slot=record.slot,
                                       feedback=feedback))
@@ -485,6 +491,7 @@ class Pipeline:
             request.rounds += 1
             request.verified += lengths[index]
             request.accepted += accepted[index]
+            self.counters.outcomes[lengths[index], accepted[index]] += 1
             request.emit(tokens[index][:emitted[index]])
             if finish[index]:
                 self._finish(request, FINISH_REASONS[finish[index]])
@@ -539,8 +546,9 @@ class Pipeline:
                    for kind, _, payload, _ in self.pending)
 
     def statistics(self) -> RuntimeStatistics:
-        counts = {f.name: getattr(self.counters, f.name) for f in fields(Counters)
-                  if f.name != "in_flight"}
+        counts: dict[str, Any] = {f.name: getattr(self.counters, f.name)
+                                  for f in fields(Counters) if f.name != "in_flight"}
+        counts["outcomes"] = dict(counts["outcomes"])  # a snapshot, not the live counter
         return RuntimeStatistics(**counts, depth_policy=self.depth_policy.statistics(),
                                  budget_policy=self.budget_policy.statistics())
 
