@@ -15,7 +15,7 @@ from typing import Any
 
 from adaspec.config.files import read_json_object
 from adaspec.errors import MISSING, ConfigError
-from adaspec.policies.bundles import CostBundle, bundle_from_dict, load_bundle
+from adaspec.policies.bundles import CostBundle, load_bundle
 from adaspec.policies.simulate import (
     WORKLOAD_FORMAT,
     SimulationResult,
@@ -26,6 +26,7 @@ from adaspec.policies.simulate import (
     parse_workload,
     simulate,
 )
+from adaspec.runtime.events.replay import recorded_costs
 
 USAGE = """usage: adaspec simulate --workload FILE --cost_table FILE --policy NAME
                         [--policy NAME ...] [--json]
@@ -136,8 +137,9 @@ def workload_of_log(header: dict[str, Any], events: Sequence[Any], path: str) ->
 def _costs(paths: list[str] | None, header: dict[str, Any] | None) -> CostBundle:
     if paths:
         return load_bundle(paths[0], read_json_object("cost_table", paths[0]))
-    if header is not None and header.get("cost_table") is not None:
-        return bundle_from_dict(header["cost_table"], source="the event log's header")
+    recorded = recorded_costs(header) if header is not None else None
+    if recorded is not None:
+        return recorded
     raise ConfigError("--cost_table", MISSING, "required (the workload carries no cost table)")
 
 

@@ -175,13 +175,9 @@ def replay(
     """Walk ``events`` in order with the recorded policies, or with the ones given (fresh
     instances: replay feeds them the whole run from its first event)."""
     recorded = header["policies"]
-    if depth_policy is None:
-        depth_policy = make_depth_policy(recorded["depth"]["name"], recorded["depth"]["settings"],
-                                         recorded_costs(header))
-    if budget_policy is None:
-        budget_policy = make_budget_policy(recorded["budget"]["name"],
-                                           recorded["budget"]["settings"],
-                                           recorded_costs(header))
+    if depth_policy is None or budget_policy is None:
+        depth, budget = recorded_policies(header)  # the header's table is parsed once
+        depth_policy, budget_policy = depth_policy or depth, budget_policy or budget
     # Logs record their lag (2 with schedule overlap, 1 without); older logs meant 2.
     walk = _Walk(depth_policy, budget_policy, int(header.get("lag", 2)))
     for index, event in enumerate(events):
