@@ -18,11 +18,14 @@ from adaspec.runtime.bench import (
     BenchPlan,
     RunRecord,
     compare_outputs,
+    noise,
+    pass_order,
     percentile,
     plan_arms,
     run_bench,
     shipped_prompts,
     summarise,
+    verdict,
 )
 from adaspec.runtime.engine import Runtime
 from adaspec.runtime.events.log import read_event_log
@@ -65,13 +68,33 @@ def test_every_arm_runs_every_level_in_every_pass(report: dict[str, object]) -> 
     names = ["none", "fixed:2", "fixed:5", "adaptive-verify"]
     assert [a.name for a in report["plan"].arms] == names  # type: ignore[attr-defined]
     assert len(records) == 4 * 2 * 2
-    # The arm order rotates between passes, so no arm always runs first.
+    # The arm order reverses and rotates between passes, so no arm always runs first.
     firsts = [r.arm for r in records if r.level == 1][::4]
-    assert firsts == ["none", "fixed:2"]
+    assert firsts == ["none", "fixed:5"]
     summary = report["summary"]
     assert isinstance(summary, dict)
     assert [s["arm"] for s in summary["skipped_arms"]] == ["adaptive-depth"]
     assert "MTP" in summary["skipped_arms"][0]["why"]
+
+
+def test_pass_orders_put_every_arm_first_and_on_both_sides_of_its_neighbours() -> None:
+    names = ["none", "fixed:1", "fixed:2", "fixed:3", "fixed:4", "fixed:5", "adaptive"]
+    orders = [pass_order(names, number) for number in range(6)]
+    assert all(sorted(order) == sorted(names) for order in orders)
+    assert len({order[0] for order in orders}) == 6  # six passes, six different first arms
+    for a, b in zip(names, names[1:], strict=False):
+        sides = {order.index(a) < order.index(b) for order in orders}
+        assert sides == {True, False}, (a, b)
+
+
+def test_noise_and_verdicts_follow_the_per_pass_ratios() -> None:
+    assert noise([1.0]) == 0.0
+    assert noise([0.9, 1.1, 1.0, 1.0]) == pytest.approx(2 * 0.08165 / 2, rel=1e-3)
+    assert verdict(0.97, 0.05) == "within noise"
+    assert verdict(0.90, 0.05) == "below"
+    assert verdict(1.08, 0.05) == "beats"
+    assert verdict(1.0, 0.0) == "within noise"
+    assert verdict(None, None) is None
 
 
 def test_figures_agree_with_what_ran(report: dict[str, object]) -> None:

@@ -27,9 +27,11 @@ GEOMETRY = BucketGeometry.of(LaunchConfig(speculative_algorithm="DSpark",
                                           num_speculative_tokens=5, max_seqs_per_batch=16))
 LEGAL = {b: GEOMETRY.legal_rows(b) for b in GEOMETRY.request_buckets}
 NOISE = 0.02  # relative, Gaussian, seeded
-# Predicted costs within 3 % of the true ones at every point, 1 % at the median (3 windows of
-# 2 % noise per point; the few points of the smallest bucket carry the largest error).
-TOLERANCE_MAX, TOLERANCE_MEDIAN = 0.03, 0.01
+# Predicted costs within 5 % of the true ones at every point, 1.5 % at the median (3 windows
+# of 2 % noise per point). The true G term rises by small steps that the fit levels until they
+# add up to two standard errors (about 0.1 ms here), so the points just below a new level
+# carry the largest error.
+TOLERANCE_MAX, TOLERANCE_MEDIAN = 0.05, 0.015
 
 
 def true_seconds(bucket: int, rows: int) -> float:
@@ -56,6 +58,22 @@ def test_additive_fit_recovers_known_costs_from_noisy_samples() -> None:
     # The terms themselves, up to the gauge: alpha(16) - alpha(1) is 1.5 ms.
     assert table.alpha[-1] - table.alpha[0] == pytest.approx(0.0015, rel=0.1)
     assert table.residual_max_relative < 5 * NOISE
+
+
+def test_price_steps_within_the_window_noise_are_levelled() -> None:
+    """Flat true costs measured with 15 % window noise (a shared CPU): the fit prices every G
+    of a bucket the same, so no tier looks cheaper than it is; a real step of 40 % is kept."""
+    rng = np.random.default_rng(3)
+    flat = [CostSample(b, g, (0.010 + 0.001 * b) * (1 + 0.15 * rng.standard_normal()))
+            for b, rows in LEGAL.items() for g in rows for _ in range(3)]
+    table = fit_additive(flat)
+    for bucket, rows in LEGAL.items():
+        assert len({table.cost_ms(bucket, g) for g in rows}) == 1, bucket
+    stepped = [CostSample(s.num_reqs_bucket, s.num_rows,
+                          s.seconds + (0.008 if s.num_rows > 32 else 0.0)) for s in flat]
+    table = fit_additive(stepped)
+    assert table.cost_ms(16, 48) - table.cost_ms(16, 32) == pytest.approx(8.0, rel=0.3)
+    assert table.cost_ms(16, 32) == table.cost_ms(16, 16)
 
 
 def test_sps_fit_recovers_steps_per_second_per_g() -> None:

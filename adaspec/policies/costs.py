@@ -12,6 +12,17 @@ target graph rows. These are full-step costs; nothing is added on top of them.
 Prices are step functions of the padded shape. A shape without a measurement is priced at
 the next larger measured shape, never extrapolated down to free, and fitted terms are made
 monotone (a larger G or Bcap never costs less), because padding is real work.
+
+Steps within the noise. The G terms decide which tier a round verifies, so a price step that
+is only window-to-window noise would make a policy trim rows for a saving that does not
+exist (on a shared CPU one window can be 15 % off the next). The scatter of the windows
+around their point's mean gives the noise; walking G upwards, a term stays at the last
+level until it rises above it by more than two standard errors of the difference (from the
+number of windows behind each G). Real steps larger than that are kept; a run of small
+steps is kept as soon as together they exceed it. With one window per point there is no
+scatter to measure and every fitted step is kept. Before that, the terms are made monotone by
+pooling adjacent violators, so a noisy high term is averaged with its neighbours rather than
+lifting every larger G.
 """
 
 import bisect
@@ -137,9 +148,61 @@ def fit_sps(samples: Sequence[CostSample]) -> SpsTable:
         raise FitError("no samples")
     rows = tuple(sorted({s.num_rows for s in samples}))
     medians = [float(np.median([s.seconds for s in samples if s.num_rows == g])) for g in rows]
-    # Monotone: a larger G never costs less; the running max keeps measured steps intact.
-    seconds = _running_max(medians)
+    seconds = significant_steps(medians, _windows_per_g(samples, rows), window_noise(samples))
     return SpsTable(rows=rows, steps_per_second=tuple(1.0 / t for t in seconds))
+
+
+SIGNIFICANT_SE = 2.0
+"""A price step is kept when it exceeds this many standard errors of the difference."""
+
+MEDIAN_VARIANCE = 1.35
+"""A point's price is the median of its windows, whose variance is about 1.35 times a
+mean's for a handful of windows."""
+
+
+def window_noise(samples: Sequence[CostSample]) -> float:
+    """The pooled standard deviation (seconds) of windows around their point's mean; 0.0 when
+    no point has two windows."""
+    by_point: dict[tuple[int, int], list[float]] = {}
+    for s in samples:
+        by_point.setdefault((s.num_reqs_bucket, s.num_rows), []).append(s.seconds)
+    squares = sum(float(np.sum((np.array(t) - np.mean(t)) ** 2)) for t in by_point.values())
+    freedom = sum(len(t) - 1 for t in by_point.values())
+    return math.sqrt(squares / freedom) if freedom else 0.0
+
+
+def _windows_per_g(samples: Sequence[CostSample], rows: tuple[int, ...]) -> list[int]:
+    return [sum(s.num_rows == g for s in samples) for g in rows]
+
+
+def monotone(values: Sequence[float], weights: Sequence[int]) -> list[float]:
+    """The weighted least-squares non-decreasing fit (pool adjacent violators): a dip is
+    averaged with the rise before it instead of being lifted to it, so one noisy high
+    estimate does not raise every larger G."""
+    blocks: list[list[float]] = []  # [mean, weight, count]
+    for value, weight in zip(values, weights, strict=True):
+        blocks.append([value, float(max(weight, 1)), 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            mean, weight_, count = blocks.pop()
+            last = blocks[-1]
+            total = last[1] + weight_
+            last[0] = (last[0] * last[1] + mean * weight_) / total
+            last[1], last[2] = total, last[2] + count
+    return [mean for mean, _, count in blocks for _ in range(int(count))]
+
+
+def significant_steps(values: Sequence[float], windows: Sequence[int], noise: float
+                      ) -> tuple[float, ...]:
+    """Monotone terms over ascending G that rise only by steps above the noise (see the
+    module docstring); with ``noise`` 0.0, the plain monotone fit."""
+    out: list[float] = []
+    level, level_windows = -math.inf, 1
+    spread = SIGNIFICANT_SE * noise * math.sqrt(MEDIAN_VARIANCE)
+    for value, count in zip(monotone(values, windows), windows, strict=True):
+        if not out or value > level + spread * math.sqrt(1 / level_windows + 1 / max(count, 1)):
+            level, level_windows = value, count
+        out.append(level)
+    return tuple(out)
 
 
 def point_medians(samples: Sequence[CostSample]) -> list[CostSample]:
@@ -157,7 +220,7 @@ def fit_additive(samples: Sequence[CostSample]) -> AdditiveTable:
     must be connected."""
     if not samples:
         raise FitError("no samples")
-    samples = point_medians(samples)
+    raw, samples = samples, point_medians(samples)
     buckets = tuple(sorted({s.num_reqs_bucket for s in samples}))
     rows = tuple(sorted({s.num_rows for s in samples}))
     components = grid_components([(s.num_reqs_bucket, s.num_rows) for s in samples])
@@ -170,9 +233,11 @@ def fit_additive(samples: Sequence[CostSample]) -> AdditiveTable:
     residuals = measured - fitted
     alpha = (0.0, *solution[1:len(buckets)].tolist())
     theta = (0.0, *solution[len(buckets):].tolist())
+    windows = _windows_per_g(raw, rows)
     return AdditiveTable(
         bias=float(solution[0]), buckets=buckets, alpha=_running_max(alpha), rows=rows,
-        theta=_running_max(theta), residual_rms=float(np.sqrt(np.mean(residuals ** 2))),
+        theta=significant_steps(theta, windows, window_noise(raw)),
+        residual_rms=float(np.sqrt(np.mean(residuals ** 2))),
         residual_max_relative=float(np.max(np.abs(residuals) / measured)))
 
 

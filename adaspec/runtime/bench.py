@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -320,12 +321,22 @@ def _options(plan: BenchPlan, arm: Arm, progress: Progress | None) -> RuntimeOpt
     return RuntimeOptions(seed=plan.seed, event_log=log, calibration_progress=progress)
 
 
+def pass_order(names: Sequence[str], number: int) -> list[str]:
+    """The arms' order in pass ``number``: every other pass runs them in reverse, and each
+    pass rotates its order by ``number``, so over the passes each arm runs early and late
+    and both before and after its neighbours (a drift of the machine within a pass does not
+    favour one arm)."""
+    base = list(names[::-1] if number % 2 else names)
+    shift = number % len(base)
+    return base[shift:] + base[:shift]
+
+
 async def _passes(plan: BenchPlan, runtimes: Mapping[str, Runtime],
                   progress: RunProgress | None) -> list[RunRecord]:
     records: list[RunRecord] = []
     names = [arm.name for arm in plan.arms]
     for number in range(plan.passes):
-        order = names[number % len(names):] + names[:number % len(names)]
+        order = pass_order(names, number)
         for level in plan.levels:
             for name in order:
                 record = RunRecord(arm=name, level=level, passed=number)
@@ -421,8 +432,10 @@ def _ms(seconds: float) -> float:
 def _speedups(entries: list[dict[str, Any]], groups: Mapping[tuple[str, int], list[RunRecord]],
               level: int) -> None:
     """Speedups over no speculation and over the level's best fixed width, as ratios of the
-    aggregate rates, with the range of the per-pass ratios (the passes pair the arms in
-    time, so that range is the noise to read the ratio against)."""
+    aggregate rates, with the range of the per-pass ratios and their noise: two standard
+    errors of the per-pass ratios (the passes pair the arms in time). An arm is ``beats``
+    when its ratio to the best fixed width lies above 1 by more than the noise, ``below``
+    when it lies under 1 by more than the noise, otherwise ``within noise``."""
     by_arm = {e["arm"]: e for e in entries}
     fixed = [e for e in entries if e["arm"].startswith("fixed:")]
     best = max(fixed, key=lambda e: e["tokens_per_second"])["arm"] if fixed else None
@@ -436,7 +449,29 @@ def _speedups(entries: list[dict[str, Any]], groups: Mapping[tuple[str, int], li
                 if base else None
             paired = _paired(groups[entry["arm"], level], groups[reference, level])
             entry[f"speedup_vs_{key}_range"] = [round(min(paired), 4), round(max(paired), 4)]
+            entry[f"speedup_vs_{key}_noise"] = round(noise(paired), 4)
         entry["best_fixed"] = best
+        entry["versus_best_fixed"] = verdict(entry["speedup_vs_best_fixed"],
+                                             entry.get("speedup_vs_best_fixed_noise"))
+
+
+def noise(ratios: Sequence[float]) -> float:
+    """Two standard errors of the mean of per-pass ratios; 0.0 with fewer than two passes."""
+    if len(ratios) < 2:
+        return 0.0
+    return 2 * statistics.stdev(ratios) / math.sqrt(len(ratios))
+
+
+def verdict(ratio: float | None, spread: float | None) -> str | None:
+    """``beats``, ``within noise`` or ``below`` the best fixed width (None without one); a
+    single pass has no measured noise, so every difference counts."""
+    if ratio is None or spread is None:
+        return None
+    if ratio - spread > 1:
+        return "beats"
+    if ratio + spread < 1:
+        return "below"
+    return "within noise"
 
 
 def _paired(runs: Sequence[RunRecord], reference: Sequence[RunRecord]) -> list[float]:

@@ -46,9 +46,8 @@ BENCH_FLAGS: dict[str, tuple[str, str]] = {
     "concurrency": ("LIST", "comma-separated concurrency levels (default 1,4,16)"),
     "widths": ("LIST", "fixed widths to run (default every width 1..w)"),
     "arms": ("LIST", "run only these arms (none, fixed:K, adaptive-verify, adaptive-depth)"),
-    "passes": ("N", "passes over every arm and level (default 3; --quick: 1)"),
-    "requests": ("N", "requests per pass at every level (default max(8, 4C); --quick: "
-                      "max(4, 2C))"),
+    "passes": ("N", "passes over every arm and level (default 6; --quick: 1)"),
+    "requests": ("N", "requests per pass at every level (default max(4, 2C))"),
     "max_tokens": ("N", "tokens generated per request (default 128; --quick: 48)"),
     "seed": ("S", "seed of every random draw (default 0)"),
     "event_log_dir": ("DIR", "write each arm's event log there (ARM.jsonl, new files)"),
@@ -135,7 +134,7 @@ def read_choices(args: BenchArgs) -> Choices:
         levels=tuple(sorted(_ints("concurrency", get("concurrency", "1,4,16"), 1, 1024))),
         widths=_ints("widths", values["widths"], 1, 64) if "widths" in values else None,
         arms=tuple(a.strip() for a in values["arms"].split(",")) if "arms" in values else None,
-        passes=_int("passes", get("passes", "1" if quick else "3"), 1, 100),
+        passes=_int("passes", get("passes", "1" if quick else "6"), 1, 100),
         requests=_int("requests", values["requests"], 1, 100000) if "requests" in values
         else None,
         max_tokens=_int("max_tokens", get("max_tokens", "48" if quick else "128"), 1, 100000),
@@ -151,9 +150,8 @@ def requests_per_level(choices: Choices) -> dict[int, int]:
                                   f"largest concurrency {max(choices.levels)}, so every "
                                   "client sends a request")
         return dict.fromkeys(choices.levels, choices.requests)
-    if choices.quick:
-        return {level: max(4, 2 * level) for level in choices.levels}
-    return {level: max(8, 4 * level) for level in choices.levels}
+    # Two waves of C requests: short passes, so the many passes interleave the arms finely.
+    return {level: max(4, 2 * level) for level in choices.levels}
 
 
 def check_outputs(choices: Choices, arm_names: Sequence[str]) -> None:
@@ -252,6 +250,10 @@ def _fmt(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def spread_of(entry: dict[str, Any]) -> float:
+    return float(entry.get("speedup_vs_best_fixed_noise") or 0.0)
+
+
 def print_table(report: dict[str, Any], out: TextIO) -> None:
     settings = report["settings"]
     write: Callable[[str], Any] = lambda text: out.write(text + "\n")  # noqa: E731
@@ -263,18 +265,23 @@ def print_table(report: dict[str, Any], out: TextIO) -> None:
         write(f"concurrency {level} ({settings['requests_per_pass'][str(level)]} requests per "
               f"pass; best fixed width: {entries[0]['best_fixed']})")
         write(f"{'arm':16} {'tok/s':>8} {'TPOT ms':>8} {'p50':>7} {'p90':>7} {'AL':>5} "
-              f"{'accept':>6} {'rows':>6} {'vs none':>8} {'vs best fixed (pass range)':>27}")
+              f"{'accept':>6} {'rows':>6} {'vs none':>8}  vs best fixed, 2 SE (pass range)")
         for e in entries:
             tpot = e["tpot_ms"]
             rng = e.get("speedup_vs_best_fixed_range") or [None, None]
+            spread = e.get("speedup_vs_best_fixed_noise")
             write(f"{e['arm']:16} {e['tokens_per_second']:8.1f} {_fmt(tpot['mean'], '8.2f')} "
                   f"{_fmt(tpot['p50'], '7.2f')} {_fmt(tpot['p90'], '7.2f')} "
                   f"{_fmt(e['mean_acceptance_length'], '5.2f')} "
                   f"{_fmt(e['acceptance_rate'], '6.2f')} "
                   f"{_fmt(e['mean_rows_per_round'], '6.1f')} "
                   f"{_fmt(e['speedup_vs_none'], '8.3f')} "
-                  f"{_fmt(e['speedup_vs_best_fixed'], '9.3f')} "
+                  f"{_fmt(e['speedup_vs_best_fixed'], '7.3f')} +-{_fmt(spread, '.3f')} "
                   f"({_fmt(rng[0], '.3f')}..{_fmt(rng[1], '.3f')})")
+        for e in entries:
+            if e["arm"].startswith("adaptive") and e["versus_best_fixed"] is not None:
+                write(f"{e['arm']} against {e['best_fixed']}: {e['versus_best_fixed']} "
+                      f"({e['speedup_vs_best_fixed']:.3f} +- {spread_of(e):.3f})")
         write("per-position acceptance (share of request-rounds verifying position k that "
               "accepted drafts 1..k):")
         for e in entries:
