@@ -27,11 +27,11 @@ GEOMETRY = BucketGeometry.of(LaunchConfig(speculative_algorithm="DSpark",
                                           num_speculative_tokens=5, max_seqs_per_batch=16))
 LEGAL = {b: GEOMETRY.legal_rows(b) for b in GEOMETRY.request_buckets}
 NOISE = 0.02  # relative, Gaussian, seeded
-# Predicted costs within 5 % of the true ones at every point, 1.5 % at the median (3 windows
-# of 2 % noise per point). The true G term rises by small steps that the fit levels until they
-# add up to two standard errors (about 0.1 ms here), so the points just below a new level
-# carry the largest error.
-TOLERANCE_MAX, TOLERANCE_MEDIAN = 0.05, 0.015
+# Predicted costs within 7 % of the true ones at every point, 1.5 % at the median (3 windows
+# of 2 % noise per point). The true G term rises by steps of 0.04 ms per row that the fit
+# levels until they add up to two standard errors of the difference (0.1 to 0.15 ms here), so
+# the small shapes just below a new level carry the largest error.
+TOLERANCE_MAX, TOLERANCE_MEDIAN = 0.07, 0.015
 
 
 def true_seconds(bucket: int, rows: int) -> float:
@@ -74,6 +74,13 @@ def test_price_steps_within_the_window_noise_are_levelled() -> None:
     table = fit_additive(stepped)
     assert table.cost_ms(16, 48) - table.cost_ms(16, 32) == pytest.approx(8.0, rel=0.3)
     assert table.cost_ms(16, 32) == table.cost_ms(16, 16)
+
+
+def test_without_levelling_every_monotone_step_is_kept() -> None:
+    """Depth profiles are fitted without levelling: a small real step stays a step."""
+    points = [(b, g) for b, g in all_points() if b == 8]
+    table = fit_additive(samples(points, windows=5), level=False)
+    assert table.cost_ms(8, 12) > table.cost_ms(8, 8)
 
 
 def test_sps_fit_recovers_steps_per_second_per_g() -> None:

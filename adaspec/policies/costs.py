@@ -14,20 +14,22 @@ the next larger measured shape, never extrapolated down to free, and fitted term
 monotone (a larger G or Bcap never costs less), because padding is real work.
 
 Steps within the noise. The G terms decide which tier a round verifies, so a price step that
-is only window-to-window noise would make a policy trim rows for a saving that does not
-exist (on a shared CPU one window can be 15 % off the next). The scatter of the windows
-around their point's mean gives the noise; walking G upwards, a term stays at the last
-level until it rises above it by more than two standard errors of the difference (from the
-number of windows behind each G). Real steps larger than that are kept; a run of small
-steps is kept as soon as together they exceed it. With one window per point there is no
-scatter to measure and every fitted step is kept. Before that, the terms are made monotone by
-pooling adjacent violators, so a noisy high term is averaged with its neighbours rather than
-lifting every larger G.
+is only noise would make a policy trim rows for a saving that does not exist (on a shared
+CPU one window can be 15 % off the next). The terms are first made monotone by pooling
+adjacent violators (a noisy high term is averaged with its neighbours instead of lifting
+every larger G); then, walking G upwards, a term stays at the current level until it rises
+above it by more than two standard errors of the difference. For the additive model those
+come from the least squares itself, with a point's noise the larger of the fit's residual
+(the model's misfit included) and its median window's scatter; for SPS from the windows
+behind each G. Real steps larger than that are kept, and a run of small steps is kept as
+soon as together they exceed it. Without any noise measured (one window per point and an
+exact fit) every monotone step is kept. Depth profiles are not levelled: depths are whole
+draft forwards apart, and the depth policy has its own switch gain.
 """
 
 import bisect
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Literal, Protocol
 
@@ -142,13 +144,16 @@ class FitError(AdaspecError):
         return f"cost fit: {self.reason}"
 
 
-def fit_sps(samples: Sequence[CostSample]) -> SpsTable:
+def fit_sps(samples: Sequence[CostSample], *, level: bool = True) -> SpsTable:
     """Median interval time per G, pooled over buckets, as steps per second."""
     if not samples:
         raise FitError("no samples")
     rows = tuple(sorted({s.num_rows for s in samples}))
     medians = [float(np.median([s.seconds for s in samples if s.num_rows == g])) for g in rows]
-    seconds = significant_steps(medians, _windows_per_g(samples, rows), window_noise(samples))
+    windows = _windows_per_g(samples, rows)
+    spread = window_noise(samples) * math.sqrt(MEDIAN_VARIANCE) if level else 0.0
+    seconds = significant_steps(medians, windows, lambda i, j: spread * math.sqrt(
+        1 / max(windows[i], 1) + 1 / max(windows[j], 1)))
     return SpsTable(rows=rows, steps_per_second=tuple(1.0 / t for t in seconds))
 
 
@@ -191,17 +196,18 @@ def monotone(values: Sequence[float], weights: Sequence[int]) -> list[float]:
     return [mean for mean, _, count in blocks for _ in range(int(count))]
 
 
-def significant_steps(values: Sequence[float], windows: Sequence[int], noise: float
-                      ) -> tuple[float, ...]:
+def significant_steps(values: Sequence[float], windows: Sequence[int],
+                      contrast: Callable[[int, int], float]) -> tuple[float, ...]:
     """Monotone terms over ascending G that rise only by steps above the noise (see the
-    module docstring); with ``noise`` 0.0, the plain monotone fit."""
+    module docstring). ``contrast(i, j)`` is the standard error of term i minus term j; where
+    it is 0.0 every step of the monotone fit is kept."""
+    smooth = monotone(values, windows)
     out: list[float] = []
-    level, level_windows = -math.inf, 1
-    spread = SIGNIFICANT_SE * noise * math.sqrt(MEDIAN_VARIANCE)
-    for value, count in zip(monotone(values, windows), windows, strict=True):
-        if not out or value > level + spread * math.sqrt(1 / level_windows + 1 / max(count, 1)):
-            level, level_windows = value, count
-        out.append(level)
+    start = 0  # the G whose term began the current level
+    for index, value in enumerate(smooth):
+        if index and value > smooth[start] + SIGNIFICANT_SE * contrast(index, start):
+            start = index
+        out.append(smooth[start])
     return tuple(out)
 
 
@@ -215,9 +221,9 @@ def point_medians(samples: Sequence[CostSample]) -> list[CostSample]:
             sorted(by_point.items())]
 
 
-def fit_additive(samples: Sequence[CostSample]) -> AdditiveTable:
+def fit_additive(samples: Sequence[CostSample], *, level: bool = True) -> AdditiveTable:
     """Least squares of ``bias + alpha(Bcap) + theta(G)`` over the points' medians; the grid
-    must be connected."""
+    must be connected. ``level``: level the G terms' steps within the noise."""
     if not samples:
         raise FitError("no samples")
     raw, samples = samples, point_medians(samples)
@@ -233,12 +239,35 @@ def fit_additive(samples: Sequence[CostSample]) -> AdditiveTable:
     residuals = measured - fitted
     alpha = (0.0, *solution[1:len(buckets)].tolist())
     theta = (0.0, *solution[len(buckets):].tolist())
-    windows = _windows_per_g(raw, rows)
+    contrast = _theta_contrast(design, residuals, raw, len(buckets)) if level else None
     return AdditiveTable(
         bias=float(solution[0]), buckets=buckets, alpha=_running_max(alpha), rows=rows,
-        theta=significant_steps(theta, windows, window_noise(raw)),
+        theta=significant_steps(theta, _windows_per_g(raw, rows),
+                                contrast or (lambda i, j: 0.0)),
         residual_rms=float(np.sqrt(np.mean(residuals ** 2))),
         residual_max_relative=float(np.max(np.abs(residuals) / measured)))
+
+
+def _theta_contrast(design: np.ndarray, residuals: np.ndarray, raw: Sequence[CostSample],
+                    num_buckets: int) -> Callable[[int, int], float]:
+    """Standard error of theta(G_i) - theta(G_j) from the least squares. A point's noise is
+    the larger of what the fit leaves over (the additive model's misfit included) and what
+    its median window carries, so a G measured in one bucket only, whose term also absorbs
+    that bucket's misfit, needs a larger step to count."""
+    freedom = design.shape[0] - np.linalg.matrix_rank(design)
+    left_over = math.sqrt(float(residuals @ residuals) / freedom) if freedom > 0 else 0.0
+    per_point = len(raw) / design.shape[0]
+    windows = window_noise(raw) * math.sqrt(MEDIAN_VARIANCE / per_point)
+    sigma = max(left_over, windows)
+    covariance = np.linalg.pinv(design.T @ design)
+
+    def contrast(i: int, j: int) -> float:
+        weights = np.zeros(design.shape[1])
+        for index, sign in ((i, 1.0), (j, -1.0)):
+            if index:  # theta of the smallest G is the gauge: zero, no column
+                weights[num_buckets - 1 + index] += sign
+        return sigma * math.sqrt(max(float(weights @ covariance @ weights), 0.0))
+    return contrast
 
 
 def _design(samples: Sequence[CostSample], buckets: tuple[int, ...], rows: tuple[int, ...]
@@ -273,8 +302,13 @@ def grid_components(points: Sequence[tuple[int, int]]) -> int:
     return len({root(node) for node in list(parent)})
 
 
-def fit(kind: Literal["sps", "additive"], samples: Sequence[CostSample]) -> CostTable:
-    return fit_sps(samples) if kind == "sps" else fit_additive(samples)
+def fit(kind: Literal["sps", "additive"], samples: Sequence[CostSample], *,
+        level: bool = True) -> CostTable:
+    """``level``: level steps within the noise (for G; a depth profile keeps its steps, as
+    each depth is whole draft forwards apart and the depth policy has its own switch gain)."""
+    if kind == "sps":
+        return fit_sps(samples, level=level)
+    return fit_additive(samples, level=level)
 
 
 def relative_errors(table: CostTable, samples: Sequence[CostSample]) -> list[float]:

@@ -8,17 +8,18 @@ arms calibrate their costs once, at start, as a serving launch would.
 
 Runs. At each concurrency C a closed loop of C clients sends the level's prompts (each client
 sends its next prompt when the previous one finishes), greedy, ``max_tokens`` each. One pass
-runs every (level, arm) once; passes repeat, and the order of the arms rotates between
-passes, so a slow spell of the machine does not land on the same arm every time.
+runs every (level, arm) once; passes repeat, every other one in reverse order and each
+rotated (``pass_order``), so a slow spell of the machine does not land on the same arm every
+time.
 
-Figures per arm and level: output tokens per second (all passes' tokens over their wall
-time), TPOT (time per output token after the first: a request's last-token time minus its
+Figures per arm and level: output tokens per second (of the median pass; the aggregate over
+all passes is reported too), TPOT (time per output token after the first: a request's last-token time minus its
 first-token time, over its tokens minus one) mean, p50 and p90, mean acceptance length AL
 (drafted tokens accepted plus the residual or bonus token, per request and round),
 acceptance rate (accepted over verified drafts), per-position acceptance (of the requests and
 rounds that verified position k, the share that accepted drafts 1..k), mean padded target
 rows verified per round, and the speedups over no speculation and over the best fixed width
-of that level. The greedy outputs of all arms must be identical token for token: the bench
+of that level (medians of the per-pass ratios, with their noise and a verdict). The greedy outputs of all arms must be identical token for token: the bench
 compares them and reports every difference.
 """
 
@@ -408,10 +409,13 @@ def _entry(arm: str, level: int, runs: Sequence[RunRecord]) -> dict[str, Any]:
     reached = [sum(c) for c in itertools.zip_longest(*(r.reached for r in runs), fillvalue=0)]
     through = [sum(c) for c in itertools.zip_longest(*(r.through for r in runs), fillvalue=0)]
     rounds = sum(r.rounds for r in runs)
+    rates = [r.tokens / r.seconds for r in runs if r.seconds]
     return {
         "arm": arm, "concurrency": level,
-        "tokens_per_second": round(tokens / seconds, 2) if seconds else 0.0,
-        "pass_tokens_per_second": [round(r.tokens / r.seconds, 2) for r in runs if r.seconds],
+        # The median pass: one pass caught by a stall of the shared host moves nothing.
+        "tokens_per_second": round(statistics.median(rates), 2) if rates else 0.0,
+        "pass_tokens_per_second": [round(rate, 2) for rate in rates],
+        "aggregate_tokens_per_second": round(tokens / seconds, 2) if seconds else 0.0,
         "tpot_ms": {"mean": _ms(statistics.fmean(tpot)) if tpot else None,
                     "p50": _ms(percentile(tpot, 0.5)) if tpot else None,
                     "p90": _ms(percentile(tpot, 0.9)) if tpot else None},
@@ -431,11 +435,12 @@ def _ms(seconds: float) -> float:
 
 def _speedups(entries: list[dict[str, Any]], groups: Mapping[tuple[str, int], list[RunRecord]],
               level: int) -> None:
-    """Speedups over no speculation and over the level's best fixed width, as ratios of the
-    aggregate rates, with the range of the per-pass ratios and their noise: two standard
-    errors of the per-pass ratios (the passes pair the arms in time). An arm is ``beats``
-    when its ratio to the best fixed width lies above 1 by more than the noise, ``below``
-    when it lies under 1 by more than the noise, otherwise ``within noise``."""
+    """Speedups over no speculation and over the level's best fixed width (the fixed arm with
+    the highest median pass rate): the median of the per-pass ratios (the arms of a pass run
+    close together in time, so each pass pairs them), their range, and their noise (two
+    standard errors of that median, see ``noise``). An arm ``beats`` the best fixed width
+    when its ratio lies above 1 by more than the noise, is ``below`` it when under 1 by more
+    than the noise, and ``within noise`` otherwise."""
     by_arm = {e["arm"]: e for e in entries}
     fixed = [e for e in entries if e["arm"].startswith("fixed:")]
     best = max(fixed, key=lambda e: e["tokens_per_second"])["arm"] if fixed else None
@@ -444,11 +449,11 @@ def _speedups(entries: list[dict[str, Any]], groups: Mapping[tuple[str, int], li
             if reference is None or reference not in by_arm:
                 entry[f"speedup_vs_{key}"] = None
                 continue
-            base = by_arm[reference]["tokens_per_second"]
-            entry[f"speedup_vs_{key}"] = round(entry["tokens_per_second"] / base, 4) \
-                if base else None
             paired = _paired(groups[entry["arm"], level], groups[reference, level])
-            entry[f"speedup_vs_{key}_range"] = [round(min(paired), 4), round(max(paired), 4)]
+            entry[f"speedup_vs_{key}"] = round(statistics.median(paired), 4) if paired \
+                else None
+            entry[f"speedup_vs_{key}_range"] = [round(min(paired), 4), round(max(paired), 4)] \
+                if paired else None
             entry[f"speedup_vs_{key}_noise"] = round(noise(paired), 4)
         entry["best_fixed"] = best
         entry["versus_best_fixed"] = verdict(entry["speedup_vs_best_fixed"],
@@ -456,10 +461,20 @@ def _speedups(entries: list[dict[str, Any]], groups: Mapping[tuple[str, int], li
 
 
 def noise(ratios: Sequence[float]) -> float:
-    """Two standard errors of the mean of per-pass ratios; 0.0 with fewer than two passes."""
+    """Two standard errors of the median of per-pass ratios, from their median absolute
+    deviation (a pass caught by a stall widens it little); 0.0 with fewer than two passes."""
     if len(ratios) < 2:
         return 0.0
-    return 2 * statistics.stdev(ratios) / math.sqrt(len(ratios))
+    middle = statistics.median(ratios)
+    spread = MAD_TO_SD * statistics.median(abs(r - middle) for r in ratios)
+    return 2 * MEDIAN_SE * spread / math.sqrt(len(ratios))
+
+
+MAD_TO_SD = 1.4826
+"""Median absolute deviation to standard deviation, for normal noise."""
+
+MEDIAN_SE = 1.2533
+"""Standard error of a median over that of a mean, for normal noise (sqrt(pi / 2))."""
 
 
 def verdict(ratio: float | None, spread: float | None) -> str | None:

@@ -350,7 +350,8 @@ async def calibrate(driver: CalibrationDriver, plan: CalibrationPlan,
 def fit_bundle(plan: CalibrationPlan, samples: list[list[CostSample]],
                compatibility: Compatibility, source: str) -> CostBundle:
     """One fitted profile per context interval, on CPU."""
-    profiles = [CostProfile(context, fit(plan.settings.model, context_samples),
+    profiles = [CostProfile(context, fit(plan.settings.model, context_samples,
+                                         level=plan.over == "rows"),
                             tuple(context_samples), over=plan.over)
                 for context, context_samples in zip(plan.contexts, samples, strict=True)]
     return fitted_bundle(compatibility, plan.settings_dict(), profiles, source)
