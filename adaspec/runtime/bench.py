@@ -12,15 +12,16 @@ runs every (level, arm) once; passes repeat, every other one in reverse order an
 rotated (``pass_order``), so a slow spell of the machine does not land on the same arm every
 time.
 
-Figures per arm and level: output tokens per second (of the median pass; the aggregate over
-all passes is reported too), TPOT (time per output token after the first: a request's last-token time minus its
-first-token time, over its tokens minus one) mean, p50 and p90, mean acceptance length AL
-(drafted tokens accepted plus the residual or bonus token, per request and round),
+Figures per arm and level: output tokens per second (of the median pass; the aggregate over all
+passes is reported too), TPOT (time per output token after the first: a request's last-token
+time minus its first-token time, over its tokens minus one) mean, p50 and p90, mean acceptance
+length AL (drafted tokens accepted plus the residual or bonus token, per request and round),
 acceptance rate (accepted over verified drafts), per-position acceptance (of the requests and
-rounds that verified position k, the share that accepted drafts 1..k), mean padded target
-rows verified per round, and the speedups over no speculation and over the best fixed width
-of that level (medians of the per-pass ratios, with their noise and a verdict). The greedy outputs of all arms must be identical token for token: the bench
-compares them and reports every difference.
+rounds that verified position k, the share that accepted drafts 1..k), mean padded target rows
+verified per round, and the speedups over no speculation and over the best fixed width of that
+level (medians of the per-pass ratios, with their noise and a verdict). The greedy outputs of
+all arms must be identical token for token: the bench compares them and reports every
+difference.
 """
 
 import asyncio

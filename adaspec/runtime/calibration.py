@@ -8,11 +8,15 @@ intervals (the time between consecutive round retirements, two rounds in flight)
 ``warmup_steps``; only rounds whose batch is exactly the point's requests and whose binding
 is the point's own G count, so a transient request set never pollutes a sample.
 
-The ``windows_per_point`` windows of a point are taken in separate passes over the grid,
-alternately forwards and backwards, each on fresh requests. A shared machine changes speed
-over seconds (other tenants, frequency); spreading every point over the whole calibration
-lets those changes hit all points alike instead of biasing whichever were measured during
-a slow spell, and the fit takes each point's median window.
+The ``windows_per_point`` windows of a point are taken in separate passes over the grid, each
+on fresh requests, and each pass starts a further ``1 / windows_per_point`` of the way along
+the grid (``pass_points``). A shared machine changes speed over seconds (other tenants,
+frequency); spreading every point over the whole calibration lets those changes hit all
+points alike instead of biasing whichever were measured during a slow spell, and the fit
+takes each point's median window. The rotation keeps two windows of one point at least
+two thirds of a pass apart (with three windows): passes that turned back at the end of the
+grid measured the last points twice in a row, so one slow spell there spoiled two of their
+three windows and priced the largest G of the largest bucket several milliseconds too high.
 
 Nothing of this adds timing to normal serving: the times come from the retirement events the
 calibration pipeline publishes on its own bus, which is discarded when calibration ends.
@@ -22,9 +26,9 @@ import asyncio
 import json
 import logging
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from adaspec.config.calibration import DEFAULT_CONTEXTS, CalibrationConfig, ContextInterval
 from adaspec.config.requests import SamplingParams
@@ -50,6 +54,8 @@ from adaspec.runtime.devices.buckets import BucketGeometry
 from adaspec.runtime.events.bus import EventBus
 from adaspec.runtime.events.types import BudgetDecided, DepthDecided, Event, RoundRetired
 from adaspec.runtime.requests import Request
+
+T = TypeVar("T")
 
 LOG = logging.getLogger("adaspec.calibration")
 
@@ -324,8 +330,8 @@ async def measure_window(driver: CalibrationDriver, settings: CalibrationConfig,
 
 async def calibrate(driver: CalibrationDriver, plan: CalibrationPlan,
                     progress: Progress | None = None) -> list[list[CostSample]]:
-    """Samples of every context interval: passes over the grid, alternately forwards and
-    backwards, one window of every point per pass. A sample's second coordinate is the
+    """Samples of every context interval: passes over the grid (``pass_points``), one window
+    of every point per pass. A sample's second coordinate is the
     plan's: G, or the depth."""
     settings, points = plan.settings, plan.grid.points
     report = progress or log_progress
@@ -334,7 +340,7 @@ async def calibrate(driver: CalibrationDriver, plan: CalibrationPlan,
     for index, context in enumerate(plan.contexts):
         samples: list[CostSample] = []
         for window in range(settings.windows_per_point):
-            for bucket, second in (points if window % 2 == 0 else points[::-1]):
+            for bucket, second in pass_points(points, window, settings.windows_per_point):
                 depth, rows = plan.shape(bucket, second)
                 seconds = await measure_window(driver, settings, context, bucket, depth, rows,
                                                first_id)
@@ -345,6 +351,14 @@ async def calibrate(driver: CalibrationDriver, plan: CalibrationPlan,
                                      seconds, depth))
         per_context.append(samples)
     return per_context
+
+
+def pass_points(points: Sequence[T], window: int, windows: int) -> list[T]:
+    """The grid's order in pass ``window`` of ``windows``: rotated by that share of the grid,
+    so a point's windows lie far apart in time and each sits at a different place in its
+    pass."""
+    shift = (window * len(points)) // max(windows, 1)
+    return list(points[shift:]) + list(points[:shift])
 
 
 def fit_bundle(plan: CalibrationPlan, samples: list[list[CostSample]],
