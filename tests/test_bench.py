@@ -27,6 +27,7 @@ from adaspec.runtime.bench import (
     summarise,
     verdict,
 )
+from adaspec.runtime.bench_command import cpu_times, steal_share
 from adaspec.runtime.engine import Runtime
 from adaspec.runtime.events.log import read_event_log
 from adaspec.runtime.events.replay import replay
@@ -98,6 +99,16 @@ def test_noise_and_verdicts_follow_the_per_pass_ratios() -> None:
     assert verdict(1.08, 0.05) == "beats"
     assert verdict(1.0, 0.0) == "within noise"
     assert verdict(None, None) is None
+
+
+def test_the_share_of_cpu_time_stolen_by_the_host_is_reported() -> None:
+    assert steal_share((10, 1000), (60, 2000)) == 0.05
+    assert steal_share(None, (60, 2000)) is None
+    assert steal_share((10, 1000), (10, 1000)) is None  # no time passed: no share
+    ticks = cpu_times()
+    if Path("/proc/stat").exists():
+        assert ticks is not None
+        assert 0 <= ticks[0] <= ticks[1]
 
 
 def test_figures_agree_with_what_ran(report: dict[str, object]) -> None:

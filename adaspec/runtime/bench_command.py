@@ -47,7 +47,8 @@ BENCH_FLAGS: dict[str, tuple[str, str]] = {
     "widths": ("LIST", "fixed widths to run (default every width 1..w)"),
     "arms": ("LIST", "run only these arms (none, fixed:K, adaptive-verify, adaptive-depth)"),
     "passes": ("N", "passes over every arm and level (default 6; --quick: 1)"),
-    "requests": ("N", "requests per pass at every level (default max(4, 2C))"),
+    "requests": ("N", "requests per pass at every level (default max(8, 2C); --quick: "
+                      "max(4, 2C))"),
     "max_tokens": ("N", "tokens generated per request (default 128; --quick: 48)"),
     "seed": ("S", "seed of every random draw (default 0)"),
     "event_log_dir": ("DIR", "write each arm's event log there (ARM.jsonl, new files)"),
@@ -150,8 +151,12 @@ def requests_per_level(choices: Choices) -> dict[int, int]:
                                   f"largest concurrency {max(choices.levels)}, so every "
                                   "client sends a request")
         return dict.fromkeys(choices.levels, choices.requests)
-    # Two waves of C requests: short passes, so the many passes interleave the arms finely.
-    return {level: max(4, 2 * level) for level in choices.levels}
+    if choices.quick:
+        return {level: max(4, 2 * level) for level in choices.levels}
+    # Two waves of C requests (eight at least, so a pass at concurrency 1 lasts a few
+    # seconds, not one stall of the shared host): short passes, so the many passes
+    # interleave the arms finely.
+    return {level: max(8, 2 * level) for level in choices.levels}
 
 
 def check_outputs(choices: Choices, arm_names: Sequence[str]) -> None:
@@ -185,6 +190,28 @@ def machine() -> str:
     return (f"{platform.machine()} {platform.processor() or ''}".strip()
             + f", {os.cpu_count()} cores, torch {torch.__version__}, "
             + f"python {platform.python_version()}")
+
+
+def cpu_times() -> tuple[int, int] | None:
+    """(stolen, all) CPU ticks so far from Linux's /proc/stat; None where there is none. On a
+    shared virtual machine the hypervisor's steal is the noise no ordering of arms removes,
+    so the report says how much there was."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = stat.readline().split()
+    except OSError:
+        return None
+    if len(fields) < 9 or fields[0] != "cpu":
+        return None
+    ticks = [int(value) for value in fields[1:9]]  # user .. steal; guest is inside user
+    return ticks[7], sum(ticks)
+
+
+def steal_share(before: tuple[int, int] | None, after: tuple[int, int] | None
+                ) -> float | None:
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return round((after[0] - before[0]) / (after[1] - before[1]), 4)
 
 
 def run_progress(stream: TextIO) -> RunProgress:
@@ -228,12 +255,13 @@ def run_bench_command(argv: Sequence[str]) -> int:
                          requests=requests_per_level(choices), max_tokens=choices.max_tokens,
                          passes=choices.passes, seed=choices.seed,
                          event_log_dir=choices.event_log_dir, skipped=skipped)
-        started = time.perf_counter()
+        started, ticks = time.perf_counter(), cpu_times()
         records = asyncio.run(run_bench(plan, run_progress=run_progress(sys.stderr),
                                         calibration_progress=progress_reporter(sys.stderr)))
     report = summarise(plan, records)
     report["seconds"] = round(time.perf_counter() - started, 1)
     report["machine"] = machine()
+    report["cpu_steal_share"] = steal_share(ticks, cpu_times())
     if choices.plot is not None:
         from adaspec.runtime.bench_plot import save_plot  # deferred: optional matplotlib
 
@@ -257,8 +285,10 @@ def spread_of(entry: dict[str, Any]) -> float:
 def print_table(report: dict[str, Any], out: TextIO) -> None:
     settings = report["settings"]
     write: Callable[[str], Any] = lambda text: out.write(text + "\n")  # noqa: E731
+    steal = report.get("cpu_steal_share")
     write(f"adaspec bench: {report['machine']}; {settings['passes']} pass(es), "
-          f"{settings['max_tokens']} tokens per request, greedy; {report['seconds']} s")
+          f"{settings['max_tokens']} tokens per request, greedy; {report['seconds']} s"
+          + ("" if steal is None else f"; CPU time stolen by the host: {100 * steal:.1f} %"))
     for level in settings["concurrency"]:
         entries = [e for e in report["arms"] if e["concurrency"] == level]
         write("")
