@@ -239,13 +239,17 @@ def fit_additive(samples: Sequence[CostSample], *, level: bool = True) -> Additi
     residuals = measured - fitted
     alpha = (0.0, *solution[1:len(buckets)].tolist())
     theta = (0.0, *solution[len(buckets):].tolist())
-    contrast = _theta_contrast(design, residuals, raw, len(buckets)) if level else None
+    contrast = _theta_contrast(design, residuals, raw, len(buckets)) if level else _exact
     return AdditiveTable(
         bias=float(solution[0]), buckets=buckets, alpha=_running_max(alpha), rows=rows,
-        theta=significant_steps(theta, _windows_per_g(raw, rows),
-                                contrast or (lambda i, j: 0.0)),
+        theta=significant_steps(theta, _windows_per_g(raw, rows), contrast),
         residual_rms=float(np.sqrt(np.mean(residuals ** 2))),
         residual_max_relative=float(np.max(np.abs(residuals) / measured)))
+
+
+def _exact(i: int, j: int) -> float:
+    """No noise: every monotone step of the G terms is kept."""
+    return 0.0
 
 
 def _theta_contrast(design: np.ndarray, residuals: np.ndarray, raw: Sequence[CostSample],

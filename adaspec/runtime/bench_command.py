@@ -209,6 +209,7 @@ def cpu_times() -> tuple[int, int] | None:
 
 def steal_share(before: tuple[int, int] | None, after: tuple[int, int] | None
                 ) -> float | None:
+    """The stolen share of the CPU ticks between two ``cpu_times`` readings."""
     if before is None or after is None or after[1] <= before[1]:
         return None
     return round((after[0] - before[0]) / (after[1] - before[1]), 4)
@@ -279,6 +280,7 @@ def _fmt(value: Any, spec: str) -> str:
 
 
 def spread_of(entry: dict[str, Any]) -> float:
+    """The noise of an arm's ratio to the best fixed width (0.0 when none was measured)."""
     return float(entry.get("speedup_vs_best_fixed_noise") or 0.0)
 
 
@@ -299,14 +301,13 @@ def print_table(report: dict[str, Any], out: TextIO) -> None:
         for e in entries:
             tpot = e["tpot_ms"]
             rng = e.get("speedup_vs_best_fixed_range") or [None, None]
-            spread = e.get("speedup_vs_best_fixed_noise")
             write(f"{e['arm']:16} {e['tokens_per_second']:8.1f} {_fmt(tpot['mean'], '8.2f')} "
                   f"{_fmt(tpot['p50'], '7.2f')} {_fmt(tpot['p90'], '7.2f')} "
                   f"{_fmt(e['mean_acceptance_length'], '5.2f')} "
                   f"{_fmt(e['acceptance_rate'], '6.2f')} "
                   f"{_fmt(e['mean_rows_per_round'], '6.1f')} "
                   f"{_fmt(e['speedup_vs_none'], '8.3f')} "
-                  f"{_fmt(e['speedup_vs_best_fixed'], '7.3f')} +-{_fmt(spread, '.3f')} "
+                  f"{_fmt(e['speedup_vs_best_fixed'], '7.3f')} +-{spread_of(e):.3f} "
                   f"({_fmt(rng[0], '.3f')}..{_fmt(rng[1], '.3f')})")
         for e in entries:
             if e["arm"].startswith("adaptive") and e["versus_best_fixed"] is not None:
