@@ -18,12 +18,14 @@ from adaspec.runtime.bench import (
     BenchPlan,
     RunRecord,
     compare_outputs,
+    fixed_within_noise,
     noise,
     pass_order,
     percentile,
     plan_arms,
     run_bench,
     shipped_prompts,
+    steady_fixed,
     summarise,
     verdict,
 )
@@ -99,6 +101,36 @@ def test_noise_and_verdicts_follow_the_per_pass_ratios() -> None:
     assert verdict(1.08, 0.05) == "beats"
     assert verdict(1.0, 0.0) == "within noise"
     assert verdict(None, None) is None
+
+
+def test_fixed_widths_the_run_cannot_tell_from_the_best_are_named() -> None:
+    entries = [{"arm": "none", "versus_best_fixed": "below"},
+               {"arm": "fixed:3", "versus_best_fixed": "within noise"},
+               {"arm": "fixed:4", "versus_best_fixed": "within noise"},  # the best itself
+               {"arm": "fixed:5", "versus_best_fixed": "below"},
+               {"arm": "adaptive-verify", "versus_best_fixed": "within noise"}]
+    assert fixed_within_noise(entries) == ["fixed:3", "fixed:4"]
+    # One width within noise of the best everywhere: the best does not change beyond noise.
+    assert steady_fixed([["fixed:3", "fixed:4"], ["fixed:4", "fixed:5"], ["fixed:4"]]) \
+        == ["fixed:4"]
+    # Sets that share no width: the best fixed width changes with concurrency.
+    assert steady_fixed([["fixed:2", "fixed:3"], ["fixed:4", "fixed:5"]]) == []
+    assert steady_fixed([]) == []
+
+
+def test_the_report_says_whether_the_best_fixed_width_changes_with_concurrency(
+        report: dict[str, object]) -> None:
+    summary = report["summary"]
+    assert isinstance(summary, dict)
+    levels = summary["levels"]
+    assert [level["concurrency"] for level in levels] == [1, 2]
+    for level in levels:
+        assert level["best_fixed"] in level["fixed_within_noise"]
+        assert level["best_fixed"] == entry(summary, "fixed:5", level["concurrency"])[
+            "best_fixed"]
+    steady = summary["fixed_within_noise_at_every_level"]
+    assert summary["best_fixed_changes_with_concurrency"] == (not steady)
+    assert all(arm in level["fixed_within_noise"] for arm in steady for level in levels)
 
 
 def test_the_share_of_cpu_time_stolen_by_the_host_is_reported() -> None:
@@ -202,6 +234,8 @@ def test_cli_json_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert cli.run(argv) == 0
     table = capsys.readouterr().out
     assert "concurrency 2 (2 requests per pass; best fixed width: fixed:3)" in table
+    assert "within noise of the best fixed width at every concurrency: fixed:3 (the best " \
+        "fixed width does not change with concurrency beyond noise)" in table
     assert "AL counts the residual or bonus token" in table
     assert "greedy outputs: identical in every arm (4 outputs compared" in table
 

@@ -371,11 +371,20 @@ def summarise(plan: BenchPlan, records: Sequence[RunRecord]) -> dict[str, Any]:
         groups.setdefault((record.arm, record.level), []).append(record)
     entries = [_entry(arm.name, level, groups[arm.name, level])
                for level in plan.levels for arm in plan.arms]
+    levels = []
     for level in plan.levels:
-        _speedups([e for e in entries if e["concurrency"] == level], groups, level)
+        at_level = [e for e in entries if e["concurrency"] == level]
+        _speedups(at_level, groups, level)
+        levels.append({"concurrency": level, "best_fixed": at_level[0]["best_fixed"],
+                       "fixed_within_noise": fixed_within_noise(at_level)})
+    steady = steady_fixed([level["fixed_within_noise"] for level in levels])
     mismatches = compare_outputs(records)
     return {
         "arms": entries,
+        "levels": levels,
+        "fixed_within_noise_at_every_level": steady,
+        "best_fixed_changes_with_concurrency": None if not any(
+            level["best_fixed"] for level in levels) else not steady,
         "greedy_outputs_identical": not mismatches,
         "outputs_compared": _compared(records),
         "output_mismatches": mismatches[:20],
@@ -488,6 +497,24 @@ def verdict(ratio: float | None, spread: float | None) -> str | None:
     if ratio + spread < 1:
         return "below"
     return "within noise"
+
+
+def fixed_within_noise(entries: Sequence[dict[str, Any]]) -> list[str]:
+    """The fixed widths of a level that this run cannot tell from its best fixed width: those
+    not ``below`` it (the best itself included). Where several are, which one came out on
+    top is the machine's noise, not the width."""
+    return [e["arm"] for e in entries
+            if e["arm"].startswith("fixed:") and e["versus_best_fixed"] != "below"]
+
+
+def steady_fixed(within: Sequence[Sequence[str]]) -> list[str]:
+    """The fixed widths within noise of the best at every level: one of them serves every
+    concurrency as well as the measurement can tell. Empty where the best fixed width changes
+    with concurrency by more than the noise (the levels' sets share no width)."""
+    if not within:
+        return []
+    common = set(within[0]).intersection(*within[1:])
+    return [arm for arm in within[0] if arm in common]
 
 
 def _paired(runs: Sequence[RunRecord], reference: Sequence[RunRecord]) -> list[float]:

@@ -284,6 +284,20 @@ def spread_of(entry: dict[str, Any]) -> float:
     return float(entry.get("speedup_vs_best_fixed_noise") or 0.0)
 
 
+def _tied(level: dict[str, Any]) -> str:
+    others = [arm for arm in level["fixed_within_noise"] if arm != level["best_fixed"]]
+    return f"; within noise of it: {', '.join(others)}" if others else ""
+
+
+def _steady_line(report: dict[str, Any]) -> str:
+    steady = report["fixed_within_noise_at_every_level"]
+    if report["best_fixed_changes_with_concurrency"]:
+        return ("the best fixed width changes with concurrency: no fixed width is within noise "
+                "of the best at every level")
+    return (f"within noise of the best fixed width at every concurrency: {', '.join(steady)} "
+            "(the best fixed width does not change with concurrency beyond noise)")
+
+
 def print_table(report: dict[str, Any], out: TextIO) -> None:
     settings = report["settings"]
     write: Callable[[str], Any] = lambda text: out.write(text + "\n")  # noqa: E731
@@ -291,11 +305,12 @@ def print_table(report: dict[str, Any], out: TextIO) -> None:
     write(f"adaspec bench: {report['machine']}; {settings['passes']} pass(es), "
           f"{settings['max_tokens']} tokens per request, greedy; {report['seconds']} s"
           + ("" if steal is None else f"; CPU time stolen by the host: {100 * steal:.1f} %"))
-    for level in settings["concurrency"]:
+    for summary in report["levels"]:
+        level = summary["concurrency"]
         entries = [e for e in report["arms"] if e["concurrency"] == level]
         write("")
         write(f"concurrency {level} ({settings['requests_per_pass'][str(level)]} requests per "
-              f"pass; best fixed width: {entries[0]['best_fixed']})")
+              f"pass; best fixed width: {summary['best_fixed']}{_tied(summary)})")
         write(f"{'arm':16} {'tok/s':>8} {'TPOT ms':>8} {'p50':>7} {'p90':>7} {'AL':>5} "
               f"{'accept':>6} {'rows':>6} {'vs none':>8}  vs best fixed, 2 SE (pass range)")
         for e in entries:
@@ -320,6 +335,8 @@ def print_table(report: dict[str, Any], out: TextIO) -> None:
                 write(f"  {e['arm']:16} " + " ".join(_fmt(a, '.2f')
                                                       for a in e["position_acceptance"]))
     write("")
+    if report["best_fixed_changes_with_concurrency"] is not None:
+        write(_steady_line(report))
     write("AL counts the residual or bonus token (accepted + 1); rows = padded target rows "
           "verified per round.")
     for skipped in report["skipped_arms"]:
