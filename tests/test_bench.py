@@ -17,6 +17,7 @@ from adaspec.models import load_reference_models
 from adaspec.runtime.bench import (
     BenchPlan,
     RunRecord,
+    best_fixed_bounds,
     compare_outputs,
     fixed_within_noise,
     noise,
@@ -90,17 +91,30 @@ def test_pass_orders_put_every_arm_first_and_on_both_sides_of_its_neighbours() -
         assert sides == {True, False}, (a, b)
 
 
-def test_noise_and_verdicts_follow_the_per_pass_ratios() -> None:
+def test_noise_follows_the_per_pass_ratios() -> None:
     assert noise([1.0]) == 0.0
     # Median 1.0, absolute deviations 0.1, 0.1, 0, 0: MAD 0.05.
     assert noise([0.9, 1.1, 1.0, 1.0]) == pytest.approx(2 * 1.2533 * 1.4826 * 0.05 / 2)
     # One pass caught by a stall barely widens it.
     assert noise([1.0, 1.01, 0.99, 1.0, 1.02, 0.6]) < 0.03
-    assert verdict(0.97, 0.05) == "within noise"
-    assert verdict(0.90, 0.05) == "below"
-    assert verdict(1.08, 0.05) == "beats"
-    assert verdict(1.0, 0.0) == "within noise"
-    assert verdict(None, None) is None
+
+
+def test_bounds_on_the_ratio_to_the_best_fixed_width_use_every_fixed_width() -> None:
+    assert best_fixed_bounds({}) == (1.0, 1.0)
+    # One pass: no noise, so the bounds are the smallest ratio.
+    assert best_fixed_bounds({"fixed:3": [0.95], "fixed:4": [1.02]}) == (0.95, 0.95)
+    # Two comparisons: each margin is z = 2.24 standard errors (2.5 % one-sided, halved).
+    se = 1.2533 * 1.4826 * 0.05 / 2
+    low, high = best_fixed_bounds({"fixed:4": [0.9, 1.1, 1.0, 1.0], "fixed:3": [1.2] * 4})
+    assert low == pytest.approx(1.0 - 2.2414 * se, abs=1e-4)
+    assert high == pytest.approx(1.0 + 2.2414 * se, abs=1e-4)
+    # A clear loss to any one fixed width is a loss to the best, whichever came out on top.
+    assert verdict(best_fixed_bounds({"fixed:4": [1.1] * 4, "fixed:5": [0.8] * 4})) == "below"
+    assert verdict((0.95, 1.02)) == "within noise"
+    assert verdict((1.01, 1.05)) == "beats"
+    assert verdict((0.90, 0.98)) == "below"
+    assert verdict((1.0, 1.0)) == "within noise"
+    assert verdict(None) is None
 
 
 def test_fixed_widths_the_run_cannot_tell_from_the_best_are_named() -> None:
@@ -128,6 +142,12 @@ def test_the_report_says_whether_the_best_fixed_width_changes_with_concurrency(
         assert level["best_fixed"] in level["fixed_within_noise"]
         assert level["best_fixed"] == entry(summary, "fixed:5", level["concurrency"])[
             "best_fixed"]
+    for e in summary["arms"]:
+        low, high = e["versus_best_fixed_bounds"]
+        assert low <= high
+        if e["arm"].startswith("fixed:"):  # no fixed width beats the best fixed width
+            assert high <= 1.0
+            assert e["versus_best_fixed"] != "beats"
     steady = summary["fixed_within_noise_at_every_level"]
     assert summary["best_fixed_changes_with_concurrency"] == (not steady)
     assert all(arm in level["fixed_within_noise"] for arm in steady for level in levels)

@@ -245,6 +245,28 @@ def test_packed_rows_verify_exactly_like_host_built_rows() -> None:
     assert torch.equal(device_out.logits[:6], host_out.logits[:6])
 
 
+def test_a_budget_narrower_than_the_launch_packs_a_narrower_grid_with_the_same_logits() -> None:
+    # Width 5, one request verifying 2 drafts in G=4 rows: no request can hold more than 4
+    # rows, so the attention grid has 4 columns, not w + 1 = 6; the verified logits match
+    # those of the width-sized grid (the extra columns are masked keys, not new work).
+    target = load_reference_models().target
+    target.allocate(2)
+    target.prefill([torch.tensor([72, 101, 108, 108])], ints([0]))
+    snapshot = [k.clone() for k in target._require_cache().keys]
+    drafts = ints([111, 32, 119, 111, 114]).view(1, 5)
+    packed = pack_rows(ints([2]), ints([111]), drafts, ints([0]), ints([4]), flags([True]),
+                       num_rows=4)
+    assert packed.rows.rows_per_req == 4
+    assert packed.width == 5  # the sampling grid keeps every draft position
+    narrow = target.verify(packed.rows)
+    for layer, keys in enumerate(snapshot):
+        target._require_cache().keys[layer].copy_(keys)
+    wide = target.verify(VerifyRows.from_requests([(0, 4, [111, 111, 32])], num_rows=4,
+                                                  num_reqs=1, rows_per_req=6, scratch_slot=1))
+    torch.testing.assert_close(narrow.logits[:3], wide.logits[:3], rtol=1e-5, atol=1e-5)
+    assert torch.equal(narrow.logits[:3].argmax(-1), wide.logits[:3].argmax(-1))
+
+
 # --- sampling ------------------------------------------------------------------------------
 
 def test_greedy_rows_take_the_first_argmax_and_ignore_filters() -> None:

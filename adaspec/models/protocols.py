@@ -34,7 +34,7 @@ class VerifyRows:
     row_valid: Tensor  # [G] bool: False for padding rows
     req_slots: Tensor  # [Bcap] int64: KV-cache slot of each batch entry (padding: scratch)
     req_starts: Tensor  # [Bcap] int64: position of each batch entry's anchor row
-    rows_per_req: int  # R = width + 1: the most rows one request can verify (static)
+    rows_per_req: int  # R: the most rows one request can verify, min(w + 1, G) (static)
 
     @property
     def positions(self) -> Tensor:

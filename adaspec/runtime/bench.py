@@ -448,12 +448,11 @@ def _speedups(entries: list[dict[str, Any]], groups: Mapping[tuple[str, int], li
     """Speedups over no speculation and over the level's best fixed width (the fixed arm with
     the highest median pass rate): the median of the per-pass ratios (the arms of a pass run
     close together in time, so each pass pairs them), their range, and their noise (two
-    standard errors of that median, see ``noise``). An arm ``beats`` the best fixed width
-    when its ratio lies above 1 by more than the noise, is ``below`` it when under 1 by more
-    than the noise, and ``within noise`` otherwise."""
+    standard errors of that median, see ``noise``). Then each arm's verdict against the best
+    fixed width, from its ratios to every fixed width (``best_fixed_bounds``)."""
     by_arm = {e["arm"]: e for e in entries}
-    fixed = [e for e in entries if e["arm"].startswith("fixed:")]
-    best = max(fixed, key=lambda e: e["tokens_per_second"])["arm"] if fixed else None
+    fixed = [e["arm"] for e in entries if e["arm"].startswith("fixed:")]
+    best = max(fixed, key=lambda arm: by_arm[arm]["tokens_per_second"]) if fixed else None
     for entry in entries:
         for key, reference in (("none", "none"), ("best_fixed", best)):
             if reference is None or reference not in by_arm:
@@ -466,18 +465,29 @@ def _speedups(entries: list[dict[str, Any]], groups: Mapping[tuple[str, int], li
                 if paired else None
             entry[f"speedup_vs_{key}_noise"] = round(noise(paired), 4)
         entry["best_fixed"] = best
-        entry["versus_best_fixed"] = verdict(entry["speedup_vs_best_fixed"],
-                                             entry.get("speedup_vs_best_fixed_noise"))
+        ratios = {arm: _paired(groups[entry["arm"], level], groups[arm, level])
+                  for arm in fixed if arm != entry["arm"]}
+        bounds = best_fixed_bounds(ratios) if fixed else None
+        if bounds is not None and entry["arm"] in fixed:  # the best includes the arm itself
+            bounds = (min(bounds[0], 1.0), min(bounds[1], 1.0))
+        entry["versus_best_fixed_bounds"] = None if bounds is None else \
+            [round(bound, 4) for bound in bounds]
+        entry["versus_best_fixed"] = verdict(bounds)
 
 
 def noise(ratios: Sequence[float]) -> float:
-    """Two standard errors of the median of per-pass ratios, from their median absolute
+    """Two standard errors of the median of per-pass ratios (see ``standard_error``)."""
+    return 2 * standard_error(ratios)
+
+
+def standard_error(ratios: Sequence[float]) -> float:
+    """The standard error of the median of per-pass ratios, from their median absolute
     deviation (a pass caught by a stall widens it little); 0.0 with fewer than two passes."""
     if len(ratios) < 2:
         return 0.0
     middle = statistics.median(ratios)
     spread = MAD_TO_SD * statistics.median(abs(r - middle) for r in ratios)
-    return 2 * MEDIAN_SE * spread / math.sqrt(len(ratios))
+    return MEDIAN_SE * spread / math.sqrt(len(ratios))
 
 
 MAD_TO_SD = 1.4826
@@ -486,15 +496,41 @@ MAD_TO_SD = 1.4826
 MEDIAN_SE = 1.2533
 """Standard error of a median over that of a mean, for normal noise (sqrt(pi / 2))."""
 
+ONE_SIDED_ERROR = 0.025
+"""The chance, shared by all of an arm's comparisons, that noise alone makes its verdict
+``below`` (or ``beats``) an equal best fixed width."""
 
-def verdict(ratio: float | None, spread: float | None) -> str | None:
-    """``beats``, ``within noise`` or ``below`` the best fixed width (None without one); a
-    single pass has no measured noise, so every difference counts."""
-    if ratio is None or spread is None:
+
+def best_fixed_bounds(ratios: Mapping[str, Sequence[float]]) -> tuple[float, float]:
+    """Simultaneous bounds on an arm's ratio to the best fixed width, from its per-pass
+    ratios to every (other) fixed width.
+
+    Which fixed width is best is itself measured with noise: the one that came out on top
+    was lifted by it, so a ratio to that one alone reads low, and arms tied with it would
+    often look ``below``. Every fixed width is compared instead (multiple comparisons with
+    the best): the true ratio to the best lies under each width's ratio plus its margin, so
+    under their smallest, and over the smallest lower margin. Margins are z standard errors,
+    z for a one-sided ``ONE_SIDED_ERROR`` split over the comparisons (Bonferroni), so noise
+    makes any of them wrong no more often than that. No other fixed width: (1, 1)."""
+    if not ratios:
+        return 1.0, 1.0
+    z = statistics.NormalDist().inv_cdf(1 - ONE_SIDED_ERROR / len(ratios))
+    medians = {arm: statistics.median(r) if r else 1.0 for arm, r in ratios.items()}
+    low = min(medians[arm] - z * standard_error(r) for arm, r in ratios.items())
+    high = min(medians[arm] + z * standard_error(r) for arm, r in ratios.items())
+    return low, high
+
+
+def verdict(bounds: tuple[float, float] | None) -> str | None:
+    """``beats`` (every fixed width, beyond noise), ``below`` (some fixed width, beyond
+    noise) or ``within noise`` of the best fixed width, from ``best_fixed_bounds``; None
+    without a fixed width. A single pass has no measured noise, so every difference counts."""
+    if bounds is None:
         return None
-    if ratio - spread > 1:
+    low, high = bounds
+    if low > 1:
         return "beats"
-    if ratio + spread < 1:
+    if high < 1:
         return "below"
     return "within noise"
 

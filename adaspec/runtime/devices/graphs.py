@@ -1,11 +1,11 @@
 """Fixed-shape entry points (bindings) for the prepared buckets of a target model.
 
 A bucket is one ``(num_reqs, num_rows)`` shape of ``VerifyRows`` (Bcap batch entries, G rows)
-at the launch's ``rows_per_req``. On the CPU a bucket is prewarmed by running it once eagerly
-(allocator and kernel caches warm, so the first real round costs what later ones do); on CUDA
-it can be captured once as a graph and replayed with new inputs copied into its buffers.
-Warm-up and capture run on padding rows only, which write to the scratch slot, so no
-request's KV changes.
+whose ``rows_per_req`` is ``grid_width``: w + 1, or G where that is smaller. On the CPU a
+bucket is prewarmed by running it once eagerly (allocator and kernel caches warm, so the first
+real round costs what later ones do); on CUDA it can be captured once as a graph and replayed
+with new inputs copied into its buffers. Warm-up and capture run on padding rows only, which
+write to the scratch slot, so no request's KV changes.
 """
 
 from collections.abc import Callable, Iterable
@@ -16,6 +16,7 @@ import torch
 from adaspec.config.launch import GRAPH_BACKEND_FOR_DEVICE
 from adaspec.errors import ConfigError
 from adaspec.models.protocols import TargetModel, TargetOutput, VerifyRows
+from adaspec.runtime.devices.packing import grid_width
 
 
 def padding_rows(num_reqs: int, num_rows: int, rows_per_req: int, scratch_slot: int,
@@ -98,14 +99,13 @@ def binding_factory(target: TargetModel, width: int, device: str
     graph in the slot's shared memory pool on cuda, a prewarmed eager call on the CPU. ACL
     graph capture on an NPU is not built yet; asking for it fails here, at startup, rather
     than silently running eager."""
-    rows_per_req = width + 1
     if device == "cuda":
         pool = torch.cuda.graph_pool_handle()
-        return lambda num_reqs, num_rows: CapturedVerify(target, num_reqs, num_rows,
-                                                         rows_per_req, pool)
+        return lambda num_reqs, num_rows: CapturedVerify(
+            target, num_reqs, num_rows, grid_width(width, num_rows), pool)
     if device == "cpu":
-        return lambda num_reqs, num_rows: EagerBinding(target, num_reqs, num_rows,
-                                                       rows_per_req, device)
+        return lambda num_reqs, num_rows: EagerBinding(
+            target, num_reqs, num_rows, grid_width(width, num_rows), device)
     raise ConfigError("--python_graph_backend", GRAPH_BACKEND_FOR_DEVICE.get(device, device),
                       f"graph capture on {device} is not built yet; launch with "
                       "--enable_graph=false to run unpadded eager shapes")

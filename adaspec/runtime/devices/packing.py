@@ -33,6 +33,13 @@ class PackedRows:
         return self.grid_rows.shape[1] - 1
 
 
+def grid_width(width: int, num_rows: int) -> int:
+    """The most rows one request can hold in a G-row round: w + 1, or G where G is smaller.
+    The target's attention grid has one column per such row, so a shallow round in a wide
+    launch does not pay for columns no request can fill."""
+    return min(width + 1, num_rows)
+
+
 def pack_rows(verify_lengths: Tensor, anchor_token_ids: Tensor, draft_token_ids: Tensor,
               req_slots: Tensor, anchor_positions: Tensor, req_valid: Tensor,
               num_rows: int) -> PackedRows:
@@ -77,7 +84,7 @@ def pack_rows(verify_lengths: Tensor, anchor_token_ids: Tensor, draft_token_ids:
     grid_rows = (cu_num_rows[:-1, None] + offsets[None, :]).clamp(max=num_rows - 1)
     rows = VerifyRows(token_ids=token_ids, row_reqs=row_reqs, row_offsets=row_offsets,
                       row_valid=row_valid, req_slots=req_slots, req_starts=anchor_positions,
-                      rows_per_req=width + 1)
+                      rows_per_req=grid_width(width, num_rows))
     return PackedRows(rows=rows, verify_lengths=lengths, num_entry_rows=entry_rows,
                       cu_num_rows=cu_num_rows, grid_rows=grid_rows, grid_valid=grid_valid,
                       draft_indices=draft_indices)
