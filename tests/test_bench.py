@@ -20,6 +20,7 @@ from adaspec.runtime.bench import (
     best_fixed_bounds,
     compare_outputs,
     fixed_within_noise,
+    margin,
     noise,
     pass_order,
     percentile,
@@ -103,11 +104,16 @@ def test_bounds_on_the_ratio_to_the_best_fixed_width_use_every_fixed_width() -> 
     assert best_fixed_bounds({}) == (1.0, 1.0)
     # One pass: no noise, so the bounds are the smallest ratio.
     assert best_fixed_bounds({"fixed:3": [0.95], "fixed:4": [1.02]}) == (0.95, 0.95)
-    # Two comparisons: each margin is z = 2.24 standard errors (2.5 % one-sided, halved).
+    # Margins: Student's t at 2.5 % one-sided, split over the comparisons, with passes - 1
+    # degrees of freedom (t tables: 2.571 for 5 df, 4.032 at 0.5 %, 4.177 for 3 df at 1.25 %).
+    assert margin(6, 1) == pytest.approx(2.571, abs=1e-3)
+    assert margin(6, 5) == pytest.approx(4.032, abs=1e-3)
+    assert margin(4, 2) == pytest.approx(4.177, abs=1e-3)
+    assert margin(1, 3) == 0.0
     se = 1.2533 * 1.4826 * 0.05 / 2
-    low, high = best_fixed_bounds({"fixed:4": [0.9, 1.1, 1.0, 1.0], "fixed:3": [1.2] * 4})
-    assert low == pytest.approx(1.0 - 2.2414 * se, abs=1e-4)
-    assert high == pytest.approx(1.0 + 2.2414 * se, abs=1e-4)
+    low, high = best_fixed_bounds({"fixed:4": [0.9, 1.1, 1.0, 1.0], "fixed:3": [1.4] * 4})
+    assert low == pytest.approx(1.0 - margin(4, 2) * se)
+    assert high == pytest.approx(1.0 + margin(4, 2) * se)
     # A clear loss to any one fixed width is a loss to the best, whichever came out on top.
     assert verdict(best_fixed_bounds({"fixed:4": [1.1] * 4, "fixed:5": [0.8] * 4})) == "below"
     assert verdict((0.95, 1.02)) == "within noise"
