@@ -37,7 +37,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import scipy.stats
+from scipy.special import stdtrit
 
 from adaspec.config import EffectiveConfig, SamplingParams, load_config
 from adaspec.config.flags import coerce
@@ -455,21 +455,24 @@ def _speedups(entries: list[dict[str, Any]], groups: Mapping[tuple[str, int], li
     by_arm = {e["arm"]: e for e in entries}
     fixed = [e["arm"] for e in entries if e["arm"].startswith("fixed:")]
     best = max(fixed, key=lambda arm: by_arm[arm]["tokens_per_second"]) if fixed else None
+    references = [arm for arm in ("none", *fixed) if arm in by_arm]
     for entry in entries:
+        # Its per-pass ratios to every reference, once: the speedups and the bounds share them.
+        paired = {arm: _paired(groups[entry["arm"], level], groups[arm, level])
+                  for arm in references}
         for key, reference in (("none", "none"), ("best_fixed", best)):
-            if reference is None or reference not in by_arm:
+            ratios = paired.get(reference) if reference is not None else None
+            if ratios is None:
                 entry[f"speedup_vs_{key}"] = None
                 continue
-            paired = _paired(groups[entry["arm"], level], groups[reference, level])
-            entry[f"speedup_vs_{key}"] = round(statistics.median(paired), 4) if paired \
+            entry[f"speedup_vs_{key}"] = round(statistics.median(ratios), 4) if ratios \
                 else None
-            entry[f"speedup_vs_{key}_range"] = [round(min(paired), 4), round(max(paired), 4)] \
-                if paired else None
-            entry[f"speedup_vs_{key}_noise"] = round(noise(paired), 4)
+            entry[f"speedup_vs_{key}_range"] = [round(min(ratios), 4), round(max(ratios), 4)] \
+                if ratios else None
+            entry[f"speedup_vs_{key}_noise"] = round(noise(ratios), 4)
         entry["best_fixed"] = best
-        ratios = {arm: _paired(groups[entry["arm"], level], groups[arm, level])
-                  for arm in fixed if arm != entry["arm"]}
-        bounds = best_fixed_bounds(ratios) if fixed else None
+        bounds = best_fixed_bounds({arm: paired[arm] for arm in fixed if arm != entry["arm"]}) \
+            if fixed else None
         if bounds is not None and entry["arm"] in fixed:  # the best includes the arm itself
             bounds = (min(bounds[0], 1.0), min(bounds[1], 1.0))
         entry["versus_best_fixed_bounds"] = None if bounds is None else \
@@ -529,7 +532,7 @@ def margin(passes: int, comparisons: int) -> float:
     for five comparisons, where the normal would say 2.58). 0 for a single pass."""
     if passes < 2:
         return 0.0
-    return float(scipy.stats.t.ppf(1 - ONE_SIDED_ERROR / comparisons, passes - 1))
+    return float(stdtrit(passes - 1, 1 - ONE_SIDED_ERROR / comparisons))
 
 
 def verdict(bounds: tuple[float, float] | None) -> str | None:
