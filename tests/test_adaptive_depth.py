@@ -162,7 +162,8 @@ def test_adaptive_depth_runs_lossless_on_the_runtime_and_replays_bit_exactly(
         for b in (1, 2, 4) for d in (1, 2, 3)}
     header, events = read_event_log(log)
     assert header["policies"]["depth"]["name"] == "adaptive-depth"
-    assert [p["over"] for p in header["cost_table"]["profiles"]] == ["depth"]
+    assert [(p["over"], p["table"]["kind"]) for p in header["cost_table"]["profiles"]] == [
+        ("depth", "log-additive")]  # the additive model on log seconds: depths scale a bucket
     depths = [e.depth for e in events if isinstance(e, DepthDecided)]
     assert depths
     assert set(depths) <= {1, 2, 3}

@@ -137,6 +137,8 @@ def test_coverage_gaps_have_no_price() -> None:
     (lambda d: d["profiles"][0]["samples"].append([1, 2, -1.0]),
      r"profiles\[0\]\.samples\[27\]=\[1, 2, -1\.0\]: expected \[Bcap, G, seconds\]"),
     (lambda d: d.update(extra=1), "extra=1: is not a key here"),
+    (lambda d: d["profiles"][0]["table"].update(kind="log-additive"),
+     r"profiles\[0\]\.table\.kind=log-additive: expected sps or additive for a table over G"),
 ])
 def test_a_damaged_bundle_is_refused_naming_the_key(tmp_path: Path, change: object,
                                                      message: str) -> None:

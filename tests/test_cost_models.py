@@ -10,10 +10,14 @@ from adaspec.errors import ConfigError
 from adaspec.policies.costs import (
     CostSample,
     FitError,
+    LogAdditiveTable,
+    SpsTable,
     UnpricedShape,
+    fit,
     fit_additive,
     fit_sps,
     relative_errors,
+    table_from_dict,
 )
 from adaspec.policies.grid import (
     check_contexts,
@@ -77,10 +81,51 @@ def test_price_steps_within_the_window_noise_are_levelled() -> None:
 
 
 def test_without_levelling_every_monotone_step_is_kept() -> None:
-    """Depth profiles are fitted without levelling: a small real step stays a step."""
+    """Without levelling (the depth profile's fit) a small real step stays a step."""
     points = [(b, g) for b, g in all_points() if b == 8]
     table = fit_additive(samples(points, windows=5), level=False)
     assert table.cost_ms(8, 12) > table.cost_ms(8, 8)
+
+
+def served_depth_seconds(bucket: int, depth: int) -> float:
+    """A depth cost shaped like the reference models' served rounds: each depth adds a share
+    of the bucket's own cost (depth 5 is 1.64 times depth 1 at every bucket)."""
+    return (0.008 + 0.0008 * bucket) * (1 + 0.16 * (depth - 1))
+
+
+def depth_samples(seed: int = 0) -> list[CostSample]:
+    rng = np.random.default_rng(seed)
+    return [CostSample(b, d, served_depth_seconds(b, d) * (1 + NOISE * rng.standard_normal()))
+            for b in (1, 2, 4, 8, 16) for d in range(1, 6) for _ in range(3)]
+
+
+def test_a_depth_profile_prices_each_depth_as_a_share_of_its_bucket() -> None:
+    """Seeded, 2 % window noise: the log fit keeps every bucket's depth-5 to depth-1 ratio
+    within 5 % (about four standard errors); the fit in seconds, one depth term shared by
+    all buckets, is over 10 % too steep at one request and too flat at sixteen."""
+    table = fit("additive", depth_samples(), over="depth")
+    assert isinstance(table, LogAdditiveTable)
+    for bucket in (1, 2, 4, 8, 16):
+        ratio = table.cost_ms(bucket, 5) / table.cost_ms(bucket, 1)
+        assert ratio == pytest.approx(1.64, rel=0.05)
+    assert table.residual_max_relative < 5 * NOISE
+    seconds = fit_additive(depth_samples(), level=False)
+    assert seconds.cost_ms(1, 5) / seconds.cost_ms(1, 1) > 1.1 * 1.64
+    assert seconds.cost_ms(16, 5) / seconds.cost_ms(16, 1) < 1.64 / 1.1
+    # SPS stays one table over the second axis, pooled over buckets.
+    assert isinstance(fit("sps", depth_samples(), over="depth"), SpsTable)
+
+
+def test_a_log_table_reloads_exactly_and_never_prices_a_depth_below_a_shallower_one() -> None:
+    dip = [CostSample(1, 1, 0.010), CostSample(1, 2, 0.009), CostSample(1, 3, 0.012)]
+    table = fit("additive", dip, over="depth")
+    costs = [table.cost_ms(1, d) for d in (1, 2, 3)]
+    assert costs == sorted(costs)
+    assert table_from_dict(table.as_dict()) == table
+    with pytest.raises(FitError, match="not positive"):
+        fit("additive", [CostSample(1, 1, 0.0)], over="depth")
+    with pytest.raises(UnpricedShape, match="d=6 lies above the largest measured d=3"):
+        table.cost_ms(1, 6)
 
 
 def test_sps_fit_recovers_steps_per_second_per_g() -> None:

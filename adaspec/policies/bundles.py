@@ -212,8 +212,17 @@ def _legacy(data: Mapping[str, object], source: str) -> CostBundle:
     if "model" in table and "kind" not in table:
         table["kind"] = table.pop("model")
     return CostBundle(compatibility={"draft_width": width}, settings={},
-                      profiles=(CostProfile(ALL_CONTEXTS, table_from_dict(table)),),
+                      profiles=(CostProfile(ALL_CONTEXTS,
+                                            _checked_axis(table_from_dict(table), "rows")),),
                       version=None, source=source)
+
+
+def _checked_axis(table: CostTable, over: str) -> CostTable:
+    """Log seconds are fitted to depths only; a table over G is sps or additive."""
+    if table.kind == "log-additive" and over != "depth":
+        raise ConfigError("kind", table.kind, "expected sps or additive for a table over G "
+                          "(log-additive prices draft depths only)")
+    return table
 
 
 def _profile(profile: Mapping[str, object]) -> CostProfile:
@@ -226,7 +235,7 @@ def _profile(profile: Mapping[str, object]) -> CostProfile:
         interval = ContextInterval(**context)
     table_data = _object("table", profile["table"])
     with key_prefix("table."):
-        table = table_from_dict(table_data)
+        table = _checked_axis(table_from_dict(table_data), str(profile["over"]))
     samples = []
     for index, sample in enumerate(_list("samples", profile["samples"])):
         if (not isinstance(sample, list) or len(sample) != 3

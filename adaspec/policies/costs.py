@@ -8,6 +8,13 @@ target graph rows. These are full-step costs; nothing is added on top of them.
 - **Additive**: ``seconds = bias + alpha(Bcap) + theta(G)`` by least squares over the probe
   grid, with one gauge fixed (alpha of the smallest bucket and theta of the smallest G are
   zero, the bias absorbs them), so the fit is unique when the grid is connected.
+- **Log-additive** (the additive model of a depth profile): the same least squares on log
+  seconds, ``seconds = exp(bias + alpha(Bcap) + theta(d))``, so a depth multiplies its
+  bucket's cost instead of adding one time to every bucket. A depth's extra draft forwards
+  and verified rows cost in proportion to the batch: served on the reference models, depth 5
+  took 1.79 times depth 1 at one request and 1.83 times at sixteen, where the fit in seconds
+  priced the shared depth term at 1.75 to 2.0 times at one request and 1.3 to 1.4 times at
+  sixteen (benchmarks/depth_costs.py).
 
 Prices are step functions of the padded shape. A shape without a measurement is priced at
 the next larger measured shape, never extrapolated down to free, and fitted terms are made
@@ -30,7 +37,7 @@ draft forwards apart, and the depth policy has its own switch gain.
 import bisect
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Literal, Protocol
 
 import numpy as np
@@ -66,9 +73,12 @@ class UnpricedShape(AdaspecError):
                 f"{self.what}={self.largest}; calibrate that shape")
 
 
+TableKind = Literal["sps", "additive", "log-additive"]
+
+
 class CostTable(Protocol):
     @property
-    def kind(self) -> Literal["sps", "additive"]: ...
+    def kind(self) -> TableKind: ...
 
     def cost_ms(self, num_reqs_bucket: int, num_rows: int) -> float:
         """Predicted full-step milliseconds of a round at (Bcap, G)."""
@@ -125,6 +135,33 @@ class AdditiveTable:
         b = _next_measured(self.buckets, num_reqs_bucket, "Bcap")
         g = _next_measured(self.rows, num_rows, "G")
         return self.bias + self.alpha[b] + self.theta[g]
+
+    def cost_ms(self, num_reqs_bucket: int, num_rows: int) -> float:
+        return 1000.0 * self.seconds(num_reqs_bucket, num_rows)
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class LogAdditiveTable:
+    """``exp(bias + alpha(Bcap) + theta(d))`` seconds, terms monotone in their argument: the
+    additive model of a depth profile, fitted on log seconds (a depth scales its bucket's
+    cost). Residuals are in log seconds, so about relative."""
+
+    bias: float  # log seconds
+    buckets: tuple[int, ...]
+    alpha: tuple[float, ...]
+    rows: tuple[int, ...]  # the profile's second axis: depths, ascending
+    theta: tuple[float, ...]
+    residual_rms: float  # log seconds
+    residual_max_relative: float  # largest |measured / fitted - 1|
+    kind: Literal["log-additive"] = "log-additive"
+
+    def seconds(self, num_reqs_bucket: int, depth: int) -> float:
+        b = _next_measured(self.buckets, num_reqs_bucket, "Bcap")
+        d = _next_measured(self.rows, depth, "d")
+        return math.exp(self.bias + self.alpha[b] + self.theta[d])
 
     def cost_ms(self, num_reqs_bucket: int, num_rows: int) -> float:
         return 1000.0 * self.seconds(num_reqs_bucket, num_rows)
@@ -247,6 +284,25 @@ def fit_additive(samples: Sequence[CostSample], *, level: bool = True) -> Additi
         residual_max_relative=float(np.max(np.abs(residuals) / measured)))
 
 
+def fit_log_additive(samples: Sequence[CostSample]) -> LogAdditiveTable:
+    """The additive least squares on the log of the points' medians (a depth profile's
+    model); the terms are made monotone, every step kept (depths are not levelled)."""
+    if not samples:
+        raise FitError("no samples")
+    medians = point_medians(samples)
+    if any(s.seconds <= 0 for s in medians):
+        raise FitError("a measured interval is not positive; log seconds are undefined")
+    logged = fit_additive([CostSample(s.num_reqs_bucket, s.num_rows, math.log(s.seconds))
+                           for s in medians], level=False)
+    table = LogAdditiveTable(bias=logged.bias, buckets=logged.buckets, alpha=logged.alpha,
+                             rows=logged.rows, theta=logged.theta, residual_rms=0.0,
+                             residual_max_relative=0.0)
+    ratios = np.array([s.seconds / table.seconds(s.num_reqs_bucket, s.num_rows)
+                       for s in medians])
+    return replace(table, residual_rms=float(np.sqrt(np.mean(np.log(ratios) ** 2))),
+                   residual_max_relative=float(np.max(np.abs(ratios - 1))))
+
+
 def _exact(i: int, j: int) -> float:
     """No noise: every monotone step of the G terms is kept."""
     return 0.0
@@ -307,12 +363,15 @@ def grid_components(points: Sequence[tuple[int, int]]) -> int:
 
 
 def fit(kind: Literal["sps", "additive"], samples: Sequence[CostSample], *,
-        level: bool = True) -> CostTable:
-    """``level``: level steps within the noise (for G; a depth profile keeps its steps, as
-    each depth is whole draft forwards apart and the depth policy has its own switch gain)."""
+        over: Literal["rows", "depth"] = "rows") -> CostTable:
+    """The table of a profile over G (``rows``: steps within the noise levelled) or over the
+    depth (``depth``: every step kept, as depths are whole draft forwards apart and the depth
+    policy has its own switch gain; the additive model fitted on log seconds)."""
     if kind == "sps":
-        return fit_sps(samples, level=level)
-    return fit_additive(samples, level=level)
+        return fit_sps(samples, level=over == "rows")
+    if over == "depth":
+        return fit_log_additive(samples)
+    return fit_additive(samples)
 
 
 def relative_errors(table: CostTable, samples: Sequence[CostSample]) -> list[float]:
@@ -325,11 +384,12 @@ def table_from_dict(data: Mapping[str, object]) -> CostTable:
     """A table from ``as_dict`` output (a saved bundle), every field checked: a table that
     could price a shape at zero, a negative or a non-monotone cost is refused."""
     kind = data.get("kind")
-    expected = {"sps": {"kind", "rows", "steps_per_second"},
-                "additive": {"kind", "bias", "buckets", "alpha", "rows", "theta",
-                             "residual_rms", "residual_max_relative"}}
+    additive = {"kind", "bias", "buckets", "alpha", "rows", "theta", "residual_rms",
+                "residual_max_relative"}
+    expected = {"sps": {"kind", "rows", "steps_per_second"}, "additive": additive,
+                "log-additive": additive}
     if kind not in expected:
-        raise ConfigError("kind", kind, "expected sps or additive")
+        raise ConfigError("kind", kind, "expected sps, additive or log-additive")
     keys = set(data)
     if keys != expected[str(kind)]:
         wrong = sorted(keys ^ expected[str(kind)])[0]
@@ -348,14 +408,15 @@ def table_from_dict(data: Mapping[str, object]) -> CostTable:
     bias = require_float("bias", data["bias"], -math.inf, math.inf)
     alpha = _terms("alpha", data["alpha"], len(buckets), monotone=True)
     theta = _terms("theta", data["theta"], len(rows), monotone=True)
+    rms = require_float("residual_rms", data["residual_rms"], 0.0, math.inf)
+    worst = require_float("residual_max_relative", data["residual_max_relative"], 0.0,
+                          math.inf)
+    if kind == "log-additive":  # exp() of any sum is a positive price
+        return LogAdditiveTable(bias, buckets, alpha, rows, theta, rms, worst)
     if bias + alpha[0] + theta[0] <= 0:
         raise ConfigError("bias", bias, "expected bias + alpha[0] + theta[0] > 0 (the "
                           "smallest shape would cost nothing)")
-    return AdditiveTable(
-        bias=bias, buckets=buckets, alpha=alpha, rows=rows, theta=theta,
-        residual_rms=require_float("residual_rms", data["residual_rms"], 0.0, math.inf),
-        residual_max_relative=require_float("residual_max_relative",
-                                            data["residual_max_relative"], 0.0, math.inf))
+    return AdditiveTable(bias, buckets, alpha, rows, theta, rms, worst)
 
 
 def _tuple(value: object) -> object:

@@ -28,7 +28,7 @@ import logging
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from adaspec.config.calibration import DEFAULT_CONTEXTS, CalibrationConfig, ContextInterval
 from adaspec.config.requests import SamplingParams
@@ -78,13 +78,14 @@ class CalibrationPlan:
     ``over="rows"`` (adaptive target verify): the grid's points are (Bcap, G) at full depth.
     ``over="depth"`` (adaptive draft steps): they are (Bcap, d), each run at depth d with the
     tier verifying every drafted token, ``rows_at[(Bcap, d)]``; the fit then treats d as its
-    second axis, so every depth gets its own measured full-cycle cost.
+    second axis, so every depth gets its own measured full-cycle cost (the additive model
+    on log seconds, see ``adaspec.policies.costs``).
     """
 
     settings: CalibrationConfig
     grid: ProbeGrid
     contexts: tuple[ContextInterval, ...]  # effective intervals, one profile each
-    over: str = "rows"
+    over: Literal["rows", "depth"] = "rows"
     rows_at: Mapping[tuple[int, int], int] = field(default_factory=dict)
 
     def shape(self, bucket: int, second: int) -> tuple[int, int]:
@@ -364,8 +365,7 @@ def pass_points(points: Sequence[T], window: int, windows: int) -> list[T]:
 def fit_bundle(plan: CalibrationPlan, samples: list[list[CostSample]],
                compatibility: Compatibility, source: str) -> CostBundle:
     """One fitted profile per context interval, on CPU."""
-    profiles = [CostProfile(context, fit(plan.settings.model, context_samples,
-                                         level=plan.over == "rows"),
+    profiles = [CostProfile(context, fit(plan.settings.model, context_samples, over=plan.over),
                             tuple(context_samples), over=plan.over)
                 for context, context_samples in zip(plan.contexts, samples, strict=True)]
     return fitted_bundle(compatibility, plan.settings_dict(), profiles, source)
