@@ -7,6 +7,7 @@ from adaspec.config import LaunchConfig
 from adaspec.errors import ConfigError, GraphBindingMissing
 from adaspec.models import load_reference_models
 from adaspec.models.protocols import TargetOutput, VerifyRows
+from adaspec.policies.base import covering_tier
 from adaspec.runtime.devices.buckets import Binding, BindingRegistry, BucketGeometry
 from adaspec.runtime.devices.graphs import EagerBinding, binding_factory, padding_rows
 
@@ -18,6 +19,21 @@ def test_geometry_comes_from_the_launch() -> None:
     launch = LaunchConfig(speculative_algorithm="DSpark", num_speculative_tokens=5,
                           max_seqs_per_batch=16)
     assert BucketGeometry.of(launch) == DRAFT5
+
+
+def test_adaptive_draft_steps_prepare_every_depths_exact_rows() -> None:
+    """On the ladder alone a depth-4 round of Draft5 pads to depth 5's rows; with adaptive
+    draft steps every depth of every bucket verifies exactly Bcap * (d + 1) rows."""
+    flags = {"speculative_algorithm": "MTP", "num_speculative_tokens": 5,
+             "max_seqs_per_batch": 16}
+    ladder = BucketGeometry.of(LaunchConfig(**flags))
+    assert covering_tier(ladder.legal_rows(16), 16, 4) == 96
+    adaptive = BucketGeometry.of(LaunchConfig(**flags, enable_adaptive_draft_step=True))
+    for bucket in adaptive.request_buckets:
+        for depth in range(1, 6):
+            rows = covering_tier(adaptive.legal_rows(bucket), bucket, depth)
+            assert rows == bucket * (depth + 1)
+    assert set(ladder.target_rows) < set(adaptive.target_rows)
 
 
 def test_draft5_tiers_for_eight_requests_are_8_16_32_48() -> None:

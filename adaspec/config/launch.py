@@ -215,12 +215,17 @@ class LaunchConfig:
 
         The power-of-two ladder up to full width at the largest bucket, plus full width
         ``Bcap * (w + 1)`` of every request bucket, so full-width verification never pads.
+        With adaptive draft steps, also ``Bcap * (d + 1)`` for every depth d: a round at
+        depth d verifies exactly its rows instead of padding to a deeper depth's (on the
+        ladder alone depth 4 of Draft5 at Bcap 16 would verify 96 rows, as depth 5 does).
         """
         buckets = self.prepared_request_buckets()
         if not buckets:
             return ()
         rows_per_request = self.num_speculative_tokens + 1
         full = {b * rows_per_request for b in buckets}
+        if self.enable_adaptive_draft_step:
+            full |= {b * (d + 1) for b in buckets for d in range(1, rows_per_request)}
         return tuple(sorted(set(_ladder(buckets[-1] * rows_per_request)) | full))
 
     def legal_target_rows(self, bucket: int) -> tuple[int, ...]:
