@@ -30,8 +30,16 @@ come from the least squares itself, with a point's noise the larger of the fit's
 (the model's misfit included) and its median window's scatter; for SPS from the windows
 behind each G. Real steps larger than that are kept, and a run of small steps is kept as
 soon as together they exceed it. Without any noise measured (one window per point and an
-exact fit) every monotone step is kept. Depth profiles are not levelled: depths are whole
-draft forwards apart, and the depth policy has its own switch gain.
+exact fit) every monotone step is kept. The passes over the grid must also agree: each pass
+fitted alone (the k-th window of a point is pass k's; calibration measures every point once
+per pass) shows a rise, and their mean must exceed zero by a one-sided Student t bound on
+their own scatter. The pooled window noise assumes windows scatter alike and independently,
+but this host's speed swings by a quarter from one second to the next and can hold a slow
+spell over neighbouring windows: a 9.8 ms step at G=96 of bucket 16, measured in that bucket
+alone, passed the first test while the three passes showed it as +10.6, +9.0 and -0.3 ms,
+and serving showed no such step (adaptive verify trimmed rows and lost 10 % against
+fixed:5). Depth profiles are not levelled: depths are whole draft forwards apart, and the
+depth policy has its own switch gain.
 """
 
 import bisect
@@ -41,6 +49,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Literal, Protocol
 
 import numpy as np
+from scipy.special import stdtrit
 
 from adaspec.config.calibration import (
     MAX_BATCH_ROWS,
@@ -189,8 +198,11 @@ def fit_sps(samples: Sequence[CostSample], *, level: bool = True) -> SpsTable:
     medians = [float(np.median([s.seconds for s in samples if s.num_rows == g])) for g in rows]
     windows = _windows_per_g(samples, rows)
     spread = window_noise(samples) * math.sqrt(MEDIAN_VARIANCE) if level else 0.0
+    passes = [[float(np.median([s.seconds for s in windows_ if s.num_rows == g]))
+               for g in rows] for windows_ in by_pass(samples)
+              if level and {s.num_rows for s in windows_} == set(rows)]
     seconds = significant_steps(medians, windows, lambda i, j: spread * math.sqrt(
-        1 / max(windows[i], 1) + 1 / max(windows[j], 1)))
+        1 / max(windows[i], 1) + 1 / max(windows[j], 1)), passes)
     return SpsTable(rows=rows, steps_per_second=tuple(1.0 / t for t in seconds))
 
 
@@ -234,18 +246,51 @@ def monotone(values: Sequence[float], weights: Sequence[int]) -> list[float]:
 
 
 def significant_steps(values: Sequence[float], windows: Sequence[int],
-                      contrast: Callable[[int, int], float]) -> tuple[float, ...]:
+                      contrast: Callable[[int, int], float],
+                      passes: Sequence[Sequence[float]] = ()) -> tuple[float, ...]:
     """Monotone terms over ascending G that rise only by steps above the noise (see the
     module docstring). ``contrast(i, j)`` is the standard error of term i minus term j; where
-    it is 0.0 every step of the monotone fit is kept."""
+    it is 0.0 every step of the monotone fit is kept. ``passes``: the terms fitted to each
+    pass alone; their rises must agree (``passes_agree``)."""
     smooth = monotone(values, windows)
     out: list[float] = []
     start = 0  # the G whose term began the current level
     for index, value in enumerate(smooth):
-        if index and value > smooth[start] + SIGNIFICANT_SE * contrast(index, start):
+        if (index and value > smooth[start] + SIGNIFICANT_SE * contrast(index, start)
+                and passes_agree([terms[index] - terms[start] for terms in passes])):
             start = index
         out.append(smooth[start])
     return tuple(out)
+
+
+PASS_ERROR = 0.025
+"""One-sided error of the passes' test: a flat pair of G passes it this rarely."""
+
+
+def passes_agree(rises: Sequence[float]) -> bool:
+    """Whether the rises of a step seen by each pass alone are above zero by more than
+    their own scatter (Student t, one-sided ``PASS_ERROR``); true with fewer than two."""
+    if len(rises) < 2:
+        return True
+    spread = float(np.std(rises, ddof=1))
+    mean = float(np.mean(rises))
+    if spread == 0.0:
+        return mean > 0.0
+    return mean > float(stdtrit(len(rises) - 1, 1 - PASS_ERROR)) * spread / math.sqrt(
+        len(rises))
+
+
+def by_pass(samples: Sequence[CostSample]) -> list[list[CostSample]]:
+    """The windows of each pass over the grid: the k-th window of a point is pass k's."""
+    seen: dict[tuple[int, int], int] = {}
+    passes: list[list[CostSample]] = []
+    for s in samples:
+        number = seen.get((s.num_reqs_bucket, s.num_rows), 0)
+        seen[(s.num_reqs_bucket, s.num_rows)] = number + 1
+        if number == len(passes):
+            passes.append([])
+        passes[number].append(s)
+    return passes
 
 
 def point_medians(samples: Sequence[CostSample]) -> list[CostSample]:
@@ -277,11 +322,26 @@ def fit_additive(samples: Sequence[CostSample], *, level: bool = True) -> Additi
     alpha = (0.0, *solution[1:len(buckets)].tolist())
     theta = (0.0, *solution[len(buckets):].tolist())
     contrast = _theta_contrast(design, residuals, raw, len(buckets)) if level else _exact
+    passes = _pass_thetas(raw, samples, buckets, rows) if level else []
     return AdditiveTable(
         bias=float(solution[0]), buckets=buckets, alpha=_running_max(alpha), rows=rows,
-        theta=significant_steps(theta, _windows_per_g(raw, rows), contrast),
+        theta=significant_steps(theta, _windows_per_g(raw, rows), contrast, passes),
         residual_rms=float(np.sqrt(np.mean(residuals ** 2))),
         residual_max_relative=float(np.max(np.abs(residuals) / measured)))
+
+
+def _pass_thetas(raw: Sequence[CostSample], points: Sequence[CostSample],
+                 buckets: tuple[int, ...], rows: tuple[int, ...]) -> list[list[float]]:
+    """The G terms fitted to each pass alone, for the passes that measured every point."""
+    grid = {(s.num_reqs_bucket, s.num_rows) for s in points}
+    out = []
+    for windows in by_pass(raw):
+        if {(s.num_reqs_bucket, s.num_rows) for s in windows} != grid:
+            continue
+        design, measured = _design(windows, buckets, rows)
+        solution, *_ = np.linalg.lstsq(design, measured, rcond=None)
+        out.append([0.0, *solution[len(buckets):].tolist()])
+    return out
 
 
 def fit_log_additive(samples: Sequence[CostSample]) -> LogAdditiveTable:
