@@ -30,6 +30,7 @@ from adaspec.policies.costs import (
     fit_log_additive,
 )
 from adaspec.runtime.events.log import read_event_log
+from adaspec.runtime.events.replay import recorded_costs
 from adaspec.runtime.events.types import DepthDecided, RoundRetired
 
 
@@ -53,10 +54,12 @@ def served_seconds(path: Path) -> dict[tuple[int, int], float]:
 
 
 def calibration_samples(path: Path) -> list[CostSample]:
+    """The draft-step calibration windows of the bundle the run installed."""
     header, _ = read_event_log(path)
-    profiles = header["cost_table"]["profiles"]
-    depth = next(p for p in profiles if p["over"] == "depth")
-    return [CostSample(b, d, s) for b, d, s in depth["samples"]]
+    costs = recorded_costs(header)
+    if costs is None:
+        raise SystemExit(f"{path}: the run installed no cost table")
+    return list(next(p for p in costs.profiles if p.over == "depth").samples)
 
 
 def compare(folder: Path) -> dict[str, object]:

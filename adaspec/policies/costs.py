@@ -199,8 +199,8 @@ def fit_sps(samples: Sequence[CostSample], *, level: bool = True) -> SpsTable:
     windows = _windows_per_g(samples, rows)
     spread = window_noise(samples) * math.sqrt(MEDIAN_VARIANCE) if level else 0.0
     passes = [[float(np.median([s.seconds for s in windows_ if s.num_rows == g]))
-               for g in rows] for windows_ in by_pass(samples)
-              if level and {s.num_rows for s in windows_} == set(rows)]
+               for g in rows] for windows_ in (by_pass(samples) if level else [])
+              if {s.num_rows for s in windows_} == set(rows)]
     seconds = significant_steps(medians, windows, lambda i, j: spread * math.sqrt(
         1 / max(windows[i], 1) + 1 / max(windows[j], 1)), passes)
     return SpsTable(rows=rows, steps_per_second=tuple(1.0 / t for t in seconds))
