@@ -12,16 +12,16 @@ runs every (level, arm) once; passes repeat, every other one in reverse order an
 rotated (``pass_order``), so a slow spell of the machine does not land on the same arm every
 time.
 
-Figures per arm and level: output tokens per second (of the median pass; the aggregate over all
-passes is reported too), TPOT (time per output token after the first: a request's last-token
-time minus its first-token time, over its tokens minus one) mean, p50 and p90, mean acceptance
-length AL (drafted tokens accepted plus the residual or bonus token, per request and round),
-acceptance rate (accepted over verified drafts), per-position acceptance (of the requests and
-rounds that verified position k, the share that accepted drafts 1..k), mean padded target rows
-verified per round, and the speedups over no speculation and over the best fixed width of that
-level (medians of the per-pass ratios, with their noise and a verdict). The greedy outputs of
-all arms must be identical token for token: the bench compares them and reports every
-difference.
+Figures per arm and level: output tokens per second (the geometric mean of the passes; the
+aggregate over all passes is reported too), TPOT (time per output token after the first: a
+request's last-token time minus its first-token time, over its tokens minus one) mean, p50 and
+p90, mean acceptance length AL (drafted tokens accepted plus the residual or bonus token, per
+request and round), acceptance rate (accepted over verified drafts), per-position acceptance
+(of the requests and rounds that verified position k, the share that accepted drafts 1..k),
+mean padded target rows verified per round, and the speedups over no speculation and over the
+best fixed width of that level (geometric means of the per-pass ratios, with their noise and a
+verdict). The greedy outputs of all arms must be identical token for token: the bench compares
+them and reports every difference.
 """
 
 import asyncio
@@ -421,11 +421,12 @@ def _entry(arm: str, level: int, runs: Sequence[RunRecord]) -> dict[str, Any]:
     reached = [sum(c) for c in itertools.zip_longest(*(r.reached for r in runs), fillvalue=0)]
     through = [sum(c) for c in itertools.zip_longest(*(r.through for r in runs), fillvalue=0)]
     rounds = sum(r.rounds for r in runs)
-    rates = [r.tokens / r.seconds for r in runs if r.seconds]
+    rates = [r.tokens / r.seconds for r in runs if r.seconds and r.tokens]
     return {
         "arm": arm, "concurrency": level,
-        # The median pass: one pass caught by a stall of the shared host moves nothing.
-        "tokens_per_second": round(statistics.median(rates), 2) if rates else 0.0,
+        # The geometric mean: the ratio of two arms' figures is then exactly the geometric
+        # mean of their per-pass ratios, so every column of a level's table agrees.
+        "tokens_per_second": round(statistics.geometric_mean(rates), 2) if rates else 0.0,
         "pass_tokens_per_second": [round(rate, 2) for rate in rates],
         "aggregate_tokens_per_second": round(tokens / seconds, 2) if seconds else 0.0,
         "tpot_ms": {"mean": _ms(statistics.fmean(tpot)) if tpot else None,
@@ -448,9 +449,9 @@ def _ms(seconds: float) -> float:
 def _speedups(entries: list[dict[str, Any]], groups: Mapping[tuple[str, int], list[RunRecord]],
               level: int) -> None:
     """Speedups over no speculation and over the level's best fixed width (the fixed arm with
-    the highest median pass rate): the median of the per-pass ratios (the arms of a pass run
+    the highest tokens/s): the geometric mean of the per-pass ratios (the arms of a pass run
     close together in time, so each pass pairs them), their range, and their noise (two
-    standard errors of that median, see ``noise``). Then each arm's verdict against the best
+    standard errors of it, see ``noise``). Then each arm's verdict against the best
     fixed width, from its ratios to every fixed width (``best_fixed_bounds``)."""
     by_arm = {e["arm"]: e for e in entries}
     fixed = [e["arm"] for e in entries if e["arm"].startswith("fixed:")]
@@ -465,8 +466,8 @@ def _speedups(entries: list[dict[str, Any]], groups: Mapping[tuple[str, int], li
             if ratios is None:
                 entry[f"speedup_vs_{key}"] = None
                 continue
-            entry[f"speedup_vs_{key}"] = round(statistics.median(ratios), 4) if ratios \
-                else None
+            entry[f"speedup_vs_{key}"] = round(statistics.geometric_mean(ratios), 4) \
+                if ratios else None
             entry[f"speedup_vs_{key}_range"] = [round(min(ratios), 4), round(max(ratios), 4)] \
                 if ratios else None
             entry[f"speedup_vs_{key}_noise"] = round(noise(ratios), 4)
@@ -481,25 +482,26 @@ def _speedups(entries: list[dict[str, Any]], groups: Mapping[tuple[str, int], li
 
 
 def noise(ratios: Sequence[float]) -> float:
-    """Two standard errors of the median of per-pass ratios (see ``standard_error``)."""
-    return 2 * standard_error(ratios)
-
-
-def standard_error(ratios: Sequence[float]) -> float:
-    """The standard error of the median of per-pass ratios, from their median absolute
-    deviation (a pass caught by a stall widens it little); 0.0 with fewer than two passes."""
+    """Two standard errors of the geometric mean of per-pass ratios, in ratio units (the
+    log-scale error times the mean, to first order); 0.0 with fewer than two passes."""
     if len(ratios) < 2:
         return 0.0
-    middle = statistics.median(ratios)
-    spread = MAD_TO_SD * statistics.median(abs(r - middle) for r in ratios)
-    return MEDIAN_SE * spread / math.sqrt(len(ratios))
+    return 2 * statistics.geometric_mean(ratios) * log_standard_error(ratios)
 
 
-MAD_TO_SD = 1.4826
-"""Median absolute deviation to standard deviation, for normal noise."""
+def log_standard_error(ratios: Sequence[float]) -> float:
+    """The standard error of the mean log ratio, from the passes' sample standard deviation;
+    0.0 with fewer than two passes.
 
-MEDIAN_SE = 1.2533
-"""Standard error of a median over that of a mean, for normal noise (sqrt(pi / 2))."""
+    Not a median with its absolute deviation: over six passes that deviation collapses
+    whenever four of them agree, and two passes that disagree by 15 to 25 % then count for
+    nothing (a run of 2026-11-30 read ``below`` at 0.93 of fixed:3 that way, with two of its
+    six passes at 1.14 and 1.24). A pass caught by a stall widens this one, so the verdicts
+    lean to ``within noise`` rather than resting on it."""
+    if len(ratios) < 2:
+        return 0.0
+    return statistics.stdev(math.log(r) for r in ratios) / math.sqrt(len(ratios))
+
 
 ONE_SIDED_ERROR = 0.025
 """The chance, shared by all of an arm's comparisons, that noise alone puts its verdict on
@@ -513,21 +515,24 @@ def best_fixed_bounds(ratios: Mapping[str, Sequence[float]]) -> tuple[float, flo
     Which fixed width is best is itself measured with noise: the one that came out on top
     was lifted by it, so a ratio to that one alone reads low, and arms tied with it would
     often look ``below``. Every fixed width is compared instead (multiple comparisons with
-    the best): the true ratio to the best lies under each width's ratio plus its margin, so
-    under their smallest, and over the smallest lower margin. A margin is ``margin`` standard
-    errors. No other fixed width: (1, 1)."""
+    the best): the true ratio to the best lies under each width's ratio times its margin, so
+    under their smallest, and over the smallest lower margin. A margin is ``margin``
+    standard errors of the mean log ratio (a paired t interval per width). No other fixed
+    width: (1, 1)."""
     if not ratios:
         return 1.0, 1.0
-    medians = {arm: statistics.median(r) if r else 1.0 for arm, r in ratios.items()}
-    spans = {arm: margin(len(r), len(ratios)) * standard_error(r) for arm, r in ratios.items()}
-    return (min(medians[arm] - spans[arm] for arm in ratios),
-            min(medians[arm] + spans[arm] for arm in ratios))
+    centres = {arm: statistics.fmean(math.log(x) for x in r) if r else 0.0
+               for arm, r in ratios.items()}
+    spans = {arm: margin(len(r), len(ratios)) * log_standard_error(r)
+             for arm, r in ratios.items()}
+    return (math.exp(min(centres[arm] - spans[arm] for arm in ratios)),
+            math.exp(min(centres[arm] + spans[arm] for arm in ratios)))
 
 
 def margin(passes: int, comparisons: int) -> float:
-    """Standard errors a bound keeps from a median of ``passes`` ratios, so that noise takes
-    none of ``comparisons`` bounds past the truth more often than ``ONE_SIDED_ERROR`` in
-    all (Bonferroni). Student's t with passes - 1 degrees of freedom, not the normal: the
+    """Standard errors a bound keeps from the mean log of ``passes`` ratios, so that noise
+    takes none of ``comparisons`` bounds past the truth more often than ``ONE_SIDED_ERROR``
+    in all (Bonferroni). Student's t with passes - 1 degrees of freedom, not the normal: the
     standard error itself comes from those few passes (six by default: 4.03 standard errors
     for five comparisons, where the normal would say 2.58). 0 for a single pass."""
     if passes < 2:
