@@ -24,6 +24,7 @@ from adaspec.runtime.bench import (
     fixed_within_noise,
     margin,
     noise,
+    paired_ratios,
     pass_order,
     percentile,
     plan_arms,
@@ -114,6 +115,14 @@ def test_two_passes_that_disagree_are_not_outvoted_by_four_that_agree() -> None:
     low, high = best_fixed_bounds(against)
     assert low < 1 < high
     assert verdict((low, high)) == "within noise"
+
+
+def test_a_pass_that_measured_nothing_is_left_out_of_the_ratios() -> None:
+    mine = [RunRecord("a", 1, 0, seconds=2.0, tokens=100), RunRecord("a", 1, 1, seconds=1.0),
+            RunRecord("a", 1, 2, seconds=1.0, tokens=90)]
+    theirs = [RunRecord("b", 1, 0, seconds=1.0, tokens=100),
+              RunRecord("b", 1, 1, seconds=1.0, tokens=80), RunRecord("b", 1, 2, seconds=1.0)]
+    assert paired_ratios(mine, theirs) == [0.5]
 
 
 def test_bounds_on_the_ratio_to_the_best_fixed_width_use_every_fixed_width() -> None:

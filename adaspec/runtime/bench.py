@@ -459,7 +459,7 @@ def _speedups(entries: list[dict[str, Any]], groups: Mapping[tuple[str, int], li
     references = [arm for arm in ("none", *fixed) if arm in by_arm]
     for entry in entries:
         # Its per-pass ratios to every reference, once: the speedups and the bounds share them.
-        paired = {arm: _paired(groups[entry["arm"], level], groups[arm, level])
+        paired = {arm: paired_ratios(groups[entry["arm"], level], groups[arm, level])
                   for arm in references}
         for key, reference in (("none", "none"), ("best_fixed", best)):
             ratios = paired.get(reference) if reference is not None else None
@@ -572,10 +572,12 @@ def steady_fixed(within: Sequence[Sequence[str]]) -> list[str]:
     return [arm for arm in within[0] if arm in common]
 
 
-def _paired(runs: Sequence[RunRecord], reference: Sequence[RunRecord]) -> list[float]:
-    by_pass = {r.passed: r for r in reference}
+def paired_ratios(runs: Sequence[RunRecord], reference: Sequence[RunRecord]) -> list[float]:
+    """Per-pass ratios of tokens/s; a pass either side measured nothing in is left out (a
+    ratio of zero would have no logarithm)."""
+    by_pass = {r.passed: r for r in reference if r.seconds and r.tokens}
     return [(r.tokens / r.seconds) / (by_pass[r.passed].tokens / by_pass[r.passed].seconds)
-            for r in runs if r.passed in by_pass and r.seconds and by_pass[r.passed].seconds]
+            for r in runs if r.passed in by_pass and r.seconds and r.tokens]
 
 
 def compare_outputs(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
