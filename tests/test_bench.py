@@ -5,6 +5,7 @@ anything runs, and the README's main command printing its table."""
 import asyncio
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -34,7 +35,13 @@ from adaspec.runtime.bench import (
     summarise,
     verdict,
 )
-from adaspec.runtime.bench_command import cpu_times, steal_share
+from adaspec.runtime.bench_command import (
+    CpuTicks,
+    busy_warning,
+    cpu_times,
+    others_share,
+    steal_share,
+)
 from adaspec.runtime.engine import Runtime
 from adaspec.runtime.events.log import read_event_log
 from adaspec.runtime.events.replay import replay
@@ -44,8 +51,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
-    """A small bench: DSpark width 5, none / fixed:2 / fixed:5 / adaptive-verify, levels 1
-    and 2, two passes, event logs written."""
+    """A small bench: DSpark width 5, plain / none / fixed:2 / fixed:5 / adaptive-verify,
+    levels 1 and 2, two passes, event logs written."""
     folder = tmp_path_factory.mktemp("bench")
     calibration = folder / "tiny.json"
     calibration.write_text(json.dumps(TINY_CALIBRATION))
@@ -73,12 +80,12 @@ def entry(summary: dict[str, object], arm: str, level: int) -> dict[str, object]
 def test_every_arm_runs_every_level_in_every_pass(report: dict[str, object]) -> None:
     records = report["records"]
     assert isinstance(records, list)
-    names = ["none", "fixed:2", "fixed:5", "adaptive-verify"]
+    names = ["plain", "none", "fixed:2", "fixed:5", "adaptive-verify"]
     assert [a.name for a in report["plan"].arms] == names  # type: ignore[attr-defined]
-    assert len(records) == 4 * 2 * 2
+    assert len(records) == 5 * 2 * 2
     # The arm order reverses and rotates between passes, so no arm always runs first.
-    firsts = [r.arm for r in records if r.level == 1][::4]
-    assert firsts == ["none", "fixed:5"]
+    firsts = [r.arm for r in records if r.level == 1][::5]
+    assert firsts == ["plain", "fixed:5"]
     summary = report["summary"]
     assert isinstance(summary, dict)
     assert [s["arm"] for s in summary["skipped_arms"]] == ["adaptive-depth"]
@@ -191,20 +198,42 @@ def test_the_report_says_whether_the_best_fixed_width_changes_with_concurrency(
     assert all(arm in level["fixed_within_noise"] for arm in steady for level in levels)
 
 
-def test_the_share_of_cpu_time_stolen_by_the_host_is_reported() -> None:
-    assert steal_share((10, 1000), (60, 2000)) == 0.05
-    assert steal_share(None, (60, 2000)) is None
-    assert steal_share((10, 1000), (10, 1000)) is None  # no time passed: no share
+def test_the_share_of_cpu_time_stolen_or_taken_by_others_is_reported() -> None:
+    assert steal_share(CpuTicks(10, 100, 1000), CpuTicks(60, 600, 2000)) == 0.05
+    assert steal_share(None, CpuTicks(60, 600, 2000)) is None
+    # No time passed: no share.
+    assert steal_share(CpuTicks(10, 100, 1000), CpuTicks(10, 100, 1000)) is None
+    ticks_per_second = os.sysconf("SC_CLK_TCK")
+    # 500 busy ticks, of which this process took 2 s: the rest went elsewhere.
+    share = others_share(CpuTicks(0, 100, 1000), CpuTicks(0, 600, 2000), 2.0)
+    assert share == round(max(0, 500 - 2 * ticks_per_second) / 1000, 4)
+    assert others_share(CpuTicks(0, 100, 1000), CpuTicks(0, 600, 2000), 1e6) == 0.0
     ticks = cpu_times()
     if Path("/proc/stat").exists():
         assert ticks is not None
-        assert 0 <= ticks[0] <= ticks[1]
+        assert 0 <= ticks.stolen <= ticks.busy <= ticks.total
+
+
+def test_a_busy_machine_gets_a_warning_line() -> None:
+    assert busy_warning(0.02, (0.1, 0.3)) is None
+    warning = busy_warning(0.35, (0.1, 0.3))
+    assert warning is not None
+    assert "35 % of the CPU time went to other processes" in warning
+    loaded = busy_warning(None, (4 * (os.cpu_count() or 1), 1.0))
+    assert loaded is not None
+    assert "load average" in loaded
 
 
 def test_figures_agree_with_what_ran(report: dict[str, object]) -> None:
     summary = report["summary"]
     assert isinstance(summary, dict)
     for level, requests in ((1, 2), (2, 3)):
+        plain = entry(summary, "plain", level)
+        assert plain["tokens"] == 2 * requests * 10
+        assert plain["mean_acceptance_length"] == 1.0
+        assert plain["speedup_vs_plain"] == 1.0
+        # The plain loop makes one step per token after the first, one row per request.
+        assert plain["rounds"] >= 2 * 9
         none = entry(summary, "none", level)
         assert none["tokens"] == 2 * requests * 10  # two passes, ten tokens each
         assert none["mean_acceptance_length"] == 1.0
@@ -222,6 +251,11 @@ def test_figures_agree_with_what_ran(report: dict[str, object]) -> None:
         assert 0 < tpot["p50"] <= tpot["p90"]
     # B = 1 verifies one row without drafts and w + 1 = 6 rows at full width.
     assert entry(summary, "none", 1)["mean_rows_per_round"] == 1.0
+    assert entry(summary, "plain", 1)["mean_rows_per_round"] == 1.0
+    assert entry(summary, "plain", 1)["rounds"] == 2 * 2 * 9  # one request at a time
+    speedup = entry(summary, "none", 1)["speedup_vs_plain"]
+    assert speedup == pytest.approx(entry(summary, "none", 1)["tokens_per_second"]
+                                    / entry(summary, "plain", 1)["tokens_per_second"], rel=1e-3)
     assert entry(summary, "fixed:5", 1)["mean_rows_per_round"] == 6.0
     assert entry(summary, "fixed:2", 1)["mean_rows_per_round"] == 3.0
 
@@ -230,7 +264,7 @@ def test_the_greedy_outputs_of_every_arm_are_identical(report: dict[str, object]
     summary = report["summary"]
     assert isinstance(summary, dict)
     assert summary["greedy_outputs_identical"] is True
-    assert summary["outputs_compared"] == 3 * 2 * (2 + 3)  # three arms against none
+    assert summary["outputs_compared"] == 4 * 2 * (2 + 3)  # four arms against the plain loop
 
 
 def test_a_differing_output_is_reported_with_its_place() -> None:
@@ -292,8 +326,11 @@ def test_cli_json_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert cli.run(argv) == 0
     table = capsys.readouterr().out
     assert "concurrency 2 (2 requests per pass; best fixed width: fixed:3)" in table
-    assert "within noise of the best fixed width at every concurrency: fixed:3 (the best " \
-        "fixed width does not change with concurrency beyond noise)" in table
+    assert "one pass: figures only, no verdict" in table
+    assert "within noise" not in table
+    assert data["verdicts"] is False
+    assert data["best_fixed_changes_with_concurrency"] is None
+    assert all(a["versus_best_fixed"] is None for a in data["arms"])
     assert "AL counts the residual or bonus token" in table
     assert "greedy outputs: identical in every arm (4 outputs compared" in table
 
@@ -303,7 +340,7 @@ def test_cli_json_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[s
     (["--concurrency=1,1"], "--concurrency=1,1: expected distinct values"),
     (["--passes=x"], "--passes=x: expected an integer in 1..100"),
     (["--quick=yes"], "--quick=yes: takes no value"),
-    (["--arms=fixed:9"], "--arms=fixed:9: expected some of none, fixed:1"),
+    (["--arms=fixed:9"], "--arms=fixed:9: expected some of plain, none, fixed:1"),
     (["--widths=6"], "--widths=6: expected widths in 1..5"),
     (["--speculative_algorithm=none"], "--speculative_algorithm=none: expected MTP or DSpark"),
     (["--requests=0"], "--requests=0: expected an integer in 1..100000"),
@@ -333,6 +370,6 @@ def test_the_readme_main_command_prints_the_table() -> None:
     out = done.stdout
     for level in (1, 4, 16):
         assert f"concurrency {level} (" in out
-    for arm in ("none", "fixed:1", "fixed:5", "adaptive-verify"):
+    for arm in ("plain", "none", "fixed:1", "fixed:5", "adaptive-verify"):
         assert f"\n{arm} " in out
     assert "greedy outputs: identical in every arm" in out

@@ -206,6 +206,28 @@ def test_kernels_match_the_plain_python_reference(seed: int) -> None:
     check_against_reference(random_case(seed))
 
 
+@pytest.mark.parametrize("seed", range(60))
+def test_commit_without_stop_tokens_equals_commit_with_none_to_look_for(seed: int) -> None:
+    # The fast path a round takes when no request in it has stop token ids.
+    case = random_case(seed)
+    _, packed, sampled, _ = run_kernels(case)
+    no_stops = torch.full_like(case.stops, -1)
+    looked = commit_rows(packed, sampled, case.drafts, no_stops, case.remaining, case.req_valid)
+    skipped = commit_rows(packed, sampled, case.drafts, None, case.remaining, case.req_valid)
+    for name in CommitResult.__dataclass_fields__:
+        assert torch.equal(getattr(looked, name), getattr(skipped, name)), name
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_a_budget_that_holds_every_row_admits_exactly_the_caps(seed: int) -> None:
+    # Why a round whose G covers Bcap * (depth + 1) rows skips prefix allocation.
+    case = random_case(seed)
+    num_reqs, width = case.drafts.shape
+    caps = torch.where(case.req_valid, case.caps, 0)
+    lengths = allocate_prefixes(case.confidences, num_reqs * (width + 1), caps, case.req_valid)
+    assert torch.equal(lengths, caps)
+
+
 # --- packing -------------------------------------------------------------------------------
 
 def test_packing_lays_rows_out_request_by_request_with_padding_last() -> None:

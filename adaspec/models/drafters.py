@@ -127,7 +127,7 @@ class ReferenceMtp(nn.Module):
                           row_offsets=torch.zeros_like(index),
                           row_valid=slots < cache.num_slots, req_slots=slots,
                           req_starts=positions, rows_per_req=1)
-        grid = GridIndex.of(rows, cache.num_slots, self.block.attn.window)
+        grid = GridIndex.of(rows, cache, self.block.attn.window, self.block.attn)
         x = x + grid_attention(self.block, cache, 0, x, rows, grid)
         x = x + self.block.mlp(self.block.mlp_norm(x))
         logits = self.head.logits(x)

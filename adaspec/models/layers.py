@@ -70,13 +70,20 @@ class Attention(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def project(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """q, k, v ``[..., H, hd]`` for inputs ``x [..., dim]`` at ``positions [...]``."""
-        q, k, v = self.qkv(x).chunk(3, dim=-1)
-        shape = (*x.shape[:-1], self.num_heads, self.head_dim)
-        q, k, v = q.reshape(shape), k.reshape(shape), v.reshape(shape)
-        cos, sin = self.cos[positions], self.sin[positions]
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+    def rope_at(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Cos and sin ``[..., hd // 2]`` at ``positions``; every attention of one head size
+        has the same tables, so a forward gathers them once for all its layers."""
+        return self.cos[positions], self.sin[positions]
+
+    def project(self, x: Tensor, positions: Tensor,
+                rope: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v ``[..., H, hd]`` for inputs ``x [..., dim]`` at ``positions [...]``
+        (``rope``: their tables from ``rope_at``, when the caller has them already)."""
+        qkv = self.qkv(x).unflatten(-1, (3, self.num_heads, self.head_dim))
+        cos, sin = rope if rope is not None else self.rope_at(positions)
+        # q and k rotate together: one set of elementwise ops instead of two.
+        qk = apply_rope(qkv[..., :2, :, :], cos.unsqueeze(-2), sin.unsqueeze(-2))
+        return qk[..., 0, :, :], qk[..., 1, :, :], qkv[..., 2, :, :]
 
     def key_values(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         """Only k, v (for publishing context into a cache without attending)."""

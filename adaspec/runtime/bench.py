@@ -1,10 +1,13 @@
 """The bench: real requests through the real runtime, adaptive speculation against every fixed
 width and against no speculation, side by side in one process and one run.
 
-Arms. ``none`` (the target alone), ``fixed:K`` for the launch's algorithm at each width K,
-and the adaptive modes the launch allows: ``adaptive-verify`` (DSpark or MTP at width 5 or
-7) and ``adaptive-depth`` (MTP). Every arm is its own ``Runtime`` started once, so adaptive
-arms calibrate their costs once, at start, as a serving launch would.
+Arms. ``plain`` (the target alone in a straight loop with no runtime, ``adaspec.runtime.
+plain``: the baseline every figure is read against), ``none`` (the target alone through the
+runtime, without speculation), ``fixed:K`` for the launch's algorithm at each width K, and
+the adaptive modes the launch allows: ``adaptive-verify`` (DSpark or MTP at width 5 or 7)
+and ``adaptive-depth`` (MTP). Every runtime arm is its own ``Runtime`` started once, so
+adaptive arms calibrate their costs once, at start, as a serving launch would; the plain
+arm gets its own copy of the target.
 
 Runs. At each concurrency C a closed loop of C clients sends the level's prompts (each client
 sends its next prompt when the previous one finishes), greedy, ``max_tokens`` each. One pass
@@ -18,10 +21,10 @@ request's last-token time minus its first-token time, over its tokens minus one)
 p90, mean acceptance length AL (drafted tokens accepted plus the residual or bonus token, per
 request and round), acceptance rate (accepted over verified drafts), per-position acceptance
 (of the requests and rounds that verified position k, the share that accepted drafts 1..k),
-mean padded target rows verified per round, and the speedups over no speculation and over the
-best fixed width of that level (geometric means of the per-pass ratios, with their noise and a
-verdict). The greedy outputs of all arms must be identical token for token: the bench compares
-them and reports every difference.
+mean padded target rows verified per round, and the speedups over the plain loop, over no
+speculation and over the best fixed width of that level (geometric means of the per-pass
+ratios, with their noise and a verdict). The greedy outputs of all arms must be identical
+token for token: the bench compares them with the plain loop's and reports every difference.
 """
 
 import asyncio
@@ -43,11 +46,15 @@ from adaspec.config import EffectiveConfig, SamplingParams, load_config
 from adaspec.config.flags import coerce
 from adaspec.config.launch import launch_field_types
 from adaspec.errors import ConfigError
-from adaspec.models import ReferenceModels
+from adaspec.models import ReferenceModels, load_reference_models
 from adaspec.runtime.calibration import Progress
 from adaspec.runtime.devices.buckets import BucketGeometry
 from adaspec.runtime.engine import Runtime, RuntimeOptions
 from adaspec.runtime.pipeline import RuntimeStatistics
+from adaspec.runtime.plain import PlainRun, plain_loop
+
+PLAIN = "plain"
+"""The arm that runs the target alone in a straight loop, outside the runtime."""
 
 FULL_LEVELS = (1, 4, 16)
 ADAPTIVE_FLAGS = ("enable_adaptive_target_verify", "enable_adaptive_draft_step",
@@ -65,8 +72,8 @@ measured in seconds; the full run calibrates with the defaults)."""
 
 @dataclass(frozen=True, slots=True)
 class Arm:
-    name: str  # none | fixed:K | adaptive-verify | adaptive-depth
-    config: EffectiveConfig
+    name: str  # plain | none | fixed:K | adaptive-verify | adaptive-depth
+    config: EffectiveConfig  # plain: the target-only launch (its model and device)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,10 +133,12 @@ def plan_arms(settings: Mapping[str, object], *, widths: Sequence[int] | None,
         if not 1 <= k <= width:
             raise ConfigError("--widths", k, f"expected widths in 1..{width} (the launch's "
                               "--num_speculative_tokens)")
+    def target_only() -> EffectiveConfig:
+        return load_config({**{k: v for k, v in base.items() if k not in DRAFT_ONLY_FLAGS},
+                            "speculative_algorithm": "none"})
+
     candidates: dict[str, Callable[[], EffectiveConfig]] = {
-        "none": lambda: load_config({**{k: v for k, v in base.items()
-                                        if k not in DRAFT_ONLY_FLAGS},
-                                     "speculative_algorithm": "none"}),
+        PLAIN: target_only, "none": target_only,
         **{f"fixed:{k}": _fixed(base, algorithm, k) for k in fixed_widths},
         **_adaptive(base, adaptive, algorithm, width, quick, levels, scratch)}
     return _choose(candidates, names)
@@ -226,6 +235,7 @@ class RunRecord:
     level: int
     passed: int  # the pass number
     seconds: float = 0.0
+    cpu_seconds: float = 0.0  # CPU time of this process (all its threads) during the run
     tokens: int = 0
     tpot_s: list[float] = field(default_factory=list)
     outputs: list[tuple[int, ...]] = field(default_factory=list)  # in prompt order
@@ -236,6 +246,16 @@ class RunRecord:
     accepted: int = 0
     reached: list[int] = field(default_factory=list)  # per position: verified it
     through: list[int] = field(default_factory=list)  # per position: accepted 1..k
+
+    def count_plain(self, run: PlainRun) -> None:
+        """A plain-loop run: one row per request per step, no draft."""
+        self.seconds, self.outputs = run.seconds, list(run.outputs)
+        self.tokens = sum(len(t) for t in run.outputs)
+        self.tpot_s = list(run.tpot_s)
+        self.rounds = run.steps
+        # Every step after the prefills verifies one row per running request and emits one
+        # token for it.
+        self.rows = self.request_rounds = self.tokens - len(run.outputs)
 
     def count(self, before: RuntimeStatistics, after: RuntimeStatistics) -> None:
         """The run's rounds from the runtime's own counters (no event is built for them)."""
@@ -303,14 +323,37 @@ async def run_bench(plan: BenchPlan, models: Callable[[], ReferenceModels] | Non
     ``models`` makes one set of models per arm (each runtime owns its KV caches, so arms
     never share one set); default: the built-in reference models."""
     async with contextlib.AsyncExitStack() as stack:
-        runtimes: dict[str, Runtime] = {}
+        runtimes: dict[str, Runtime | PlainArm] = {}
         for arm in plan.arms:
-            runtime = Runtime(arm.config, models=models() if models is not None else None,
+            made = models() if models is not None else None
+            if arm.name == PLAIN:
+                runtimes[arm.name] = PlainArm.start(arm, made, max(plan.levels))
+                continue
+            runtime = Runtime(arm.config, models=made,
                               options=_options(plan, arm, calibration_progress))
             await runtime.start()
             stack.push_async_callback(runtime.stop)  # every started arm stops, whatever fails
             runtimes[arm.name] = runtime
         return await _passes(plan, runtimes, run_progress)
+
+
+@dataclass(frozen=True, slots=True)
+class PlainArm:
+    """The plain loop's own target, with a KV slot per client of the largest level."""
+
+    target: Any  # TargetModel
+
+    @classmethod
+    def start(cls, arm: Arm, models: ReferenceModels | None, concurrency: int) -> "PlainArm":
+        target = (models or load_reference_models(arm.config.launch.device)).target
+        target.allocate(concurrency)
+        return cls(target)
+
+    def run(self, plan: "BenchPlan", level: int, record: RunRecord) -> None:
+        """One level, on the calling thread with torch's own thread settings: the plain loop
+        is what a user's script gets without the runtime."""
+        prompts = [list(prompt) for prompt in plan.level_prompts(level)]
+        record.count_plain(plain_loop(self.target, prompts, plan.max_tokens, level))
 
 
 def event_log_name(arm: str) -> str:
@@ -335,7 +378,7 @@ def pass_order(names: Sequence[str], number: int) -> list[str]:
     return base[shift:] + base[:shift]
 
 
-async def _passes(plan: BenchPlan, runtimes: Mapping[str, Runtime],
+async def _passes(plan: BenchPlan, runtimes: Mapping[str, "Runtime | PlainArm"],
                   progress: RunProgress | None) -> list[RunRecord]:
     records: list[RunRecord] = []
     names = [arm.name for arm in plan.arms]
@@ -345,16 +388,25 @@ async def _passes(plan: BenchPlan, runtimes: Mapping[str, Runtime],
             for name in order:
                 record = RunRecord(arm=name, level=level, passed=number)
                 runtime = runtimes[name]
-                before = runtime.statistics()
-                await run_level(runtime, plan.level_prompts(level), plan.max_tokens, level,
-                                record)
-                # Retirement of the last rounds may trail the last token by a round.
-                await runtime.wait_idle()
-                record.count(before, runtime.statistics())
+                cpu = time.process_time()
+                if isinstance(runtime, PlainArm):
+                    runtime.run(plan, level, record)
+                else:
+                    await _run_runtime(runtime, plan, level, record)
+                record.cpu_seconds = time.process_time() - cpu
                 records.append(record)
                 if progress is not None:
                     progress(record, len(records), plan.total_runs)
     return records
+
+
+async def _run_runtime(runtime: Runtime, plan: BenchPlan, level: int,
+                       record: RunRecord) -> None:
+    before = runtime.statistics()
+    await run_level(runtime, plan.level_prompts(level), plan.max_tokens, level, record)
+    # Retirement of the last rounds may trail the last token by a round.
+    await runtime.wait_idle()
+    record.count(before, runtime.statistics())
 
 
 # ---- figures -------------------------------------------------------------------------------
@@ -373,19 +425,24 @@ def summarise(plan: BenchPlan, records: Sequence[RunRecord]) -> dict[str, Any]:
         groups.setdefault((record.arm, record.level), []).append(record)
     entries = [_entry(arm.name, level, groups[arm.name, level])
                for level in plan.levels for arm in plan.arms]
+    # One pass measures no noise: its figures stand, but no comparison is called a verdict.
+    verdicts = plan.passes >= MIN_VERDICT_PASSES
     levels = []
     for level in plan.levels:
         at_level = [e for e in entries if e["concurrency"] == level]
-        _speedups(at_level, groups, level)
+        _speedups(at_level, groups, level, verdicts)
         levels.append({"concurrency": level, "best_fixed": at_level[0]["best_fixed"],
-                       "fixed_within_noise": fixed_within_noise(at_level)})
-    steady = steady_fixed([level["fixed_within_noise"] for level in levels])
+                       "fixed_within_noise": fixed_within_noise(at_level) if verdicts
+                       else None})
+    steady = steady_fixed([level["fixed_within_noise"] for level in levels]) if verdicts \
+        else None
     mismatches = compare_outputs(records)
     return {
         "arms": entries,
         "levels": levels,
+        "verdicts": verdicts,
         "fixed_within_noise_at_every_level": steady,
-        "best_fixed_changes_with_concurrency": None if not any(
+        "best_fixed_changes_with_concurrency": None if not verdicts or not any(
             level["best_fixed"] for level in levels) else not steady,
         "greedy_outputs_identical": not mismatches,
         "outputs_compared": _compared(records),
@@ -399,6 +456,8 @@ def summarise(plan: BenchPlan, records: Sequence[RunRecord]) -> dict[str, Any]:
             "acceptance_length": "accepted drafts + 1 per request and round (counts the "
                                  "residual or bonus token)",
             "tpot_ms": "(last token time - first token time) / (tokens - 1) per request",
+            "tokens_per_cpu_second": "output tokens over the CPU time of this process (every "
+                                     "thread: device worker, event loop, torch's own)",
             "position_acceptance": "of the request-rounds that verified position k, the "
                                    "share that accepted drafts 1..k",
             "mean_rows_per_round": "padded target rows G verified per round"},
@@ -407,6 +466,8 @@ def summarise(plan: BenchPlan, records: Sequence[RunRecord]) -> dict[str, Any]:
 
 def _mode(arm: Arm) -> str:
     """The arm's execution mode as the effective configuration words it."""
+    if arm.name == PLAIN:
+        return "the target alone in a straight loop, no runtime"
     execution = arm.config.as_dict()["execution"]
     assert isinstance(execution, dict)
     return str(execution["mode"])
@@ -422,12 +483,17 @@ def _entry(arm: str, level: int, runs: Sequence[RunRecord]) -> dict[str, Any]:
     through = [sum(c) for c in itertools.zip_longest(*(r.through for r in runs), fillvalue=0)]
     rounds = sum(r.rounds for r in runs)
     rates = [r.tokens / r.seconds for r in runs if r.seconds and r.tokens]
+    cpu_rates = [r.tokens / r.cpu_seconds for r in runs if r.cpu_seconds and r.tokens]
     return {
         "arm": arm, "concurrency": level,
         # The geometric mean: the ratio of two arms' figures is then exactly the geometric
         # mean of their per-pass ratios, so every column of a level's table agrees.
         "tokens_per_second": round(statistics.geometric_mean(rates), 2) if rates else 0.0,
         "pass_tokens_per_second": [round(rate, 2) for rate in rates],
+        # Tokens per CPU second of this process: other processes stretch wall time far more
+        # than they stretch the CPU time of the threads doing the work.
+        "tokens_per_cpu_second": round(statistics.geometric_mean(cpu_rates), 2)
+        if cpu_rates else None,
         "aggregate_tokens_per_second": round(tokens / seconds, 2) if seconds else 0.0,
         "tpot_ms": {"mean": _ms(statistics.fmean(tpot)) if tpot else None,
                     "p50": _ms(percentile(tpot, 0.5)) if tpot else None,
@@ -447,7 +513,7 @@ def _ms(seconds: float) -> float:
 
 
 def _speedups(entries: list[dict[str, Any]], groups: Mapping[tuple[str, int], list[RunRecord]],
-              level: int) -> None:
+              level: int, verdicts: bool = True) -> None:
     """Speedups over no speculation and over the level's best fixed width (the fixed arm with
     the highest tokens/s): the geometric mean of the per-pass ratios (the arms of a pass run
     close together in time, so each pass pairs them), their range, and their noise (two
@@ -456,12 +522,12 @@ def _speedups(entries: list[dict[str, Any]], groups: Mapping[tuple[str, int], li
     by_arm = {e["arm"]: e for e in entries}
     fixed = [e["arm"] for e in entries if e["arm"].startswith("fixed:")]
     best = max(fixed, key=lambda arm: by_arm[arm]["tokens_per_second"]) if fixed else None
-    references = [arm for arm in ("none", *fixed) if arm in by_arm]
+    references = [arm for arm in (PLAIN, "none", *fixed) if arm in by_arm]
     for entry in entries:
         # Its per-pass ratios to every reference, once: the speedups and the bounds share them.
         paired = {arm: paired_ratios(groups[entry["arm"], level], groups[arm, level])
                   for arm in references}
-        for key, reference in (("none", "none"), ("best_fixed", best)):
+        for key, reference in ((PLAIN, PLAIN), ("none", "none"), ("best_fixed", best)):
             ratios = paired.get(reference) if reference is not None else None
             if ratios is None:
                 entry[f"speedup_vs_{key}"] = None
@@ -476,6 +542,8 @@ def _speedups(entries: list[dict[str, Any]], groups: Mapping[tuple[str, int], li
             if fixed else None
         if bounds is not None and entry["arm"] in fixed:  # the best includes the arm itself
             bounds = (min(bounds[0], 1.0), min(bounds[1], 1.0))
+        if not verdicts:
+            bounds = None
         entry["versus_best_fixed_bounds"] = None if bounds is None else \
             [round(bound, 4) for bound in bounds]
         entry["versus_best_fixed"] = verdict(bounds)
@@ -502,6 +570,9 @@ def log_standard_error(ratios: Sequence[float]) -> float:
         return 0.0
     return statistics.stdev(math.log(r) for r in ratios) / math.sqrt(len(ratios))
 
+
+MIN_VERDICT_PASSES = 2
+"""Fewer passes measure no noise, so the report gives figures and no verdict."""
 
 ONE_SIDED_ERROR = 0.025
 """The chance, shared by all of an arm's comparisons, that noise alone puts its verdict on
@@ -543,7 +614,7 @@ def margin(passes: int, comparisons: int) -> float:
 def verdict(bounds: tuple[float, float] | None) -> str | None:
     """``beats`` (every fixed width, beyond noise), ``below`` (some fixed width, beyond
     noise) or ``within noise`` of the best fixed width, from ``best_fixed_bounds``; None
-    without a fixed width. A single pass has no measured noise, so every difference counts."""
+    without a fixed width or without bounds (a run of one pass gets none)."""
     if bounds is None:
         return None
     low, high = bounds
@@ -581,14 +652,14 @@ def paired_ratios(runs: Sequence[RunRecord], reference: Sequence[RunRecord]) -> 
 
 
 def compare_outputs(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
-    """Every (level, pass, prompt) whose output differs from the ``none`` arm's (or the first
-    arm's when there is no ``none`` arm)."""
+    """Every (level, pass, prompt) whose output differs from the target alone's: the plain
+    loop's, else the ``none`` arm's, else the first arm's."""
     runs: dict[tuple[int, int], dict[str, RunRecord]] = {}
     for record in records:
         runs.setdefault((record.level, record.passed), {})[record.arm] = record
     mismatches = []
     for (level, number), arms in sorted(runs.items()):
-        reference = arms.get("none") or next(iter(arms.values()))
+        reference = arms.get(PLAIN) or arms.get("none") or next(iter(arms.values()))
         for name, record in arms.items():
             for index, (mine, theirs) in enumerate(zip(record.outputs, reference.outputs,
                                                        strict=True)):
@@ -607,5 +678,6 @@ def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def _compared(records: Sequence[RunRecord]) -> int:
-    return sum(len(r.outputs) for r in records if r.arm != "none")
+    reference = PLAIN if any(r.arm == PLAIN for r in records) else "none"
+    return sum(len(r.outputs) for r in records if r.arm != reference)
 

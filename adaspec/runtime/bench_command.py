@@ -45,7 +45,8 @@ BENCH_FLAGS: dict[str, tuple[str, str]] = {
     "quick": ("", "a short run (one pass, 48 tokens, a quick calibration): about a minute"),
     "concurrency": ("LIST", "comma-separated concurrency levels (default 1,4,16)"),
     "widths": ("LIST", "fixed widths to run (default every width 1..w)"),
-    "arms": ("LIST", "run only these arms (none, fixed:K, adaptive-verify, adaptive-depth)"),
+    "arms": ("LIST", "run only these arms (plain, none, fixed:K, adaptive-verify, "
+                     "adaptive-depth)"),
     "passes": ("N", "passes over every arm and level (default 6; --quick: 1)"),
     "requests": ("N", "requests per pass at every level (default max(8, 2C); --quick: "
                       "max(4, 2C))"),
@@ -62,9 +63,10 @@ SWITCHES = ("quick", "json")
 def bench_help() -> str:
     lines = ["usage: adaspec bench [LAUNCH FLAGS] [--quick] [--concurrency LIST] [--json] ...",
              "",
-             "Runs no speculation, every fixed width and the adaptive modes the launch allows",
-             "on the shipped prompt set at several concurrency levels, greedy, in one process,",
-             "and compares tokens/s, TPOT, acceptance and verified rows. Launch flags are those",
+             "Runs the target alone in a plain loop (no runtime), no speculation, every fixed",
+             "width and the adaptive modes the launch allows on the shipped prompt set at",
+             "several concurrency levels, greedy, in one process, and compares tokens/s, TPOT,",
+             "acceptance and verified rows. Launch flags are those",
              "of `adaspec config --help` (default: --speculative_algorithm=DSpark",
              "--num_speculative_tokens=5); the adaptive ones (cost table, calibration and",
              "draft-step files) go to the adaptive arms only; --arms picks the arms.", ""]
@@ -192,10 +194,20 @@ def machine() -> str:
             + f"python {platform.python_version()}")
 
 
-def cpu_times() -> tuple[int, int] | None:
-    """(stolen, all) CPU ticks so far from Linux's /proc/stat; None where there is none. On a
-    shared virtual machine the hypervisor's steal is the noise no ordering of arms removes,
-    so the report says how much there was."""
+@dataclass(frozen=True, slots=True)
+class CpuTicks:
+    """Linux's /proc/stat CPU ticks so far: stolen by the hypervisor, busy (neither idle nor
+    waiting for I/O, steal included), and all."""
+
+    stolen: int
+    busy: int
+    total: int
+
+
+def cpu_times() -> CpuTicks | None:
+    """The machine's CPU ticks so far; None where there is no /proc/stat. On a shared virtual
+    machine the hypervisor's steal is noise no ordering of arms removes, and so is the CPU
+    other processes take, so the report says how much of each there was."""
     try:
         with open("/proc/stat") as stat:
             fields = stat.readline().split()
@@ -204,15 +216,46 @@ def cpu_times() -> tuple[int, int] | None:
     if len(fields) < 9 or fields[0] != "cpu":
         return None
     ticks = [int(value) for value in fields[1:9]]  # user .. steal; guest is inside user
-    return ticks[7], sum(ticks)
+    total = sum(ticks)
+    return CpuTicks(stolen=ticks[7], busy=total - ticks[3] - ticks[4], total=total)
 
 
-def steal_share(before: tuple[int, int] | None, after: tuple[int, int] | None
-                ) -> float | None:
+def steal_share(before: CpuTicks | None, after: CpuTicks | None) -> float | None:
     """The stolen share of the CPU ticks between two ``cpu_times`` readings."""
-    if before is None or after is None or after[1] <= before[1]:
+    if before is None or after is None or after.total <= before.total:
         return None
-    return round((after[0] - before[0]) / (after[1] - before[1]), 4)
+    return round((after.stolen - before.stolen) / (after.total - before.total), 4)
+
+
+def others_share(before: CpuTicks | None, after: CpuTicks | None, own_cpu_seconds: float
+                 ) -> float | None:
+    """The share of the machine's CPU time that went to other processes (and the host's
+    steal) between two readings: busy ticks less this process's own CPU time."""
+    if before is None or after is None or after.total <= before.total:
+        return None
+    own = own_cpu_seconds * os.sysconf("SC_CLK_TCK")
+    busy = after.busy - before.busy
+    return round(max(0.0, busy - own) / (after.total - before.total), 4)
+
+
+BUSY_SHARE = 0.1
+"""Above this share of the machine's CPU going elsewhere, the report warns that the machine
+was busy: its wall-clock figures then carry that noise."""
+
+
+def busy_warning(share: float | None, load: tuple[float, float] | None) -> str | None:
+    """One line when the machine was busy during the run, else None. ``load`` is the
+    one-minute load average at the start and at the end."""
+    cores = os.cpu_count() or 1
+    reasons = []
+    if share is not None and share > BUSY_SHARE:
+        reasons.append(f"{100 * share:.0f} % of the CPU time went to other processes")
+    if load is not None and load[0] > cores:
+        reasons.append(f"the load average was {load[0]:.1f} on {cores} cores at the start")
+    if not reasons:
+        return None
+    return ("warning: the machine was busy (" + "; ".join(reasons) + "): read the ratios, "
+            "not the absolute figures, and compare tokens per CPU second")
 
 
 def run_progress(stream: TextIO) -> RunProgress:
@@ -256,13 +299,22 @@ def run_bench_command(argv: Sequence[str]) -> int:
                          requests=requests_per_level(choices), max_tokens=choices.max_tokens,
                          passes=choices.passes, seed=choices.seed,
                          event_log_dir=choices.event_log_dir, skipped=skipped)
-        started, ticks = time.perf_counter(), cpu_times()
+        started, ticks, own = time.perf_counter(), cpu_times(), time.process_time()
+        load_start = _load()
         records = asyncio.run(run_bench(plan, run_progress=run_progress(sys.stderr),
                                         calibration_progress=progress_reporter(sys.stderr)))
     report = summarise(plan, records)
     report["seconds"] = round(time.perf_counter() - started, 1)
     report["machine"] = machine()
-    report["cpu_steal_share"] = steal_share(ticks, cpu_times())
+    ticks_after, load_end = cpu_times(), _load()
+    report["cpu_steal_share"] = steal_share(ticks, ticks_after)
+    report["cpu_share_of_other_processes"] = others_share(ticks, ticks_after,
+                                                          time.process_time() - own)
+    report["load_average"] = None if load_start is None or load_end is None else {
+        "start": load_start, "end": load_end}
+    report["busy_warning"] = busy_warning(
+        report["cpu_share_of_other_processes"],
+        None if load_start is None or load_end is None else (load_start, load_end))
     if choices.plot is not None:
         from adaspec.runtime.bench_plot import save_plot  # deferred: optional matplotlib
 
@@ -275,6 +327,14 @@ def run_bench_command(argv: Sequence[str]) -> int:
     return 0 if report["greedy_outputs_identical"] else 1
 
 
+def _load() -> float | None:
+    """The one-minute load average, where the system has one."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
 def _fmt(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -285,7 +345,7 @@ def spread_of(entry: dict[str, Any]) -> float:
 
 
 def _tied(level: dict[str, Any]) -> str:
-    others = [arm for arm in level["fixed_within_noise"] if arm != level["best_fixed"]]
+    others = [arm for arm in level["fixed_within_noise"] or () if arm != level["best_fixed"]]
     return f"; within noise of it: {', '.join(others)}" if others else ""
 
 
@@ -298,29 +358,34 @@ def _steady_line(report: dict[str, Any]) -> str:
             "(the best fixed width does not change with concurrency beyond noise)")
 
 
+def _others(report: dict[str, Any]) -> str:
+    share = report.get("cpu_share_of_other_processes")
+    return "" if share is None else f", by other processes: {100 * share:.1f} %"
+
+
 def print_table(report: dict[str, Any], out: TextIO) -> None:
-    settings = report["settings"]
     write: Callable[[str], Any] = lambda text: out.write(text + "\n")  # noqa: E731
-    steal = report.get("cpu_steal_share")
-    write(f"adaspec bench: {report['machine']}; {settings['passes']} pass(es), "
-          f"{settings['max_tokens']} tokens per request, greedy; {report['seconds']} s"
-          + ("" if steal is None else f"; CPU time stolen by the host: {100 * steal:.1f} %"))
+    _print_heading(report, write)
+    requests = report["settings"]["requests_per_pass"]
     for summary in report["levels"]:
         level = summary["concurrency"]
         entries = [e for e in report["arms"] if e["concurrency"] == level]
         write("")
-        write(f"concurrency {level} ({settings['requests_per_pass'][str(level)]} requests per "
+        write(f"concurrency {level} ({requests[str(level)]} requests per "
               f"pass; best fixed width: {summary['best_fixed']}{_tied(summary)})")
-        write(f"{'arm':16} {'tok/s':>8} {'TPOT ms':>8} {'p50':>7} {'p90':>7} {'AL':>5} "
-              f"{'accept':>6} {'rows':>6} {'vs none':>8}  vs best fixed, 2 SE (pass range)")
+        write(f"{'arm':16} {'tok/s':>8} {'tok/cpu-s':>9} {'TPOT ms':>8} {'p50':>7} {'p90':>7} "
+              f"{'AL':>5} {'accept':>6} {'rows':>6} {'vs plain':>8} {'vs none':>8}  "
+              "vs best fixed, 2 SE (pass range)")
         for e in entries:
             tpot = e["tpot_ms"]
             rng = e.get("speedup_vs_best_fixed_range") or [None, None]
-            write(f"{e['arm']:16} {e['tokens_per_second']:8.1f} {_fmt(tpot['mean'], '8.2f')} "
+            write(f"{e['arm']:16} {e['tokens_per_second']:8.1f} "
+                  f"{_fmt(e.get('tokens_per_cpu_second'), '9.1f')} {_fmt(tpot['mean'], '8.2f')} "
                   f"{_fmt(tpot['p50'], '7.2f')} {_fmt(tpot['p90'], '7.2f')} "
                   f"{_fmt(e['mean_acceptance_length'], '5.2f')} "
                   f"{_fmt(e['acceptance_rate'], '6.2f')} "
                   f"{_fmt(e['mean_rows_per_round'], '6.1f')} "
+                  f"{_fmt(e.get('speedup_vs_plain'), '8.3f')} "
                   f"{_fmt(e['speedup_vs_none'], '8.3f')} "
                   f"{_fmt(e['speedup_vs_best_fixed'], '7.3f')} +-{spread_of(e):.3f} "
                   f"({_fmt(rng[0], '.3f')}..{_fmt(rng[1], '.3f')})")
@@ -337,8 +402,26 @@ def print_table(report: dict[str, Any], out: TextIO) -> None:
             if e["position_acceptance"]:
                 write(f"  {e['arm']:16} " + " ".join(_fmt(a, '.2f')
                                                       for a in e["position_acceptance"]))
+    _print_footer(report, write)
+
+
+def _print_heading(report: dict[str, Any], write: Callable[[str], Any]) -> None:
+    settings = report["settings"]
+    steal = report.get("cpu_steal_share")
+    write(f"adaspec bench: {report['machine']}; {settings['passes']} pass(es), "
+          f"{settings['max_tokens']} tokens per request, greedy; {report['seconds']} s"
+          + ("" if steal is None else f"; CPU time stolen by the host: {100 * steal:.1f} %")
+          + _others(report))
+    if report.get("busy_warning"):
+        write(report["busy_warning"])
+
+
+def _print_footer(report: dict[str, Any], write: Callable[[str], Any]) -> None:
     write("")
-    if report["best_fixed_changes_with_concurrency"] is not None:
+    if not report["verdicts"]:
+        write("one pass: figures only, no verdict (a verdict needs the noise of several "
+              "passes; drop --quick, or give --passes 2 or more)")
+    elif report["best_fixed_changes_with_concurrency"] is not None:
         write(_steady_line(report))
     write("AL counts the residual or bonus token (accepted + 1); rows = padded target rows "
           "verified per round.")

@@ -367,7 +367,7 @@ class Pipeline:
         return RoundInputs(round=number, slots=self._last_slots[1], depth=depth,
                            num_rows=num_rows,
                            all_greedy=not any(r.params.temperature for r in batch),
-                           verify=verify)
+                           verify=verify, any_stop=any(r.params.stop for r in batch))
 
     async def _enqueue_round(self, record: RoundRecord, work: RoundWork) -> None:
         stream = self.stream

@@ -65,6 +65,7 @@ class RoundInputs:
     num_rows: int  # G of the binding that runs
     all_greedy: bool  # no entry samples: the sampler skips its random path
     verify: Callable[[VerifyRows], TargetOutput]  # the (Bcap, G) binding
+    any_stop: bool = True  # some entry has stop token ids: commit looks for them
 
 
 @dataclass(slots=True)
@@ -106,10 +107,13 @@ class RoundWork:
         confidences = _have(self.confidences, "confidences")
         self.budget = emit_budget(rows.remaining, rows.anchor_positions,
                                   self.ctx.context_limit)
-        caps = verify_caps(self.inputs.depth, self.budget, rows.live)
-        if drafts.shape[1]:
-            lengths = allocate_prefixes(confidences, self.inputs.num_rows, caps, rows.live)
+        depth, num_rows = self.inputs.depth, self.inputs.num_rows
+        caps = verify_caps(depth, self.budget, rows.live)
+        if drafts.shape[1] and num_rows < self.inputs.slots.shape[0] * (depth + 1):
+            lengths = allocate_prefixes(confidences, num_rows, caps, rows.live)
         else:
+            # G holds every entry's anchor and all its capped drafts: allocation would admit
+            # every eligible position, which is the caps themselves.
             lengths = caps
         self.packed = pack_rows(lengths, rows.anchor_ids, drafts, self.inputs.slots,
                                 rows.anchor_positions, rows.live, self.inputs.num_rows)
@@ -122,19 +126,25 @@ class RoundWork:
         self._enter("sample")
         out, packed = _have(self.out, "target output"), _have(self.packed, "packed rows")
         inputs = self.inputs
-        # Seeded from the run's seed and the round number alone: the draws replay exactly.
-        generator = seeded_generator(self.ctx.seed, 0, inputs.round, self.ctx.device)
-        uniforms = torch.rand(inputs.num_rows, generator=generator, dtype=torch.float64,
-                              device=self.ctx.device)
-        sampling = self.ctx.sampling.gather(inputs.slots, inputs.all_greedy)
-        self.sampled = sample_rows(out.logits, packed.rows.row_reqs, sampling, uniforms)
+        if inputs.all_greedy:
+            # Nothing is drawn, so no generator, uniforms or parameters are made: a greedy
+            # round's work is the argmax (what sample_rows does for an all-greedy batch).
+            self.sampled = out.logits.argmax(-1)
+        else:
+            # Seeded from the run's seed and the round number alone: the draws replay exactly.
+            generator = seeded_generator(self.ctx.seed, 0, inputs.round, self.ctx.device)
+            uniforms = torch.rand(inputs.num_rows, generator=generator, dtype=torch.float64,
+                                  device=self.ctx.device)
+            sampling = self.ctx.sampling.gather(inputs.slots, inputs.all_greedy)
+            self.sampled = sample_rows(out.logits, packed.rows.row_reqs, sampling, uniforms)
         self.ctx.collectives.tp_broadcast(self.sampled)
 
     def commit(self) -> None:
         self._enter("commit")
         rows, packed = _have(self.rows, "rows"), _have(self.packed, "packed rows")
         out = _have(self.out, "target output")
-        stop_token_ids = self.ctx.sampling.stop_token_ids[self.inputs.slots]
+        stop_token_ids = self.ctx.sampling.stop_token_ids[self.inputs.slots] \
+            if self.inputs.any_stop else None
         result = commit_rows(packed, _have(self.sampled, "sampled tokens"),
                              _have(self.drafts, "drafts"), stop_token_ids,
                              _have(self.budget, "budget"), rows.live)
@@ -185,10 +195,13 @@ def prefill(ctx: DeviceContext, inputs: PrefillInputs) -> dict[str, Tensor]:
     stop token, it may generate more, and the context has room after it."""
     out = ctx.target.prefill(inputs.prompts, inputs.slots)
     num = len(inputs.prompts)
-    generator = seeded_generator(ctx.seed, 1, inputs.first_request, ctx.device)
-    uniforms = torch.rand(num, generator=generator, dtype=torch.float64, device=ctx.device)
-    first = sample_rows(out.last.logits, torch.arange(num, device=ctx.device),
-                        inputs.sampling, uniforms)
+    if inputs.sampling.all_greedy:
+        first = out.last.logits.argmax(-1)
+    else:
+        generator = seeded_generator(ctx.seed, 1, inputs.first_request, ctx.device)
+        uniforms = torch.rand(num, generator=generator, dtype=torch.float64, device=ctx.device)
+        first = sample_rows(out.last.logits, torch.arange(num, device=ctx.device),
+                            inputs.sampling, uniforms)
     stopped = (first[:, None] == inputs.stop_token_ids).any(dim=1)
     room = out.lengths < ctx.context_limit - 1
     remaining = inputs.max_tokens - 1

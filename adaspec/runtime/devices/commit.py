@@ -65,25 +65,29 @@ def stop_cut(tokens: Tensor, stop_token_ids: Tensor) -> Tensor:
 
 
 def commit_rows(packed: PackedRows, target_token_ids: Tensor, draft_token_ids: Tensor,
-                stop_token_ids: Tensor, budget: Tensor, req_valid: Tensor) -> CommitResult:
+                stop_token_ids: Tensor | None, budget: Tensor, req_valid: Tensor
+                ) -> CommitResult:
     """Commit one round.
 
     ``target_token_ids [G]`` from ``sample_rows`` (agreed across TP ranks); ``draft_token_ids
-    [Bcap, width]``; ``stop_token_ids [Bcap, S]``; ``budget [Bcap]`` from ``emit_budget``, the
-    tokens each entry may still commit (at least 1 for live entries); ``req_valid [Bcap]``.
+    [Bcap, width]``; ``stop_token_ids [Bcap, S]``, or None when no entry has any (the same
+    result as all -1, without looking); ``budget [Bcap]`` from ``emit_budget``, the tokens
+    each entry may still commit (at least 1 for live entries); ``req_valid [Bcap]``.
     """
     grid_tokens, num_accepted = accepted_lengths(packed, target_token_ids, draft_token_ids)
     offsets = torch.arange(grid_tokens.shape[1], device=grid_tokens.device)
     emitted = offsets[None, :] <= num_accepted[:, None]
     candidates = torch.where(emitted, grid_tokens, -1)
-    cut = stop_cut(candidates, stop_token_ids)
     allowed = torch.minimum(num_accepted + 1, budget)
-    num_emitted = torch.where(req_valid, torch.minimum(allowed, cut), 0)
+    if stop_token_ids is None:
+        num_emitted = torch.where(req_valid, allowed, 0)
+        finish = torch.where(num_emitted >= budget, FINISHED_LENGTH, RUNNING)
+    else:
+        cut = stop_cut(candidates, stop_token_ids)
+        num_emitted = torch.where(req_valid, torch.minimum(allowed, cut), 0)
+        finish = torch.where(cut <= allowed, FINISHED_STOP,
+                             torch.where(num_emitted >= budget, FINISHED_LENGTH, RUNNING))
     token_ids = torch.where(offsets[None, :] < num_emitted[:, None], candidates, -1)
-
-    stopped = cut <= allowed
-    finish = torch.where(stopped, FINISHED_STOP,
-                         torch.where(num_emitted >= budget, FINISHED_LENGTH, RUNNING))
     finish = torch.where(req_valid, finish, RUNNING).to(torch.int8)
 
     last = (num_emitted - 1).clamp(min=0)
