@@ -208,6 +208,8 @@ def test_the_share_of_cpu_time_stolen_or_taken_by_others_is_reported() -> None:
     share = others_share(CpuTicks(0, 100, 1000), CpuTicks(0, 600, 2000), 2.0)
     assert share == round(max(0, 500 - 2 * ticks_per_second) / 1000, 4)
     assert others_share(CpuTicks(0, 100, 1000), CpuTicks(0, 600, 2000), 1e6) == 0.0
+    # The host's steal is reported on its own, not as other processes' time.
+    assert others_share(CpuTicks(10, 100, 1000), CpuTicks(60, 600, 2000), 0.0) == 0.45
     ticks = cpu_times()
     if Path("/proc/stat").exists():
         assert ticks is not None

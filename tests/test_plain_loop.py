@@ -3,6 +3,7 @@ same end rules as the runtime; and the cpu stream's thread and autograd settings
 the runtime from fighting its own event loop for the cores."""
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -91,10 +92,41 @@ def test_cpu_threads_leave_a_core_to_the_event_loop() -> None:
     assert cpu_threads({CPU_THREADS_ENV: "3"}) == 3
     assert cpu_threads({CPU_THREADS_ENV: " 2 "}) == 2
     assert cpu_threads({}) >= 1
-    with pytest.raises(ConfigError, match=f"^{CPU_THREADS_ENV}=0: expected a positive integer"):
-        cpu_threads({CPU_THREADS_ENV: "0"})
-    with pytest.raises(ConfigError, match=f"^{CPU_THREADS_ENV}=two: expected a positive"):
-        cpu_threads({CPU_THREADS_ENV: "two"})
+
+
+@pytest.mark.parametrize("raw", ["0", "two", "-1", "2147483648", "\u00b2", "", "1.5"])
+def test_a_thread_count_outside_1_to_1024_is_refused_in_one_line(raw: str) -> None:
+    with pytest.raises(ConfigError, match=f"^{CPU_THREADS_ENV}=.*: expected an integer in "
+                                          "1..1024") as caught:
+        cpu_threads({CPU_THREADS_ENV: raw})
+    assert "\n" not in str(caught.value)
+
+
+def test_a_worker_of_zero_threads_is_refused_before_it_starts() -> None:
+    async def open_it() -> None:
+        WorkerStream(asyncio.get_running_loop(), threads=0)
+
+    with pytest.raises(ConfigError, match="^threads=0: expected an integer in 1..1024"):
+        asyncio.run(open_it())
+
+
+def test_the_worker_thread_count_does_not_leak_into_other_threads() -> None:
+    caller = torch.get_num_threads()
+    seen: list[int] = []
+
+    async def run() -> int:
+        stream = WorkerStream(asyncio.get_running_loop(), threads=1)
+        try:
+            later = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+            later.start()
+            later.join()
+            return await stream.enqueue(torch.get_num_threads)
+        finally:
+            stream.close()
+
+    assert asyncio.run(run()) == 1
+    assert seen == [caller]  # a thread started later keeps the process's own default
+    assert torch.get_num_threads() == caller
 
 
 def test_cpu_stream_work_runs_with_its_threads_and_without_autograd() -> None:
@@ -121,5 +153,5 @@ def test_a_bad_thread_setting_fails_the_start_in_one_line(monkeypatch: pytest.Mo
     async def start() -> None:
         await Runtime(load_config({"speculative_algorithm": "none"})).start()
 
-    with pytest.raises(ConfigError, match=f"^{CPU_THREADS_ENV}=-1: expected a positive"):
+    with pytest.raises(ConfigError, match=f"^{CPU_THREADS_ENV}=-1: expected an integer"):
         asyncio.run(start())

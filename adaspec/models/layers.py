@@ -73,7 +73,10 @@ class Attention(nn.Module):
     def rope_at(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """Cos and sin ``[..., hd // 2]`` at ``positions``; every attention of one head size
         has the same tables, so a forward gathers them once for all its layers."""
-        return self.cos[positions], self.sin[positions]
+        flat = positions.flatten()
+        shape = (*positions.shape, self.cos.shape[-1])
+        return (self.cos.index_select(0, flat).view(shape),
+                self.sin.index_select(0, flat).view(shape))
 
     def project(self, x: Tensor, positions: Tensor,
                 rope: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:

@@ -42,7 +42,7 @@ class VerifyRows:
         never packed separately, so it cannot disagree with the attention mask. The packer
         must keep every valid row below the context limit (cap the verify length at
         ``context_limit - 1 - anchor_position``)."""
-        return self.req_starts[self.row_reqs] + self.row_offsets
+        return self.req_starts.index_select(0, self.row_reqs) + self.row_offsets
 
     @classmethod
     def from_requests(cls, requests: list[tuple[int, int, list[int]]], *, num_rows: int,

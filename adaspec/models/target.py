@@ -45,7 +45,9 @@ class KVCache:
         """Flat row index of ``(slot, position)`` pairs into a layer viewed as
         ``[(num_slots + 1) * context_limit, heads, head_dim]``. Flat rows let writes and
         gathers use ``index_copy_`` and ``index_select``, several times faster on the CPU
-        than indexing with two index tensors, which works element by element."""
+        than indexing with two index tensors, which works element by element. Positions
+        must lie in ``0 .. context_limit - 1``: outside, a flat row lands in a neighbouring
+        slot (callers clamp or mask them)."""
         return (slots * self.context_limit + positions).flatten()
 
     def write(self, layer: int, slots: Tensor, positions: Tensor, k: Tensor, v: Tensor) -> None:
@@ -94,7 +96,7 @@ class GridIndex:
         device = rows.token_ids.device
         width = rows.rows_per_req + 1
         positions = rows.positions
-        write_slots = torch.where(rows.row_valid, rows.req_slots[rows.row_reqs],
+        write_slots = torch.where(rows.row_valid, rows.req_slots.index_select(0, rows.row_reqs),
                                   cache.num_slots)
         columns = torch.where(rows.row_valid, rows.row_offsets, rows.rows_per_req)
         query_pos = rows.req_starts[:, None] + torch.arange(width, device=device)
@@ -103,7 +105,10 @@ class GridIndex:
         # The key window covers every query position, so each grid row sees at least itself
         # and the softmax stays finite even in padding rows.
         return cls(positions=positions, rope=attn.rope_at(positions),
-                   write_rows=cache.rows_of(write_slots, positions),
+                   # Padding rows write at position 0 of the scratch slot: a flat row
+                   # index must never step outside its slot, whatever a padding row holds.
+                   write_rows=cache.rows_of(write_slots,
+                                            torch.where(rows.row_valid, positions, 0)),
                    grid_cells=rows.row_reqs * width + columns,
                    key_rows=cache.rows_of(rows.req_slots[:, None],
                                           key_pos.clamp(0, cache.context_limit - 1)),

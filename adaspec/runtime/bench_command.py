@@ -38,6 +38,7 @@ from adaspec.runtime.bench import (
 )
 from adaspec.runtime.calibrate_command import progress_reporter
 from adaspec.runtime.command_flags import flag_lines, take_flags
+from adaspec.runtime.devices.streams import cpu_threads
 from adaspec.runtime.engine import MAX_SEED
 
 # name -> (metavar, help); every one takes a value except --quick and --json.
@@ -229,12 +230,13 @@ def steal_share(before: CpuTicks | None, after: CpuTicks | None) -> float | None
 
 def others_share(before: CpuTicks | None, after: CpuTicks | None, own_cpu_seconds: float
                  ) -> float | None:
-    """The share of the machine's CPU time that went to other processes (and the host's
-    steal) between two readings: busy ticks less this process's own CPU time."""
+    """The share of the machine's CPU time that went to other processes between two
+    readings: busy ticks less the host's steal (reported on its own) and less this process's
+    own CPU time."""
     if before is None or after is None or after.total <= before.total:
         return None
     own = own_cpu_seconds * os.sysconf("SC_CLK_TCK")
-    busy = after.busy - before.busy
+    busy = (after.busy - after.stolen) - (before.busy - before.stolen)
     return round(max(0.0, busy - own) / (after.total - before.total), 4)
 
 
@@ -312,6 +314,9 @@ def run_bench_command(argv: Sequence[str]) -> int:
                                                           time.process_time() - own)
     report["load_average"] = None if load_start is None or load_end is None else {
         "start": load_start, "end": load_end}
+    # The plain loop runs on this thread with torch's own setting; the runtime arms' cpu
+    # stream leaves a core to the event loop.
+    report["torch_threads"] = {"plain": torch.get_num_threads(), "cpu_stream": cpu_threads()}
     report["busy_warning"] = busy_warning(
         report["cpu_share_of_other_processes"],
         None if load_start is None or load_end is None else (load_start, load_end))
@@ -331,7 +336,7 @@ def _load() -> float | None:
     """The one-minute load average, where the system has one."""
     try:
         return round(os.getloadavg()[0], 2)
-    except OSError:
+    except (OSError, AttributeError):  # no load average on this system
         return None
 
 
@@ -408,8 +413,11 @@ def print_table(report: dict[str, Any], out: TextIO) -> None:
 def _print_heading(report: dict[str, Any], write: Callable[[str], Any]) -> None:
     settings = report["settings"]
     steal = report.get("cpu_steal_share")
+    threads = report.get("torch_threads") or {}
     write(f"adaspec bench: {report['machine']}; {settings['passes']} pass(es), "
           f"{settings['max_tokens']} tokens per request, greedy; {report['seconds']} s"
+          + (f"; torch threads: plain loop {threads['plain']}, cpu stream "
+             f"{threads['cpu_stream']}" if threads else "")
           + ("" if steal is None else f"; CPU time stolen by the host: {100 * steal:.1f} %")
           + _others(report))
     if report.get("busy_warning"):

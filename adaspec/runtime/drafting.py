@@ -91,9 +91,12 @@ class MtpDrafting:
             # Step j sits at the position of the row that produced the anchor, plus j. Steps
             # past the context limit draft tokens the caps never verify; they run on the
             # scratch slot so nothing is written outside the cache.
+            # Padding entries read the scratch slot's state (anchor position 0), so their
+            # first step would sit at -1: clamped into the cache like the far end.
             positions = states.anchor_positions - 1 + step
-            inside = positions < self.context_limit
-            out = self.drafter.step(hidden, token, positions.clamp(max=self.context_limit - 1),
+            inside = (positions < self.context_limit) & (positions >= 0)
+            out = self.drafter.step(hidden, token,
+                                    positions.clamp(0, self.context_limit - 1),
                                     torch.where(inside, slots, self.scratch_slot))
             hidden, token = out.hidden, out.token_ids
             tokens.append(token)

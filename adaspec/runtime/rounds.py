@@ -143,7 +143,7 @@ class RoundWork:
         self._enter("commit")
         rows, packed = _have(self.rows, "rows"), _have(self.packed, "packed rows")
         out = _have(self.out, "target output")
-        stop_token_ids = self.ctx.sampling.stop_token_ids[self.inputs.slots] \
+        stop_token_ids = self.ctx.sampling.stop_token_ids.index_select(0, self.inputs.slots) \
             if self.inputs.any_stop else None
         result = commit_rows(packed, _have(self.sampled, "sampled tokens"),
                              _have(self.drafts, "drafts"), stop_token_ids,
@@ -152,7 +152,8 @@ class RoundWork:
         updated = SlotStates(
             anchor_ids=torch.where(live, result.next_anchor_ids, rows.anchor_ids),
             anchor_positions=rows.anchor_positions + result.num_emitted,
-            hidden=torch.where(live[:, None], out.hidden[result.last_rows], rows.hidden),
+            hidden=torch.where(live[:, None], out.hidden.index_select(0, result.last_rows),
+                               rows.hidden),
             remaining=rows.remaining - result.num_emitted,
             live=live & (result.finish == RUNNING))
         # Everything above may fail without harm; from here on the round's result is written.

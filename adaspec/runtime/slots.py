@@ -43,20 +43,23 @@ class SlotStates:
         return self.anchor_ids.shape[0] - 1
 
     def gather(self, slots: Tensor) -> "SlotStates":
-        """The rows of ``slots [Bcap]`` (copies, so a later scatter cannot change them)."""
-        return SlotStates(anchor_ids=self.anchor_ids[slots],
-                          anchor_positions=self.anchor_positions[slots],
-                          hidden=self.hidden[slots], remaining=self.remaining[slots],
-                          live=self.live[slots])
+        """The rows of ``slots [Bcap]`` (copies, so a later scatter cannot change them).
+        ``index_select`` rather than ``tensor[slots]``: the same rows at a fraction of the
+        CPU cost of advanced indexing, which a round pays for every tensor it gathers."""
+        return SlotStates(anchor_ids=self.anchor_ids.index_select(0, slots),
+                          anchor_positions=self.anchor_positions.index_select(0, slots),
+                          hidden=self.hidden.index_select(0, slots),
+                          remaining=self.remaining.index_select(0, slots),
+                          live=self.live.index_select(0, slots))
 
     def scatter(self, slots: Tensor, rows: "SlotStates") -> None:
         """Write ``rows`` back at ``slots``. Padding entries all point at the scratch row, so
         duplicate indices only ever collide there."""
-        self.anchor_ids[slots] = rows.anchor_ids
-        self.anchor_positions[slots] = rows.anchor_positions
-        self.hidden[slots] = rows.hidden
-        self.remaining[slots] = rows.remaining
-        self.live[slots] = rows.live
+        self.anchor_ids.index_copy_(0, slots, rows.anchor_ids)
+        self.anchor_positions.index_copy_(0, slots, rows.anchor_positions)
+        self.hidden.index_copy_(0, slots, rows.hidden)
+        self.remaining.index_copy_(0, slots, rows.remaining)
+        self.live.index_copy_(0, slots, rows.live)
 
 
 MAX_STOP_TOKENS = 16
@@ -92,6 +95,8 @@ class SlotSampling:
         self.stop_token_ids[slots] = stop_token_ids
 
     def gather(self, slots: Tensor, all_greedy: bool) -> SamplingTensors:
-        return SamplingTensors(temperature=self.temperature[slots], top_k=self.top_k[slots],
-                               top_p=self.top_p[slots], min_p=self.min_p[slots],
+        return SamplingTensors(temperature=self.temperature.index_select(0, slots),
+                               top_k=self.top_k.index_select(0, slots),
+                               top_p=self.top_p.index_select(0, slots),
+                               min_p=self.min_p.index_select(0, slots),
                                all_greedy=all_greedy)

@@ -48,7 +48,8 @@ def accepted_lengths(packed: PackedRows, target_token_ids: Tensor,
                      draft_token_ids: Tensor) -> tuple[Tensor, Tensor]:
     """Target tokens on the (entry, offset) grid ``[Bcap, width + 1]`` and the accepted
     draft count of each entry ``[Bcap]``."""
-    grid_tokens = torch.where(packed.grid_valid, target_token_ids[packed.grid_rows], -1)
+    gathered = target_token_ids.index_select(0, packed.grid_rows.flatten())
+    grid_tokens = torch.where(packed.grid_valid, gathered.view_as(packed.grid_rows), -1)
     verified = packed.grid_valid[:, 1:]  # draft position j+1 has a row
     matches = verified & (grid_tokens[:, :-1] == draft_token_ids)
     return grid_tokens, torch.cumprod(matches.to(torch.int64), dim=1).sum(dim=1)
@@ -95,8 +96,11 @@ def commit_rows(packed: PackedRows, target_token_ids: Tensor, draft_token_ids: T
     last_rows = packed.grid_rows.gather(1, last[:, None]).squeeze(1)
 
     rows = packed.rows
-    row_committed = rows.row_valid & (rows.row_offsets < num_emitted[rows.row_reqs])
-    row_next = token_ids[rows.row_reqs, rows.row_offsets.clamp(max=token_ids.shape[1] - 1)]
+    row_committed = rows.row_valid & (rows.row_offsets < num_emitted.index_select(0,
+                                                                                 rows.row_reqs))
+    span = token_ids.shape[1]
+    row_next = token_ids.flatten().index_select(
+        0, rows.row_reqs * span + rows.row_offsets.clamp(max=span - 1))
     return CommitResult(
         num_accepted=torch.where(req_valid, num_accepted, 0), num_emitted=num_emitted,
         token_ids=token_ids, finish=finish, next_anchor_ids=next_anchor_ids,
@@ -112,6 +116,7 @@ def publication(packed: PackedRows, result: CommitResult,
     (rejected suffix, padding) go to the scratch slot, so the shape never depends on the round.
     """
     rows = packed.rows
-    slots = torch.where(result.row_committed, rows.req_slots[rows.row_reqs], scratch_slot)
+    slots = torch.where(result.row_committed, rows.req_slots.index_select(0, rows.row_reqs),
+                        scratch_slot)
     next_ids = result.row_next_token_ids.clamp(min=0)
     return next_ids, rows.positions, slots

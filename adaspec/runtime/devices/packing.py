@@ -70,13 +70,13 @@ def pack_rows(verify_lengths: Tensor, anchor_token_ids: Tensor, draft_token_ids:
     owner = torch.searchsorted(cu_num_rows[1:], row, right=True)
     row_valid = row < cu_num_rows[-1]
     row_reqs = torch.where(row_valid, owner, 0).clamp(max=num_reqs - 1)
-    row_offsets = torch.where(row_valid, row - cu_num_rows[row_reqs], 0)
+    row_offsets = torch.where(row_valid, row - cu_num_rows.index_select(0, row_reqs), 0)
 
     is_draft = row_valid & (row_offsets > 0)
     draft_indices = torch.where(is_draft, row_reqs * width + row_offsets - 1, -1)
-    token_ids = anchor_token_ids[row_reqs]
+    token_ids = anchor_token_ids.index_select(0, row_reqs)
     if width:  # without speculation (width 0) every row is an anchor row
-        drafted = draft_token_ids.flatten()[draft_indices.clamp(min=0)]
+        drafted = draft_token_ids.flatten().index_select(0, draft_indices.clamp(min=0))
         token_ids = torch.where(is_draft, drafted, token_ids)
 
     offsets = torch.arange(width + 1, device=device)

@@ -129,8 +129,9 @@ def sample_rows(logits: Tensor, row_reqs: Tensor, params: SamplingTensors,
     greedy = torch.argmax(logits, dim=-1)
     if params.all_greedy:
         return greedy
-    temperature = params.temperature[row_reqs]
-    kept, order = sorted_filtered_probs(logits, temperature, params.top_k[row_reqs],
-                                        params.top_p[row_reqs], params.min_p[row_reqs])
+    temperature = params.temperature.index_select(0, row_reqs)
+    kept, order = sorted_filtered_probs(logits, temperature, params.top_k.index_select(0, row_reqs),
+                                        params.top_p.index_select(0, row_reqs),
+                                        params.min_p.index_select(0, row_reqs))
     drawn = draw_sorted(kept, order, uniforms)
     return torch.where(temperature > 0, drawn, greedy)

@@ -99,6 +99,9 @@ CPU_THREADS_ENV = "ADASPEC_CPU_THREADS"
 """Environment variable that sets the cpu stream's torch intra-op threads (``cpu_threads``)."""
 
 
+MAX_CPU_THREADS = 1024
+
+
 def cpu_threads(environ: Mapping[str, str] | None = None) -> int:
     """Intra-op threads of the cpu stream's worker: ``ADASPEC_CPU_THREADS`` when set, else the
     cores this process may run on less one for the event loop, at least one.
@@ -106,14 +109,22 @@ def cpu_threads(environ: Mapping[str, str] | None = None) -> int:
     Measured on a 2-core machine (reference target, one request): a decode step took 2.7 ms
     on the main thread with torch's default two threads, 10.9 ms on a worker thread with two
     threads beside the event loop, 3.1 ms there with one. Raises ``ConfigError`` naming the
-    variable for a value that is not a positive integer."""
+    variable for a value that is not an integer in 1..1024."""
     raw = (os.environ if environ is None else environ).get(CPU_THREADS_ENV)
     if raw is None:
         return max(1, _available_cores() - 1)
-    if not raw.strip().isdigit() or int(raw) < 1:
-        raise ConfigError(CPU_THREADS_ENV, raw, "expected a positive integer (torch intra-op "
-                          "threads of the cpu stream)")
-    return int(raw)
+    return checked_threads(CPU_THREADS_ENV, raw)
+
+
+def checked_threads(setting: str, raw: object) -> int:
+    """``raw`` as a thread count in 1..``MAX_CPU_THREADS``, or ``ConfigError`` naming
+    ``setting``."""
+    text = str(raw).strip()
+    if isinstance(raw, bool) or not (text.isascii() and text.isdigit()) \
+            or not 1 <= int(text) <= MAX_CPU_THREADS:
+        raise ConfigError(setting, raw, f"expected an integer in 1..{MAX_CPU_THREADS} (torch "
+                          "intra-op threads of the cpu stream)")
+    return int(text)
 
 
 def _available_cores() -> int:
@@ -240,12 +251,21 @@ class WorkerStream(_QueueStream):
 
     def __init__(self, loop: asyncio.AbstractEventLoop, threads: int | None = None) -> None:
         super().__init__(torch.device("cpu"), loop)
-        self.threads = cpu_threads() if threads is None else threads
+        self.threads = cpu_threads() if threads is None else checked_threads("threads",
+                                                                            threads)
+        # torch keeps a process-wide default beside each thread's own count, and setting the
+        # worker's count changes that default too: the caller's is restored once the worker
+        # holds its own, so threads started later (and the caller) keep what they had.
+        caller_threads = torch.get_num_threads()
+        self._ready = threading.Event()
         self._start({"worker": self._serve})
+        self._ready.wait()
+        torch.set_num_threads(caller_threads)
 
     def _serve(self) -> None:
-        # Thread-local in torch's OpenMP backend: the caller's own thread count is untouched.
+        torch.get_num_threads()  # this thread's own pool exists before its count is set
         torch.set_num_threads(self.threads)
+        self._ready.set()
         while (item := self._queue.get()) is not None:
             self._post(item.future, _call(item.work), item.on_done)
 
