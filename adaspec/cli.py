@@ -81,10 +81,14 @@ def run_models(argv: Sequence[str]) -> int:
             raise ConfigError(arg, MISSING, f"unknown flag; expected {' or '.join(MODELS_FLAGS)}")
     # Deferred: torch loads only for commands that need models.
     from adaspec.models.checkpoint import load_reference_models
+    from adaspec.models.drafter_cost import drafter_costs
     from adaspec.models.report import format_report, measure_excerpt, models_report
+    from adaspec.runtime.devices.streams import cpu_threads
 
     models = load_reference_models()
     report = models_report(models)
+    # Measured as the cpu stream runs them: with its thread count, at one request.
+    report["drafter_cost"] = drafter_costs(models, threads=cpu_threads())
     if "--measure" in argv:
         report["measured_on_excerpt"] = measure_excerpt(models)
     print(json.dumps(report, indent=2) if "--json" in argv else format_report(report))

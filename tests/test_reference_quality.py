@@ -94,6 +94,14 @@ def test_models_command_prints_identities_and_quality_as_json() -> None:
     assert report["models"]["target"]["parameters"] < 5_000_000
     assert len(report["quality"]["mtp"]["temperature_1"]["conditional"]) == 7
     assert "ece_before_scaling" in report["quality"]["dspark"]["confidence"]
+    # What each drafter costs beside a target step at one request (the figure itself is a
+    # speed and is read in the README, not bounded here).
+    cost = report["drafter_cost"]
+    assert cost["batch"] == 1
+    assert set(cost["ms"]) == {"target_step", "target_verify", "dspark_block", "mtp_step"}
+    assert all(value > 0 for value in cost["ms"].values())
+    assert cost["dspark_over_target_step"] == pytest.approx(
+        cost["ms"]["dspark_block"] / cost["ms"]["target_step"], rel=0.01)
 
 
 def test_models_command_rejects_unknown_flags() -> None:
@@ -112,6 +120,7 @@ def test_models_table_states_the_acceptance_length_convention(
     assert run(["models"]) == 0
     table = capsys.readouterr().out
     assert "AL = accepted + 1 (residual or bonus)" in table
+    assert "drafter cost at one request" in table
     assert table.splitlines()[1].startswith("target ")
 
 

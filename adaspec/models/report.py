@@ -84,6 +84,16 @@ def format_report(report: dict[str, Any]) -> str:
     lines += ["", f"dspark confidence: prefix-survival ECE {confidence['ece_before_scaling']:.4f}"
                   f" before scaling, {confidence['ece_after_scaling']:.4f} after; "
                   f"AUC {confidence['auc_prefix_survival']}"]
+    cost = report.get("drafter_cost")
+    if isinstance(cost, dict):
+        ms = cost["ms"]
+        lines += ["", f"drafter cost at one request ({cost['threads']} torch thread(s), fastest "
+                      f"of interleaved rounds): target step {ms['target_step']:.3f} ms, verify "
+                      f"of {cost['width'] + 1} rows {ms['target_verify']:.3f} ms",
+                  f"  dspark block of {cost['width']}: {ms['dspark_block']:.3f} ms = "
+                  f"{cost['dspark_over_target_step']:.3f} of a target step",
+                  f"  mtp step: {ms['mtp_step']:.3f} ms = {cost['mtp_step_over_target_step']:.3f} "
+                  "of a target step"]
     measured = report.get("measured_on_excerpt")
     if isinstance(measured, dict):
         lines += ["", "re-measured on the packaged excerpt (temperature 0, prefix acceptance)"]

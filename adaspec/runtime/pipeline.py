@@ -71,10 +71,26 @@ class RoundRecord:
     num_rows: int
     machine: RoundStates
     work: RoundWork  # held until retirement: its device tensors must outlive the device work
+    request_ids: tuple[int, ...] = ()  # [B] of the batch, in batch order
     retired: Completion[Any] | None = None
     error: BaseException | None = None
     failed_stage: str = ""
     started: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class BatchFacts:
+    """What the host derives from the requests of a batch. A batch stays the same round after
+    round until a request joins or ends, so this is built once per composition, not once per
+    round."""
+
+    batch: list[Request]  # never mutated: rounds in flight keep a reference to it
+    bucket: int  # Bcap
+    slots: torch.Tensor  # [Bcap] KV slot of each entry, padded with the scratch slot
+    request_ids: tuple[int, ...]  # [B]
+    tiers: tuple[int, ...]  # legal G of the bucket
+    all_greedy: bool
+    any_stop: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,7 +169,9 @@ class Pipeline:
         # it is retired together with that round and never adds a host wait of its own.
         self.pending: deque[tuple[str, Completion[Any], Any, int]] = deque()
         self._tiers: dict[int, tuple[int, ...]] = {}
-        self._last_slots: tuple[tuple[int, ...], torch.Tensor] = ((), torch.zeros(0))
+        # Bumped whenever a request joins ``active`` or ends: the batch facts are rebuilt then.
+        self._composition = 0
+        self._facts: tuple[int, BatchFacts | None] = (-1, None)
         self.next_round = 0
         self.retired_through = -1
         self.counters = Counters()
@@ -212,9 +230,9 @@ class Pipeline:
         while True:
             await self._retire_due()
             self._admit()
-            batch = [r for r in self.active if r.running][: self.max_batch]
-            if batch:
-                await self._submit(batch)
+            facts = self._batch_facts()
+            if facts is not None:
+                await self._submit(facts)
                 continue
             if self.pending:
                 await self._retire_next()
@@ -243,7 +261,31 @@ class Pipeline:
         self._release_slots()
 
     # --- admission and prefill -----------------------------------------------------------
+    def _batch_facts(self) -> BatchFacts | None:
+        """The next round's batch (None: nothing to decode), rebuilt only when it changed."""
+        version, facts = self._facts
+        if version == self._composition:
+            return facts
+        batch = [r for r in self.active if r.running][: self.max_batch]
+        facts = self._derive_facts(batch) if batch else None
+        self._facts = (self._composition, facts)
+        return facts
+
+    def _derive_facts(self, batch: list[Request]) -> BatchFacts:
+        bucket = self.geometry.request_bucket(len(batch))
+        tiers = self._tiers.get(bucket)
+        if tiers is None:
+            tiers = self._tiers[bucket] = self.geometry.legal_rows(bucket)
+        padded = [r.kv_slot for r in batch] + [self.ctx.states.scratch] * (bucket - len(batch))
+        return BatchFacts(batch=batch, bucket=bucket,
+                          slots=torch.tensor(padded, dtype=torch.int64, device=self.ctx.device),
+                          request_ids=tuple(r.id for r in batch), tiers=tiers,
+                          all_greedy=not any(r.params.temperature for r in batch),
+                          any_stop=any(r.params.stop for r in batch))
+
     def _admit(self) -> None:
+        if not self.waiting:
+            return
         room = self.max_batch - sum(r.running for r in self.active)
         admitted: list[Request] = []
         while self.waiting and room > 0 and self.free_slots:
@@ -256,6 +298,7 @@ class Pipeline:
         if admitted:
             self._enqueue_prefill(admitted)
             self.active.extend(admitted)
+            self._composition += 1
 
     def _enqueue_prefill(self, admitted: list[Request]) -> None:
         device = self.ctx.device
@@ -292,24 +335,26 @@ class Pipeline:
                 self._finish(request, "stop" if stop else "length")
 
     # --- decisions and submission ----------------------------------------------------------
-    async def _submit(self, batch: list[Request]) -> None:
+    async def _submit(self, facts: BatchFacts) -> None:
         number = self.next_round
         self.next_round += 1
         slot = number % 2 if self.lag == 2 else 0
-        num_reqs = len(batch)
-        bucket = self.geometry.request_bucket(num_reqs)
-        depth = self._decide_depth(number, slot, num_reqs, bucket)
-        num_rows, verify = self._decide_rows(number, slot, batch, bucket, depth)
-        inputs = self._round_inputs(number, batch, bucket, depth, num_rows, verify)
+        batch, bucket = facts.batch, facts.bucket
+        depth = self._decide_depth(number, slot, len(batch), bucket)
+        num_rows, verify = self._decide_rows(number, slot, facts, depth)
+        inputs = RoundInputs(round=number, slots=facts.slots, depth=depth, num_rows=num_rows,
+                             all_greedy=facts.all_greedy, verify=verify,
+                             any_stop=facts.any_stop)
         record = RoundRecord(round=number, slot=slot, batch=batch, num_reqs_bucket=bucket,
                              depth=depth, num_rows=num_rows,
                              machine=RoundStates(number, self.hooks, slot),
-                             work=RoundWork(self.ctx, inputs), started=self.now())
+                             work=RoundWork(self.ctx, inputs), started=self.now(),
+                             request_ids=facts.request_ids)
         for request in batch:
             request.last_round = number
         if self.bus.listening:
             self.publish(RoundSubmitted(time=record.started, round=number, slot=slot,
-                                        request_ids=tuple(r.id for r in batch),
+                                        request_ids=facts.request_ids,
                                         num_reqs_bucket=bucket))
         self.counters.rounds_submitted += 1
         self.counters.in_flight.add(number)
@@ -331,18 +376,16 @@ class Pipeline:
                                       context=context, depth=depth))
         return depth
 
-    def _decide_rows(self, number: int, slot: int, batch: list[Request], bucket: int,
-                     depth: int) -> tuple[int, Binding]:
-        tiers = self._tiers.get(bucket)
-        if tiers is None:
-            tiers = self._tiers[bucket] = self.geometry.legal_rows(bucket)
+    def _decide_rows(self, number: int, slot: int, facts: BatchFacts, depth: int
+                     ) -> tuple[int, Binding]:
+        batch, bucket, tiers = facts.batch, facts.bucket, facts.tiers
         # The host lags the device: the prefill's token and the round in flight (lag 2) may
         # not have reached it, and this round itself writes up to w + 1 positions.
         known = max(len(r.prompt) + len(r.tokens) for r in batch) + 1
         context = BudgetContext(round=number, num_reqs=len(batch), num_reqs_bucket=bucket,
                                 width=self.width, depth=depth, tiers=tiers,
                                 retired_through=self.retired_through,
-                                request_ids=tuple(r.id for r in batch),
+                                request_ids=facts.request_ids,
                                 max_kv_length=known + self.lag * (self.width + 1))
         chosen = self.budget_policy.decide(context)
         if chosen not in tiers:
@@ -356,18 +399,6 @@ class Pipeline:
             self.publish(BudgetDecided(time=self.now(), round=number, slot=slot,
                                        context=context, num_rows=chosen, bound_rows=bound))
         return bound, verify
-
-    def _round_inputs(self, number: int, batch: list[Request], bucket: int, depth: int,
-                      num_rows: int, verify: Binding) -> RoundInputs:
-        slots = tuple(r.kv_slot for r in batch)
-        if slots != self._last_slots[0]:  # the batch often stays the same between rounds
-            padded = slots + (self.ctx.states.scratch,) * (bucket - len(batch))
-            self._last_slots = (slots, torch.tensor(padded, dtype=torch.int64,
-                                                    device=self.ctx.device))
-        return RoundInputs(round=number, slots=self._last_slots[1], depth=depth,
-                           num_rows=num_rows,
-                           all_greedy=not any(r.params.temperature for r in batch),
-                           verify=verify, any_stop=any(r.params.stop for r in batch))
 
     async def _enqueue_round(self, record: RoundRecord, work: RoundWork) -> None:
         stream = self.stream
@@ -484,30 +515,41 @@ class Pipeline:
         confidences = host["confidences"].tolist() if "confidences" in host else None
         # Entries no longer live on the device finished in an earlier round: they tell
         # nothing about this one.
+        batch = record.batch
         rows = [index for index in range(num) if live[index]]
-        delivered = [index for index in rows if record.batch[index].running]
+        delivered = [index for index in rows if batch[index].running]
+        counters = self.counters
+        outcomes = counters.outcomes
+        verified = accepted_total = emitted_total = 0
         for index in delivered:  # cancelled or failed requests: their tokens are dropped
-            request = record.batch[index]
+            request = batch[index]
+            length, accept, count = lengths[index], accepted[index], emitted[index]
             request.rounds += 1
-            request.verified += lengths[index]
-            request.accepted += accepted[index]
-            self.counters.outcomes[lengths[index], accepted[index]] += 1
-            request.emit(tokens[index][:emitted[index]])
+            request.verified += length
+            request.accepted += accept
+            outcomes[length, accept] += 1
+            request.emit(tokens[index][:count])
+            verified += length
+            accepted_total += accept
+            emitted_total += count
             if finish[index]:
                 self._finish(request, FINISH_REASONS[finish[index]])
-        counters = self.counters
         counters.request_rounds += len(delivered)
-        counters.drafted_verified += sum(lengths[i] for i in delivered)
-        counters.drafted_accepted += sum(accepted[i] for i in delivered)
-        counters.tokens_generated += sum(emitted[i] for i in delivered)
+        counters.drafted_verified += verified
+        counters.drafted_accepted += accepted_total
+        counters.tokens_generated += emitted_total
+        every = len(rows) == num  # the usual round: every entry still decoding
+
+        def column(values: list[Any]) -> tuple[Any, ...]:
+            return tuple(values[:num]) if every else tuple(values[i] for i in rows)
+
         return RoundFeedback(
             round=record.round, num_reqs=len(rows), num_reqs_bucket=record.num_reqs_bucket,
             width=self.width, depth=record.depth, num_rows=record.num_rows,
-            verify_lengths=tuple(lengths[i] for i in rows),
-            num_accepted=tuple(accepted[i] for i in rows),
-            confidences=() if confidences is None else tuple(tuple(confidences[i])
-                                                            for i in rows),
-            request_ids=tuple(record.batch[i].id for i in rows))
+            verify_lengths=column(lengths), num_accepted=column(accepted),
+            confidences=() if confidences is None else tuple(map(tuple, column(confidences))),
+            request_ids=record.request_ids if every else
+            tuple(record.request_ids[i] for i in rows))
 
     # --- request ends and slots --------------------------------------------------------------
     def _finish(self, request: Request, reason: str) -> None:
@@ -523,6 +565,7 @@ class Pipeline:
     def _retire_request(self, request: Request, reason: str) -> None:
         self.publish(RequestFinished(time=self.now(), request_id=request.id, reason=reason,
                                      num_tokens=len(request.tokens)))
+        self._composition += 1
         if request in self.active:
             self.active.remove(request)
         if request.kv_slot >= 0:
