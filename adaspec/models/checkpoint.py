@@ -49,8 +49,7 @@ def save_module(module: nn.Module, config: dict[str, int], path: Path) -> None:
     save_file(state, str(path), metadata={"config": json.dumps(config, sort_keys=True)})
 
 
-def read_checkpoint(path: Path) -> tuple[dict[str, int], dict[str, torch.Tensor]]:
-    """A checkpoint's configuration (from its metadata) and tensors."""
+def _read(path: Path) -> tuple[dict[str, int], dict[str, torch.Tensor]]:
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as handle:
@@ -75,13 +74,13 @@ class ReferenceModels:
 def load_models(folder: Path, device: torch.device | str = "cpu") -> ReferenceModels:
     """Load the three checkpoints of a folder onto ``device`` in float32, in eval mode."""
     require_device(torch.device(device).type)
-    target_config, target_state = read_checkpoint(folder / FILES["target"])
+    target_config, target_state = _read(folder / FILES["target"])
     target = ReferenceTarget(TargetConfig(**target_config))
     _restore(target, target_state, "", target_config)
-    mtp_config, mtp_state = read_checkpoint(folder / FILES["mtp"])
+    mtp_config, mtp_state = _read(folder / FILES["mtp"])
     mtp = ReferenceMtp(MtpConfig(**mtp_config), target)
     _restore(mtp, mtp_state, target.identity, mtp_config)
-    dspark_config, dspark_state = read_checkpoint(folder / FILES["dspark"])
+    dspark_config, dspark_state = _read(folder / FILES["dspark"])
     dspark = ReferenceDSpark(DSparkConfig(**dspark_config), target)
     _restore(dspark, dspark_state, target.identity, dspark_config)
     for module in (target, mtp, dspark):

@@ -116,22 +116,14 @@ class Attention(nn.Module):
         return out.transpose(1, 2).reshape(*q.shape[:2], -1)
 
 
-GELU = "none"
-"""The target's activation: exact GELU (``F.gelu``'s ``approximate`` argument)."""
-GELU_TANH = "tanh"
-"""The drafters' activation: the tanh approximation, a third of exact GELU's CPU cost."""
-
-
 class MLP(nn.Module):
-    def __init__(self, dim: int, hidden: int, out: int | None = None,
-                 approximate: str = GELU) -> None:
+    def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
-        self.approximate = approximate
         self.up = nn.Linear(dim, hidden, bias=False)
-        self.down = nn.Linear(hidden, dim if out is None else out, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        out: Tensor = self.down(F.gelu(self.up(x), approximate=self.approximate))
+        out: Tensor = self.down(F.gelu(self.up(x)))
         return out
 
 
@@ -139,12 +131,12 @@ class Block(nn.Module):
     """Pre-norm transformer block."""
 
     def __init__(self, dim: int, num_heads: int, mlp_hidden: int, window: int,
-                 max_positions: int, approximate: str = GELU) -> None:
+                 max_positions: int) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(dim)
         self.attn = Attention(dim, num_heads, window, max_positions)
         self.mlp_norm = RMSNorm(dim)
-        self.mlp = MLP(dim, mlp_hidden, approximate=approximate)
+        self.mlp = MLP(dim, mlp_hidden)
 
     def sequence(self, x: Tensor, positions: Tensor,
                  key_valid: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:

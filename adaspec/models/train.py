@@ -1,7 +1,6 @@
 """Train the reference models: ``python -m adaspec.models.train``.
 
-Seeded and reproducible on a CPU (about 20 minutes on 2 cores; ``--drafters_only`` keeps the
-target in the output folder and redoes the rest, about 12 minutes). Steps:
+Seeded and reproducible on a CPU (about 20 minutes on 2 cores). Steps:
 1. the target on the training corpus (next-byte cross-entropy);
 2. both drafters distilled from the frozen target together, sharing its forward pass: soft
    labels are the target's distributions; the MTP head is trained unrolled over several
@@ -39,7 +38,6 @@ from adaspec.models.checkpoint import (
     STORED_DTYPE,
     ReferenceModels,
     load_models,
-    read_checkpoint,
     save_module,
     shipped_folder,
 )
@@ -217,8 +215,8 @@ def train_confidence_head(target: ReferenceTarget, dspark: ReferenceDSpark, data
     """Fit the confidence head (backbone frozen) to the analytic acceptance of the
     drafter's own blocks."""
     blocks = own_blocks(target, dspark, data, settings, np.random.default_rng(settings.seed))
-    params = [*dspark.confidence_state.parameters(), *dspark.confidence_token.parameters(),
-              *dspark.confidence.parameters()]
+    params = [*dspark.confidence_norm.parameters(), *dspark.confidence.parameters(),
+              *dspark.confidence_out.parameters()]
     opt = torch.optim.AdamW(params, lr=settings.confidence_lr, weight_decay=0.0)
     count = len(blocks["label"])
     for step in range(settings.confidence_steps):
@@ -308,15 +306,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--write_data", action=argparse.BooleanOptionalAction, default=True,
                         help="also rewrite the packaged prompt set and held-out excerpt")
-    parser.add_argument("--drafters_only", action="store_true",
-                        help="keep the target checkpoint in --output; train the drafters")
     args = parser.parse_args(argv)
     settings = TrainSettings(seed=args.seed)
-    run(settings, args.output, args.cache_dir, args.write_data, args.drafters_only)
+    run(settings, args.output, args.cache_dir, args.write_data)
 
 
-def run(settings: TrainSettings, output: Path, cache_dir: Path, write_data: bool,
-        drafters_only: bool = False) -> None:
+def run(settings: TrainSettings, output: Path, cache_dir: Path, write_data: bool) -> None:
     torch.manual_seed(settings.seed)
     torch.set_num_threads(settings.threads)
     generator = torch.Generator().manual_seed(settings.seed)
@@ -324,17 +319,9 @@ def run(settings: TrainSettings, output: Path, cache_dir: Path, write_data: bool
     data = torch.frombuffer(bytearray(corpus.train), dtype=torch.uint8).long()
     seconds: dict[str, float] = {}
     started = time.monotonic()
-    if drafters_only:
-        target = load_target(output)
-        seconds["target"] = _card_seconds(output).get("target", 0.0)
-    else:
-        target = train_target(data, settings, generator)
-        seconds["target"] = time.monotonic() - started
+    target = train_target(data, settings, generator)
+    seconds["target"] = time.monotonic() - started
     started = time.monotonic()
-    # The drafters' draws start from their own seed, so a full run and --drafters_only on
-    # the same target give the same drafters.
-    torch.manual_seed(settings.seed + 1)
-    generator = torch.Generator().manual_seed(settings.seed + 1)
     mtp, dspark = train_drafters(target, data, settings, generator)
     train_confidence_head(target, dspark, corpus.train, settings, generator)
     seconds["drafters"] = time.monotonic() - started
@@ -355,28 +342,10 @@ def run(settings: TrainSettings, output: Path, cache_dir: Path, write_data: bool
                             settings.width, settings.seed + 2)
     seconds["calibration_and_evaluation"] = time.monotonic() - started
     card = model_card(models, corpus, settings, seconds, evaluation, temperatures)
-    # The target came from an earlier run of this script (its seconds are that run's).
-    card["training"]["drafters_only"] = drafters_only  # type: ignore[index]
     (output / MODEL_CARD).write_text(json.dumps(card, indent=2) + "\n")
     if write_data:
         write_prompt_data(corpus, settings.seed)
     print(json.dumps(card["quality"], indent=2))
-
-
-def load_target(folder: Path) -> ReferenceTarget:
-    """The target checkpoint of ``folder``, in float32 as stored (float16) values."""
-    config, state = read_checkpoint(folder / FILES["target"])
-    target = ReferenceTarget(TargetConfig(**config))
-    target.load_state_dict({k: v.float() for k, v in state.items()})
-    return target.eval()
-
-
-def _card_seconds(folder: Path) -> dict[str, float]:
-    path = folder / MODEL_CARD
-    if not path.exists():
-        return {}
-    seconds: dict[str, float] = json.loads(path.read_text())["training"]["seconds"]
-    return seconds
 
 
 def model_card(models: ReferenceModels, corpus: corpus_module.Corpus, settings: TrainSettings,
