@@ -25,6 +25,7 @@ from adaspec.runtime.bench import (
     fixed_within_noise,
     margin,
     noise,
+    output_reference,
     paired_ratios,
     pass_order,
     percentile,
@@ -276,6 +277,30 @@ def test_a_differing_output_is_reported_with_its_place() -> None:
     assert compare_outputs([reference, other]) == [{
         "arm": "fixed:3", "reference": "none", "concurrency": 4, "pass": 1, "prompt": 1,
         "first_difference": 2}]
+
+
+def test_without_the_target_alone_outputs_are_compared_with_the_first_arm() -> None:
+    # Fabricated records (the point of the test): no plain or none arm ran.
+    first = RunRecord(arm="fixed:1", level=1, passed=0, outputs=[(1, 2), (3, 4)])
+    second = RunRecord(arm="fixed:2", level=1, passed=0, outputs=[(1, 2), (3, 5)])
+    later = RunRecord(arm="fixed:2", level=1, passed=1, outputs=[(1, 2), (3, 4)])
+    rotated = RunRecord(arm="fixed:1", level=1, passed=1, outputs=[(1, 2), (3, 4)])
+    assert output_reference(["fixed:1", "fixed:2"]) == "fixed:1"
+    assert output_reference(["fixed:1", "none", "plain"]) == "plain"
+    assert compare_outputs([first, second, later, rotated]) == [{
+        "arm": "fixed:2", "reference": "fixed:1", "concurrency": 1, "pass": 0, "prompt": 1,
+        "first_difference": 1}]
+
+
+def test_a_bad_thread_setting_stops_a_plain_only_bench_before_it_runs(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("ADASPEC_CPU_THREADS", "0")
+    argv = ["bench", "--arms", "plain", "--concurrency", "1", "--requests", "1",
+            "--max_tokens", "2", "--passes", "1"]
+    assert cli.run(argv) == 2  # plain alone runs no stream, but the flag is checked anyway
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("adaspec bench: error: ADASPEC_CPU_THREADS=0: expected")
 
 
 def test_every_arm_writes_an_event_log_that_replays(report: dict[str, object]) -> None:

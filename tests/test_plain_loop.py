@@ -79,6 +79,17 @@ def test_max_tokens_one_emits_the_prefill_token_only(models: ReferenceModels) ->
     assert run.tpot_s == ()
 
 
+@pytest.mark.parametrize(("prompt", "message"), [
+    ([], r"prompts\[0\]: 0 tokens, expected 1..1023"),
+    ([65] * 1024, r"prompts\[0\]: 1024 tokens, expected 1..1023"),
+    ([65, 256], r"prompts\[0\]: token id 256, expected 0..255"),
+    ([-1], r"prompts\[0\]: token id -1, expected 0..255")])
+def test_prompts_the_runtime_would_refuse_are_refused(models: ReferenceModels, prompt: list[int],
+                                                      message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        plain_loop(models.target, [prompt], 4, 1)
+
+
 @pytest.mark.parametrize(("concurrency", "max_tokens", "message"), [
     (5, 4, "concurrency=5: expected 1..4"), (0, 4, "concurrency=0: expected 1..4"),
     (1, 0, "max_tokens=0: expected at least 1")])

@@ -446,6 +446,7 @@ def summarise(plan: BenchPlan, records: Sequence[RunRecord]) -> dict[str, Any]:
             level["best_fixed"] for level in levels) else not steady,
         "greedy_outputs_identical": not mismatches,
         "outputs_compared": _compared(records),
+        "outputs_reference": output_reference([arm.name for arm in plan.arms]),
         "output_mismatches": mismatches[:20],
         "skipped_arms": [{"arm": name, "why": why} for name, why in plan.skipped],
         "settings": {"concurrency": list(plan.levels), "passes": plan.passes,
@@ -651,15 +652,22 @@ def paired_ratios(runs: Sequence[RunRecord], reference: Sequence[RunRecord]) -> 
             for r in runs if r.passed in by_pass and r.seconds and r.tokens]
 
 
+def output_reference(arms: Sequence[str]) -> str:
+    """The arm whose greedy outputs every other arm's are compared with: the target alone (the
+    plain loop, else ``none``), else the first of ``arms``."""
+    return next((arm for arm in (PLAIN, "none") if arm in arms), arms[0] if arms else "")
+
+
 def compare_outputs(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
-    """Every (level, pass, prompt) whose output differs from the target alone's: the plain
-    loop's, else the ``none`` arm's, else the first arm's."""
+    """Every (level, pass, prompt) whose output differs from the reference arm's
+    (``output_reference`` over the arms in the order they first ran)."""
     runs: dict[tuple[int, int], dict[str, RunRecord]] = {}
     for record in records:
         runs.setdefault((record.level, record.passed), {})[record.arm] = record
+    reference_arm = output_reference(list(dict.fromkeys(r.arm for r in records)))
     mismatches = []
     for (level, number), arms in sorted(runs.items()):
-        reference = arms.get(PLAIN) or arms.get("none") or next(iter(arms.values()))
+        reference = arms.get(reference_arm) or next(iter(arms.values()))
         for name, record in arms.items():
             for index, (mine, theirs) in enumerate(zip(record.outputs, reference.outputs,
                                                        strict=True)):
@@ -678,6 +686,6 @@ def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def _compared(records: Sequence[RunRecord]) -> int:
-    reference = PLAIN if any(r.arm == PLAIN for r in records) else "none"
+    reference = output_reference(list(dict.fromkeys(r.arm for r in records)))
     return sum(len(r.outputs) for r in records if r.arm != reference)
 

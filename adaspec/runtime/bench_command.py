@@ -27,6 +27,8 @@ from adaspec.config.flags import coerce, parse_argv
 from adaspec.config.launch import BUILTIN_TARGET
 from adaspec.errors import MISSING, ConfigError
 from adaspec.runtime.bench import (
+    PLAIN,
+    Arm,
     BenchPlan,
     RunProgress,
     RunRecord,
@@ -256,8 +258,21 @@ def busy_warning(share: float | None, load: tuple[float, float] | None) -> str |
         reasons.append(f"the load average was {load[0]:.1f} on {cores} cores at the start")
     if not reasons:
         return None
-    return ("warning: the machine was busy (" + "; ".join(reasons) + "): read the ratios, "
-            "not the absolute figures, and compare tokens per CPU second")
+    return ("warning: the machine was busy (" + "; ".join(reasons) + "): the figures carry "
+            "that noise, the plain loop's most (its torch threads wait on each other for a "
+            "free core); rerun on a quiet machine before reading a ratio")
+
+
+def torch_threads(arms: Sequence[Arm]) -> dict[str, int]:
+    """The torch threads of the plain loop (this thread's own setting) and of the cpu stream,
+    for the arms that run them."""
+    stream = cpu_threads()  # checked even when no arm opens a stream: never silently ignored
+    threads = {}
+    if any(arm.name == PLAIN for arm in arms):
+        threads["plain"] = torch.get_num_threads()
+    if any(arm.name != PLAIN and arm.config.launch.device == "cpu" for arm in arms):
+        threads["cpu_stream"] = stream
+    return threads
 
 
 def run_progress(stream: TextIO) -> RunProgress:
@@ -297,6 +312,7 @@ def run_bench_command(argv: Sequence[str]) -> int:
                                   quick=choices.quick, levels=choices.levels,
                                   scratch=Path(scratch))
         check_outputs(choices, [arm.name for arm in arms])
+        threads = torch_threads(arms)  # a bad ADASPEC_CPU_THREADS is refused before any run
         plan = BenchPlan(arms=arms, levels=choices.levels, prompts=shipped_prompts(),
                          requests=requests_per_level(choices), max_tokens=choices.max_tokens,
                          passes=choices.passes, seed=choices.seed,
@@ -316,7 +332,7 @@ def run_bench_command(argv: Sequence[str]) -> int:
         "start": load_start, "end": load_end}
     # The plain loop runs on this thread with torch's own setting; the runtime arms' cpu
     # stream leaves a core to the event loop.
-    report["torch_threads"] = {"plain": torch.get_num_threads(), "cpu_stream": cpu_threads()}
+    report["torch_threads"] = threads
     report["busy_warning"] = busy_warning(
         report["cpu_share_of_other_processes"],
         None if load_start is None or load_end is None else (load_start, load_end))
@@ -414,10 +430,11 @@ def _print_heading(report: dict[str, Any], write: Callable[[str], Any]) -> None:
     settings = report["settings"]
     steal = report.get("cpu_steal_share")
     threads = report.get("torch_threads") or {}
+    names = {"plain": "plain loop", "cpu_stream": "cpu stream"}
     write(f"adaspec bench: {report['machine']}; {settings['passes']} pass(es), "
           f"{settings['max_tokens']} tokens per request, greedy; {report['seconds']} s"
-          + (f"; torch threads: plain loop {threads['plain']}, cpu stream "
-             f"{threads['cpu_stream']}" if threads else "")
+          + ("; torch threads: " + ", ".join(f"{names[k]} {v}" for k, v in threads.items())
+             if threads else "")
           + ("" if steal is None else f"; CPU time stolen by the host: {100 * steal:.1f} %")
           + _others(report))
     if report.get("busy_warning"):
@@ -435,9 +452,11 @@ def _print_footer(report: dict[str, Any], write: Callable[[str], Any]) -> None:
           "verified per round.")
     for skipped in report["skipped_arms"]:
         write(f"skipped {skipped['arm']}: {skipped['why']}")
+    reference = report.get("outputs_reference", "")
+    against = "the target alone" if reference in ("plain", "none") else f"arm {reference}'s"
     if report["greedy_outputs_identical"]:
         write(f"greedy outputs: identical in every arm ({report['outputs_compared']} outputs "
-              "compared with the target alone)")
+              f"compared with {against})")
     else:
         first = report["output_mismatches"][0]
         write(f"greedy outputs DIFFER: {len(report['output_mismatches'])}+ mismatches, first "
