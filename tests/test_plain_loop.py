@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from adaspec.config import SamplingParams, load_config
-from adaspec.errors import ConfigError
+from adaspec.errors import ConfigError, InvalidRequest
 from adaspec.models import ReferenceModels, load_reference_models
 from adaspec.runtime.bench import shipped_prompts
 from adaspec.runtime.devices.streams import CPU_THREADS_ENV, WorkerStream, cpu_threads
@@ -80,13 +80,13 @@ def test_max_tokens_one_emits_the_prefill_token_only(models: ReferenceModels) ->
 
 
 @pytest.mark.parametrize(("prompt", "message"), [
-    ([], r"prompts\[0\]: 0 tokens, expected 1..1023"),
-    ([65] * 1024, r"prompts\[0\]: 1024 tokens, expected 1..1023"),
-    ([65, 256], r"prompts\[0\]: token id 256, expected 0..255"),
-    ([-1], r"prompts\[0\]: token id -1, expected 0..255")])
+    ([], r"prompts\[0\]=0 tokens: expected 1..1023 tokens"),
+    ([65] * 1024, r"prompts\[0\]=1024 tokens: expected 1..1023 tokens"),
+    ([65, 256], r"prompts\[0\]=256: expected token ids in 0..255"),
+    ([-1], r"prompts\[0\]=-1: expected token ids in 0..255")])
 def test_prompts_the_runtime_would_refuse_are_refused(models: ReferenceModels, prompt: list[int],
                                                       message: str) -> None:
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(InvalidRequest, match=message):
         plain_loop(models.target, [prompt], 4, 1)
 
 

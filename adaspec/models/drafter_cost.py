@@ -39,7 +39,8 @@ def drafter_costs(models: ReferenceModels, width: int = 5, threads: int = 1,
                   calls_per_round: int = 50, rounds: int = 8) -> dict[str, object]:
     """Milliseconds of a target step (one row), a target verify of ``width + 1`` rows, a DSpark
     block of ``width`` and one MTP step, each at one request with ``threads`` torch threads,
-    and each drafter's cost over the target step and over that verify."""
+    and each drafter's cost over the target step and over that verify. The target's and the
+    MTP head's KV caches are reallocated for one request: measure on models not serving."""
     target, mtp, dspark = models.target, models.mtp, models.dspark
     target.allocate(1)
     mtp.allocate(1)

@@ -47,6 +47,7 @@ from adaspec.config.flags import coerce
 from adaspec.config.launch import launch_field_types
 from adaspec.errors import ConfigError
 from adaspec.models import ReferenceModels, load_reference_models
+from adaspec.models.protocols import TargetModel
 from adaspec.runtime.calibration import Progress
 from adaspec.runtime.devices.buckets import BucketGeometry
 from adaspec.runtime.engine import Runtime, RuntimeOptions
@@ -341,7 +342,7 @@ async def run_bench(plan: BenchPlan, models: Callable[[], ReferenceModels] | Non
 class PlainArm:
     """The plain loop's own target, with a KV slot per client of the largest level."""
 
-    target: Any  # TargetModel
+    target: TargetModel
 
     @classmethod
     def start(cls, arm: Arm, models: ReferenceModels | None, concurrency: int) -> "PlainArm":

@@ -48,7 +48,7 @@ from adaspec.runtime.events.bus import EventBus
 from adaspec.runtime.events.clock import Clock, MonotonicClock
 from adaspec.runtime.events.types import RequestArrived
 from adaspec.runtime.pipeline import Pipeline, RuntimeStatistics
-from adaspec.runtime.requests import Request, RequestHandle
+from adaspec.runtime.requests import Request, RequestHandle, check_prompt
 from adaspec.runtime.rounds import DeviceContext, StageHook
 from adaspec.runtime.slots import MAX_STOP_TOKENS, SlotSampling, SlotStates
 from adaspec.runtime.states import RoundHooks
@@ -370,19 +370,7 @@ class Runtime:
 
     @staticmethod
     def _check_prompt(pipeline: Pipeline, prompt: Sequence[int]) -> None:
-        target = pipeline.ctx.target
-        limit = target.context_limit - 1
-        if not 1 <= len(prompt) <= limit:
-            raise InvalidRequest("prompt", f"{len(prompt)} tokens",
-                                 f"expected 1..{limit} tokens (context limit "
-                                 f"{target.context_limit}, and the first generated token "
-                                 "needs a position)")
-        vocab = target.vocab_size
-        bad = next((t for t in prompt
-                    if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab),
-                   None)
-        if bad is not None:
-            raise InvalidRequest("prompt", bad, f"expected token ids in 0..{vocab - 1}")
+        check_prompt(pipeline.ctx.target, prompt)
 
     def cancel(self, request_id: int) -> None:
         """End a request between rounds (see ``RequestHandle.cancel``); an unknown or ended

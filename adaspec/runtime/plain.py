@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from adaspec.models.protocols import TargetModel, VerifyRows
+from adaspec.runtime.requests import check_prompt
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,21 +52,10 @@ def plain_loop(target: TargetModel, prompts: Sequence[Sequence[int]], max_tokens
                          "target's allocated KV slots)")
     if max_tokens < 1:
         raise ValueError(f"max_tokens={max_tokens}: expected at least 1")
-    for index, prompt in enumerate(prompts):
-        _check_prompt(target, index, prompt)
+    for index, prompt in enumerate(prompts):  # the runtime's own rules, so outputs compare
+        check_prompt(target, prompt, f"prompts[{index}]")
     with torch.no_grad():
         return _run(target, prompts, max_tokens, concurrency)
-
-
-def _check_prompt(target: TargetModel, index: int, prompt: Sequence[int]) -> None:
-    """The runtime's own prompt rules: 1 .. context_limit - 1 tokens, ids in the vocabulary."""
-    limit = target.context_limit - 1
-    if not 1 <= len(prompt) <= limit:
-        raise ValueError(f"prompts[{index}]: {len(prompt)} tokens, expected 1..{limit} (the "
-                         "first generated token needs a position)")
-    bad = next((t for t in prompt if not 0 <= t < target.vocab_size), None)
-    if bad is not None:
-        raise ValueError(f"prompts[{index}]: token id {bad}, expected 0..{target.vocab_size - 1}")
 
 
 def _run(target: TargetModel, prompts: Sequence[Sequence[int]], max_tokens: int,

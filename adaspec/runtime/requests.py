@@ -1,11 +1,28 @@
 """Requests as the runtime's host side sees them, and the handle an engine streams from."""
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from adaspec.config.requests import SamplingParams
-from adaspec.errors import AdaspecError
+from adaspec.errors import AdaspecError, InvalidRequest
+from adaspec.models.protocols import TargetModel
+
+
+def check_prompt(target: TargetModel, prompt: Sequence[int], field: str = "prompt") -> None:
+    """Refuse, naming ``field``, a prompt the target cannot decode: 1 .. context_limit - 1
+    tokens (the first generated token needs a position), ids in the vocabulary."""
+    limit = target.context_limit - 1
+    if not 1 <= len(prompt) <= limit:
+        raise InvalidRequest(field, f"{len(prompt)} tokens",
+                             f"expected 1..{limit} tokens (context limit "
+                             f"{target.context_limit}, and the first generated token "
+                             "needs a position)")
+    vocab = target.vocab_size
+    bad = next((t for t in prompt
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None)
+    if bad is not None:
+        raise InvalidRequest(field, bad, f"expected token ids in 0..{vocab - 1}")
 
 
 class RequestFailed(AdaspecError):
