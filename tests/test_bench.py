@@ -292,15 +292,18 @@ def test_without_the_target_alone_outputs_are_compared_with_the_first_arm() -> N
         "first_difference": 1}]
 
 
-def test_a_bad_thread_setting_stops_a_plain_only_bench_before_it_runs(
-        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setenv("ADASPEC_CPU_THREADS", "0")
+@pytest.mark.parametrize(("variable", "value"), [("ADASPEC_CPU_THREADS", "0"),
+                                                ("ADASPEC_CPU_STREAM", "thread")])
+def test_a_bad_stream_setting_stops_a_plain_only_bench_before_it_runs(
+        variable: str, value: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv(variable, value)
     argv = ["bench", "--arms", "plain", "--concurrency", "1", "--requests", "1",
             "--max_tokens", "2", "--passes", "1"]
-    assert cli.run(argv) == 2  # plain alone runs no stream, but the flag is checked anyway
+    assert cli.run(argv) == 2  # plain alone runs no stream, but the setting is checked anyway
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert captured.err.startswith("adaspec bench: error: ADASPEC_CPU_THREADS=0: expected")
+    assert captured.err.startswith(f"adaspec bench: error: {variable}={value}: expected")
 
 
 def test_every_arm_writes_an_event_log_that_replays(report: dict[str, object]) -> None:

@@ -3,6 +3,7 @@ same end rules as the runtime; and the cpu stream's thread and autograd settings
 the runtime from fighting its own event loop for the cores."""
 
 import asyncio
+import os
 import threading
 
 import pytest
@@ -12,7 +13,12 @@ from adaspec.config import SamplingParams, load_config
 from adaspec.errors import ConfigError, InvalidRequest
 from adaspec.models import ReferenceModels, load_reference_models
 from adaspec.runtime.bench import shipped_prompts
-from adaspec.runtime.devices.streams import CPU_THREADS_ENV, WorkerStream, cpu_threads
+from adaspec.runtime.devices.streams import (
+    CPU_STREAM_ENV,
+    CPU_THREADS_ENV,
+    WorkerStream,
+    cpu_threads,
+)
 from adaspec.runtime.engine import Runtime
 from adaspec.runtime.plain import plain_loop
 
@@ -45,7 +51,10 @@ def test_the_plain_loop_decodes_what_the_target_alone_decodes(models: ReferenceM
     assert all(t > 0 for t in run.tpot_s)
 
 
-def test_the_plain_loop_matches_the_runtime_token_for_token(models: ReferenceModels) -> None:
+@pytest.mark.parametrize("stream", ["loop", "worker"])
+def test_the_plain_loop_matches_the_runtime_token_for_token(
+        models: ReferenceModels, stream: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(CPU_STREAM_ENV, stream)
     prompts = [list(p) for p in shipped_prompts()[:4]]
     run = plain_loop(models.target, prompts, 20, concurrency=3)
 
@@ -99,10 +108,13 @@ def test_impossible_plain_runs_are_refused(models: ReferenceModels, concurrency:
         plain_loop(models.target, [[65]], max_tokens, concurrency)
 
 
-def test_cpu_threads_leave_a_core_to_the_event_loop() -> None:
+def test_cpu_threads_use_every_core_on_the_loop_and_leave_one_beside_a_worker() -> None:
     assert cpu_threads({CPU_THREADS_ENV: "3"}) == 3
     assert cpu_threads({CPU_THREADS_ENV: " 2 "}) == 2
-    assert cpu_threads({}) >= 1
+    cores = len(os.sched_getaffinity(0))
+    assert cpu_threads({}) == cores
+    assert cpu_threads({CPU_STREAM_ENV: "worker"}) == max(1, cores - 1)
+    assert cpu_threads({}, stream="worker") == max(1, cores - 1)
 
 
 @pytest.mark.parametrize("raw", ["0", "two", "-1", "2147483648", "\u00b2", "", "1.5"])
@@ -158,11 +170,14 @@ def test_cpu_stream_work_runs_with_its_threads_and_without_autograd() -> None:
     assert torch.get_num_threads() == caller_threads  # the caller's own setting is untouched
 
 
-def test_a_bad_thread_setting_fails_the_start_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(CPU_THREADS_ENV, "-1")
+@pytest.mark.parametrize(("variable", "value", "expected"), [
+    (CPU_THREADS_ENV, "-1", "an integer"), (CPU_STREAM_ENV, "gpu", "loop")])
+def test_a_bad_stream_setting_fails_the_start_in_one_line(
+        variable: str, value: str, expected: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(variable, value)
 
     async def start() -> None:
         await Runtime(load_config({"speculative_algorithm": "none"})).start()
 
-    with pytest.raises(ConfigError, match=f"^{CPU_THREADS_ENV}=-1: expected an integer"):
+    with pytest.raises(ConfigError, match=f"^{variable}={value}: expected {expected}"):
         asyncio.run(start())

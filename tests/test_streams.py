@@ -18,12 +18,15 @@ import pytest
 import pytest_asyncio
 import torch
 
-from adaspec.errors import DeviceUnavailable, StreamClosed
+from adaspec.errors import ConfigError, DeviceUnavailable, StreamClosed
 from adaspec.runtime.devices.retire import enqueue_retire, retire_copy
 from adaspec.runtime.devices.streams import (
+    CPU_STREAM_ENV,
     DeviceStream,
+    LoopStream,
     TorchStream,
     WorkerStream,
+    cpu_stream_kind,
     open_stream,
 )
 
@@ -86,6 +89,16 @@ async def opened_stream(device: str, gates: Gates) -> AsyncIterator[DeviceStream
 
 @pytest_asyncio.fixture
 async def stream(gates: Gates) -> AsyncIterator[DeviceStream]:
+    """The worker stream: gated work blocks its own thread, never the loop's."""
+    async for opened in opened_stream("cpu", gates):
+        yield opened
+
+
+@pytest_asyncio.fixture(params=["worker", "loop"])
+async def cpu_stream(request: pytest.FixtureRequest, gates: Gates,
+                     monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[DeviceStream]:
+    """Either cpu stream, for the rules both keep (no gates: loop work runs on the loop)."""
+    monkeypatch.setenv(CPU_STREAM_ENV, request.param)
     async for opened in opened_stream("cpu", gates):
         yield opened
 
@@ -100,21 +113,105 @@ async def cuda_stream(gates: Gates) -> AsyncIterator[DeviceStream]:
 
 
 @pytest.mark.asyncio
-async def test_open_stream_cpu_is_one_worker_thread() -> None:
+@pytest.mark.parametrize(("setting", "kind"), [(None, LoopStream), ("loop", LoopStream),
+                                               (" worker ", WorkerStream)])
+async def test_open_stream_cpu_is_the_loop_stream_unless_the_worker_is_asked_for(
+        setting: str | None, kind: type, monkeypatch: pytest.MonkeyPatch) -> None:
+    if setting is None:
+        monkeypatch.delenv(CPU_STREAM_ENV, raising=False)
+    else:
+        monkeypatch.setenv(CPU_STREAM_ENV, setting)
     opened = open_stream("cpu", asyncio.get_running_loop())
     try:
-        assert isinstance(opened, WorkerStream)
+        assert isinstance(opened, kind)
         assert opened.device == torch.device("cpu")
     finally:
         opened.close()
 
 
+@pytest.mark.parametrize("raw", ["threads", "", "Loop", "worker2"])
+def test_an_unknown_cpu_stream_is_refused_in_one_line(raw: str) -> None:
+    with pytest.raises(ConfigError, match=f"^{CPU_STREAM_ENV}=.*: expected loop .* or "
+                                          "worker") as caught:
+        cpu_stream_kind({CPU_STREAM_ENV: raw})
+    assert "\n" not in str(caught.value)
+
+
 @pytest.mark.asyncio
-async def test_work_runs_in_submission_order(stream: DeviceStream) -> None:
+async def test_work_runs_in_submission_order(cpu_stream: DeviceStream) -> None:
     ran: list[int] = []
-    completions = [stream.enqueue(recording(ran, index)) for index in range(20)]
+    completions = [cpu_stream.enqueue(recording(ran, index)) for index in range(20)]
     assert [await completion for completion in completions] == list(range(20))
     assert ran == list(range(20))
+
+
+@pytest.mark.asyncio
+async def test_loop_stream_work_runs_on_the_loop_thread_one_callback_per_item() -> None:
+    loop = asyncio.get_running_loop()
+    stream = LoopStream(loop)
+    ran: list[str] = []
+    try:
+        first = stream.enqueue(lambda: ran.append("work 0") or threading.current_thread())
+        second = stream.enqueue(lambda: ran.append("work 1"))
+        # Enqueueing ran nothing: the host goes on before the work, as with any stream.
+        assert ran == []
+        assert not first.done()
+        loop.call_soon(ran.append, "other callback")
+        assert await first is threading.current_thread()
+        await second
+    finally:
+        stream.close()
+    # Another callback ready before the second item ran between the two items.
+    assert ran == ["work 0", "other callback", "work 1"]
+
+
+@pytest.mark.asyncio
+async def test_loop_stream_runs_with_its_threads_and_gives_the_count_back_at_close() -> None:
+    caller = torch.get_num_threads()
+    stream = LoopStream(asyncio.get_running_loop(), threads=1)
+    try:
+        weight = torch.ones(3, requires_grad=True)
+        inside = await stream.enqueue(lambda: (torch.get_num_threads(),
+                                               (weight * 2).requires_grad))
+    finally:
+        stream.close()
+    assert inside == (1, False)
+    assert torch.get_num_threads() == caller
+
+
+@pytest.mark.asyncio
+async def test_loop_stream_close_inside_work_lets_the_scheduled_items_run() -> None:
+    stream = LoopStream(asyncio.get_running_loop())
+    ran: list[int] = []
+
+    def close_then_return() -> str:
+        stream.close()
+        return "closed"
+
+    completions = [stream.enqueue(close_then_return)]
+    completions += [stream.enqueue(recording(ran, index)) for index in (1, 2)]
+    assert [await completion for completion in completions] == ["closed", 1, 2]
+    assert ran == [1, 2]
+    with pytest.raises(StreamClosed):
+        stream.enqueue(lambda: 3)
+
+
+@pytest.mark.asyncio
+async def test_loop_stream_raising_callback_does_not_strand_later_items() -> None:
+    loop = asyncio.get_running_loop()
+    reported: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _, context: reported.append(context))
+    stream = LoopStream(loop)
+    try:
+        def broken(_: "asyncio.Future[int]") -> None:
+            raise ValueError("observer bug")
+
+        stream.enqueue(lambda: 1, on_done=broken)
+        assert await stream.enqueue(lambda: 2) == 2
+    finally:
+        loop.set_exception_handler(None)
+        stream.close()
+    assert [str(context.get("exception")) for context in reported] == ["observer bug"]
 
 
 @pytest.mark.asyncio
@@ -145,24 +242,25 @@ async def test_enqueue_returns_before_the_work_finishes(stream: DeviceStream,
 
 @pytest.mark.asyncio
 async def test_an_error_surfaces_on_its_own_completion_and_later_work_still_runs(
-        stream: DeviceStream) -> None:
+        cpu_stream: DeviceStream) -> None:
     def failing() -> int:
         raise ValueError("sample stage failed")
 
-    failed = stream.enqueue(failing)
-    later = stream.enqueue(lambda: 7)
+    failed = cpu_stream.enqueue(failing)
+    later = cpu_stream.enqueue(lambda: 7)
     with pytest.raises(ValueError, match="^sample stage failed$"):
         await failed
     assert await later == 7
 
 
 @pytest.mark.asyncio
-async def test_stop_iteration_from_work_is_delivered_as_an_error(stream: DeviceStream) -> None:
+async def test_stop_iteration_from_work_is_delivered_as_an_error(
+        cpu_stream: DeviceStream) -> None:
     def exhausted() -> int:
         return next(iter(()))
 
     with pytest.raises(RuntimeError, match="StopIteration") as info:
-        await stream.enqueue(exhausted)
+        await cpu_stream.enqueue(exhausted)
     assert isinstance(info.value.__cause__, StopIteration)
 
 
@@ -186,11 +284,11 @@ async def test_a_cancelled_completion_is_skipped_and_the_stream_carries_on(
 
 
 @pytest.mark.asyncio
-async def test_close_drains_the_work_enqueued_before_it(stream: DeviceStream) -> None:
+async def test_close_drains_the_work_enqueued_before_it(cpu_stream: DeviceStream) -> None:
     ran: list[int] = []
-    completions = [stream.enqueue(recording(ran, index)) for index in range(5)]
-    stream.close()
-    assert ran == [0, 1, 2, 3, 4]  # close() returned, so the worker got through all of it
+    completions = [cpu_stream.enqueue(recording(ran, index)) for index in range(5)]
+    cpu_stream.close()
+    assert ran == [0, 1, 2, 3, 4]  # close() returned, so the stream got through all of it
     assert [await completion for completion in completions] == [0, 1, 2, 3, 4]
 
 
@@ -221,10 +319,11 @@ async def test_close_is_idempotent_and_joins_the_worker(stream: DeviceStream) ->
 
 
 @pytest.mark.asyncio
-async def test_enqueue_after_close_raises(stream: DeviceStream) -> None:
-    stream.close()
+async def test_enqueue_after_close_raises(cpu_stream: DeviceStream) -> None:
+    cpu_stream.close()
+    cpu_stream.close()
     with pytest.raises(StreamClosed, match=r"^the cpu stream is closed; no work can be enqueued"):
-        stream.enqueue(lambda: 1)
+        cpu_stream.enqueue(lambda: 1)
 
 
 # ---- opening streams on devices this host lacks -----------------------------------------

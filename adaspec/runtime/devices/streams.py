@@ -6,10 +6,15 @@ retirement of round n-2. A stream runs work items in submission order and report
 end as a ``Completion``: an awaitable resolved on the runtime's asyncio loop once the device
 has finished that work, not merely once it was launched.
 
-- cpu: the "device" is one worker thread; work is finished when the function has returned.
-  Its torch intra-op threads leave one core to the event loop (``cpu_threads``): the loop's
-  own work would otherwise preempt an OpenMP worker mid-kernel, and every parallel region
-  would wait for it at its barrier.
+- cpu (default, ``LoopStream``): the "device" is the event loop's own thread. Each work item
+  runs as one loop callback, in order, with torch's intra-op threads on every core; work is
+  finished when the function has returned. On a cpu the host and the "device" share the same
+  cores, so a second thread buys no overlap, only a fight: the loop's work preempts an
+  OpenMP worker mid-kernel and every parallel region waits for it at its barrier, and each
+  stage pays a thread handoff.
+- cpu with ``ADASPEC_CPU_STREAM=worker`` (``WorkerStream``): one worker thread runs the items,
+  for an embedder whose loop must stay responsive while a kernel runs; its intra-op threads
+  leave one core to the loop (``cpu_threads``).
 - cuda / npu: a launcher thread runs each item under the stream and records an event after
   it, so launches run ahead of the device; a waiter thread synchronizes those events in order
   and only then resolves the completions.
@@ -23,6 +28,7 @@ build autograd graphs while it serves, whether or not its methods say so themsel
 """
 
 import asyncio
+import collections
 import contextlib
 import os
 import queue
@@ -98,22 +104,39 @@ class _Item:
 CPU_THREADS_ENV = "ADASPEC_CPU_THREADS"
 """Environment variable that sets the cpu stream's torch intra-op threads (``cpu_threads``)."""
 
+CPU_STREAM_ENV = "ADASPEC_CPU_STREAM"
+"""Environment variable that picks the cpu stream: ``loop`` (default) or ``worker``."""
+
+CPU_STREAMS = ("loop", "worker")
 
 MAX_CPU_THREADS = 1024
 
 
-def cpu_threads(environ: Mapping[str, str] | None = None) -> int:
-    """Intra-op threads of the cpu stream's worker: ``ADASPEC_CPU_THREADS`` when set, else the
-    cores this process may run on less one for the event loop, at least one.
+def cpu_stream_kind(environ: Mapping[str, str] | None = None) -> str:
+    """``ADASPEC_CPU_STREAM`` (``loop`` when unset), or ``ConfigError`` naming the variable."""
+    raw = (os.environ if environ is None else environ).get(CPU_STREAM_ENV, "loop")
+    if raw.strip() not in CPU_STREAMS:
+        raise ConfigError(CPU_STREAM_ENV, raw, "expected loop (device work on the event "
+                          "loop's thread) or worker (on a thread of its own)")
+    return raw.strip()
+
+
+def cpu_threads(environ: Mapping[str, str] | None = None, stream: str | None = None) -> int:
+    """Intra-op threads of the cpu stream: ``ADASPEC_CPU_THREADS`` when set, else every core
+    this process may run on for the loop stream, and one less (at least one) for the worker
+    stream, whose event loop keeps a core. ``stream`` is ``loop`` or ``worker`` (default: the
+    one ``ADASPEC_CPU_STREAM`` picks).
 
     Measured on a 2-core machine (reference target, one request): a decode step took 2.7 ms
     on the main thread with torch's default two threads, 10.9 ms on a worker thread with two
-    threads beside the event loop, 3.1 ms there with one. Raises ``ConfigError`` naming the
-    variable for a value that is not an integer in 1..1024."""
-    raw = (os.environ if environ is None else environ).get(CPU_THREADS_ENV)
-    if raw is None:
-        return max(1, _available_cores() - 1)
-    return checked_threads(CPU_THREADS_ENV, raw)
+    threads beside the event loop, 3.1 ms there with one. Raises ``ConfigError`` naming a
+    variable for a value out of range."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get(CPU_THREADS_ENV)
+    if raw is not None:
+        return checked_threads(CPU_THREADS_ENV, raw)
+    spare = 1 if (stream or cpu_stream_kind(environ)) == "worker" else 0
+    return max(1, _available_cores() - spare)
 
 
 def checked_threads(setting: str, raw: object) -> int:
@@ -251,8 +274,8 @@ class WorkerStream(_QueueStream):
 
     def __init__(self, loop: asyncio.AbstractEventLoop, threads: int | None = None) -> None:
         super().__init__(torch.device("cpu"), loop)
-        self.threads = cpu_threads() if threads is None else checked_threads("threads",
-                                                                            threads)
+        self.threads = cpu_threads(stream="worker") if threads is None \
+            else checked_threads("threads", threads)
         # torch keeps a process-wide default beside each thread's own count, and setting the
         # worker's count changes that default too: the caller's is restored once the worker
         # holds its own, so threads started later (and the caller) keep what they had.
@@ -268,6 +291,78 @@ class WorkerStream(_QueueStream):
         self._ready.set()
         while (item := self._queue.get()) is not None:
             self._post(item.future, _call(item.work), item.on_done)
+
+
+class LoopStream:
+    """The default cpu stream: every work item runs on the event loop's thread, as one loop
+    callback of its own, so other callbacks (the host's next round, a new request) interleave
+    between items while the order of items and of their completions stays the submission
+    order.
+
+    Opened on the loop's thread, it sets that thread's torch intra-op threads (``cpu_threads``)
+    and gives back the previous count when it closes. ``close`` drains by running whatever is
+    still queued at once; called from inside a work item it only refuses new work, since the
+    items behind the running one are already scheduled on the loop.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, threads: int | None = None) -> None:
+        self.device = torch.device("cpu")
+        self.threads = cpu_threads(stream="loop") if threads is None \
+            else checked_threads("threads", threads)
+        self._loop = loop
+        self._pending: collections.deque[_Item] = collections.deque()
+        self._scheduled = False
+        self._running = False
+        self._closed = False
+        self._caller_threads = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+
+    def enqueue(self, work: Callable[[], T],
+                on_done: "Callable[[asyncio.Future[T]], None] | None" = None) -> Completion[T]:
+        """Queue ``work`` behind everything enqueued so far and return without running it."""
+        if self._closed:
+            raise StreamClosed(self.device)
+        future: asyncio.Future[T] = self._loop.create_future()
+        self._pending.append(_Item(work, future, on_done))
+        if not self._scheduled:
+            self._scheduled = True
+            self._loop.call_soon(self._run_next)
+        return Completion(future)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._running:
+            return
+        while self._pending:
+            # A closed loop has nobody left to await a completion: dropping it is correct.
+            with contextlib.suppress(RuntimeError):
+                self._run_one()
+        torch.set_num_threads(self._caller_threads)
+
+    def _run_next(self) -> None:
+        self._scheduled = False
+        if not self._pending:
+            return  # close() ran the items first
+        if len(self._pending) > 1:
+            # Scheduled before the item runs, so a raising callback cannot strand the rest.
+            self._scheduled = True
+            self._loop.call_soon(self._run_next)
+        self._run_one()
+        if self._closed and not self._pending:
+            torch.set_num_threads(self._caller_threads)
+
+    def _run_one(self) -> None:
+        item = self._pending.popleft()
+        self._running = True
+        try:
+            outcome = _call(item.work)
+        finally:
+            self._running = False
+        _settle(item.future, outcome)
+        if item.on_done is not None and not item.future.cancelled():
+            item.on_done(item.future)
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,6 +433,8 @@ def open_stream(device: str, loop: asyncio.AbstractEventLoop) -> DeviceStream:
     Raises ``DeviceUnavailable`` naming ``--device`` when the device cannot be used here.
     """
     require_device(device)
-    if device == "cpu":
+    if device != "cpu":
+        return TorchStream(device, loop)
+    if cpu_stream_kind() == "worker":
         return WorkerStream(loop)
-    return TorchStream(device, loop)
+    return LoopStream(loop)
