@@ -248,6 +248,25 @@ def test_packing_lays_rows_out_request_by_request_with_padding_last() -> None:
     assert packed.grid_rows[0].tolist() == [0, 1, 2, 3]
 
 
+def test_packing_results_are_fresh_tensors_a_caller_may_write_into() -> None:
+    drafts = ints([10, 11, 20, 21]).view(2, 2)
+
+    def packed() -> PackedRows:
+        return pack_rows(ints([2, 1]), ints([1, 2]), drafts, ints([0, 1]), ints([5, 6]),
+                         flags([True, True]), num_rows=6)
+
+    first = packed()
+    for tensor in (first.rows.row_reqs, first.rows.row_offsets, first.draft_indices,
+                   first.grid_rows, first.rows.token_ids):
+        tensor.fill_(99)  # must not reach the constants the next round packs with
+    again = packed()
+    assert again.rows.row_reqs.tolist() == [0, 0, 0, 1, 1, 0]
+    assert again.rows.row_offsets.tolist() == [0, 1, 2, 0, 1, 0]
+    assert again.draft_indices.tolist() == [-1, 0, 1, -1, 2, -1]
+    assert again.grid_rows.tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert again.rows.token_ids.tolist() == [1, 10, 11, 2, 20, 1]
+
+
 def test_packed_rows_verify_exactly_like_host_built_rows() -> None:
     target = load_reference_models().target
     target.allocate(3)

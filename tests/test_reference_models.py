@@ -158,6 +158,24 @@ def test_mtp_serving_step_matches_its_teacher_forced_forward(models: ReferenceMo
     assert step.probs[0].item() == pytest.approx(probs.max().item(), abs=1e-6)
 
 
+@pytest.mark.parametrize("length", [1, 4, 8])
+def test_causal_attention_from_position_zero_equals_the_masked_sequence_path(
+        models: ReferenceModels, length: int) -> None:
+    block = models.dspark.blocks[0]
+    seeded = torch.Generator().manual_seed(7)
+    x = torch.randn(3, length, models.target.hidden_size, generator=seeded)
+    positions = torch.arange(length).expand(3, length)
+    with torch.no_grad():
+        expected, _, _ = block.sequence(x, positions)
+        assert torch.equal(block.causal(x), expected)
+
+
+def test_causal_attention_refuses_more_positions_than_its_window(models: ReferenceModels) -> None:
+    attn = models.dspark.blocks[0].attn
+    with pytest.raises(ValueError, match=f"exceeds the window of {attn.window}"):
+        attn.causal(torch.zeros(1, attn.window + 1, models.target.hidden_size))
+
+
 def test_drafters_are_deterministic(models: ReferenceModels, text: bytes) -> None:
     context = [prompt(text, 0, 200), prompt(text, 500, 90)]
 

@@ -78,12 +78,17 @@ class Attention(nn.Module):
         return (self.cos.index_select(0, flat).view(shape),
                 self.sin.index_select(0, flat).view(shape))
 
-    def project(self, x: Tensor, positions: Tensor,
+    def project(self, x: Tensor, positions: Tensor | None,
                 rope: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """q, k, v ``[..., H, hd]`` for inputs ``x [..., dim]`` at ``positions [...]``
-        (``rope``: their tables from ``rope_at``, when the caller has them already)."""
+        (``rope``: their tables from ``rope_at``, when the caller has them already; then
+        ``positions`` may be None)."""
         qkv = self.qkv(x).unflatten(-1, (3, self.num_heads, self.head_dim))
-        cos, sin = rope if rope is not None else self.rope_at(positions)
+        if rope is None:
+            if positions is None:
+                raise ValueError("project needs positions or their rope tables")
+            rope = self.rope_at(positions)
+        cos, sin = rope
         # q and k rotate together: one set of elementwise ops instead of two.
         qk = apply_rope(qkv[..., :2, :, :], cos.unsqueeze(-2), sin.unsqueeze(-2))
         return qk[..., 0, :, :], qk[..., 1, :, :], qkv[..., 2, :, :]
@@ -107,6 +112,20 @@ class Attention(nn.Module):
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None])
         projected: Tensor = self.out(out.transpose(1, 2).reshape(x.shape))
         return projected, k, v
+
+    def causal(self, x: Tensor) -> Tensor:
+        """Attention over sequences ``x [B, T, dim]`` at positions 0 .. T-1 with T at most the
+        window: the mask is plain causal and the rope tables are the first T rows, so neither
+        is built (what ``sequence`` computes for those positions, with fewer kernels)."""
+        length = x.shape[1]
+        if length > self.window:
+            raise ValueError(f"causal attention over {length} positions exceeds the window "
+                             f"of {self.window}")
+        q, k, v = self.project(x, None, (self.cos[:length], self.sin[:length]))
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                             v.transpose(1, 2), is_causal=True)
+        projected: Tensor = self.out(out.transpose(1, 2).reshape(x.shape))
+        return projected
 
     def grid(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
         """Attention of a query grid ``q [N, R, H, hd]`` over gathered keys and values
@@ -143,6 +162,13 @@ class Block(nn.Module):
         attn, k, v = self.attn.sequence(self.attn_norm(x), positions, key_valid)
         x = x + attn
         return x + self.mlp(self.mlp_norm(x)), k, v
+
+
+    def causal(self, x: Tensor) -> Tensor:
+        """``sequence`` at positions 0 .. T-1 (T within the window), via ``Attention.causal``."""
+        x = x + self.attn.causal(self.attn_norm(x))
+        out: Tensor = x + self.mlp(self.mlp_norm(x))
+        return out
 
 
 def init_weights(module: nn.Module, num_layers: int) -> None:

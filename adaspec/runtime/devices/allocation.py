@@ -36,8 +36,7 @@ def verify_caps(width: int, budget: Tensor, req_valid: Tensor) -> Tensor:
     round, accepted drafts plus the residual or bonus token, so verifying more than
     ``budget - 1`` drafts is wasted target work. Padding entries get 0.
     """
-    caps = (budget - 1).clamp(min=0, max=width)
-    return torch.where(req_valid, caps, torch.zeros_like(caps))
+    return (budget - 1).clamp(min=0, max=width) * req_valid
 
 
 def prefix_survivals(confidences: Tensor) -> Tensor:

@@ -76,36 +76,33 @@ def commit_rows(packed: PackedRows, target_token_ids: Tensor, draft_token_ids: T
     each entry may still commit (at least 1 for live entries); ``req_valid [Bcap]``.
     """
     grid_tokens, num_accepted = accepted_lengths(packed, target_token_ids, draft_token_ids)
-    offsets = torch.arange(grid_tokens.shape[1], device=grid_tokens.device)
-    emitted = offsets[None, :] <= num_accepted[:, None]
-    candidates = torch.where(emitted, grid_tokens, -1)
+    offsets = packed.offsets
     allowed = torch.minimum(num_accepted + 1, budget)
     if stop_token_ids is None:
-        num_emitted = torch.where(req_valid, allowed, 0)
+        num_emitted = allowed * req_valid
         finish = torch.where(num_emitted >= budget, FINISHED_LENGTH, RUNNING)
     else:
+        candidates = torch.where(offsets <= num_accepted[:, None], grid_tokens, -1)
         cut = stop_cut(candidates, stop_token_ids)
-        num_emitted = torch.where(req_valid, torch.minimum(allowed, cut), 0)
+        num_emitted = torch.minimum(allowed, cut) * req_valid
         finish = torch.where(cut <= allowed, FINISHED_STOP,
                              torch.where(num_emitted >= budget, FINISHED_LENGTH, RUNNING))
-    token_ids = torch.where(offsets[None, :] < num_emitted[:, None], candidates, -1)
-    finish = torch.where(req_valid, finish, RUNNING).to(torch.int8)
-
-    last = (num_emitted - 1).clamp(min=0)
-    next_anchor_ids = torch.where(req_valid, token_ids.gather(1, last[:, None]).squeeze(1), -1)
-    last_rows = packed.grid_rows.gather(1, last[:, None]).squeeze(1)
-
+    # What is emitted never runs past the accepted drafts and the token after them, so it is
+    # simply the leading num_emitted target tokens of the entry's grid.
+    token_ids = torch.where(offsets < num_emitted[:, None], grid_tokens, -1)
+    finish = (finish * req_valid).to(torch.int8)
+    last_rows = packed.grid_rows.gather(1, (num_emitted - 1).clamp(min=0)[:, None]).squeeze(1)
     rows = packed.rows
     row_committed = rows.row_valid & (rows.row_offsets < num_emitted.index_select(0,
                                                                                  rows.row_reqs))
-    span = token_ids.shape[1]
-    row_next = token_ids.flatten().index_select(
-        0, rows.row_reqs * span + rows.row_offsets.clamp(max=span - 1))
+    # A committed row's following token is that row's own target token.
     return CommitResult(
-        num_accepted=torch.where(req_valid, num_accepted, 0), num_emitted=num_emitted,
-        token_ids=token_ids, finish=finish, next_anchor_ids=next_anchor_ids,
+        num_accepted=num_accepted * req_valid, num_emitted=num_emitted,
+        token_ids=token_ids, finish=finish,
+        next_anchor_ids=torch.where(num_emitted > 0,
+                                    target_token_ids.index_select(0, last_rows), -1),
         last_rows=last_rows, row_committed=row_committed,
-        row_next_token_ids=torch.where(row_committed, row_next, -1))
+        row_next_token_ids=torch.where(row_committed, target_token_ids, -1))
 
 
 def publication(packed: PackedRows, result: CommitResult,

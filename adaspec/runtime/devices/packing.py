@@ -2,14 +2,16 @@
 
 Batch entry i contributes ``1 + verify_lengths[i]`` consecutive rows (its anchor row, then its
 admitted draft positions) starting at ``cu_num_rows[i]``; the remaining rows up to G are
-padding. Every index is computed from device tensors with fixed shapes (``searchsorted``
-over the offsets, never a boolean mask or ``nonzero``), so packing never reads the lengths
+padding. Every index is computed from device tensors with fixed shapes (a scatter of grid
+cells into rows, never a boolean mask or ``nonzero``), so packing never reads the lengths
 back to the host and can be captured in a graph keyed by (Bcap, G).
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from adaspec.models.protocols import VerifyRows
@@ -32,12 +34,51 @@ class PackedRows:
     def width(self) -> int:
         return self.grid_rows.shape[1] - 1
 
+    @property
+    def offsets(self) -> Tensor:
+        """[width + 1] the offsets 0 .. width of a grid row (shared: never write into it)."""
+        return _layout(self.grid_rows.shape[0], self.width, self.grid_rows.device).offsets
+
 
 def grid_width(width: int, num_rows: int) -> int:
     """The most rows one request can hold in a G-row round: w + 1, or G where G is smaller.
     The target's attention grid has one column per such row, so a shallow round in a wide
     launch does not pay for columns no request can fill."""
     return min(width + 1, num_rows)
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """Constants of one (Bcap, w, G) packing, by flat grid cell ``entry * (w + 1) + offset``."""
+
+    offsets: Tensor  # [w + 1] 0 .. w
+    cell_entries: Tensor  # [Bcap * (w + 1)] entry of each cell
+    cell_offsets: Tensor  # [Bcap * (w + 1)] offset of each cell
+    cell_drafts: Tensor  # [Bcap * (w + 1)] flat draft index entry * w + offset - 1; -1 at 0
+    cell_numbers: Tensor  # [Bcap * (w + 1)] 0 .. Bcap * (w + 1) - 1
+
+
+def _make_layout(num_reqs: int, width: int, device: torch.device) -> _Layout:
+    cells = torch.arange(num_reqs * (width + 1), device=device)
+    entries, offsets = cells // (width + 1), cells % (width + 1)
+    return _Layout(offsets=torch.arange(width + 1, device=device), cell_entries=entries,
+                   cell_offsets=offsets,
+                   cell_drafts=torch.where(offsets > 0, entries * width + offsets - 1, -1),
+                   cell_numbers=cells)
+
+
+@functools.lru_cache(maxsize=256)
+def _cpu_layout(num_reqs: int, width: int) -> _Layout:
+    return _make_layout(num_reqs, width, torch.device("cpu"))
+
+
+def _layout(num_reqs: int, width: int, device: torch.device) -> _Layout:
+    """Cached on the cpu, where making them is a round's cost; elsewhere made each call, so
+    nothing made during a graph capture (recorded, never run) is ever reused outside it. No
+    caller writes into them: every returned tensor is a fresh result."""
+    if device.type == "cpu":
+        return _cpu_layout(num_reqs, width)
+    return _make_layout(num_reqs, width, device)
 
 
 def pack_rows(verify_lengths: Tensor, anchor_token_ids: Tensor, draft_token_ids: Tensor,
@@ -53,38 +94,34 @@ def pack_rows(verify_lengths: Tensor, anchor_token_ids: Tensor, draft_token_ids:
     them to the scratch slot.
     """
     num_reqs, width = draft_token_ids.shape
-    device = draft_token_ids.device
-    lengths = torch.where(req_valid, verify_lengths, torch.zeros_like(verify_lengths))
-    entry_rows = torch.where(req_valid, lengths + 1, torch.zeros_like(lengths))
-    cu_num_rows = torch.zeros(num_reqs + 1, dtype=torch.int64, device=device)
-    cu_num_rows[1:] = torch.cumsum(entry_rows, dim=0)
+    layout = _layout(num_reqs, width, draft_token_ids.device)
+    lengths = verify_lengths * req_valid
+    entry_rows = (lengths + 1) * req_valid
+    ends = torch.cumsum(entry_rows, dim=0)
+    cu_num_rows = F.pad(ends, (1, 0))
     # Rows past G would be dropped and their requests would commit a neighbour's tokens.
     # The host picks G from legal tiers (G >= Bcap), so this only fires on a caller bug; the
     # check is asynchronous on an accelerator and never waits for the device.
-    torch._assert_async(cu_num_rows[-1] <= num_rows,
+    torch._assert_async(ends[-1] <= num_rows,
                         f"pack_rows: the verify rows do not fit G={num_rows} rows (G must be "
                         "at least the live requests, and lengths come from allocate_prefixes)")
-
-    row = torch.arange(num_rows, device=device)
-    # Entry i owns rows cu[i] .. cu[i+1]-1: the first entry whose end lies beyond the row.
-    owner = torch.searchsorted(cu_num_rows[1:], row, right=True)
-    row_valid = row < cu_num_rows[-1]
-    row_reqs = torch.where(row_valid, owner, 0).clamp(max=num_reqs - 1)
-    row_offsets = torch.where(row_valid, row - cu_num_rows.index_select(0, row_reqs), 0)
-
-    is_draft = row_valid & (row_offsets > 0)
-    draft_indices = torch.where(is_draft, row_reqs * width + row_offsets - 1, -1)
-    token_ids = anchor_token_ids.index_select(0, row_reqs)
-    if width:  # without speculation (width 0) every row is an anchor row
-        drafted = draft_token_ids.flatten().index_select(0, draft_indices.clamp(min=0))
-        token_ids = torch.where(is_draft, drafted, token_ids)
-
-    offsets = torch.arange(width + 1, device=device)
-    grid_valid = offsets[None, :] < entry_rows[:, None]
-    grid_rows = (cu_num_rows[:-1, None] + offsets[None, :]).clamp(max=num_rows - 1)
-    rows = VerifyRows(token_ids=token_ids, row_reqs=row_reqs, row_offsets=row_offsets,
+    grid_valid = layout.offsets < entry_rows[:, None]
+    unclamped = cu_num_rows[:-1, None] + layout.offsets
+    # Each row learns its grid cell by a scatter of cell numbers: cells without a row land
+    # on a dump row past G, so shapes stay fixed and nothing is read back.
+    targets = torch.where(grid_valid, unclamped, num_rows).clamp(max=num_rows).flatten()
+    row_cells = torch.full((num_rows + 1,), -1, dtype=torch.int64, device=targets.device)
+    row_cells.index_copy_(0, targets, layout.cell_numbers)
+    row_cells = row_cells[:num_rows]
+    row_valid = row_cells >= 0
+    cells = row_cells.clamp(min=0)  # padding rows: cell 0, entry 0 at offset 0
+    draft_indices = torch.where(row_valid, layout.cell_drafts.index_select(0, cells), -1)
+    candidates = torch.cat([anchor_token_ids[:, None], draft_token_ids], dim=1)
+    rows = VerifyRows(token_ids=candidates.flatten().index_select(0, cells),
+                      row_reqs=layout.cell_entries.index_select(0, cells),
+                      row_offsets=layout.cell_offsets.index_select(0, cells),
                       row_valid=row_valid, req_slots=req_slots, req_starts=anchor_positions,
                       rows_per_req=grid_width(width, num_rows))
     return PackedRows(rows=rows, verify_lengths=lengths, num_entry_rows=entry_rows,
-                      cu_num_rows=cu_num_rows, grid_rows=grid_rows, grid_valid=grid_valid,
-                      draft_indices=draft_indices)
+                      cu_num_rows=cu_num_rows, grid_rows=unclamped.clamp(max=num_rows - 1),
+                      grid_valid=grid_valid, draft_indices=draft_indices)
