@@ -158,6 +158,17 @@ def test_mtp_serving_step_matches_its_teacher_forced_forward(models: ReferenceMo
     assert step.probs[0].item() == pytest.approx(probs.max().item(), abs=1e-6)
 
 
+@pytest.mark.parametrize("shape", [(1, 128), (6, 128), (3, 8, 128), (64, 7, 128)])
+def test_serving_norm_equals_the_training_norm_bit_for_bit(models: ReferenceModels,
+                                                           shape: tuple[int, ...]) -> None:
+    norm = models.target.norm
+    x = 5 * torch.randn(*shape, generator=torch.Generator().manual_seed(len(shape)))
+    with torch.enable_grad():
+        trained = norm(x).detach()
+    with torch.no_grad():
+        assert torch.equal(norm(x), trained)
+
+
 @pytest.mark.parametrize("length", [1, 4, 8])
 def test_causal_attention_from_position_zero_equals_the_masked_sequence_path(
         models: ReferenceModels, length: int) -> None:

@@ -27,8 +27,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        scale = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return x * scale * self.weight
+        if torch.is_grad_enabled():
+            # Training keeps the decomposed form: the shipped weights were trained through its
+            # backward, so the seeded script reproduces them.
+            scale = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+            return x * scale * self.weight
+        # Serving: one fused kernel instead of six, equal to the form above bit for bit.
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def rope_tables(max_positions: int, head_dim: int, base: float = 10000.0) -> tuple[Tensor, Tensor]:
