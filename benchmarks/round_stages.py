@@ -1,10 +1,11 @@
 """Where a round's time goes on the CPU: the device worker's CPU time per stage, beside the
 plain loop's time per step, on the reference models.
 
-Each stage is timed by the runtime's stage hook (called on the worker as a stage's device work
-starts): a stage's time is the worker's CPU time (``time.thread_time``) from its start to the
-start of the next item on the stream, so queue waits between rounds are not counted. Launches
-alternate with plain-loop runs over the same prompts, so both see the same machine.
+Each stream work item is timed where the stream runs it (``streams._call``, wrapped for the run)
+and counted under its name (the round's stages, ``prefill``), in wall milliseconds per round;
+``host`` is the rest of the round's wall time (the runtime's own Python and the event loop,
+which the default cpu stream shares a thread with). Launches alternate with plain-loop runs
+over the same prompts, so both see the same machine.
 
     python benchmarks/round_stages.py [--arms none,DSpark:4,MTP:4] [--concurrency 1,16]
                                       [--repeats 3] [--json FILE]
@@ -12,6 +13,7 @@ alternate with plain-loop runs over the same prompts, so both see the same machi
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import platform
@@ -25,25 +27,40 @@ import torch
 from adaspec.config import SamplingParams, load_config
 from adaspec.models import load_reference_models
 from adaspec.runtime.bench import shipped_prompts
-from adaspec.runtime.engine import Runtime, RuntimeOptions
+from adaspec.runtime.devices import streams
+from adaspec.runtime.engine import Runtime
 from adaspec.runtime.plain import plain_loop
 
 TOKENS = 96
 
 
 class StageClock:
-    """Stage hook: the worker's CPU time between consecutive stage starts, per stage."""
+    """Wall time spent inside each kind of stream work item, while ``on``."""
 
     def __init__(self) -> None:
-        self.samples: dict[str, list[float]] = defaultdict(list)
-        self._last: tuple[str, float] | None = None
+        self.seconds: dict[str, float] = defaultdict(float)
         self.on = False
+        self._untimed = streams._call
 
-    def __call__(self, round_index: int, stage: str) -> None:
-        now = time.thread_time()
-        if self._last is not None and self.on:
-            self.samples[self._last[0]].append(now - self._last[1])
-        self._last = (stage, now)
+    def __enter__(self) -> "StageClock":
+        streams._call = self._timed
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        streams._call = self._untimed
+
+    def _timed(self, work: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return self._untimed(work)
+        finally:
+            if self.on:
+                self.seconds[_work_name(work)] += time.perf_counter() - started
+
+
+def _work_name(work: Any) -> str:
+    inner = work.func if isinstance(work, functools.partial) else work
+    return str(getattr(inner, "__name__", "other"))
 
 
 def launch(arm: str, concurrency: int) -> dict[str, object]:
@@ -56,31 +73,31 @@ def launch(arm: str, concurrency: int) -> dict[str, object]:
 
 
 async def served(arm: str, concurrency: int, prompts: list[list[int]]) -> dict[str, Any]:
-    clock = StageClock()
-    runtime = Runtime(load_config(launch(arm, concurrency)),
-                      options=RuntimeOptions(stage_hook=clock))
+    runtime = Runtime(load_config(launch(arm, concurrency)))
     await runtime.start()
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=TOKENS)
-        warm = [runtime.submit(p, params) for p in prompts[:concurrency]]
-        for handle in warm:
-            await handle.result()
-        await runtime.wait_idle()
-        clock.on = True
-        before = runtime.statistics()
-        started = time.perf_counter()
-        handles = [runtime.submit(p, params) for p in prompts]
-        tokens = sum([len((await h.result()).token_ids) for h in handles])
-        seconds = time.perf_counter() - started
-        await runtime.wait_idle()
-        rounds = runtime.statistics().rounds_retired - before.rounds_retired
-    finally:
-        await runtime.stop()
-    stages = {name: round(1000 * statistics.median(values), 3)
-              for name, values in clock.samples.items()}
+    with StageClock() as clock:
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=TOKENS)
+            warm = [runtime.submit(p, params) for p in prompts[:concurrency]]
+            for handle in warm:
+                await handle.result()
+            await runtime.wait_idle()
+            clock.on = True
+            before = runtime.statistics()
+            started = time.perf_counter()
+            handles = [runtime.submit(p, params) for p in prompts]
+            tokens = sum([len((await h.result()).token_ids) for h in handles])
+            seconds = time.perf_counter() - started
+            await runtime.wait_idle()
+            clock.on = False
+            rounds = max(runtime.statistics().rounds_retired - before.rounds_retired, 1)
+        finally:
+            await runtime.stop()
+    stages = {name: round(1000 * spent / rounds, 3) for name, spent in clock.seconds.items()}
+    stages["host"] = round(1000 * (seconds - sum(clock.seconds.values())) / rounds, 3)
     return {"arm": arm, "concurrency": concurrency, "rounds": rounds,
-            "ms_per_round": round(1000 * seconds / max(rounds, 1), 3),
-            "tokens_per_second": round(tokens / seconds, 1), "stage_cpu_ms": stages}
+            "ms_per_round": round(1000 * seconds / rounds, 3),
+            "tokens_per_second": round(tokens / seconds, 1), "stage_ms": stages}
 
 
 def plain(concurrency: int, prompts: list[list[int]], models: Any) -> dict[str, float]:
@@ -134,9 +151,9 @@ def summarise(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             entry["ms_per_step"] = statistics.median(r["ms_per_step"] for r in rows)
         else:
             entry["ms_per_round"] = statistics.median(r["ms_per_round"] for r in rows)
-            entry["stage_cpu_ms"] = {name: round(statistics.median(
-                r["stage_cpu_ms"].get(name, 0.0) for r in rows), 3)
-                for name in rows[0]["stage_cpu_ms"]}
+            entry["stage_ms"] = {name: round(statistics.median(
+                r["stage_ms"].get(name, 0.0) for r in rows), 3)
+                for name in rows[0]["stage_ms"]}
         summary.append(entry)
     return summary
 

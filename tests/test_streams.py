@@ -197,6 +197,104 @@ async def test_loop_stream_close_inside_work_lets_the_scheduled_items_run() -> N
 
 
 @pytest.mark.asyncio
+async def test_loop_stream_close_from_another_thread_returns_once_everything_ran() -> None:
+    stream = LoopStream(asyncio.get_running_loop())
+    ran: list[int] = []
+    completions = [stream.enqueue(recording(ran, index)) for index in range(3)]
+    await asyncio.to_thread(stream.close)  # the loop stays free to run the drain meanwhile
+    assert ran == [0, 1, 2]
+    assert [completion.future.result() for completion in completions] == [0, 1, 2]
+
+
+@pytest.mark.asyncio
+async def test_loop_stream_close_inside_work_then_outside_drains_the_rest() -> None:
+    stream = LoopStream(asyncio.get_running_loop())
+    ran: list[int] = []
+    stream.enqueue(stream.close)
+    completions = [stream.enqueue(recording(ran, index)) for index in (1, 2)]
+    await asyncio.sleep(0)  # one loop pass: the closing item runs, the others stay queued
+    stream.close()
+    assert ran == [1, 2]
+    assert [await completion for completion in completions] == [1, 2]
+
+
+@pytest.mark.asyncio
+async def test_loop_streams_keep_their_own_thread_counts_whatever_order_they_close_in() -> None:
+    caller = torch.get_num_threads()
+    loop = asyncio.get_running_loop()
+    first, second = LoopStream(loop, threads=1), LoopStream(loop, threads=caller + 1)
+    try:
+        assert await first.enqueue(torch.get_num_threads) == 1
+        assert torch.get_num_threads() == caller  # between items the loop's own count holds
+        first.close()
+        assert await second.enqueue(torch.get_num_threads) == caller + 1
+    finally:
+        first.close()
+        second.close()
+    assert torch.get_num_threads() == caller
+
+
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
+def test_loop_stream_interrupted_work_still_resolves_its_completion(
+        interrupt: type[BaseException]) -> None:
+    caller = torch.get_num_threads()
+    loop = asyncio.new_event_loop()
+    try:
+        stream = LoopStream(loop, threads=1)
+
+        def interrupted() -> None:
+            raise interrupt()
+
+        stopped = stream.enqueue(interrupted)
+        later = stream.enqueue(lambda: 5)
+        with pytest.raises(interrupt):
+            loop.run_until_complete(stopped.future)
+        assert torch.get_num_threads() == caller
+        with pytest.raises(RuntimeError, match=f"^stream work interrupted by "
+                                               f"{interrupt.__name__}$"):
+            stopped.future.result()
+        assert loop.run_until_complete(later.future) == 5
+        stream.close()
+    finally:
+        loop.close()
+
+
+@pytest.mark.asyncio
+async def test_loop_stream_cancellation_inside_work_fails_only_that_item() -> None:
+    stream = LoopStream(asyncio.get_running_loop())
+
+    def cancelled() -> None:
+        raise asyncio.CancelledError()
+
+    try:
+        with pytest.raises(RuntimeError, match="interrupted by CancelledError"):
+            await stream.enqueue(cancelled)
+        assert await stream.enqueue(lambda: 6) == 6
+    finally:
+        stream.close()
+
+
+@pytest.mark.asyncio
+async def test_loop_stream_close_reports_a_raising_callback_and_drains_the_rest() -> None:
+    loop = asyncio.get_running_loop()
+    reported: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _, context: reported.append(context))
+    stream = LoopStream(loop)
+    ran: list[int] = []
+    try:
+        def broken(_: "asyncio.Future[None]") -> None:
+            raise RuntimeError("observer bug")
+
+        stream.enqueue(lambda: None, on_done=broken)
+        stream.enqueue(recording(ran, 1))
+        stream.close()
+    finally:
+        loop.set_exception_handler(None)
+    assert ran == [1]
+    assert [str(context.get("exception")) for context in reported] == ["observer bug"]
+
+
+@pytest.mark.asyncio
 async def test_loop_stream_raising_callback_does_not_strand_later_items() -> None:
     loop = asyncio.get_running_loop()
     reported: list[dict[str, Any]] = []

@@ -299,10 +299,14 @@ class LoopStream:
     between items while the order of items and of their completions stays the submission
     order.
 
-    Opened on the loop's thread, it sets that thread's torch intra-op threads (``cpu_threads``)
-    and gives back the previous count when it closes. ``close`` drains by running whatever is
-    still queued at once; called from inside a work item it only refuses new work, since the
-    items behind the running one are already scheduled on the loop.
+    Each item runs with the stream's torch intra-op threads (``cpu_threads``) and the loop
+    thread's own count is put back after it, so code sharing the thread between items (a
+    plain loop, a second runtime) keeps its setting. An item that raises a ``BaseException``
+    (Ctrl-C, ``SystemExit``) still resolves its completion with an error naming it before
+    the exception goes on, so nothing waits for it forever. ``close`` drains: on the loop's
+    thread it runs whatever is still queued at once (from inside a work item it only refuses
+    new work, since the items behind the running one are already scheduled); from another
+    thread it hands the drain to the loop and waits for it.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, threads: int | None = None) -> None:
@@ -314,8 +318,6 @@ class LoopStream:
         self._scheduled = False
         self._running = False
         self._closed = False
-        self._caller_threads = torch.get_num_threads()
-        torch.set_num_threads(self.threads)
 
     def enqueue(self, work: Callable[[], T],
                 on_done: "Callable[[asyncio.Future[T]], None] | None" = None) -> Completion[T]:
@@ -330,39 +332,81 @@ class LoopStream:
         return Completion(future)
 
     def close(self) -> None:
-        if self._closed:
-            return
         self._closed = True
-        if self._running:
+        if self._on_loop_thread() or not self._loop.is_running():
+            if not self._running:
+                self._drain()
             return
+        drained = threading.Event()
+
+        def drain_on_loop() -> None:
+            try:
+                if not self._running:
+                    self._drain()
+            finally:
+                drained.set()
+
+        try:
+            self._loop.call_soon_threadsafe(drain_on_loop)
+        except RuntimeError:  # the loop closed meanwhile: nobody is left to run the items
+            return
+        # Waits only while the loop can still run the drain; a loop that stops first has
+        # nobody left to hand the outcomes to.
+        while not drained.wait(0.05) and self._loop.is_running():
+            pass
+
+    def _on_loop_thread(self) -> bool:
+        try:
+            return asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            return False
+
+    def _drain(self) -> None:
         while self._pending:
-            # A closed loop has nobody left to await a completion: dropping it is correct.
-            with contextlib.suppress(RuntimeError):
-                self._run_one()
-        torch.set_num_threads(self._caller_threads)
+            self._run_one()
 
     def _run_next(self) -> None:
         self._scheduled = False
         if not self._pending:
             return  # close() ran the items first
         if len(self._pending) > 1:
-            # Scheduled before the item runs, so a raising callback cannot strand the rest.
+            # Scheduled before the item runs, so a raising item cannot strand the rest.
             self._scheduled = True
             self._loop.call_soon(self._run_next)
         self._run_one()
-        if self._closed and not self._pending:
-            torch.set_num_threads(self._caller_threads)
 
     def _run_one(self) -> None:
         item = self._pending.popleft()
+        caller_threads = torch.get_num_threads()
+        if caller_threads != self.threads:
+            torch.set_num_threads(self.threads)
         self._running = True
         try:
             outcome = _call(item.work)
+        except BaseException as error:  # Ctrl-C, SystemExit, a cancellation inside the work
+            self._deliver(item, _Outcome(error=RuntimeError(
+                f"stream work interrupted by {type(error).__name__}")))
+            if isinstance(error, (KeyboardInterrupt, SystemExit)):
+                raise  # the process is being told to stop: let it
+            return
         finally:
             self._running = False
-        _settle(item.future, outcome)
-        if item.on_done is not None and not item.future.cancelled():
+            if caller_threads != self.threads:
+                torch.set_num_threads(caller_threads)
+        self._deliver(item, outcome)
+
+    def _deliver(self, item: _Item, outcome: _Outcome) -> None:
+        try:
+            _settle(item.future, outcome)
+        except RuntimeError:  # a closed loop has nobody left to await the completion
+            return
+        if item.on_done is None or item.future.cancelled():
+            return
+        try:
             item.on_done(item.future)
+        except Exception as error:
+            self._loop.call_exception_handler({
+                "message": "a cpu stream completion callback raised", "exception": error})
 
 
 @dataclass(frozen=True, slots=True)
