@@ -200,6 +200,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
+    if streams.cpu_stream_kind() != "loop":
+        # host = wall - device only holds when device work and host share one thread.
+        parser.error(f"{streams.CPU_STREAM_ENV}={streams.cpu_stream_kind()}: this script "
+                     "measures the loop stream only; unset it")
     models = load_reference_models()
     machine = (f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
                f"Python {platform.python_version()}")

@@ -219,6 +219,25 @@ async def test_loop_stream_close_inside_work_then_outside_drains_the_rest() -> N
 
 
 @pytest.mark.asyncio
+async def test_loop_stream_follows_the_loop_threads_own_count_unless_one_is_set(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    caller = torch.get_num_threads()
+    monkeypatch.delenv("ADASPEC_CPU_THREADS", raising=False)
+    following = LoopStream(asyncio.get_running_loop())
+    monkeypatch.setenv("ADASPEC_CPU_THREADS", "1")
+    pinned = LoopStream(asyncio.get_running_loop())
+    try:
+        torch.set_num_threads(caller + 1)  # an embedder changes its own setting later
+        assert await following.enqueue(torch.get_num_threads) == caller + 1
+        assert await pinned.enqueue(torch.get_num_threads) == 1
+        assert torch.get_num_threads() == caller + 1
+    finally:
+        torch.set_num_threads(caller)
+        following.close()
+        pinned.close()
+
+
+@pytest.mark.asyncio
 async def test_loop_streams_keep_their_own_thread_counts_whatever_order_they_close_in() -> None:
     caller = torch.get_num_threads()
     loop = asyncio.get_running_loop()

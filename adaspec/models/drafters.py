@@ -186,13 +186,9 @@ class ReferenceDSpark(nn.Module):
             flat = block.causal(flat)  # positions 0 .. width, all inside the block's window
         return flat[:, 1:].reshape(*x.shape[:-2], width, x.shape[-1])
 
-    def position_logits(self, states: Tensor, prev_token_ids: Tensor,
-                        state_terms: Tensor | None = None) -> Tensor:
-        """Draft logits of each position given the token before it (``state_terms``: the
-        positions' ``markov_state``, when the caller computed them for a whole block)."""
-        if state_terms is None:
-            state_terms = self.markov_state(states)
-        markov = F.gelu(state_terms + self.markov_in(prev_token_ids))
+    def position_logits(self, states: Tensor, prev_token_ids: Tensor) -> Tensor:
+        """Draft logits of each position given the token before it."""
+        markov = F.gelu(self.markov_state(states) + self.markov_in(prev_token_ids))
         return self.head.logits(states + self.markov_out(markov))
 
     def confidence_logits(self, states: Tensor, prev_token_ids: Tensor, logits: Tensor) -> Tensor:
@@ -210,12 +206,11 @@ class ReferenceDSpark(nn.Module):
         if not 1 <= width <= self.config.max_width:
             raise ValueError(f"width={width}: expected 1..{self.config.max_width}")
         states = self.states(hidden, token_ids, width)
-        state_terms = self.markov_state(states)  # one projection for the whole block
         prev, tokens, prevs, logits = token_ids, [], [], []
         # The Markov head makes each position depend on the previous draft token; this loop
         # is w rank-r updates and output heads, not backbone forwards.
         for k in range(width):
-            step = self.position_logits(states[:, k], prev, state_terms[:, k])
+            step = self.position_logits(states[:, k], prev)
             prevs.append(prev)
             prev = step.argmax(-1)
             tokens.append(prev)

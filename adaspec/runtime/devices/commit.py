@@ -76,7 +76,7 @@ def commit_rows(packed: PackedRows, target_token_ids: Tensor, draft_token_ids: T
     each entry may still commit (at least 1 for live entries); ``req_valid [Bcap]``.
     """
     grid_tokens, num_accepted = accepted_lengths(packed, target_token_ids, draft_token_ids)
-    offsets = packed.offsets
+    offsets = torch.arange(grid_tokens.shape[1], device=grid_tokens.device)
     allowed = torch.minimum(num_accepted + 1, budget)
     if stop_token_ids is None:
         num_emitted = allowed * req_valid

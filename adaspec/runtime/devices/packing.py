@@ -34,11 +34,6 @@ class PackedRows:
     def width(self) -> int:
         return self.grid_rows.shape[1] - 1
 
-    @property
-    def offsets(self) -> Tensor:
-        """[width + 1] the offsets 0 .. width of a grid row (shared: never write into it)."""
-        return _layout(self.grid_rows.shape[0], self.width, self.grid_rows.device).offsets
-
 
 def grid_width(width: int, num_rows: int) -> int:
     """The most rows one request can hold in a G-row round: w + 1, or G where G is smaller.
@@ -68,16 +63,18 @@ def _make_layout(num_reqs: int, width: int, device: torch.device) -> _Layout:
 
 
 @functools.lru_cache(maxsize=256)
-def _cpu_layout(num_reqs: int, width: int) -> _Layout:
-    return _make_layout(num_reqs, width, torch.device("cpu"))
+def _cached_layout(num_reqs: int, width: int, device: torch.device) -> _Layout:
+    return _make_layout(num_reqs, width, device)
 
 
 def _layout(num_reqs: int, width: int, device: torch.device) -> _Layout:
-    """Cached on the cpu, where making them is a round's cost; elsewhere made each call, so
-    nothing made during a graph capture (recorded, never run) is ever reused outside it. No
-    caller writes into them: every returned tensor is a fresh result."""
-    if device.type == "cpu":
-        return _cpu_layout(num_reqs, width)
+    """Cached per shape and device, except while a CUDA graph is being captured: work made
+    then is recorded, never run, so its tensors must not be reused outside the graph. The
+    constants never leave ``pack_rows``: every tensor it returns is a fresh result."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return _make_layout(num_reqs, width, device)
+    if device.type in ("cpu", "cuda"):
+        return _cached_layout(num_reqs, width, device)
     return _make_layout(num_reqs, width, device)
 
 

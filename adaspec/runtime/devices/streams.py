@@ -7,11 +7,11 @@ end as a ``Completion``: an awaitable resolved on the runtime's asyncio loop onc
 has finished that work, not merely once it was launched.
 
 - cpu (default, ``LoopStream``): the "device" is the event loop's own thread. Each work item
-  runs as one loop callback, in order, with torch's intra-op threads on every core; work is
-  finished when the function has returned. On a cpu the host and the "device" share the same
-  cores, so a second thread buys no overlap, only a fight: the loop's work preempts an
-  OpenMP worker mid-kernel and every parallel region waits for it at its barrier, and each
-  stage pays a thread handoff.
+  runs as one loop callback, in order, with that thread's torch intra-op threads (torch's
+  default: one per physical core); work is finished when the function has returned. On a
+  cpu the host and the "device" share the same cores, so a second thread buys no overlap,
+  only a fight: the loop's work preempts an OpenMP worker mid-kernel and every parallel
+  region waits for it at its barrier, and each stage pays a thread handoff.
 - cpu with ``ADASPEC_CPU_STREAM=worker`` (``WorkerStream``): one worker thread runs the items,
   for an embedder whose loop must stay responsive while a kernel runs; its intra-op threads
   leave one core to the loop (``cpu_threads``).
@@ -122,10 +122,11 @@ def cpu_stream_kind(environ: Mapping[str, str] | None = None) -> str:
 
 
 def cpu_threads(environ: Mapping[str, str] | None = None, stream: str | None = None) -> int:
-    """Intra-op threads of the cpu stream: ``ADASPEC_CPU_THREADS`` when set, else every core
-    this process may run on for the loop stream, and one less (at least one) for the worker
-    stream, whose event loop keeps a core. ``stream`` is ``loop`` or ``worker`` (default: the
-    one ``ADASPEC_CPU_STREAM`` picks).
+    """Intra-op threads of the cpu stream: ``ADASPEC_CPU_THREADS`` when set; else, for the
+    loop stream, the count torch already uses on the calling thread (by default one per
+    physical core), and for the worker stream the cores this process may run on less one
+    (at least one), leaving a core to the event loop. ``stream`` is ``loop`` or ``worker``
+    (default: the one ``ADASPEC_CPU_STREAM`` picks).
 
     Measured on a 2-core machine (reference target, one request): a decode step took 2.7 ms
     on the main thread with torch's default two threads, 10.9 ms on a worker thread with two
@@ -135,8 +136,9 @@ def cpu_threads(environ: Mapping[str, str] | None = None, stream: str | None = N
     raw = environ.get(CPU_THREADS_ENV)
     if raw is not None:
         return checked_threads(CPU_THREADS_ENV, raw)
-    spare = 1 if (stream or cpu_stream_kind(environ)) == "worker" else 0
-    return max(1, _available_cores() - spare)
+    if (stream or cpu_stream_kind(environ)) == "worker":
+        return max(1, _available_cores() - 1)
+    return torch.get_num_threads()
 
 
 def checked_threads(setting: str, raw: object) -> int:
@@ -299,8 +301,9 @@ class LoopStream:
     between items while the order of items and of their completions stays the submission
     order.
 
-    Each item runs with the stream's torch intra-op threads (``cpu_threads``) and the loop
-    thread's own count is put back after it, so code sharing the thread between items (a
+    Without ``ADASPEC_CPU_THREADS`` (or ``threads``) the items run with the loop thread's own
+    torch thread count and nothing is switched. With one, each item runs with that count and
+    the loop thread's own is put back after it, so code sharing the thread between items (a
     plain loop, a second runtime) keeps its setting. An item that raises a ``BaseException``
     (Ctrl-C, ``SystemExit``) still resolves its completion with an error naming it before
     the exception goes on, so nothing waits for it forever. ``close`` drains: on the loop's
@@ -311,8 +314,12 @@ class LoopStream:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, threads: int | None = None) -> None:
         self.device = torch.device("cpu")
-        self.threads = cpu_threads(stream="loop") if threads is None \
-            else checked_threads("threads", threads)
+        if threads is not None:
+            self.threads: int | None = checked_threads("threads", threads)
+        elif CPU_THREADS_ENV in os.environ:
+            self.threads = cpu_threads(stream="loop")
+        else:
+            self.threads = None  # the loop thread's own count, whatever it is when work runs
         self._loop = loop
         self._pending: collections.deque[_Item] = collections.deque()
         self._scheduled = False
@@ -332,6 +339,9 @@ class LoopStream:
         return Completion(future)
 
     def close(self) -> None:
+        """Refuse new work and drain (see the class). From another thread it waits while the
+        loop runs; a loop thread blocked on that very thread would wait forever, as with any
+        drain that needs the loop."""
         self._closed = True
         if self._on_loop_thread() or not self._loop.is_running():
             if not self._running:
@@ -377,9 +387,10 @@ class LoopStream:
 
     def _run_one(self) -> None:
         item = self._pending.popleft()
-        caller_threads = torch.get_num_threads()
-        if caller_threads != self.threads:
-            torch.set_num_threads(self.threads)
+        caller_threads, threads = torch.get_num_threads(), self.threads
+        switch = threads is not None and caller_threads != threads
+        if threads is not None and switch:
+            torch.set_num_threads(threads)
         self._running = True
         try:
             outcome = _call(item.work)
@@ -391,7 +402,7 @@ class LoopStream:
             return
         finally:
             self._running = False
-            if caller_threads != self.threads:
+            if switch:
                 torch.set_num_threads(caller_threads)
         self._deliver(item, outcome)
 
