@@ -259,8 +259,9 @@ def busy_warning(share: float | None, load: tuple[float, float] | None) -> str |
     if not reasons:
         return None
     return ("warning: the machine was busy (" + "; ".join(reasons) + "): the figures carry "
-            "that noise, the plain loop's most (its torch threads wait on each other for a "
-            "free core); rerun on a quiet machine before reading a ratio")
+            "that noise (torch's intra-op threads wait on each other for a free core, the "
+            "plain loop's and the cpu stream's alike); rerun on a quiet machine before "
+            "reading a ratio")
 
 
 def torch_threads(arms: Sequence[Arm]) -> dict[str, int]:
