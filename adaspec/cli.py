@@ -85,10 +85,11 @@ def run_models(argv: Sequence[str]) -> int:
     from adaspec.models.report import format_report, measure_excerpt, models_report
     from adaspec.runtime.devices.streams import cpu_threads
 
+    threads = cpu_threads()  # a bad ADASPEC_CPU_* setting is refused before the models load
     models = load_reference_models()
     report = models_report(models)
     # Measured as the cpu stream runs them: with its thread count, at one request.
-    report["drafter_cost"] = drafter_costs(models, threads=cpu_threads())
+    report["drafter_cost"] = drafter_costs(models, threads=threads)
     if "--measure" in argv:
         report["measured_on_excerpt"] = measure_excerpt(models)
     print(json.dumps(report, indent=2) if "--json" in argv else format_report(report))

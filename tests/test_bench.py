@@ -292,12 +292,15 @@ def test_without_the_target_alone_outputs_are_compared_with_the_first_arm() -> N
         "first_difference": 1}]
 
 
-@pytest.mark.parametrize(("variable", "value"), [("ADASPEC_CPU_THREADS", "0"),
-                                                ("ADASPEC_CPU_STREAM", "thread")])
+@pytest.mark.parametrize(("variable", "value", "threads"), [
+    ("ADASPEC_CPU_THREADS", "0", None), ("ADASPEC_CPU_STREAM", "thread", None),
+    ("ADASPEC_CPU_STREAM", "thread", "1")])
 def test_a_bad_stream_setting_stops_a_plain_only_bench_before_it_runs(
-        variable: str, value: str, monkeypatch: pytest.MonkeyPatch,
+        variable: str, value: str, threads: str | None, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv(variable, value)
+    if threads is not None:  # a good thread count must not hide a bad stream
+        monkeypatch.setenv("ADASPEC_CPU_THREADS", threads)
     argv = ["bench", "--arms", "plain", "--concurrency", "1", "--requests", "1",
             "--max_tokens", "2", "--passes", "1"]
     assert cli.run(argv) == 2  # plain alone runs no stream, but the setting is checked anyway

@@ -108,6 +108,11 @@ def test_impossible_plain_runs_are_refused(models: ReferenceModels, concurrency:
         plain_loop(models.target, [[65]], max_tokens, concurrency)
 
 
+def test_a_bad_stream_is_refused_even_when_the_thread_count_is_set() -> None:
+    with pytest.raises(ConfigError, match=f"^{CPU_STREAM_ENV}=bogus: expected loop"):
+        cpu_threads({CPU_STREAM_ENV: "bogus", CPU_THREADS_ENV: "1"})
+
+
 def test_cpu_threads_keep_torchs_own_on_the_loop_and_leave_a_core_beside_a_worker() -> None:
     assert cpu_threads({CPU_THREADS_ENV: "3"}) == 3
     assert cpu_threads({CPU_THREADS_ENV: " 2 "}) == 2
@@ -117,7 +122,8 @@ def test_cpu_threads_keep_torchs_own_on_the_loop_and_leave_a_core_beside_a_worke
     assert cpu_threads({}, stream="worker") == max(1, cores - 1)
 
 
-@pytest.mark.parametrize("raw", ["0", "two", "-1", "2147483648", "\u00b2", "", "1.5"])
+@pytest.mark.parametrize("raw", ["0", "two", "-1", "2147483648", "\u00b2", "", "1.5",
+                                 "9" * 5000, "\uff12"])
 def test_a_thread_count_outside_1_to_1024_is_refused_in_one_line(raw: str) -> None:
     with pytest.raises(ConfigError, match=f"^{CPU_THREADS_ENV}=.*: expected an integer in "
                                           "1..1024") as caught:

@@ -2,6 +2,7 @@
 the model card and as re-measured here on the packaged held-out excerpt."""
 
 import json
+import os
 import subprocess
 import sys
 from typing import Any
@@ -111,6 +112,16 @@ def test_models_command_rejects_unknown_flags() -> None:
     assert done.stdout == ""
     assert done.stderr == ("adaspec models: error: --jsn: unknown flag; expected --json or "
                            "--measure\n")
+
+
+def test_models_command_refuses_a_bad_stream_setting_in_one_line() -> None:
+    environ = {**os.environ, "ADASPEC_CPU_STREAM": "bogus", "ADASPEC_CPU_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "adaspec", "models"], capture_output=True,
+                          text=True, check=False, timeout=300, env=environ)
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert done.stderr.startswith("adaspec models: error: ADASPEC_CPU_STREAM=bogus: expected ")
+    assert done.stderr.count("\n") == 1
 
 
 def test_models_table_states_the_acceptance_length_convention(

@@ -109,6 +109,16 @@ async def cuda_stream(gates: Gates) -> AsyncIterator[DeviceStream]:
         yield opened
 
 
+@pytest_asyncio.fixture
+async def loop_errors() -> AsyncIterator[list[dict[str, Any]]]:
+    """What the running loop's exception handler receives during the test."""
+    loop = asyncio.get_running_loop()
+    reported: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _, context: reported.append(context))
+    yield reported
+    loop.set_exception_handler(None)
+
+
 # ---- cpu stream -------------------------------------------------------------------------
 
 
@@ -294,41 +304,35 @@ async def test_loop_stream_cancellation_inside_work_fails_only_that_item() -> No
 
 
 @pytest.mark.asyncio
-async def test_loop_stream_close_reports_a_raising_callback_and_drains_the_rest() -> None:
-    loop = asyncio.get_running_loop()
-    reported: list[dict[str, Any]] = []
-    loop.set_exception_handler(lambda _, context: reported.append(context))
-    stream = LoopStream(loop)
+async def test_loop_stream_close_reports_a_raising_callback_and_drains_the_rest(
+        loop_errors: list[dict[str, Any]]) -> None:
+    stream = LoopStream(asyncio.get_running_loop())
     ran: list[int] = []
-    try:
-        def broken(_: "asyncio.Future[None]") -> None:
-            raise RuntimeError("observer bug")
 
-        stream.enqueue(lambda: None, on_done=broken)
-        stream.enqueue(recording(ran, 1))
-        stream.close()
-    finally:
-        loop.set_exception_handler(None)
+    def broken(_: "asyncio.Future[None]") -> None:
+        raise RuntimeError("observer bug")
+
+    stream.enqueue(lambda: None, on_done=broken)
+    stream.enqueue(recording(ran, 1))
+    stream.close()
     assert ran == [1]
-    assert [str(context.get("exception")) for context in reported] == ["observer bug"]
+    assert [str(context.get("exception")) for context in loop_errors] == ["observer bug"]
 
 
 @pytest.mark.asyncio
-async def test_loop_stream_raising_callback_does_not_strand_later_items() -> None:
-    loop = asyncio.get_running_loop()
-    reported: list[dict[str, Any]] = []
-    loop.set_exception_handler(lambda _, context: reported.append(context))
-    stream = LoopStream(loop)
-    try:
-        def broken(_: "asyncio.Future[int]") -> None:
-            raise ValueError("observer bug")
+async def test_loop_stream_raising_callback_does_not_strand_later_items(
+        loop_errors: list[dict[str, Any]]) -> None:
+    stream = LoopStream(asyncio.get_running_loop())
 
+    def broken(_: "asyncio.Future[int]") -> None:
+        raise ValueError("observer bug")
+
+    try:
         stream.enqueue(lambda: 1, on_done=broken)
         assert await stream.enqueue(lambda: 2) == 2
     finally:
-        loop.set_exception_handler(None)
         stream.close()
-    assert [str(context.get("exception")) for context in reported] == ["observer bug"]
+    assert [str(context.get("exception")) for context in loop_errors] == ["observer bug"]
 
 
 @pytest.mark.asyncio
@@ -383,21 +387,15 @@ async def test_stop_iteration_from_work_is_delivered_as_an_error(
 
 @pytest.mark.asyncio
 async def test_a_cancelled_completion_is_skipped_and_the_stream_carries_on(
-        stream: DeviceStream, gates: Gates) -> None:
-    loop = asyncio.get_running_loop()
-    reported: list[dict[str, Any]] = []
-    loop.set_exception_handler(lambda _, context: reported.append(context))
-    try:
-        gate = gates.new()
-        cancelled = stream.enqueue(after(gate, 0))
-        later = stream.enqueue(lambda: 1)
-        cancelled.future.cancel()
-        gate.set()
-        assert await later == 1
-    finally:
-        loop.set_exception_handler(None)
+        stream: DeviceStream, gates: Gates, loop_errors: list[dict[str, Any]]) -> None:
+    gate = gates.new()
+    cancelled = stream.enqueue(after(gate, 0))
+    later = stream.enqueue(lambda: 1)
+    cancelled.future.cancel()
+    gate.set()
+    assert await later == 1
     assert cancelled.future.cancelled()
-    assert reported == []  # settling a cancelled future would have raised InvalidStateError
+    assert loop_errors == []  # settling a cancelled future would have raised InvalidStateError
 
 
 @pytest.mark.asyncio

@@ -114,10 +114,7 @@ class Attention(nn.Module):
         # A query with no key left (a padded position) would softmax over nothing; let it see
         # itself so the result stays finite. Its output is never used.
         mask = mask | torch.eye(x.shape[1], dtype=torch.bool, device=x.device)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None])
-        projected: Tensor = self.out(out.transpose(1, 2).reshape(x.shape))
-        return projected, k, v
+        return self._attend(q, k, v, mask=mask[:, None]), k, v
 
     def causal(self, x: Tensor) -> Tensor:
         """Attention over sequences ``x [B, T, dim]`` at positions 0 .. T-1 with T at most the
@@ -128,9 +125,15 @@ class Attention(nn.Module):
             raise ValueError(f"causal attention over {length} positions exceeds the window "
                              f"of {self.window}")
         q, k, v = self.project(x, None, (self.cos[:length], self.sin[:length]))
+        return self._attend(q, k, v, is_causal=True)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
+                is_causal: bool = False) -> Tensor:
+        """Attention of ``q, k, v [B, T, H, hd]`` and the output projection: ``[B, T, dim]``."""
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                             v.transpose(1, 2), is_causal=True)
-        projected: Tensor = self.out(out.transpose(1, 2).reshape(x.shape))
+                                             v.transpose(1, 2), attn_mask=mask,
+                                             is_causal=is_causal)
+        projected: Tensor = self.out(out.transpose(1, 2).flatten(2))
         return projected
 
     def grid(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:

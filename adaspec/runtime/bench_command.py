@@ -332,7 +332,7 @@ def run_bench_command(argv: Sequence[str]) -> int:
     report["load_average"] = None if load_start is None or load_end is None else {
         "start": load_start, "end": load_end}
     # The plain loop runs on this thread with torch's own setting; the runtime arms' cpu
-    # stream leaves a core to the event loop.
+    # stream keeps it too (loop stream) or its own (ADASPEC_CPU_THREADS, the worker stream).
     report["torch_threads"] = threads
     report["busy_warning"] = busy_warning(
         report["cpu_share_of_other_processes"],

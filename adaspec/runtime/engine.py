@@ -42,7 +42,7 @@ from adaspec.runtime.calibration import (
 from adaspec.runtime.devices.buckets import BindingRegistry, BucketGeometry
 from adaspec.runtime.devices.collectives import Collectives, LocalCollectives
 from adaspec.runtime.devices.graphs import binding_factory
-from adaspec.runtime.devices.streams import DeviceStream, open_stream
+from adaspec.runtime.devices.streams import DeviceStream, cpu_threads, open_stream
 from adaspec.runtime.drafting import Drafting, DSparkDrafting, MtpDrafting, NoDrafting
 from adaspec.runtime.events.bus import EventBus
 from adaspec.runtime.events.clock import Clock, MonotonicClock
@@ -126,6 +126,8 @@ class Runtime:
             raise ConfigError("--nnodes", launch.nnodes,
                               "expected 1: this runtime drives one rank per process; start "
                               "one process per rank")
+        if launch.device == "cpu":
+            cpu_threads()  # a bad ADASPEC_CPU_STREAM or _THREADS is refused before any loading
         device = torch.device(launch.device)
         models = self._models or load_reference_models(device)
         geometry = BucketGeometry.of(launch)
@@ -350,7 +352,7 @@ class Runtime:
         if len(params.stop) > MAX_STOP_TOKENS:
             raise InvalidRequest("stop", f"{len(params.stop)} token ids",
                                  f"expected at most {MAX_STOP_TOKENS} stop token ids")
-        self._check_prompt(pipeline, prompt)
+        check_prompt(pipeline.ctx.target, prompt)
         request = Request(id=next(self._ids), prompt=tuple(prompt), params=params)
         self.bus.publish(RequestArrived(time=self.clock.now(), request_id=request.id,
                                         num_prompt_tokens=len(prompt),
@@ -367,10 +369,6 @@ class Runtime:
             raise RuntimeStopped(f"the runtime stopped after an internal error: "
                                  f"{pipeline.fault}")
         return pipeline
-
-    @staticmethod
-    def _check_prompt(pipeline: Pipeline, prompt: Sequence[int]) -> None:
-        check_prompt(pipeline.ctx.target, prompt)
 
     def cancel(self, request_id: int) -> None:
         """End a request between rounds (see ``RequestHandle.cancel``); an unknown or ended

@@ -44,7 +44,7 @@ def grid_width(width: int, num_rows: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class _Layout:
-    """Constants of one (Bcap, w, G) packing, by flat grid cell ``entry * (w + 1) + offset``."""
+    """Constants of one (Bcap, w) packing, by flat grid cell ``entry * (w + 1) + offset``."""
 
     offsets: Tensor  # [w + 1] 0 .. w
     cell_entries: Tensor  # [Bcap * (w + 1)] entry of each cell

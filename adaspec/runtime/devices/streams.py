@@ -133,10 +133,11 @@ def cpu_threads(environ: Mapping[str, str] | None = None, stream: str | None = N
     threads beside the event loop, 3.1 ms there with one. Raises ``ConfigError`` naming a
     variable for a value out of range."""
     environ = os.environ if environ is None else environ
+    kind = cpu_stream_kind(environ)  # checked whichever stream is asked about
     raw = environ.get(CPU_THREADS_ENV)
     if raw is not None:
         return checked_threads(CPU_THREADS_ENV, raw)
-    if (stream or cpu_stream_kind(environ)) == "worker":
+    if (stream or kind) == "worker":
         return max(1, _available_cores() - 1)
     return torch.get_num_threads()
 
@@ -145,7 +146,8 @@ def checked_threads(setting: str, raw: object) -> int:
     """``raw`` as a thread count in 1..``MAX_CPU_THREADS``, or ``ConfigError`` naming
     ``setting``."""
     text = str(raw).strip()
-    if isinstance(raw, bool) or not (text.isascii() and text.isdigit()) \
+    # The length test comes first: int() refuses strings of thousands of digits itself.
+    if isinstance(raw, bool) or not (text.isascii() and text.isdigit()) or len(text) > 8 \
             or not 1 <= int(text) <= MAX_CPU_THREADS:
         raise ConfigError(setting, raw, f"expected an integer in 1..{MAX_CPU_THREADS} (torch "
                           "intra-op threads of the cpu stream)")
