@@ -14,7 +14,7 @@ from dataclasses import fields
 from adaspec import __version__
 from adaspec.config import RULES, LaunchConfig, load_config_from_argv
 from adaspec.config.flags import field_docs
-from adaspec.config.launch import launch_field_types, metavar
+from adaspec.config.launch import BUILTIN_TARGET, BUILTIN_TARGETS, launch_field_types, metavar
 from adaspec.config.rules import CROSS_CHECKS
 from adaspec.errors import MISSING, AdaspecError, ConfigError, show_value
 
@@ -68,31 +68,63 @@ def run_config(argv: Sequence[str]) -> int:
 
 MODELS_FLAGS = {"--json": "print one JSON object instead of a table",
                 "--measure": "also re-measure greedy acceptance on the packaged held-out "
-                             "excerpt (a few seconds)"}
+                             "excerpt (a few seconds)",
+                "--model": f"which built-in target and its drafts: {' or '.join(BUILTIN_TARGETS)} "
+                           f"(default {BUILTIN_TARGET})"}
+
+
+def models_choice(argv: Sequence[str]) -> tuple[str, set[str]]:
+    """The ``--model`` value (``--model=X`` or ``--model X``) and the other flags, each
+    refused in one line when unknown."""
+    model, flags, args = None, set(), list(argv)
+    while args:
+        arg = args.pop(0)
+        name, has_value, value = arg.partition("=")
+        if name == "--model":
+            if not has_value:
+                if not args:
+                    raise ConfigError("--model", MISSING, "missing value; expected one of "
+                                      f"{', '.join(BUILTIN_TARGETS)}")
+                value = args.pop(0)
+            if model is not None:
+                raise ConfigError("--model", value,
+                                  f"given twice (first as {model}); give each flag once")
+            if value not in BUILTIN_TARGETS:
+                raise ConfigError("--model", value, f"expected one of {', '.join(BUILTIN_TARGETS)}"
+                                  ": adaspec models describes the built-in reference models")
+            model = value
+        elif arg in flags:
+            raise ConfigError(arg, MISSING, "given twice; give each flag once")
+        elif arg in MODELS_FLAGS:
+            flags.add(arg)
+        else:
+            *others, last = MODELS_FLAGS
+            raise ConfigError(arg, MISSING, f"unknown flag; expected {', '.join(others)} or {last}")
+    return model or BUILTIN_TARGET, flags
 
 
 def run_models(argv: Sequence[str]) -> int:
     if any(arg in ("-h", "--help") for arg in argv):
-        print("usage: adaspec models [--json] [--measure]\n")
+        print("usage: adaspec models [--model=BUILTIN] [--json] [--measure]\n")
         print("\n".join(f"  {flag:10} {text}" for flag, text in MODELS_FLAGS.items()))
         return 0
-    for arg in argv:
-        if arg not in MODELS_FLAGS:
-            raise ConfigError(arg, MISSING, f"unknown flag; expected {' or '.join(MODELS_FLAGS)}")
+    model, flags = models_choice(argv)
     # Deferred: torch loads only for commands that need models.
-    from adaspec.models.checkpoint import load_reference_models
+    from adaspec.models.checkpoint import load_model_card, load_reference_models, shipped_folder
     from adaspec.models.drafter_cost import drafter_costs
     from adaspec.models.report import format_report, measure_excerpt, models_report
     from adaspec.runtime.devices.streams import cpu_threads
 
     threads = cpu_threads()  # a bad ADASPEC_CPU_* setting is refused before the models load
-    models = load_reference_models()
-    report = models_report(models)
+    family = BUILTIN_TARGETS[model]
+    models = load_reference_models(name=family)
+    report = models_report(models, load_model_card(shipped_folder(family)))
+    report["model"] = model
     # Measured as the cpu stream runs them: with its thread count, at one request.
     report["drafter_cost"] = drafter_costs(models, threads=threads)
-    if "--measure" in argv:
+    if "--measure" in flags:
         report["measured_on_excerpt"] = measure_excerpt(models)
-    print(json.dumps(report, indent=2) if "--json" in argv else format_report(report))
+    print(json.dumps(report, indent=2) if "--json" in flags else format_report(report))
     return 0
 
 

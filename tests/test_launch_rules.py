@@ -168,7 +168,8 @@ CROSS_CASES = [
      "--master_node_addr=localhost: expected host:port with a port in 1..65535"),
     ("--master_node_addr=10.0.0.1:0",
      "--master_node_addr=10.0.0.1:0: expected host:port with a port in 1..65535"),
-    ("--model=builtin:gpt", "--model=builtin:gpt: expected a path or builtin:target"),
+    ("--model=builtin:gpt",
+     "--model=builtin:gpt: expected a path or one of builtin:target, builtin:target-large"),
     ("--speculative_algorithm=DSpark --num_speculative_tokens=7 --draft_model=builtin:mtp",
      "--draft_model=builtin:mtp: expected a path or builtin:dspark for "
      "--speculative_algorithm=DSpark (built-in drafts: builtin:dspark, builtin:mtp)"),

@@ -110,8 +110,8 @@ def test_models_command_rejects_unknown_flags() -> None:
                           capture_output=True, text=True, check=False, timeout=300)
     assert done.returncode == 2
     assert done.stdout == ""
-    assert done.stderr == ("adaspec models: error: --jsn: unknown flag; expected --json or "
-                           "--measure\n")
+    assert done.stderr == ("adaspec models: error: --jsn: unknown flag; expected --json, "
+                           "--measure or --model\n")
 
 
 def test_models_command_refuses_a_bad_stream_setting_in_one_line() -> None:
@@ -132,7 +132,9 @@ def test_models_table_states_the_acceptance_length_convention(
     table = capsys.readouterr().out
     assert "AL = accepted + 1 (residual or bonus)" in table
     assert "drafter cost at one request" in table
-    assert table.splitlines()[1].startswith("target ")
+    lines = table.splitlines()
+    assert lines[0] == "builtin:target and its drafts"
+    assert lines[3].startswith("target ")
 
 
 def test_acceptance_holds_at_long_positions() -> None:

@@ -19,6 +19,8 @@ Algorithm = Literal["none", "MTP", "DSpark"]
 GraphBackend = Literal["aclgraph", "cudagraph", "eager_buckets"]
 
 BUILTIN_TARGET = "builtin:target"
+BUILTIN_TARGETS: dict[str, str] = {BUILTIN_TARGET: "small", "builtin:target-large": "large"}
+"""Built-in targets and the reference family each loads (the drafts come from the same one)."""
 BUILTIN_DRAFTS: dict[str, str] = {"MTP": "builtin:mtp", "DSpark": "builtin:dspark"}
 
 # Which graph backend each device can replay. On the CPU there is no graph capture; the
@@ -58,11 +60,13 @@ class LaunchConfig:
     """Every launch flag, validated and resolved at construction."""
 
     model: str = BUILTIN_TARGET
-    """Target model: a checkpoint path, or ``builtin:target`` for the shipped reference model."""
+    """Target model: a checkpoint path, or a shipped reference target: ``builtin:target``
+    (rows nearly free on a CPU) or ``builtin:target-large`` (rows cost)."""
 
     draft_model: str | None = None
     """Draft model path; unset means the built-in draft of the chosen algorithm
-    (``builtin:mtp`` or ``builtin:dspark``), and no draft without speculation."""
+    (``builtin:mtp`` or ``builtin:dspark``, trained for the built-in target chosen), and no
+    draft without speculation."""
 
     backend: Literal["llm"] = "llm"
     """Serving backend; adaspec serves language models only."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from adaspec.config.launch import (
     BUILTIN_DRAFTS,
-    BUILTIN_TARGET,
+    BUILTIN_TARGETS,
     GRAPH_BACKEND_FOR_DEVICE,
     MAX_SPECULATIVE_TOKENS,
     LaunchConfig,
@@ -231,8 +231,9 @@ def _check_width(cfg: LaunchConfig) -> ConfigError | None:
 
 def _check_builtin_models(cfg: LaunchConfig) -> ConfigError | None:
     """builtin: names exist and the built-in draft matches the algorithm."""
-    if cfg.model.startswith("builtin:") and cfg.model != BUILTIN_TARGET:
-        return ConfigError("--model", cfg.model, f"expected a path or {BUILTIN_TARGET}")
+    if cfg.model.startswith("builtin:") and cfg.model not in BUILTIN_TARGETS:
+        return ConfigError("--model", cfg.model,
+                           f"expected a path or one of {', '.join(BUILTIN_TARGETS)}")
     draft = cfg.draft_model
     if draft is not None and draft.startswith("builtin:"):
         own = BUILTIN_DRAFTS.get(cfg.speculative_algorithm)

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from adaspec.models.drafters import DSparkConfig, MtpConfig, ReferenceDSpark, ReferenceMtp
+from adaspec.models.families import DEFAULT_FAMILY, family
 from adaspec.models.target import ReferenceTarget, TargetConfig
 from adaspec.runtime.devices.availability import require_device
 
@@ -88,14 +89,15 @@ def load_models(folder: Path, device: torch.device | str = "cpu") -> ReferenceMo
     return ReferenceModels(target=target, mtp=mtp, dspark=dspark)
 
 
-def shipped_folder() -> Path:
-    """The folder of the weights installed with the package."""
-    return Path(str(resources.files(WEIGHTS_PACKAGE)))
+def shipped_folder(name: str = DEFAULT_FAMILY) -> Path:
+    """The folder of a reference family's weights, installed with the package."""
+    return Path(str(resources.files(WEIGHTS_PACKAGE))) / family(name).folder
 
 
-def load_reference_models(device: torch.device | str = "cpu") -> ReferenceModels:
-    """The shipped reference models; no download, ever."""
-    return load_models(shipped_folder(), device)
+def load_reference_models(device: torch.device | str = "cpu", *,
+                          name: str = DEFAULT_FAMILY) -> ReferenceModels:
+    """A shipped reference family (``small`` unless named); no download, ever."""
+    return load_models(shipped_folder(name), device)
 
 
 def load_model_card(folder: Path | None = None) -> dict[str, object]:

@@ -1,9 +1,10 @@
 """What each reference drafter costs beside the target it drafts for, at one request.
 
 A drafter pays off only when it is much cheaper than the target: with acceptance length AL and
-a drafter costing a fraction c of a target step, a round can give at most about AL / (1 + c)
-times the target alone. The figures here are wall times of the models' own serving calls on
-the calling thread at batch 1, interleaved (target, DSpark, MTP, target, ...) and the fastest
+a drafter costing a fraction c of a target verify, a round can give at most about AL / (1 + c)
+times the target alone (a round with k sequential MTP steps pays k times an MTP step's c).
+The figures here are wall times of the models' own serving calls on the calling thread at
+batch 1, interleaved (target, DSpark, MTP, target, ...) and the fastest
 of several rounds kept for each, so a slow spell of a shared machine does not land on one.
 """
 

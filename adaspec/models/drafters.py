@@ -29,10 +29,10 @@ class MtpConfig:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DSparkConfig:
     max_width: int = 7
-    num_layers: int = 2
+    num_layers: int = 1
     num_heads: int = 4
-    mlp_hidden: int = 384
-    markov_rank: int = 64
+    mlp_hidden: int = 768
+    markov_rank: int = 96
     """Rank of the Markov head through which the previous draft token steers a position."""
     confidence_hidden: int = 64
 
@@ -142,8 +142,10 @@ class ReferenceDSpark(nn.Module):
     The backbone reads a context vector (target hidden state fused with the newest token)
     followed by one learned query per draft position, causally, so a block of width w uses
     the first w queries and the drafter serves any width up to ``max_width``. Position k's
-    state is corrected by a low-rank Markov term mixing it with the previous draft token
-    before the shared output head, so the block stays coherent without sequential forwards.
+    logits (the shared output head applied to its state) get a low-rank Markov term that
+    mixes the state with the previous draft token, so the block stays coherent without
+    sequential forwards: per position that is one embedding row, one activation and one
+    rank-r output projection, every other piece running once for the whole block.
     The confidence head estimates position k's conditional acceptance from the backbone
     state, the previous token and the draft distribution's own sharpness; ``temperatures``
     (fitted after training, one per position) calibrate it.
@@ -160,13 +162,14 @@ class ReferenceDSpark(nn.Module):
         self.queries = nn.Parameter(torch.zeros(config.max_width, dim))
         self.blocks = cast(list[Block], nn.ModuleList(
             Block(dim, config.num_heads, config.mlp_hidden, config.max_width + 1,
-                  config.max_width + 1)
+                  config.max_width + 1, approximate="tanh")
             for _ in range(config.num_layers)))
         self.markov_in = nn.Embedding(target.config.vocab_size, config.markov_rank)
         self.markov_state = nn.Linear(dim, config.markov_rank, bias=False)
-        self.markov_out = nn.Linear(config.markov_rank, dim, bias=False)
+        self.markov_out = nn.Linear(config.markov_rank, target.config.vocab_size, bias=False)
         self.confidence_norm = RMSNorm(dim)
-        self.confidence = MLP(dim + config.markov_rank + 2, config.confidence_hidden)
+        self.confidence = MLP(dim + config.markov_rank + 2, config.confidence_hidden,
+                              approximate="tanh")
         self.confidence_out = nn.Linear(dim + config.markov_rank + 2, 1)
         self.register_buffer("temperatures", torch.ones(config.max_width))
         init_weights(self, config.num_layers)
@@ -188,8 +191,15 @@ class ReferenceDSpark(nn.Module):
 
     def position_logits(self, states: Tensor, prev_token_ids: Tensor) -> Tensor:
         """Draft logits of each position given the token before it."""
-        markov = F.gelu(self.markov_state(states) + self.markov_in(prev_token_ids))
-        return self.head.logits(states + self.markov_out(markov))
+        return self.markov_logits(self.head.logits(states), self.markov_state(states),
+                                  prev_token_ids)
+
+    def markov_logits(self, base: Tensor, projected: Tensor, prev_token_ids: Tensor) -> Tensor:
+        """Logits ``base`` (the head on the states) corrected by the Markov term of the
+        states' projection ``projected`` and the previous token."""
+        markov = F.gelu(projected + self.markov_in(prev_token_ids), approximate="tanh")
+        corrected: Tensor = base + self.markov_out(markov)
+        return corrected
 
     def confidence_logits(self, states: Tensor, prev_token_ids: Tensor, logits: Tensor) -> Tensor:
         """Uncalibrated log-odds of each position's conditional acceptance."""
@@ -206,11 +216,13 @@ class ReferenceDSpark(nn.Module):
         if not 1 <= width <= self.config.max_width:
             raise ValueError(f"width={width}: expected 1..{self.config.max_width}")
         states = self.states(hidden, token_ids, width)
+        # What does not wait for the previous token runs once for the whole block.
+        base, projected = self.head.logits(states), self.markov_state(states)
         prev, tokens, prevs, logits = token_ids, [], [], []
         # The Markov head makes each position depend on the previous draft token; this loop
-        # is w rank-r updates and output heads, not backbone forwards.
+        # is w rank-r corrections, not backbone forwards or output heads.
         for k in range(width):
-            step = self.position_logits(states[:, k], prev)
+            step = self.markov_logits(base[:, k], projected[:, k], prev)
             prevs.append(prev)
             prev = step.argmax(-1)
             tokens.append(prev)

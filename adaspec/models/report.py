@@ -24,9 +24,16 @@ def heldout_excerpt() -> dict[str, str]:
     return excerpt
 
 
-def models_report(models: ReferenceModels | None = None) -> dict[str, object]:
+def models_report(models: ReferenceModels | None = None,
+                  card: dict[str, object] | None = None) -> dict[str, object]:
+    """Identities and sizes of ``models`` (default: the small family) beside the quality
+    figures of their model card (``card``: default, the small family's)."""
     models = models or load_reference_models()
-    card = load_model_card()
+    card = card or load_model_card()
+    described_target = card["models"]["target"]["identity"]  # type: ignore[index]
+    if described_target != models.target.identity:
+        raise ValueError(f"the model card describes target {described_target}, not the "
+                         f"models' {models.target.identity}: pass the card of their family")
     described = {}
     for name, module in (("target", models.target), ("mtp", models.mtp),
                          ("dspark", models.dspark)):
@@ -68,7 +75,8 @@ def _row(label: str, values: list[float]) -> str:
 def format_report(report: dict[str, Any]) -> str:
     """A terminal summary of ``models_report`` (acceptance length counts the bonus token)."""
     models, quality = report["models"], report["quality"]
-    lines = ["model    identity                          parameters"]
+    lines = [f"{report['model']} and its drafts", ""] if "model" in report else []
+    lines.append("model    identity                          parameters")
     for name, info in models.items():
         lines.append(f"{name:8} {info['identity']}  {info['parameters']:>10,}")
     losses = quality["target"]["heldout_loss_nats_per_byte"]
@@ -91,9 +99,11 @@ def format_report(report: dict[str, Any]) -> str:
                       f"of interleaved rounds): target step {ms['target_step']:.3f} ms, verify "
                       f"of {cost['width'] + 1} rows {ms['target_verify']:.3f} ms",
                   f"  dspark block of {cost['width']}: {ms['dspark_block']:.3f} ms = "
+                  f"{cost['dspark_over_target_verify']:.3f} of that verify, "
                   f"{cost['dspark_over_target_step']:.3f} of a target step",
-                  f"  mtp step: {ms['mtp_step']:.3f} ms = {cost['mtp_step_over_target_step']:.3f} "
-                  "of a target step"]
+                  f"  mtp step: {ms['mtp_step']:.3f} ms = "
+                  f"{cost['mtp_step_over_target_verify']:.3f} of that verify, "
+                  f"{cost['mtp_step_over_target_step']:.3f} of a target step"]
     measured = report.get("measured_on_excerpt")
     if isinstance(measured, dict):
         lines += ["", "re-measured on the packaged excerpt (temperature 0, prefix acceptance)"]

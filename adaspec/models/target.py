@@ -16,7 +16,7 @@ class TargetConfig:
     vocab_size: int = 256
     """Bytes: any UTF-8 text encodes without a tokenizer file."""
     hidden_size: int = 128
-    num_layers: int = 4
+    num_layers: int = 8
     num_heads: int = 4
     mlp_hidden: int = 512
     window: int = 256

@@ -1,6 +1,7 @@
 """Train the reference models: ``python -m adaspec.models.train``.
 
-Seeded and reproducible on a CPU (about 20 minutes on 2 cores). Steps:
+Seeded and reproducible on a CPU (``--family small``, the default, about 33 minutes on 2
+cores; ``--family large`` about 45, with fewer steps; see ``families``). Steps:
 1. the target on the training corpus (next-byte cross-entropy);
 2. both drafters distilled from the frozen target together, sharing its forward pass: soft
    labels are the target's distributions; the MTP head is trained unrolled over several
@@ -23,7 +24,7 @@ import json
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -42,14 +43,13 @@ from adaspec.models.checkpoint import (
     shipped_folder,
 )
 from adaspec.models.drafters import (
-    DSparkConfig,
-    MtpConfig,
     ReferenceDSpark,
     ReferenceMtp,
     confidence_loss,
     greedy_acceptance_label,
     soft_cross_entropy,
 )
+from adaspec.models.families import DEFAULT_FAMILY, FAMILIES, Family, family
 from adaspec.models.quality import (
     BATCH,
     DraftTrace,
@@ -64,13 +64,14 @@ from adaspec.models.quality import (
     sigmoid,
     trace_contexts,
 )
-from adaspec.models.target import ReferenceTarget, TargetConfig
+from adaspec.models.target import ReferenceTarget
 
 DATA_FOLDER = Path(__file__).resolve().parent / "data"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TrainSettings:
+    family: str = DEFAULT_FAMILY
     seed: int = 0
     threads: int = 2
     target_steps: int = 700
@@ -123,7 +124,7 @@ def step_with(opt: torch.optim.Optimizer, loss: Tensor, lr: float,
 
 def train_target(data: Tensor, settings: TrainSettings, generator: torch.Generator,
                  ) -> ReferenceTarget:
-    target = ReferenceTarget(TargetConfig())
+    target = ReferenceTarget(family(settings.family).target)
     params = list(target.parameters())
     opt = optimizer(params, settings.target_lr)
     batches = windows(data, settings.target_batch, settings.target_seq_len + 1, generator)
@@ -165,8 +166,9 @@ def dspark_loss(dspark: ReferenceDSpark, hidden: Tensor, logits: Tensor, tokens:
 def train_drafters(target: ReferenceTarget, data: Tensor, settings: TrainSettings,
                    generator: torch.Generator) -> tuple[ReferenceMtp, ReferenceDSpark]:
     target.requires_grad_(False)
-    mtp = ReferenceMtp(MtpConfig(), target)
-    dspark = ReferenceDSpark(DSparkConfig(max_width=settings.width), target)
+    chosen = family(settings.family)
+    mtp = ReferenceMtp(chosen.mtp, target)
+    dspark = ReferenceDSpark(replace(chosen.dspark, max_width=settings.width), target)
     params = [p for p in (*mtp.parameters(), *dspark.parameters()) if p.requires_grad]
     opt = optimizer(params, settings.draft_lr)
     length, unroll = settings.draft_seq_len, settings.mtp_unroll
@@ -299,16 +301,24 @@ def _finite(value: float) -> float | None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m adaspec.models.train",
                                      description=__doc__.split("\n")[0])
-    parser.add_argument("--output", type=Path, default=shipped_folder(),
-                        help="folder for the weights and model card (default: the package's)")
+    parser.add_argument("--family", choices=sorted(FAMILIES), default=DEFAULT_FAMILY,
+                        help="which reference family to train (default: %(default)s)")
+    parser.add_argument("--output", type=Path, default=None,
+                        help="folder for the weights and model card (default: the package's "
+                             "folder of the family)")
     parser.add_argument("--cache_dir", type=Path,
                         default=Path.home() / ".cache" / "adaspec" / "corpus")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--write_data", action=argparse.BooleanOptionalAction, default=True,
                         help="also rewrite the packaged prompt set and held-out excerpt")
     args = parser.parse_args(argv)
-    settings = TrainSettings(seed=args.seed)
-    run(settings, args.output, args.cache_dir, args.write_data)
+    run(settings_for(FAMILIES[args.family], args.seed),
+        args.output or shipped_folder(args.family), args.cache_dir, args.write_data)
+
+
+def settings_for(chosen: Family, seed: int) -> TrainSettings:
+    return TrainSettings(family=chosen.name, seed=seed, target_steps=chosen.target_steps,
+                         draft_steps=chosen.draft_steps)
 
 
 def run(settings: TrainSettings, output: Path, cache_dir: Path, write_data: bool) -> None:

@@ -40,17 +40,18 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import torch
 from scipy.special import stdtrit
 
 from adaspec.config import EffectiveConfig, SamplingParams, load_config
 from adaspec.config.flags import coerce
 from adaspec.config.launch import launch_field_types
 from adaspec.errors import ConfigError
-from adaspec.models import ReferenceModels, load_reference_models
+from adaspec.models import ReferenceModels
 from adaspec.models.protocols import TargetModel
 from adaspec.runtime.calibration import Progress
 from adaspec.runtime.devices.buckets import BucketGeometry
-from adaspec.runtime.engine import Runtime, RuntimeOptions
+from adaspec.runtime.engine import Runtime, RuntimeOptions, builtin_models
 from adaspec.runtime.pipeline import RuntimeStatistics
 from adaspec.runtime.plain import PlainRun, plain_loop
 
@@ -346,7 +347,8 @@ class PlainArm:
 
     @classmethod
     def start(cls, arm: Arm, models: ReferenceModels | None, concurrency: int) -> "PlainArm":
-        target = (models or load_reference_models(arm.config.launch.device)).target
+        device = torch.device(arm.config.launch.device)
+        target = (models or builtin_models(arm.config.launch, device)).target
         target.allocate(concurrency)
         return cls(target)
 

@@ -19,12 +19,11 @@ from contextlib import contextmanager
 from typing import Any, TextIO
 
 from adaspec.config import load_config_from_argv
-from adaspec.config.launch import BUILTIN_TARGET
 from adaspec.errors import MISSING, ConfigError
 from adaspec.policies.bundles import CostBundle
 from adaspec.policies.costs import AdditiveTable, relative_errors
 from adaspec.runtime.calibration import PointMeasured, Progress
-from adaspec.runtime.engine import Runtime, RuntimeOptions
+from adaspec.runtime.engine import Runtime, RuntimeOptions, require_builtin
 
 BAR_WIDTH = 30
 
@@ -98,10 +97,8 @@ def run_calibrate(argv: Sequence[str]) -> int:
     if output is None:
         raise ConfigError("--adaptive_target_verify_cost_table_output", MISSING,
                           "required: adaspec calibrate saves the bundle there (a new file)")
-    if launch.model != BUILTIN_TARGET:
-        raise ConfigError("--model", launch.model, "adaspec calibrate runs the built-in "
-                          f"reference models ({BUILTIN_TARGET}); embed the runtime to "
-                          "calibrate your own")
+    require_builtin("calibrate", launch.model, launch.draft_model,
+                    "embed the runtime to calibrate your own")
     runtime = Runtime(config, options=RuntimeOptions(
         calibration_progress=progress_reporter(sys.stderr)))
     started = time.perf_counter()

@@ -21,7 +21,7 @@ import torch
 
 from adaspec.config.effective import EffectiveConfig
 from adaspec.config.files import read_json_object
-from adaspec.config.launch import LaunchConfig
+from adaspec.config.launch import BUILTIN_TARGETS, LaunchConfig
 from adaspec.config.requests import SamplingParams, check_request
 from adaspec.errors import ConfigError, InvalidRequest
 from adaspec.models.checkpoint import ReferenceModels, load_reference_models
@@ -92,6 +92,33 @@ class RuntimeOptions:
             raise ConfigError("seed", seed, f"expected an integer in 0..{MAX_SEED - 1}")
 
 
+def builtin_models(launch: LaunchConfig, device: torch.device) -> ReferenceModels:
+    """The shipped reference family of a built-in ``--model``. The runtime loads nothing
+    else itself: an engine's own models are passed in as ``Runtime(models=...)``."""
+    family = BUILTIN_TARGETS.get(launch.model)
+    if family is None:
+        raise ConfigError("--model", launch.model,
+                          f"expected one of {', '.join(BUILTIN_TARGETS)} when no models are "
+                          "passed to Runtime(models=...); the runtime loads no checkpoint "
+                          "path itself")
+    if launch.draft_model is not None and not launch.draft_model.startswith("builtin:"):
+        raise ConfigError("--draft_model", launch.draft_model,
+                          "expected the built-in draft when no models are passed to "
+                          "Runtime(models=...); the runtime loads no checkpoint path itself")
+    return load_reference_models(device, name=family)
+
+
+def require_builtin(command: str, model: str, draft_model: str | None, own: str) -> None:
+    """Refuse, before anything runs, what a command that runs only the built-in reference
+    models cannot run; ``own`` says how to run one's own models instead."""
+    if model not in BUILTIN_TARGETS:
+        raise ConfigError("--model", model, f"adaspec {command} runs the built-in reference "
+                          f"models ({' or '.join(BUILTIN_TARGETS)}); {own}")
+    if draft_model is not None and not draft_model.startswith("builtin:"):
+        raise ConfigError("--draft_model", draft_model, f"adaspec {command} runs the built-in "
+                          f"drafts of the built-in target; {own}")
+
+
 class RuntimeStopped(RuntimeError):
     """The runtime is not running (not started, stopping, or stopped after a fault)."""
 
@@ -129,7 +156,7 @@ class Runtime:
         if launch.device == "cpu":
             cpu_threads()  # a bad ADASPEC_CPU_STREAM or _THREADS is refused before any loading
         device = torch.device(launch.device)
-        models = self._models or load_reference_models(device)
+        models = self._models or builtin_models(launch, device)
         geometry = BucketGeometry.of(launch)
         # Everything refusable about the costs is refused before any device work.
         plan, saved = self._cost_source(models, geometry)

@@ -18,11 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from adaspec.config import SamplingParams, load_config_from_argv
-from adaspec.config.launch import BUILTIN_TARGET
 from adaspec.errors import MISSING, ConfigError
 from adaspec.runtime.calibrate_command import progress_reporter
 from adaspec.runtime.command_flags import flag_lines, take_flags
-from adaspec.runtime.engine import MAX_SEED, Runtime, RuntimeOptions
+from adaspec.runtime.engine import MAX_SEED, Runtime, RuntimeOptions, require_builtin
 from adaspec.runtime.requests import RequestResult
 
 # name -> (metavar, help); every one takes a value except --json.
@@ -152,10 +151,8 @@ def run_generate(argv: Sequence[str]) -> int:
     prompts = read_prompts(args)
     params = sampling_params(args.values)
     config = load_config_from_argv(args.launch_argv)
-    if config.launch.model != BUILTIN_TARGET:
-        raise ConfigError("--model", config.launch.model, "adaspec generate runs the built-in "
-                          f"reference models ({BUILTIN_TARGET}); embed the runtime to serve "
-                          "your own")
+    require_builtin("generate", config.launch.model, config.launch.draft_model,
+                    "embed the runtime to serve your own")
     seed = _number("seed", args.values.get("seed"), int, 0)
     if not 0 <= seed < MAX_SEED:
         raise ConfigError("--seed", seed, f"expected an integer in 0..{MAX_SEED - 1}")
