@@ -110,7 +110,7 @@ def run_models(argv: Sequence[str]) -> int:
         return 0
     model, flags = models_choice(argv)
     # Deferred: torch loads only for commands that need models.
-    from adaspec.models.checkpoint import load_model_card, load_reference_models, shipped_folder
+    from adaspec.models.checkpoint import load_reference_models
     from adaspec.models.drafter_cost import drafter_costs
     from adaspec.models.report import format_report, measure_excerpt, models_report
     from adaspec.runtime.devices.streams import cpu_threads
@@ -118,7 +118,7 @@ def run_models(argv: Sequence[str]) -> int:
     threads = cpu_threads()  # a bad ADASPEC_CPU_* setting is refused before the models load
     family = BUILTIN_TARGETS[model]
     models = load_reference_models(name=family)
-    report = models_report(models, load_model_card(shipped_folder(family)))
+    report = models_report(models)
     report["model"] = model
     # Measured as the cpu stream runs them: with its thread count, at one request.
     report["drafter_cost"] = drafter_costs(models, threads=threads)

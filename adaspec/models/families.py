@@ -42,6 +42,11 @@ FAMILIES: dict[str, Family] = {
 DEFAULT_FAMILY = "small"
 
 
+def family_of(target: TargetConfig) -> str | None:
+    """The family whose target has this configuration, if any."""
+    return next((name for name, found in FAMILIES.items() if found.target == target), None)
+
+
 def family(name: str) -> Family:
     found = FAMILIES.get(name)
     if found is None:

@@ -11,7 +11,13 @@ from typing import Any
 
 import numpy as np
 
-from adaspec.models.checkpoint import ReferenceModels, load_model_card, load_reference_models
+from adaspec.models.checkpoint import (
+    ReferenceModels,
+    load_model_card,
+    load_reference_models,
+    shipped_folder,
+)
+from adaspec.models.families import family_of
 from adaspec.models.quality import BATCH, acceptance_summary, sample_contexts, trace_contexts
 
 DATA_PACKAGE = "adaspec.models.data"
@@ -27,9 +33,13 @@ def heldout_excerpt() -> dict[str, str]:
 def models_report(models: ReferenceModels | None = None,
                   card: dict[str, object] | None = None) -> dict[str, object]:
     """Identities and sizes of ``models`` (default: the small family) beside the quality
-    figures of their model card (``card``: default, the small family's)."""
+    figures of their model card (default: the card of the family their target belongs to)."""
     models = models or load_reference_models()
-    card = card or load_model_card()
+    if card is None:
+        name = family_of(models.target.config)
+        if name is None:
+            raise ValueError("these models belong to no built-in family: pass their card")
+        card = load_model_card(shipped_folder(name))
     described_target = card["models"]["target"]["identity"]  # type: ignore[index]
     if described_target != models.target.identity:
         raise ValueError(f"the model card describes target {described_target}, not the "

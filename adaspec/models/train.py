@@ -1,7 +1,7 @@
 """Train the reference models: ``python -m adaspec.models.train``.
 
 Seeded and reproducible on a CPU (``--family small``, the default, about 33 minutes on 2
-cores; ``--family large`` about 45, with fewer steps; see ``families``). Steps:
+cores; ``--family large`` about 43, with fewer steps; see ``families``). Steps:
 1. the target on the training corpus (next-byte cross-entropy);
 2. both drafters distilled from the frozen target together, sharing its forward pass: soft
    labels are the target's distributions; the MTP head is trained unrolled over several
@@ -309,11 +309,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cache_dir", type=Path,
                         default=Path.home() / ".cache" / "adaspec" / "corpus")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--write_data", action=argparse.BooleanOptionalAction, default=True,
-                        help="also rewrite the packaged prompt set and held-out excerpt")
+    parser.add_argument("--write_data", action=argparse.BooleanOptionalAction, default=None,
+                        help="also rewrite the packaged prompt set and held-out excerpt "
+                             "(default: only for the small family at seed 0)")
     args = parser.parse_args(argv)
+    write_data = args.write_data
+    if write_data is None:  # the packaged data belongs to the default family's own run
+        write_data = args.family == DEFAULT_FAMILY and args.seed == 0
     run(settings_for(FAMILIES[args.family], args.seed),
-        args.output or shipped_folder(args.family), args.cache_dir, args.write_data)
+        args.output or shipped_folder(args.family), args.cache_dir, write_data)
 
 
 def settings_for(chosen: Family, seed: int) -> TrainSettings:

@@ -75,8 +75,8 @@ def bench_help() -> str:
              "--num_speculative_tokens=5); the adaptive ones (cost table, calibration and",
              "draft-step files) go to the adaptive arms only; --arms picks the arms.", "",
              "Two regimes ship: --model=builtin:target (default) has verified rows nearly",
-             "free on a CPU, as an accelerator at low load; --model=builtin:target-large",
-             "--concurrency=1,16,64 makes every verified row cost, as at high load.", ""]
+             "free on a CPU, as an accelerator at low load; with --model=builtin:target-large",
+             "--concurrency=1,64 verified rows cost at 64 requests, as at high load.", ""]
     return "\n".join(lines + flag_lines(BENCH_FLAGS))
 
 

@@ -21,7 +21,7 @@ import torch
 
 from adaspec.config.effective import EffectiveConfig
 from adaspec.config.files import read_json_object
-from adaspec.config.launch import BUILTIN_TARGETS, LaunchConfig
+from adaspec.config.launch import BUILTIN_DRAFTS, BUILTIN_TARGETS, LaunchConfig
 from adaspec.config.requests import SamplingParams, check_request
 from adaspec.errors import ConfigError, InvalidRequest
 from adaspec.models.checkpoint import ReferenceModels, load_reference_models
@@ -103,8 +103,9 @@ def builtin_models(launch: LaunchConfig, device: torch.device) -> ReferenceModel
                           "path itself")
     if launch.draft_model is not None and not launch.draft_model.startswith("builtin:"):
         raise ConfigError("--draft_model", launch.draft_model,
-                          "expected the built-in draft when no models are passed to "
-                          "Runtime(models=...); the runtime loads no checkpoint path itself")
+                          f"expected {BUILTIN_DRAFTS.get(launch.speculative_algorithm, 'none')} "
+                          "when no models are passed to Runtime(models=...); the runtime "
+                          "loads no checkpoint path itself")
     return load_reference_models(device, name=family)
 
 
