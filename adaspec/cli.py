@@ -17,6 +17,7 @@ from adaspec.config.flags import field_docs
 from adaspec.config.launch import BUILTIN_TARGET, BUILTIN_TARGETS, launch_field_types, metavar
 from adaspec.config.rules import CROSS_CHECKS
 from adaspec.errors import MISSING, AdaspecError, ConfigError, show_value
+from adaspec.runtime.command_flags import flag_lines, take_flags
 
 USAGE = """usage: adaspec COMMAND [FLAGS]
 
@@ -66,47 +67,39 @@ def run_config(argv: Sequence[str]) -> int:
     return 0
 
 
-MODELS_FLAGS = {"--json": "print one JSON object instead of a table",
-                "--measure": "also re-measure greedy acceptance on the packaged held-out "
-                             "excerpt (a few seconds)",
-                "--model": f"which built-in target and its drafts: {' or '.join(BUILTIN_TARGETS)} "
-                           f"(default {BUILTIN_TARGET})"}
+MODELS_FLAGS = {"json": ("", "print one JSON object instead of a table"),
+                "measure": ("", "also re-measure greedy acceptance on the packaged held-out "
+                                "excerpt (a few seconds)"),
+                "model": ("BUILTIN", f"which built-in target and its drafts: "
+                                     f"{' or '.join(BUILTIN_TARGETS)} (default {BUILTIN_TARGET})")}
 
 
 def models_choice(argv: Sequence[str]) -> tuple[str, set[str]]:
-    """The ``--model`` value (``--model=X`` or ``--model X``) and the other flags, each
-    refused in one line when unknown."""
-    model, flags, args = None, set(), list(argv)
-    while args:
-        arg = args.pop(0)
-        name, has_value, value = arg.partition("=")
-        if name == "--model":
-            if not has_value:
-                if not args:
-                    raise ConfigError("--model", MISSING, "missing value; expected one of "
-                                      f"{', '.join(BUILTIN_TARGETS)}")
-                value = args.pop(0)
-            if model is not None:
-                raise ConfigError("--model", value,
-                                  f"given twice (first as {model}); give each flag once")
-            if value not in BUILTIN_TARGETS:
-                raise ConfigError("--model", value, f"expected one of {', '.join(BUILTIN_TARGETS)}"
-                                  ": adaspec models describes the built-in reference models")
-            model = value
-        elif arg in flags:
-            raise ConfigError(arg, MISSING, "given twice; give each flag once")
-        elif arg in MODELS_FLAGS:
-            flags.add(arg)
-        else:
-            *others, last = MODELS_FLAGS
-            raise ConfigError(arg, MISSING, f"unknown flag; expected {', '.join(others)} or {last}")
-    return model or BUILTIN_TARGET, flags
+    """The ``--model`` value and the switches given, each refused in one line when unknown,
+    repeated or (for ``--model``) not a built-in target."""
+    own, unknown = take_flags(argv, MODELS_FLAGS, ("json", "measure"))
+    if unknown:
+        *others, last = (f"--{name}" for name in MODELS_FLAGS)
+        raise ConfigError(unknown[0], MISSING,
+                          f"unknown flag; expected {', '.join(others)} or {last}")
+    given: dict[str, str] = {}
+    for name, value in own:
+        if name in given:
+            first = f" (first as {given[name]})" if value else ""
+            raise ConfigError(f"--{name}", value or MISSING,
+                              f"given twice{first}; give each flag once")
+        given[name] = value
+    model = given.get("model", BUILTIN_TARGET)
+    if model not in BUILTIN_TARGETS:
+        raise ConfigError("--model", model, f"expected one of {', '.join(BUILTIN_TARGETS)}: "
+                          "adaspec models describes the built-in reference models")
+    return model, set(given) - {"model"}
 
 
 def run_models(argv: Sequence[str]) -> int:
     if any(arg in ("-h", "--help") for arg in argv):
         print("usage: adaspec models [--model=BUILTIN] [--json] [--measure]\n")
-        print("\n".join(f"  {flag:10} {text}" for flag, text in MODELS_FLAGS.items()))
+        print("\n".join(flag_lines(MODELS_FLAGS)))
         return 0
     model, flags = models_choice(argv)
     # Deferred: torch loads only for commands that need models.
@@ -122,9 +115,9 @@ def run_models(argv: Sequence[str]) -> int:
     report["model"] = model
     # Measured as the cpu stream runs them: with its thread count, at one request.
     report["drafter_cost"] = drafter_costs(models, threads=threads)
-    if "--measure" in flags:
+    if "measure" in flags:
         report["measured_on_excerpt"] = measure_excerpt(models)
-    print(json.dumps(report, indent=2) if "--json" in flags else format_report(report))
+    print(json.dumps(report, indent=2) if "json" in flags else format_report(report))
     return 0
 
 

@@ -95,8 +95,7 @@ def test_models_command_describes_the_large_family() -> None:
     (["--model=builtin:gpt"], "--model=builtin:gpt: expected one of builtin:target, "
                               "builtin:target-large: adaspec models describes the built-in "
                               "reference models"),
-    (["--model"], "--model: missing value; expected one of builtin:target, "
-                  "builtin:target-large"),
+    (["--model"], "--model: expected a value (model BUILTIN)"),
     (["--model=builtin:target-large", "--model", "builtin:target"],
      "--model=builtin:target: given twice (first as builtin:target-large); give each flag "
      "once"),
