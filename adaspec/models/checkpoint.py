@@ -72,6 +72,17 @@ class ReferenceModels:
     dspark: ReferenceDSpark
 
 
+def load_target(folder: Path) -> ReferenceTarget:
+    """The target checkpoint of a folder alone, on the CPU in float32, in eval mode."""
+    path = folder / FILES["target"]
+    if not path.is_file():
+        raise FileNotFoundError(f"no target checkpoint {path}")
+    config, state = _read(path)
+    target = ReferenceTarget(TargetConfig(**config))
+    _restore(target, state, "", config)
+    return target.eval()
+
+
 def load_models(folder: Path, device: torch.device | str = "cpu") -> ReferenceModels:
     """Load the three checkpoints of a folder onto ``device`` in float32, in eval mode."""
     require_device(torch.device(device).type)

@@ -28,7 +28,7 @@ class Family:
 
 FAMILIES: dict[str, Family] = {
     "small": Family(name="small", folder=".", target=TargetConfig(), mtp=MtpConfig(),
-                    dspark=DSparkConfig(), target_steps=700, draft_steps=500),
+                    dspark=DSparkConfig(), target_steps=700, draft_steps=800),
     "large": Family(name="large", folder="large",
                     target=TargetConfig(hidden_size=256, num_layers=4, num_heads=4,
                                         mlp_hidden=1024),

@@ -35,14 +35,20 @@ def encode(text: bytes) -> Tensor:
 def sample_contexts(text: bytes, count: int, width: int, context_limit: int,
                     rng: np.random.Generator, min_length: int = 32) -> list[Tensor]:
     """Random contexts whose length leaves room for the anchor and a full block."""
-    longest = context_limit - width - 1
+    return excerpts(text, count, min_length, context_limit - width - 1, rng)
+
+
+def excerpts(text: bytes, count: int, shortest: int, longest: int,
+             rng: np.random.Generator) -> list[Tensor]:
+    """``count`` random excerpts of ``text``, ``shortest .. longest`` tokens long (the text
+    must be longer than ``longest``)."""
     tokens = encode(text)
-    contexts = []
+    found = []
     for _ in range(count):
-        length = int(rng.integers(min_length, longest + 1))
+        length = int(rng.integers(shortest, longest + 1))
         start = int(rng.integers(0, len(tokens) - length))
-        contexts.append(tokens[start:start + length])
-    return contexts
+        found.append(tokens[start:start + length])
+    return found
 
 
 @dataclass(frozen=True, slots=True)

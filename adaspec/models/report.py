@@ -40,10 +40,14 @@ def models_report(models: ReferenceModels | None = None,
         if name is None:
             raise ValueError("these models belong to no built-in family: pass their card")
         card = load_model_card(shipped_folder(name))
-    described_target = card["models"]["target"]["identity"]  # type: ignore[index]
-    if described_target != models.target.identity:
-        raise ValueError(f"the model card describes target {described_target}, not the "
-                         f"models' {models.target.identity}: pass the card of their family")
+    # Every identity, not the target's alone: retraining the drafters (--reuse_target)
+    # keeps the target, and a run stopped before its card is written leaves the old card.
+    for name in ("target", "mtp", "dspark"):
+        described = card["models"][name]["identity"]  # type: ignore[index]
+        found = getattr(models, name).identity
+        if described != found:
+            raise ValueError(f"the model card describes {name} {described}, not the models' "
+                             f"{found}: pass the card written with these models")
     described = {}
     for name, module in (("target", models.target), ("mtp", models.mtp),
                          ("dspark", models.dspark)):
@@ -97,6 +101,13 @@ def format_report(report: dict[str, Any]) -> str:
         for temp in ("temperature_0", "temperature_1"):
             figures = quality[name][temp]
             lines.append(_row(f"{name} {temp.replace('_', ' ')}", figures["prefix"])
+                         + f"   AL {figures['acceptance_length']:.3f}")
+    continued = {name: quality[name]["own_continuations"]["temperature_0"]
+                 for name in ("mtp", "dspark") if "own_continuations" in quality[name]}
+    if continued:  # cards written before continuations were measured lack the entry
+        lines += ["", "inside the target's own greedy continuations"]
+        for name, figures in continued.items():
+            lines.append(_row(f"{name} temperature 0", figures["prefix"])
                          + f"   AL {figures['acceptance_length']:.3f}")
     confidence = quality["dspark"]["confidence"]
     lines += ["", f"dspark confidence: prefix-survival ECE {confidence['ece_before_scaling']:.4f}"

@@ -1,22 +1,33 @@
 """Train the reference models: ``python -m adaspec.models.train``.
 
-Seeded and reproducible on a CPU (``--family small``, the default, about 33 minutes on 2
-cores; ``--family large`` about 43, with fewer steps; see ``families``). Steps:
+Seeded and reproducible on a CPU (``--family small``, the default, about 50 minutes on 2
+cores; ``--family large`` has fewer steps; see ``families``). Steps:
 1. the target on the training corpus (next-byte cross-entropy);
 2. both drafters distilled from the frozen target together, sharing its forward pass: soft
    labels are the target's distributions; the MTP head is trained unrolled over several
-   sequential steps;
-   then the DSpark confidence head (backbone frozen) learns the analytic acceptance
+   sequential steps; each batch mixes corpus windows with windows of the target's own greedy
+   continuations of training prompts (see ``continuations``), which the runtime's drafters
+   read once a decode is under way; the target is first rounded to the stored dtype, so the
+   drafters learn from the target exactly as it ships;
+   then the DSpark confidence head (backbone frozen) learns, on contexts half corpus and half
+   continuations, the analytic acceptance
    ``sum_v min(p_draft, p_target)`` of the drafter's own blocks as the runtime runs them:
    a deterministic draft against a greedy target, both point masses (see
    ``drafters.greedy_acceptance_label``);
 3. the weights saved as float16 safetensors and reloaded, so every figure below is measured
    on what ships;
-4. the confidence head calibrated by sequential temperature scaling on the calibration split;
+4. the confidence head calibrated by sequential temperature scaling on the calibration split
+   (each domain's contexts, and a quarter as many inside continuations of its prompts);
 5. quality measured on the evaluation split (target loss; per-position acceptance of both
-   drafters at temperature 0 and 1; confidence calibration error and AUC), written to the
-   model card with the corpus, licence and training settings;
+   drafters at temperature 0 and 1, and at 0 inside continuations of evaluation prompts;
+   confidence calibration error and AUC), written to the model card with the corpus, licence
+   and training settings;
 6. the prompt set and a held-out excerpt written for the runtime, benchmarks and tests.
+
+``--reuse_target`` skips step 1: it loads the target already in the output folder (refused
+unless that folder's model card shows it trained with the same target settings and seed, and
+its identity matches) and replays the random draws its training made, so the drafters come
+out as a full run would make them.
 """
 
 import argparse
@@ -38,10 +49,13 @@ from adaspec.models.checkpoint import (
     MODEL_CARD,
     STORED_DTYPE,
     ReferenceModels,
+    load_model_card,
     load_models,
+    load_target,
     save_module,
     shipped_folder,
 )
+from adaspec.models.continuations import Continuations, greedy_continuations
 from adaspec.models.drafters import (
     ReferenceDSpark,
     ReferenceMtp,
@@ -57,6 +71,7 @@ from adaspec.models.quality import (
     auc,
     concat_traces,
     dspark_round,
+    excerpts,
     fit_temperatures,
     heldout_loss,
     prefix_survival_ece,
@@ -67,6 +82,11 @@ from adaspec.models.quality import (
 from adaspec.models.target import ReferenceTarget
 
 DATA_FOLDER = Path(__file__).resolve().parent / "data"
+PROMPT_LENGTHS = (16, 256)  # tokens of a prompt the target continues
+DOMAINS = len(corpus_module.HELDOUT)  # held-out domains of the calibration and evaluation
+TARGET_FIELDS = ("family", "seed", "target_steps", "target_batch", "target_seq_len",
+                 "target_lr")
+"""The settings a saved target was trained with, which ``--reuse_target`` must match."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -84,6 +104,13 @@ class TrainSettings:
     draft_lr: float = 2e-3
     mtp_unroll: int = 4
     dspark_anchor_stride: int = 2
+    continuation_prompts: int = 256
+    """Training prompts the target continues greedily for the drafters (and as many, split
+    over the domains, from the calibration and evaluation texts)."""
+    continuation_tokens: int = 320
+    """Greedy tokens after each such prompt."""
+    continuation_windows: int = 8
+    """Windows of continuations in each distillation batch of ``draft_batch``."""
     confidence_contexts: int = 3072
     confidence_steps: int = 600
     confidence_batch: int = 512
@@ -91,6 +118,29 @@ class TrainSettings:
     calibration_contexts: int = 2048
     evaluation_contexts: int = 2048
     width: int = 7
+
+    def __post_init__(self) -> None:
+        """Refuse settings a run would only trip over after training the target."""
+        if self.seed < 0:
+            raise ValueError(f"seed={self.seed}: expected a non-negative integer")
+        if not 1 <= self.continuation_windows < self.draft_batch:
+            raise ValueError(f"continuation_windows={self.continuation_windows}: expected "
+                             f"1..{self.draft_batch - 1} (draft_batch={self.draft_batch} holds "
+                             "corpus windows too)")
+        if self.continuation_prompts < DOMAINS:
+            raise ValueError(f"continuation_prompts={self.continuation_prompts}: expected at "
+                             f"least {DOMAINS} (the held-out domains share them)")
+        limit = family(self.family).target.context_limit - PROMPT_LENGTHS[1]
+        shortest = self.draft_seq_len + max(self.mtp_unroll, self.width) + 1 - PROMPT_LENGTHS[0]
+        if not max(shortest, self.width + 2) <= self.continuation_tokens <= limit:
+            raise ValueError(f"continuation_tokens={self.continuation_tokens}: expected "
+                             f"{max(shortest, self.width + 2)}..{limit} (a training window of "
+                             f"draft_seq_len={self.draft_seq_len} must fit the shortest "
+                             f"continued prompt, and the longest prompt of {PROMPT_LENGTHS[1]} "
+                             "with its continuation the target's context)")
+        if self.confidence_contexts < 2:
+            raise ValueError(f"confidence_contexts={self.confidence_contexts}: expected at "
+                             "least 2 (half corpus, half continuations)")
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int = 50) -> float:
@@ -122,12 +172,66 @@ def step_with(opt: torch.optim.Optimizer, loss: Tensor, lr: float,
     opt.step()
 
 
+def target_batches(data: Tensor, settings: TrainSettings, generator: torch.Generator,
+                   ) -> Iterator[Tensor]:
+    """The target's training batches, ``[target_batch, target_seq_len + 1]``."""
+    return windows(data, settings.target_batch, settings.target_seq_len + 1, generator)
+
+
+def replay_target_draws(data: Tensor, settings: TrainSettings, generator: torch.Generator,
+                        ) -> None:
+    """Advance ``generator`` past the target's training batches without training."""
+    batches = target_batches(data, settings, generator)
+    for _ in range(settings.target_steps):
+        next(batches)
+
+
+def reused_target(folder: Path, settings: TrainSettings) -> tuple[ReferenceTarget, float]:
+    """The target already trained in ``folder`` and the seconds its training took, refused
+    unless the folder's model card shows it trained with these settings."""
+    expected = family(settings.family).target
+    # Built before loading so the global generator's initial draws match a full run's.
+    target = ReferenceTarget(expected)
+    with torch.random.fork_rng(devices=[]):  # loading builds a model too: its draws don't count
+        found = load_target(folder)
+    if found.config != expected:
+        raise ValueError(f"--reuse_target: the target in {folder} has configuration "
+                         f"{found.config.as_dict()}, expected the {settings.family} family's "
+                         f"{expected.as_dict()}")
+    try:
+        card = load_model_card(folder)
+        training: dict[str, object] = card["training"]  # type: ignore[assignment]
+        described = card["models"]["target"]["identity"]  # type: ignore[index]
+        seconds = float(training.get("seconds", {}).get("target", 0.0))  # type: ignore[attr-defined]
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ValueError(f"--reuse_target: {folder / MODEL_CARD} does not say how its target "
+                         f"was trained ({type(error).__name__}: {error})") from error
+    for name in TARGET_FIELDS:
+        if training.get(name) != getattr(settings, name):
+            raise ValueError(f"--reuse_target: the target in {folder} was trained with {name}="
+                             f"{training.get(name)!r}, this run has {getattr(settings, name)!r}")
+    if described != found.identity:
+        raise ValueError(f"--reuse_target: {folder}'s model card describes target {described}, "
+                         f"the checkpoint is {found.identity}")
+    target.load_state_dict(found.state_dict())
+    return target.eval(), seconds
+
+
+@torch.no_grad()
+def round_as_stored(module: torch.nn.Module) -> None:
+    """Round every floating tensor to the stored dtype, so the drafters learn from the target
+    exactly as it ships (and a run reusing the saved target trains the same drafters)."""
+    for tensor in module.state_dict().values():
+        if tensor.is_floating_point():
+            tensor.copy_(tensor.to(STORED_DTYPE))
+
+
 def train_target(data: Tensor, settings: TrainSettings, generator: torch.Generator,
                  ) -> ReferenceTarget:
     target = ReferenceTarget(family(settings.family).target)
     params = list(target.parameters())
     opt = optimizer(params, settings.target_lr)
-    batches = windows(data, settings.target_batch, settings.target_seq_len + 1, generator)
+    batches = target_batches(data, settings, generator)
     started = time.monotonic()
     for step in range(settings.target_steps):
         tokens = next(batches)
@@ -163,8 +267,9 @@ def dspark_loss(dspark: ReferenceDSpark, hidden: Tensor, logits: Tensor, tokens:
     return soft_cross_entropy(dspark.position_logits(states, prev), labels)
 
 
-def train_drafters(target: ReferenceTarget, data: Tensor, settings: TrainSettings,
-                   generator: torch.Generator) -> tuple[ReferenceMtp, ReferenceDSpark]:
+def train_drafters(target: ReferenceTarget, data: Tensor, continuations: Continuations,
+                   settings: TrainSettings, generator: torch.Generator,
+                   ) -> tuple[ReferenceMtp, ReferenceDSpark]:
     target.requires_grad_(False)
     chosen = family(settings.family)
     mtp = ReferenceMtp(chosen.mtp, target)
@@ -173,10 +278,12 @@ def train_drafters(target: ReferenceTarget, data: Tensor, settings: TrainSetting
     opt = optimizer(params, settings.draft_lr)
     length, unroll = settings.draft_seq_len, settings.mtp_unroll
     span = length + max(unroll, settings.width) + 1
-    batches = windows(data, settings.draft_batch, span, generator)
+    continued = settings.continuation_windows
+    batches = windows(data, settings.draft_batch - continued, span, generator)
+    continued_batches = continuations.windows(continued, span, generator)
     started = time.monotonic()
     for step in range(settings.draft_steps):
-        tokens = next(batches)
+        tokens = torch.cat([next(batches), next(continued_batches)])
         with torch.no_grad():
             logits, hidden = target(tokens[:, :-1])
         loss_mtp = mtp_loss(mtp, hidden, logits, tokens, unroll, length)
@@ -191,12 +298,15 @@ def train_drafters(target: ReferenceTarget, data: Tensor, settings: TrainSetting
 
 
 def own_blocks(target: ReferenceTarget, dspark: ReferenceDSpark, data: bytes,
-               settings: TrainSettings, rng: np.random.Generator) -> dict[str, Tensor]:
-    """The drafter's own blocks on training-corpus contexts, verified by the target: what
-    the confidence head will see at run time (the previous token is the previous draft)."""
+               continuations: Continuations, settings: TrainSettings,
+               rng: np.random.Generator) -> dict[str, Tensor]:
+    """The drafter's own blocks on training contexts (half corpus, half the target's own
+    continuations), verified by the target: what the confidence head will see at run time
+    (the previous token is the previous draft)."""
     target.allocate(16)
-    contexts = sorted(sample_contexts(data, settings.confidence_contexts, settings.width,
-                                      target.context_limit, rng), key=len)
+    half = settings.confidence_contexts // 2
+    contexts = sorted(sample_contexts(data, half, settings.width, target.context_limit, rng)
+                      + continuations.contexts(half, settings.width, rng), key=len)
     parts: dict[str, list[Tensor]] = {"states": [], "prev": [], "logits": [], "label": []}
     for start in range(0, len(contexts), 16):
         batch = contexts[start:start + 16]
@@ -213,10 +323,12 @@ def own_blocks(target: ReferenceTarget, dspark: ReferenceDSpark, data: bytes,
 
 
 def train_confidence_head(target: ReferenceTarget, dspark: ReferenceDSpark, data: bytes,
-                          settings: TrainSettings, generator: torch.Generator) -> None:
+                          continuations: Continuations, settings: TrainSettings,
+                          generator: torch.Generator) -> None:
     """Fit the confidence head (backbone frozen) to the analytic acceptance of the
     drafter's own blocks."""
-    blocks = own_blocks(target, dspark, data, settings, np.random.default_rng(settings.seed))
+    blocks = own_blocks(target, dspark, data, continuations, settings,
+                        np.random.default_rng(settings.seed))
     params = [*dspark.confidence_norm.parameters(), *dspark.confidence.parameters(),
               *dspark.confidence_out.parameters()]
     opt = torch.optim.AdamW(params, lr=settings.confidence_lr, weight_decay=0.0)
@@ -254,6 +366,28 @@ def traces_for(models: ReferenceModels, texts: dict[str, bytes], count: int, wid
             for domain, text in texts.items()}
 
 
+def continuation_traces(models: ReferenceModels, texts: dict[str, bytes],
+                        settings: TrainSettings, count: int, seed: int,
+                        ) -> dict[str, DraftTrace]:
+    """drafter -> trace over ``count`` contexts inside the target's greedy continuations of
+    prompts drawn evenly from every domain of ``texts``."""
+    rng = np.random.default_rng(seed)
+    continuations = own_continuations(models.target, texts, settings, rng)
+    models.target.allocate(BATCH)
+    models.mtp.allocate(BATCH)
+    return trace_contexts(models.target, models.mtp, models.dspark,
+                          continuations.contexts(count, settings.width, rng), settings.width)
+
+
+def own_continuations(target: ReferenceTarget, texts: dict[str, bytes],
+                      settings: TrainSettings, rng: np.random.Generator) -> Continuations:
+    """The target's greedy continuations of ``continuation_prompts`` prompts (rounded down to
+    a multiple of the texts), split evenly over the texts."""
+    each = settings.continuation_prompts // len(texts)
+    prompts = [p for text in texts.values() for p in excerpts(text, each, *PROMPT_LENGTHS, rng)]
+    return greedy_continuations(target, prompts, settings.continuation_tokens)
+
+
 def pooled(traces: dict[str, dict[str, DraftTrace]], drafter: str) -> DraftTrace:
     return concat_traces([by_drafter[drafter] for by_drafter in traces.values()])
 
@@ -268,6 +402,11 @@ def drafter_quality(traces: dict[str, dict[str, DraftTrace]], drafter: str) -> d
                      "temperature_1": acceptance_summary(t[drafter].sample_accept)}
             for domain, t in traces.items()},
     }
+
+
+def continuation_quality(trace: DraftTrace) -> dict[str, object]:
+    """Acceptance at temperature 0 on the target's own continuations."""
+    return {"temperature_0": acceptance_summary(trace.greedy_accept)}
 
 
 def confidence_quality(trace: DraftTrace, temperatures: np.ndarray) -> dict[str, object]:
@@ -309,6 +448,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cache_dir", type=Path,
                         default=Path.home() / ".cache" / "adaspec" / "corpus")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--reuse_target", action="store_true",
+                        help="train only the drafters, against the target already in the "
+                             "output folder (its training's random draws are replayed)")
     parser.add_argument("--write_data", action=argparse.BooleanOptionalAction, default=None,
                         help="also rewrite the packaged prompt set and held-out excerpt "
                              "(default: only for the small family at seed 0)")
@@ -316,8 +458,14 @@ def main(argv: list[str] | None = None) -> None:
     write_data = args.write_data
     if write_data is None:  # the packaged data belongs to the default family's own run
         write_data = args.family == DEFAULT_FAMILY and args.seed == 0
-    run(settings_for(FAMILIES[args.family], args.seed),
-        args.output or shipped_folder(args.family), args.cache_dir, write_data)
+    output = args.output or shipped_folder(args.family)
+    try:
+        settings = settings_for(FAMILIES[args.family], args.seed)
+        if args.reuse_target:  # refused now, not after the corpus has loaded
+            reused_target(output, settings)
+    except (ValueError, FileNotFoundError) as error:
+        parser.error(str(error))
+    run(settings, output, args.cache_dir, write_data, reuse_target=args.reuse_target)
 
 
 def settings_for(chosen: Family, seed: int) -> TrainSettings:
@@ -325,7 +473,8 @@ def settings_for(chosen: Family, seed: int) -> TrainSettings:
                          draft_steps=chosen.draft_steps)
 
 
-def run(settings: TrainSettings, output: Path, cache_dir: Path, write_data: bool) -> None:
+def run(settings: TrainSettings, output: Path, cache_dir: Path, write_data: bool, *,
+        reuse_target: bool = False) -> None:
     torch.manual_seed(settings.seed)
     torch.set_num_threads(settings.threads)
     generator = torch.Generator().manual_seed(settings.seed)
@@ -333,18 +482,28 @@ def run(settings: TrainSettings, output: Path, cache_dir: Path, write_data: bool
     data = torch.frombuffer(bytearray(corpus.train), dtype=torch.uint8).long()
     seconds: dict[str, float] = {}
     started = time.monotonic()
-    target = train_target(data, settings, generator)
-    seconds["target"] = time.monotonic() - started
+    if reuse_target:  # the card keeps the seconds the target's own training took
+        target, seconds["target"] = reused_target(output, settings)
+        replay_target_draws(data, settings, generator)
+    else:
+        target = train_target(data, settings, generator)
+        round_as_stored(target)
+        seconds["target"] = time.monotonic() - started
     started = time.monotonic()
-    mtp, dspark = train_drafters(target, data, settings, generator)
-    train_confidence_head(target, dspark, corpus.train, settings, generator)
+    continuations = own_continuations(target, {"train": corpus.train}, settings,
+                                      np.random.default_rng(settings.seed + 4))
+    mtp, dspark = train_drafters(target, data, continuations, settings, generator)
+    train_confidence_head(target, dspark, corpus.train, continuations, settings, generator)
     seconds["drafters"] = time.monotonic() - started
     save_models(target, mtp, dspark, output)
     started = time.monotonic()
     models = load_models(output)
-    calibration = traces_for(models, corpus.calibration, settings.calibration_contexts // 4,
-                             settings.width, settings.seed + 1)
-    dspark_cal = pooled(calibration, "dspark")
+    quarter = settings.calibration_contexts // 4
+    calibration = traces_for(models, corpus.calibration, quarter, settings.width,
+                             settings.seed + 1)
+    continued = continuation_traces(models, corpus.calibration, settings, quarter,
+                                    settings.seed + 5)
+    dspark_cal = concat_traces([pooled(calibration, "dspark"), continued["dspark"]])
     assert dspark_cal.confidence_logits is not None
     fitted = fit_temperatures(dspark_cal.confidence_logits, dspark_cal.greedy_accept)
     # Figures use the temperatures exactly as shipped (float16 in the checkpoint).
@@ -354,8 +513,11 @@ def run(settings: TrainSettings, output: Path, cache_dir: Path, write_data: bool
     models = load_models(output)
     evaluation = traces_for(models, corpus.evaluation, settings.evaluation_contexts // 4,
                             settings.width, settings.seed + 2)
+    continued = continuation_traces(models, corpus.evaluation, settings,
+                                    settings.evaluation_contexts // 4, settings.seed + 6)
     seconds["calibration_and_evaluation"] = time.monotonic() - started
-    card = model_card(models, corpus, settings, seconds, evaluation, temperatures)
+    card = model_card(models, corpus, settings, seconds, evaluation, continued, temperatures,
+                      target_reused=reuse_target)
     (output / MODEL_CARD).write_text(json.dumps(card, indent=2) + "\n")
     if write_data:
         write_prompt_data(corpus, settings.seed)
@@ -364,7 +526,8 @@ def run(settings: TrainSettings, output: Path, cache_dir: Path, write_data: bool
 
 def model_card(models: ReferenceModels, corpus: corpus_module.Corpus, settings: TrainSettings,
                seconds: dict[str, float], evaluation: dict[str, dict[str, DraftTrace]],
-               temperatures: np.ndarray) -> dict[str, object]:
+               continued: dict[str, DraftTrace], temperatures: np.ndarray, *,
+               target_reused: bool) -> dict[str, object]:
     losses = {domain: heldout_loss(models.target, text, 1024, 64)
               for domain, text in corpus.evaluation.items()}
     return {
@@ -378,7 +541,7 @@ def model_card(models: ReferenceModels, corpus: corpus_module.Corpus, settings: 
                               for d, names in corpus_module.HELDOUT.items()},
         },
         "training": {**asdict(settings), "seconds": {k: round(v) for k, v in seconds.items()},
-                     "torch": torch.__version__},
+                     "torch": torch.__version__, "target_reused": target_reused},
         "models": {name: describe(module, config) for name, module, config in (
             ("target", models.target, models.target.config.as_dict()),
             ("mtp", models.mtp, models.mtp.config.as_dict()),
@@ -389,11 +552,18 @@ def model_card(models: ReferenceModels, corpus: corpus_module.Corpus, settings: 
                 "heldout_loss_nats_per_byte": {d: round(v[0], 4) for d, v in losses.items()},
                 "loss_by_position_quarter_of_1024": {d: v[1] for d, v in losses.items()},
             },
-            "mtp": drafter_quality(evaluation, "mtp"),
+            "mtp": {**drafter_quality(evaluation, "mtp"),
+                    "own_continuations": continuation_quality(continued["mtp"])},
             "dspark": {**drafter_quality(evaluation, "dspark"),
+                       "own_continuations": continuation_quality(continued["dspark"]),
                        "confidence": confidence_quality(pooled(evaluation, "dspark"),
                                                         temperatures)},
             "contexts_per_domain": settings.evaluation_contexts // 4,
+            "own_continuations": (
+                f"{settings.evaluation_contexts // 4} contexts inside the target's greedy "
+                f"continuations ({settings.continuation_tokens} tokens) of "
+                f"{settings.continuation_prompts} evaluation prompts: the text a greedy "
+                "decode drafts on"),
         },
     }
 
