@@ -192,3 +192,23 @@ def test_the_models_report_refuses_a_card_of_other_drafters() -> None:
     card["models"]["dspark"]["identity"] = "f" * 32
     with pytest.raises(ValueError, match="describes dspark ffff"):
         models_report(load_reference_models(), card)
+
+
+def test_a_card_with_a_target_time_that_is_not_finite_is_refused(tmp_path: Path) -> None:
+    shutil.copy(shipped_folder() / "target.safetensors", tmp_path)
+    card = json.loads((shipped_folder() / MODEL_CARD).read_text())
+    card["training"]["seconds"]["target"] = "inf"
+    (tmp_path / MODEL_CARD).write_text(json.dumps(card))
+    with pytest.raises(ValueError, match="does not say how its target was trained"):
+        reused_target(tmp_path, TrainSettings())
+
+
+def test_the_training_command_refuses_a_damaged_target_in_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = (shipped_folder() / "target.safetensors").read_bytes()
+    (tmp_path / "target.safetensors").write_bytes(data[:len(data) // 2])
+    shutil.copy(shipped_folder() / MODEL_CARD, tmp_path)
+    with pytest.raises(SystemExit) as raised:
+        train_main(["--reuse_target", "--output", str(tmp_path)])
+    assert raised.value.code == 2
+    assert "not a readable safetensors checkpoint" in capsys.readouterr().err

@@ -77,7 +77,12 @@ def load_target(folder: Path) -> ReferenceTarget:
     path = folder / FILES["target"]
     if not path.is_file():
         raise FileNotFoundError(f"no target checkpoint {path}")
-    config, state = _read(path)
+    from safetensors import SafetensorError
+
+    try:
+        config, state = _read(path)
+    except SafetensorError as error:
+        raise ValueError(f"{path}: not a readable safetensors checkpoint ({error})") from error
     target = ReferenceTarget(TargetConfig(**config))
     _restore(target, state, "", config)
     return target.eval()

@@ -203,7 +203,9 @@ def reused_target(folder: Path, settings: TrainSettings) -> tuple[ReferenceTarge
         training: dict[str, object] = card["training"]  # type: ignore[assignment]
         described = card["models"]["target"]["identity"]  # type: ignore[index]
         seconds = float(training.get("seconds", {}).get("target", 0.0))  # type: ignore[attr-defined]
-    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        if not 0 <= seconds < math.inf:
+            raise ValueError(f"seconds.target={seconds}: expected a finite count")
+    except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as error:
         raise ValueError(f"--reuse_target: {folder / MODEL_CARD} does not say how its target "
                          f"was trained ({type(error).__name__}: {error})") from error
     for name in TARGET_FIELDS:
@@ -463,7 +465,7 @@ def main(argv: list[str] | None = None) -> None:
         settings = settings_for(FAMILIES[args.family], args.seed)
         if args.reuse_target:  # refused now, not after the corpus has loaded
             reused_target(output, settings)
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, OSError) as error:  # a missing or unreadable folder, card or checkpoint
         parser.error(str(error))
     run(settings, output, args.cache_dir, write_data, reuse_target=args.reuse_target)
 
