@@ -29,33 +29,55 @@ from adaspec.models import load_reference_models
 from adaspec.runtime.bench import shipped_prompts
 from adaspec.runtime.devices import streams
 from adaspec.runtime.engine import Runtime
+from adaspec.runtime.events.types import STAGES
 from adaspec.runtime.plain import plain_loop
+from adaspec.runtime.rounds import RoundWork
 
 TOKENS = 96
 
 
 class StageClock:
-    """Wall time spent inside each kind of stream work item, while ``on``."""
+    """Wall time spent inside each kind of stream work item, while ``on``. A split round
+    runs its stages as one item (``RoundWork.run_stages``): each stage is timed on its own
+    there, and the item itself is not counted twice."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self.on = False
         self._untimed = streams._call
+        self._stages = {name: getattr(RoundWork, name) for name in STAGES}
 
     def __enter__(self) -> "StageClock":
         streams._call = self._timed
+        for name, method in self._stages.items():
+            setattr(RoundWork, name, self._timed_stage(name, method))
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         streams._call = self._untimed
+        for name, method in self._stages.items():
+            setattr(RoundWork, name, method)
 
     def _timed(self, work: Any) -> Any:
+        name = _work_name(work)
+        if name == "run_stages":
+            return self._untimed(work)
         started = time.perf_counter()
         try:
             return self._untimed(work)
         finally:
             if self.on:
-                self.seconds[_work_name(work)] += time.perf_counter() - started
+                self.seconds[name] += time.perf_counter() - started
+
+    def _timed_stage(self, name: str, method: Any) -> Any:
+        def timed(work: RoundWork) -> Any:
+            started = time.perf_counter()
+            try:
+                return method(work)
+            finally:
+                if self.on:
+                    self.seconds[name] += time.perf_counter() - started
+        return timed
 
 
 def _work_name(work: Any) -> str:

@@ -92,7 +92,7 @@ class InstantDevice:
             return {"first": torch.full((num,), 65), "live": torch.ones(num, dtype=torch.bool),
                     "stopped": torch.zeros(num, dtype=torch.bool)}
         owner = getattr(work, "__self__", None)
-        if isinstance(owner, RoundWork) and work.__name__ == "retire":
+        if isinstance(owner, RoundWork) and work.__name__ in ("retire", "run_stages"):
             return self._retire(owner)
         return None
 

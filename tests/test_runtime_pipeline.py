@@ -174,6 +174,36 @@ def test_a_failed_stage_fails_its_requests_and_the_runtime_keeps_serving(
     assert stats.requests_failed == len(failed)
 
 
+@pytest.mark.parametrize("stage", ["consensus", "pack", "sample"])
+def test_a_failing_stage_ends_its_round_there_and_is_named_in_the_failure(
+        models: ReferenceModels, stage: str) -> None:
+    seen: list[tuple[int, str]] = []
+
+    def hook(number: int, name: str) -> None:
+        seen.append((number, name))
+        fault_at(1, stage)(number, name)
+
+    runtime = Runtime(config("DSpark", 3, 2), models=models,
+                      options=RuntimeOptions(stage_hook=hook))
+
+    async def run() -> list[Any]:
+        await runtime.start()
+        handles = [runtime.submit(list(p), q) for p, q in zip(PROMPTS[:2], greedy(2),
+                                                              strict=True)]
+        outcomes = await asyncio.gather(*(h.result() for h in handles), return_exceptions=True)
+        await runtime.stop()
+        return outcomes
+
+    outcomes = asyncio.run(run())
+    assert all(isinstance(o, RequestFailed) and f"round 1 failed in {stage}: InjectedFault"
+               in str(o) for o in outcomes)
+    stages = ["draft", "consensus", "pack", "verify", "sample", "commit", "retire"]
+    # Round 1 ran up to the failing stage and no further; round 0 ran every stage in order.
+    assert [name for number, name in seen if number == 1] == \
+        stages[:stages.index(stage) + 1]
+    assert [name for number, name in seen if number == 0] == stages
+
+
 def test_cancelling_between_rounds_ends_the_request_and_frees_its_slot(
         models: ReferenceModels, target_only: list[tuple[int, ...]]) -> None:
     runtime = Runtime(config("MTP", 3, 2), models=models)

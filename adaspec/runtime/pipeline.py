@@ -11,6 +11,7 @@ round through its states; a failed stage fails the round through one handler.
 
 import asyncio
 import functools
+import operator
 from collections import Counter, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -50,6 +51,7 @@ from adaspec.runtime.rounds import (
     PrefillInputs,
     RoundInputs,
     RoundWork,
+    StageFailed,
     prefill,
     stop_tensor,
 )
@@ -57,6 +59,7 @@ from adaspec.runtime.states import RoundHooks, RoundStates
 
 FINISH_REASONS = {FINISHED_STOP: "stop", FINISHED_LENGTH: "length"}
 TRIGGER_OF = {stage: f"{stage}_done" for stage in STAGES}
+CONTEXT_LENGTH = operator.attrgetter("length")
 
 
 @dataclass(slots=True)
@@ -381,7 +384,7 @@ class Pipeline:
         batch, bucket, tiers = facts.batch, facts.bucket, facts.tiers
         # The host lags the device: the prefill's token and the round in flight (lag 2) may
         # not have reached it, and this round itself writes up to w + 1 positions.
-        known = max(len(r.prompt) + len(r.tokens) for r in batch) + 1
+        known = max(map(CONTEXT_LENGTH, batch)) + 1
         context = BudgetContext(round=number, num_reqs=len(batch), num_reqs_bucket=bucket,
                                 width=self.width, depth=depth, tiers=tiers,
                                 retired_through=self.retired_through,
@@ -406,6 +409,13 @@ class Pipeline:
             record.retired = stream.enqueue(functools.partial(run_unified, work),
                                             functools.partial(self._unit_done, record))
             return
+        if self.pipelined:
+            # The stages run back to back as one stream item with one completion: the host
+            # pays for one delivery a round instead of seven, and the states still move
+            # stage by stage, in order, from that completion.
+            record.retired = stream.enqueue(work.run_stages,
+                                            functools.partial(self._stages_done, record))
+            return
         for stage in STAGES:
             completion = stream.enqueue(work.stage(stage),
                                         functools.partial(self._stage_done, record, stage))
@@ -427,6 +437,26 @@ class Pipeline:
                 self._round_failed(record, stage, error)
             else:
                 self._advance(record, stage)
+        except Exception as raised:
+            self._round_failed(record, stage, raised)
+
+    def _stages_done(self, record: RoundRecord, future: "asyncio.Future[Any]") -> None:
+        """The stages of a split round finished: each moves the round on in order, up to the
+        one that failed, which fails the round (see ``_stage_done`` for hooks that raise)."""
+        error = None if future.cancelled() else future.exception()
+        if error is not None and not isinstance(error, StageFailed):
+            self._round_failed(record, "round", error)  # the stream's own: no stage to name
+            return
+        stage, machine, listening = "draft", record.machine, self.bus.listening
+        try:
+            for stage in STAGES:
+                if error is not None and stage == error.stage:
+                    self._round_failed(record, stage, error.error)
+                    return
+                machine.fire(TRIGGER_OF[stage])
+                if listening:
+                    self.publish(StageCompleted(time=self.now(), round=record.round,
+                                                slot=record.slot, stage=stage))
         except Exception as raised:
             self._round_failed(record, stage, raised)
 
@@ -507,41 +537,17 @@ class Pipeline:
         feedback from the entries that were still decoding on the device."""
         num = len(record.batch)
         live = host["live"].tolist()[:num]
-        emitted = host["num_emitted"].tolist()
-        tokens = host["token_ids"].tolist()
-        finish = host["finish"].tolist()
-        lengths = host["verify_lengths"].tolist()
-        accepted = host["num_accepted"].tolist()
-        confidences = host["confidences"].tolist() if "confidences" in host else None
+        lengths = host["verify_lengths"].tolist()[:num]
+        accepted = host["num_accepted"].tolist()[:num]
+        confidences = host["confidences"].tolist()[:num] if "confidences" in host else None
         # Entries no longer live on the device finished in an earlier round: they tell
         # nothing about this one.
-        batch = record.batch
-        rows = [index for index in range(num) if live[index]]
-        delivered = [index for index in rows if batch[index].running]
-        counters = self.counters
-        outcomes = counters.outcomes
-        verified = accepted_total = emitted_total = 0
-        for index in delivered:  # cancelled or failed requests: their tokens are dropped
-            request = batch[index]
-            length, accept, count = lengths[index], accepted[index], emitted[index]
-            request.rounds += 1
-            request.verified += length
-            request.accepted += accept
-            outcomes[length, accept] += 1
-            request.emit(tokens[index][:count])
-            verified += length
-            accepted_total += accept
-            emitted_total += count
-            if finish[index]:
-                self._finish(request, FINISH_REASONS[finish[index]])
-        counters.request_rounds += len(delivered)
-        counters.drafted_verified += verified
-        counters.drafted_accepted += accepted_total
-        counters.tokens_generated += emitted_total
-        every = len(rows) == num  # the usual round: every entry still decoding
+        every = all(live)  # the usual round: every entry still decoding
+        rows = range(num) if every else [index for index in range(num) if live[index]]
+        self._deliver(record, rows, lengths, accepted, host)
 
         def column(values: list[Any]) -> tuple[Any, ...]:
-            return tuple(values[:num]) if every else tuple(values[i] for i in rows)
+            return tuple(values) if every else tuple(values[i] for i in rows)
 
         return RoundFeedback(
             round=record.round, num_reqs=len(rows), num_reqs_bucket=record.num_reqs_bucket,
@@ -550,6 +556,65 @@ class Pipeline:
             confidences=() if confidences is None else tuple(map(tuple, column(confidences))),
             request_ids=record.request_ids if every else
             tuple(record.request_ids[i] for i in rows))
+
+    def _deliver(self, record: RoundRecord, rows: "range | list[int]", lengths: list[int],
+                 accepted: list[int], host: dict[str, Any]) -> None:
+        """Hand the tokens of the live ``rows`` to their requests, count them, and finish
+        the requests that ended; cancelled or failed requests' tokens are dropped."""
+        batch = record.batch
+        num = len(batch)
+        emitted = host["num_emitted"].tolist()[:num]
+        tokens = host["token_ids"].tolist()[:num]
+        finish = host["finish"].tolist()[:num]
+        counters = self.counters
+        if len(rows) == num and all(r.running for r in batch):
+            self._deliver_all(batch, lengths, accepted, emitted, tokens, finish)
+            return
+        delivered = 0
+        verified = accepted_total = emitted_total = 0
+        pairs = []
+        for index in rows:
+            request = batch[index]
+            if not request.running:
+                continue
+            length, accept, count = lengths[index], accepted[index], emitted[index]
+            request.rounds += 1
+            request.verified += length
+            request.accepted += accept
+            request.emit(tokens[index][:count])
+            pairs.append((length, accept))
+            delivered += 1
+            verified += length
+            accepted_total += accept
+            emitted_total += count
+            if finish[index]:
+                self._finish(request, FINISH_REASONS[finish[index]])
+        counters.outcomes.update(pairs)
+        counters.request_rounds += delivered
+        counters.drafted_verified += verified
+        counters.drafted_accepted += accepted_total
+        counters.tokens_generated += emitted_total
+
+    def _deliver_all(self, batch: list[Request], lengths: list[int], accepted: list[int],
+                     emitted: list[int], tokens: list[list[int]], finish: list[int]) -> None:
+        """``_deliver`` for the usual round, where every entry is live and running: the
+        counts are summed in one go."""
+        for request, length, accept, count, row in zip(batch, lengths, accepted, emitted,
+                                                       tokens, strict=True):
+            request.rounds += 1
+            request.verified += length
+            request.accepted += accept
+            request.emit(row[:count])
+        counters = self.counters
+        counters.outcomes.update(zip(lengths, accepted, strict=True))
+        counters.request_rounds += len(batch)
+        counters.drafted_verified += sum(lengths)
+        counters.drafted_accepted += sum(accepted)
+        counters.tokens_generated += sum(emitted)
+        if any(finish):
+            for request, end in zip(batch, finish, strict=True):
+                if end:
+                    self._finish(request, FINISH_REASONS[end])
 
     # --- request ends and slots --------------------------------------------------------------
     def _finish(self, request: Request, reason: str) -> None:

@@ -77,9 +77,14 @@ class Request:
     accepted: int = 0
     done: asyncio.Event = field(default_factory=asyncio.Event)
     _wakeup: "asyncio.Future[None] | None" = None
+    length: int = field(init=False)  # prompt and tokens: the context the host knows of
+
+    def __post_init__(self) -> None:
+        self.length = len(self.prompt) + len(self.tokens)
 
     def emit(self, token_ids: list[int]) -> None:
         self.tokens.extend(token_ids)
+        self.length += len(token_ids)
         if self._wakeup is not None:
             self._wake()
 

@@ -33,6 +33,17 @@ class RoundAbandoned(Exception):
     def __init__(self, round_index: int, stage: str) -> None:
         super().__init__(f"round {round_index} {stage} skipped: an earlier stage failed")
 
+
+class StageFailed(Exception):
+    """A stage of a round run as one stream item raised: ``stage`` names it and ``error`` is
+    what it raised (also the ``__cause__``)."""
+
+    def __init__(self, stage: str, error: Exception) -> None:
+        super().__init__(f"{stage}: {type(error).__name__}: {error}")
+        self.stage = stage
+        self.error = error
+
+
 StageHook = Callable[[int, str], None]
 """Called with (round, stage) as each stage's device work starts (fault injection in tests)."""
 
@@ -171,6 +182,28 @@ class RoundWork:
         if self.confidences is not None and self.confidences.shape[1]:
             feedback["confidences"] = self.confidences
         return retire_copy(feedback)
+
+    def run_stages(self) -> dict[str, Tensor]:
+        """Every stage in order, back to back, as one stream item, and the retire copy. Each
+        stage is still its own device work; only its completion is not reported on its own.
+        A stage that raises ends the round there: ``StageFailed`` names it."""
+        stage = "draft"
+        try:
+            self.draft()
+            stage = "consensus"
+            self.consensus()
+            stage = "pack"
+            self.pack()
+            stage = "verify"
+            self.verify()
+            stage = "sample"
+            self.sample()
+            stage = "commit"
+            self.commit()
+            stage = "retire"
+            return self.retire()
+        except Exception as error:
+            raise StageFailed(stage, error) from error
 
     def stage(self, name: str) -> Callable[[], object]:
         """The bound method of stage ``name`` (the stream runs it)."""
