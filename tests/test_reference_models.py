@@ -18,6 +18,7 @@ from adaspec.models.checkpoint import (
 from adaspec.models.protocols import DSparkDrafter, MtpDrafter, TargetModel, VerifyRows
 from adaspec.models.quality import encode
 from adaspec.models.report import heldout_excerpt
+from adaspec.models.target import PREFILL_PADDING, length_groups
 from adaspec.runtime.devices.graphs import CapturedVerify, prewarm
 
 ATOL = 1e-4  # float32 sums in a different order; logits are O(10)
@@ -110,6 +111,48 @@ def test_prefill_equals_whole_sequence_forward(models: ReferenceModels, text: by
     for index, tokens in enumerate(prompts):
         logits, _ = models.target(tokens[None])
         torch.testing.assert_close(out.last.logits[index], logits[0, -1], atol=ATOL, rtol=0)
+
+
+def test_prompts_of_unlike_lengths_prefill_in_groups_and_come_back_in_order(
+        models: ReferenceModels, text: bytes) -> None:
+    target = models.target
+    lengths = [30, 600, 35, 300, 620, 32]  # three groups, interleaved on purpose
+    prompts = [prompt(text, 97 * i, n) for i, n in enumerate(lengths)]
+    assert length_groups(lengths, PREFILL_PADDING) == [[4, 1], [3], [2, 5, 0]]
+    out = target.prefill(prompts, torch.tensor([5, 4, 3, 2, 1, 0]))
+    cache = target.cache
+    assert cache is not None
+    grouped = [(k[:6].clone(), v[:6].clone()) for k, v in zip(cache.keys, cache.values,
+                                                                strict=True)]
+    assert out.lengths.tolist() == lengths
+    assert out.hidden.shape[:2] == (6, 620)
+    for index, tokens in enumerate(prompts):  # each alone, in the same KV slot
+        alone = target.prefill([tokens], torch.tensor([5 - index]))
+        torch.testing.assert_close(out.last.logits[index], alone.last.logits[0], atol=ATOL,
+                                   rtol=0)
+        torch.testing.assert_close(out.hidden[index, :len(tokens)], alone.hidden[0],
+                                   atol=ATOL, rtol=0)
+        for (keys, values), layer_keys, layer_values in zip(grouped, cache.keys, cache.values,
+                                                            strict=True):
+            slot, length = 5 - index, len(tokens)
+            torch.testing.assert_close(keys[slot, :length], layer_keys[slot, :length],
+                                       atol=ATOL, rtol=0)
+            torch.testing.assert_close(values[slot, :length], layer_values[slot, :length],
+                                       atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("lengths", [[1], [5, 5, 5], [10, 200, 11, 199, 12, 1000, 3],
+                                     list(range(1, 60))])
+def test_length_groups_cover_every_prompt_once_within_the_padding(lengths: list[int]) -> None:
+    groups = length_groups(lengths, PREFILL_PADDING)
+    assert sorted(i for group in groups for i in group) == list(range(len(lengths)))
+    for group in groups:
+        longest = max(lengths[i] for i in group)
+        assert lengths[group[0]] == longest  # longest first
+        assert len(group) == 1 or longest * len(group) <= PREFILL_PADDING * sum(
+            lengths[i] for i in group)
+    assert [lengths[g[0]] for g in groups] == sorted((lengths[g[0]] for g in groups),
+                                                     reverse=True)
 
 
 def test_rejected_suffix_leaves_kv_as_if_never_verified(models: ReferenceModels,

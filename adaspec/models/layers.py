@@ -59,6 +59,25 @@ def window_mask(query_pos: Tensor, key_pos: Tensor, window: int) -> Tensor:
     return (k <= q) & (k > q - window) & (k >= 0)
 
 
+def sequence_mask(positions: Tensor, window: int, key_valid: Tensor | None = None) -> Tensor:
+    """``[B, 1, T, T]`` boolean mask of attention over whole sequences at ``positions
+    [B, T]``: the sliding causal window, keys outside ``key_valid [B, T]`` excluded."""
+    mask = window_mask(positions, positions, window)
+    if key_valid is not None:
+        mask = mask & key_valid[:, None, :]
+    # A query with no key left (a padded position) would softmax over nothing; let it see
+    # itself so the result stays finite. Its output is never used.
+    mask = mask | torch.eye(positions.shape[-1], dtype=torch.bool, device=positions.device)
+    return mask[:, None]
+
+
+def additive_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """A boolean attention mask as the additive one attention computes with (0 or -inf):
+    made once, it saves every layer the conversion. Every query must see some key."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+        ~mask, float("-inf"))
+
+
 class Attention(nn.Module):
     """Multi-head self-attention with RoPE and a sliding causal window."""
 
@@ -104,17 +123,15 @@ class Attention(nn.Module):
         _, k, v = self.project(x, positions)
         return k, v
 
-    def sequence(self, x: Tensor, positions: Tensor,
-                 key_valid: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """Attention over whole sequences ``x [B, T, dim]``; returns (out, k, v)."""
+    def sequence(self, x: Tensor, positions: Tensor, key_valid: Tensor | None = None,
+                 mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """Attention over whole sequences ``x [B, T, dim]``; returns (out, k, v). ``mask``
+        is ``sequence_mask(positions, window, key_valid)`` made once for every layer, or
+        None to make it here."""
         q, k, v = self.project(x, positions)
-        mask = window_mask(positions, positions, self.window)  # [B, T, T]
-        if key_valid is not None:
-            mask = mask & key_valid[:, None, :]
-        # A query with no key left (a padded position) would softmax over nothing; let it see
-        # itself so the result stays finite. Its output is never used.
-        mask = mask | torch.eye(x.shape[1], dtype=torch.bool, device=x.device)
-        return self._attend(q, k, v, mask=mask[:, None]), k, v
+        if mask is None:
+            mask = sequence_mask(positions, self.window, key_valid)
+        return self._attend(q, k, v, mask=mask), k, v
 
     def causal(self, x: Tensor) -> Tensor:
         """Attention over sequences ``x [B, T, dim]`` at positions 0 .. T-1 with T at most the
@@ -170,9 +187,9 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(dim)
         self.mlp = MLP(dim, mlp_hidden, approximate)
 
-    def sequence(self, x: Tensor, positions: Tensor,
-                 key_valid: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        attn, k, v = self.attn.sequence(self.attn_norm(x), positions, key_valid)
+    def sequence(self, x: Tensor, positions: Tensor, key_valid: Tensor | None = None,
+                 mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        attn, k, v = self.attn.sequence(self.attn_norm(x), positions, key_valid, mask)
         x = x + attn
         return x + self.mlp(self.mlp_norm(x)), k, v
 

@@ -7,7 +7,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from adaspec.models.layers import Attention, Block, RMSNorm, init_weights, window_mask
+from adaspec.models.layers import (
+    Attention,
+    Block,
+    RMSNorm,
+    additive_mask,
+    init_weights,
+    sequence_mask,
+    window_mask,
+)
 from adaspec.models.protocols import PrefillOutput, TargetOutput, VerifyRows
 
 
@@ -25,6 +33,29 @@ class TargetConfig:
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
+
+
+PREFILL_PADDING = 1.15
+"""A prefill group's padded positions may exceed its real ones by at most this factor."""
+
+
+def length_groups(lengths: list[int], padding: float) -> list[list[int]]:
+    """Indices of ``lengths`` in groups, longest first, each as large as it can be while
+    its longest times its size stays within ``padding`` times its total: the prompts one
+    padded batch runs."""
+    groups: list[list[int]] = []
+    group: list[int] = []
+    total = 0
+    for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        longest = lengths[group[0]] if group else lengths[index]
+        if group and longest * (len(group) + 1) > padding * (total + lengths[index]):
+            groups.append(group)
+            group, total = [], 0
+        group.append(index)
+        total += lengths[index]
+    if group:
+        groups.append(group)
+    return groups
 
 
 class KVCache:
@@ -199,18 +230,42 @@ class ReferenceTarget(nn.Module):
 
     @torch.no_grad()
     def prefill(self, prompts: list[Tensor], slots: Tensor) -> PrefillOutput:
+        """Prompts of unlike lengths run in groups of like ones (``length_groups``): a padded
+        position costs as much as a real one. The output is in the prompts' order."""
         cache = self._require_cache()
+        groups = length_groups([len(p) for p in prompts], PREFILL_PADDING)
+        if len(groups) == 1:
+            return self._prefill_group(cache, prompts, slots)
+        parts = [self._prefill_group(cache, [prompts[i] for i in group], slots[group])
+                 for group in groups]
+        device = slots.device
+        order = torch.tensor([i for group in groups for i in group], device=device)
+        back = torch.empty_like(order)
+        back[order] = torch.arange(len(order), device=device)
+        hidden = parts[0].hidden.new_zeros(len(prompts), max(len(p) for p in prompts),
+                                           parts[0].hidden.shape[-1])
+        for group, part in zip(groups, parts, strict=True):
+            hidden[group, :part.hidden.shape[1]] = part.hidden
+        last = TargetOutput(logits=torch.cat([p.last.logits for p in parts])[back],
+                            hidden=torch.cat([p.last.hidden for p in parts])[back])
+        return PrefillOutput(last=last, hidden=hidden,
+                             lengths=torch.cat([p.lengths for p in parts])[back])
+
+    def _prefill_group(self, cache: KVCache, prompts: list[Tensor], slots: Tensor
+                       ) -> PrefillOutput:
         device = self.embed.weight.device
         lengths = torch.tensor([len(p) for p in prompts], device=device)
         tokens = nn.utils.rnn.pad_sequence(prompts, batch_first=True).to(device)
         steps = torch.arange(tokens.shape[1], device=device)
         valid = steps[None, :] < lengths[:, None]
         positions = steps.expand_as(tokens)
+        # One mask for every layer, already in the form attention adds.
+        mask = additive_mask(sequence_mask(positions, self.config.window, valid), self.dtype)
+        # Padding positions go to the scratch slot, so a shorter prompt's tail stays clean.
+        write_slots = torch.where(valid, slots[:, None], cache.num_slots)
         x = self.embed(tokens)
         for layer, block in enumerate(self.blocks):
-            x, k, v = block.sequence(x, positions, key_valid=valid)
-            # Padding positions go to the scratch slot, so a shorter prompt's tail stays clean.
-            write_slots = torch.where(valid, slots[:, None], cache.num_slots)
+            x, k, v = block.sequence(x, positions, mask=mask)
             cache.write(layer, write_slots, positions, k, v)
         last_hidden = x[torch.arange(len(prompts), device=device), lengths - 1]
         last = TargetOutput(logits=self.logits(last_hidden), hidden=last_hidden)
