@@ -1,8 +1,9 @@
 """Where a round's time goes on the CPU: the device worker's CPU time per stage, beside the
 plain loop's time per step, on the reference models.
 
-Each stream work item is timed where the stream runs it (``streams._call``, wrapped for the run)
-and counted under its name (the round's stages, ``prefill``), in wall milliseconds per round;
+Each stage of a round is timed where it runs (the ``RoundWork`` stage methods, wrapped for the
+run) and every other stream work item where the stream runs it (``streams._call``, wrapped),
+counted under its name (the round's stages, ``prefill``), in wall milliseconds per round;
 ``host`` is the rest of the round's wall time (the runtime's own Python and the event loop,
 which the default cpu stream shares a thread with). Launches alternate with plain-loop runs
 over the same prompts, so both see the same machine.
@@ -36,10 +37,14 @@ from adaspec.runtime.rounds import RoundWork
 TOKENS = 96
 
 
+ROUND_ITEMS = frozenset({*STAGES, "run_stages", "run_unified"})
+"""Stream items made of stages: the stages are timed themselves, so these are not."""
+
+
 class StageClock:
-    """Wall time spent inside each kind of stream work item, while ``on``. A split round
-    runs its stages as one item (``RoundWork.run_stages``): each stage is timed on its own
-    there, and the item itself is not counted twice."""
+    """Wall time spent inside each stage of a round and each other kind of stream work item
+    (``prefill``), while ``on``. Stages are timed where they run, whether the stream runs a
+    round as one item (``RoundWork.run_stages``, the default), as a unit or stage by stage."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
@@ -60,7 +65,7 @@ class StageClock:
 
     def _timed(self, work: Any) -> Any:
         name = _work_name(work)
-        if name == "run_stages":
+        if name in ROUND_ITEMS:
             return self._untimed(work)
         started = time.perf_counter()
         try:
@@ -70,6 +75,7 @@ class StageClock:
                 self.seconds[name] += time.perf_counter() - started
 
     def _timed_stage(self, name: str, method: Any) -> Any:
+        @functools.wraps(method)
         def timed(work: RoundWork) -> Any:
             started = time.perf_counter()
             try:

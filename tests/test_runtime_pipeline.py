@@ -174,16 +174,17 @@ def test_a_failed_stage_fails_its_requests_and_the_runtime_keeps_serving(
     assert stats.requests_failed == len(failed)
 
 
-@pytest.mark.parametrize("stage", ["consensus", "pack", "sample"])
+@pytest.mark.parametrize(("stage", "pipelined"), [("consensus", True), ("pack", True),
+                                                  ("sample", True), ("pack", False)])
 def test_a_failing_stage_ends_its_round_there_and_is_named_in_the_failure(
-        models: ReferenceModels, stage: str) -> None:
+        models: ReferenceModels, stage: str, pipelined: bool) -> None:
     seen: list[tuple[int, str]] = []
 
     def hook(number: int, name: str) -> None:
         seen.append((number, name))
         fault_at(1, stage)(number, name)
 
-    runtime = Runtime(config("DSpark", 3, 2), models=models,
+    runtime = Runtime(config("DSpark", 3, 2, enable_task_pipeline=pipelined), models=models,
                       options=RuntimeOptions(stage_hook=hook))
 
     async def run() -> list[Any]:

@@ -94,7 +94,9 @@ def _execution(launch: LaunchConfig) -> dict[str, object]:
         "mode": mode,
         "graph": GRAPH_BACKEND_MEANING[backend] if backend else "off: eager, unpadded shapes",
         "round": "unified: one device unit per round" if launch.enable_unified_mtp_graph
-                 else "split: one device task per stage",
+                 else "split: the stages back to back, one stream item per round"
+                 if launch.enable_task_pipeline
+                 else "split: one stream item per stage, each awaited",
         "pipeline": "two slots, decisions lagged to round n-2" if launch.enable_schedule_overlap
                     else "one slot, one round at a time",
         "world_size": launch.world_size,

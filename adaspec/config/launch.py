@@ -128,7 +128,8 @@ class LaunchConfig:
     """Overlap two rounds over two pipeline slots; false runs one round at a time."""
 
     enable_task_pipeline: bool = True
-    """Submit each stage as its own device task without host waits between stages."""
+    """Enqueue a round's stages with no host wait between them (as one stream item that runs
+    them back to back); false enqueues each stage on its own and waits for it."""
 
     enable_disagg_pd: bool = False
     """Prefill/decode disaggregation across services; adaspec runs both in one process."""

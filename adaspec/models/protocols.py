@@ -91,7 +91,8 @@ class TargetOutput:
 
 @dataclass(frozen=True, slots=True)
 class PrefillOutput:
-    """Prefill of whole prompts, right-padded to the longest."""
+    """Prefill of whole prompts, right-padded to the longest; what ``hidden`` holds past a
+    prompt's length is unspecified."""
 
     last: TargetOutput  # logits and hidden at each prompt's last position, [B, ...]
     hidden: Tensor  # [B, T, hidden_size] hidden state at every prompt position

@@ -36,19 +36,25 @@ class TargetConfig:
 
 
 PREFILL_PADDING = 1.15
-"""A prefill group's padded positions may exceed its real ones by at most this factor."""
+"""A prefill group's padded positions may exceed its real ones by at most this factor..."""
+
+PREFILL_SLACK = 32
+"""...or by this many positions: a forward pass of its own costs more than a few padded
+positions."""
 
 
-def length_groups(lengths: list[int], padding: float) -> list[list[int]]:
+def length_groups(lengths: list[int], padding: float, slack: int = PREFILL_SLACK
+                  ) -> list[list[int]]:
     """Indices of ``lengths`` in groups, longest first, each as large as it can be while
-    its longest times its size stays within ``padding`` times its total: the prompts one
-    padded batch runs."""
+    its longest times its size stays within ``padding`` times its total or ``slack``
+    positions over it: the prompts one padded batch runs."""
     groups: list[list[int]] = []
     group: list[int] = []
     total = 0
     for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         longest = lengths[group[0]] if group else lengths[index]
-        if group and longest * (len(group) + 1) > padding * (total + lengths[index]):
+        padded, real = longest * (len(group) + 1), total + lengths[index]
+        if group and padded > max(padding * real, real + slack):
             groups.append(group)
             group, total = [], 0
         group.append(index)
@@ -234,22 +240,26 @@ class ReferenceTarget(nn.Module):
         position costs as much as a real one. The output is in the prompts' order."""
         cache = self._require_cache()
         groups = length_groups([len(p) for p in prompts], PREFILL_PADDING)
-        if len(groups) == 1:
+        if len(groups) <= 1:
             return self._prefill_group(cache, prompts, slots)
-        parts = [self._prefill_group(cache, [prompts[i] for i in group], slots[group])
-                 for group in groups]
-        device = slots.device
-        order = torch.tensor([i for group in groups for i in group], device=device)
-        back = torch.empty_like(order)
-        back[order] = torch.arange(len(order), device=device)
-        hidden = parts[0].hidden.new_zeros(len(prompts), max(len(p) for p in prompts),
-                                           parts[0].hidden.shape[-1])
-        for group, part in zip(groups, parts, strict=True):
-            hidden[group, :part.hidden.shape[1]] = part.hidden
-        last = TargetOutput(logits=torch.cat([p.last.logits for p in parts])[back],
-                            hidden=torch.cat([p.last.hidden for p in parts])[back])
-        return PrefillOutput(last=last, hidden=hidden,
-                             lengths=torch.cat([p.lengths for p in parts])[back])
+        order = [i for group in groups for i in group]
+        back = sorted(range(len(order)), key=order.__getitem__)
+        # One host-to-device copy for both permutations: each copy may wait for the device.
+        both = torch.tensor(order + back, device=self.embed.weight.device)
+        sorted_slots = slots.index_select(0, both[:len(order)])
+        parts, start = [], 0
+        for group in groups:
+            parts.append(self._prefill_group(cache, [prompts[i] for i in group],
+                                             sorted_slots[start:start + len(group)]))
+            start += len(group)
+        longest = len(prompts[order[0]])
+        hidden = torch.cat([F.pad(p.hidden, (0, 0, 0, longest - p.hidden.shape[1]))
+                            for p in parts])
+        back_index = both[len(order):]
+        last = TargetOutput(logits=torch.cat([p.last.logits for p in parts])[back_index],
+                            hidden=torch.cat([p.last.hidden for p in parts])[back_index])
+        return PrefillOutput(last=last, hidden=hidden[back_index],
+                             lengths=torch.cat([p.lengths for p in parts])[back_index])
 
     def _prefill_group(self, cache: KVCache, prompts: list[Tensor], slots: Tensor
                        ) -> PrefillOutput:

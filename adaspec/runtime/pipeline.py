@@ -5,8 +5,10 @@ every prefill and round up to n-2 (n-1 without schedule overlap): it streams the
 finishes requests, frees KV slots no round in flight still uses, and lets the policies
 observe each round's feedback. Then it admits waiting requests (their prefill is enqueued
 ahead of the round), decides depth and G for round n from what it has observed, and
-enqueues the round's stages. Stage completions arrive on the loop as events that move the
-round through its states; a failed stage fails the round through one handler.
+enqueues the round's stages: back to back as one stream item by default, so one completion
+a round reaches the loop and moves the round through all its states in order (one
+completion per stage with the task pipeline off). A failed stage fails the round through
+one handler.
 """
 
 import asyncio
@@ -445,16 +447,17 @@ class Pipeline:
         one that failed, which fails the round (see ``_stage_done`` for hooks that raise)."""
         error = None if future.cancelled() else future.exception()
         if error is not None and not isinstance(error, StageFailed):
-            self._round_failed(record, "round", error)  # the stream's own: no stage to name
-            return
-        stage, machine, listening = "draft", record.machine, self.bus.listening
+            # The stream's own error (an interrupt, a device fault seen only when the round
+            # is synchronised) is named after the stage that ran last.
+            error = StageFailed(record.work.current or STAGES[0], error)
+        stage, machine = STAGES[0], record.machine
         try:
             for stage in STAGES:
                 if error is not None and stage == error.stage:
                     self._round_failed(record, stage, error.error)
                     return
                 machine.fire(TRIGGER_OF[stage])
-                if listening:
+                if self.bus.listening:
                     self.publish(StageCompleted(time=self.now(), round=record.round,
                                                 slot=record.slot, stage=stage))
         except Exception as raised:
@@ -605,16 +608,16 @@ class Pipeline:
             request.verified += length
             request.accepted += accept
             request.emit(row[:count])
+        if any(finish):
+            for request, end in zip(batch, finish, strict=True):
+                if end and request.running:  # a subscriber may have ended it meanwhile
+                    self._finish(request, FINISH_REASONS[end])
         counters = self.counters
         counters.outcomes.update(zip(lengths, accepted, strict=True))
         counters.request_rounds += len(batch)
         counters.drafted_verified += sum(lengths)
         counters.drafted_accepted += sum(accepted)
         counters.tokens_generated += sum(emitted)
-        if any(finish):
-            for request, end in zip(batch, finish, strict=True):
-                if end:
-                    self._finish(request, FINISH_REASONS[end])
 
     # --- request ends and slots --------------------------------------------------------------
     def _finish(self, request: Request, reason: str) -> None:

@@ -1,10 +1,11 @@
 """The device work of prefill and of each stage of a round, as functions the stream runs.
 
-``RoundWork`` holds one round's intermediate tensors from stage to stage; its stage methods
-are enqueued one by one (split mode) or as one unit (unified mode). None of them reads a
-device value back to the host; ``retire`` is the one device-to-host copy of a round. The
-commit stage computes everything first and writes the slot states last, so a round that
-fails leaves every request's state as the previous round left it.
+``RoundWork`` holds one round's intermediate tensors from stage to stage. Its stages run back
+to back as one stream item (``run_stages``, split mode with the task pipeline), one item each
+(the task pipeline off: the host waits for each), or as one unit (unified mode). None of them
+reads a device value back to the host; ``retire`` is the one device-to-host copy of a round.
+The commit stage computes everything first and writes the slot states last, so a round whose
+device work fails leaves every request's state as the previous round left it.
 """
 
 from collections.abc import Callable
@@ -38,7 +39,7 @@ class StageFailed(Exception):
     """A stage of a round run as one stream item raised: ``stage`` names it and ``error`` is
     what it raised (also the ``__cause__``)."""
 
-    def __init__(self, stage: str, error: Exception) -> None:
+    def __init__(self, stage: str, error: BaseException) -> None:
         super().__init__(f"{stage}: {type(error).__name__}: {error}")
         self.stage = stage
         self.error = error
@@ -94,8 +95,10 @@ class RoundWork:
     sampled: Tensor | None = None  # [G]
     result: CommitResult | None = None
     abandoned: bool = False  # set by the host when the round failed: later stages skip
+    current: str = ""  # the stage running or last run: names the stage an error came from
 
     def _enter(self, stage: str) -> None:
+        self.current = stage
         if self.abandoned:
             raise RoundAbandoned(self.inputs.round, stage)
         hook = self.ctx.stage_hook
@@ -187,23 +190,16 @@ class RoundWork:
         """Every stage in order, back to back, as one stream item, and the retire copy. Each
         stage is still its own device work; only its completion is not reported on its own.
         A stage that raises ends the round there: ``StageFailed`` names it."""
-        stage = "draft"
         try:
             self.draft()
-            stage = "consensus"
             self.consensus()
-            stage = "pack"
             self.pack()
-            stage = "verify"
             self.verify()
-            stage = "sample"
             self.sample()
-            stage = "commit"
             self.commit()
-            stage = "retire"
             return self.retire()
         except Exception as error:
-            raise StageFailed(stage, error) from error
+            raise StageFailed(self.current, error) from error
 
     def stage(self, name: str) -> Callable[[], object]:
         """The bound method of stage ``name`` (the stream runs it)."""

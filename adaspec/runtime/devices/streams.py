@@ -1,10 +1,11 @@
-"""Device streams: where the round runtime enqueues the device work of each stage.
+"""Device streams: where the round runtime enqueues the device work of prefills and rounds.
 
 The runtime enqueues the stages of a round (draft, consensus, pack, verify, sample, commit,
-retire) one after another without the host waiting in between; the only host wait is the
-retirement of round n-2. A stream runs work items in submission order and reports each one's
-end as a ``Completion``: an awaitable resolved on the runtime's asyncio loop once the device
-has finished that work, not merely once it was launched.
+retire) without the host waiting in between, by default as one work item that runs them back
+to back; the only host wait is the retirement of round n-2. A stream runs work items in
+submission order and reports each one's end as a ``Completion``: an awaitable resolved on the
+runtime's asyncio loop once the device has finished that work, not merely once it was
+launched.
 
 - cpu (default, ``LoopStream``): the "device" is the event loop's own thread. Each work item
   runs as one loop callback, in order, with that thread's torch intra-op threads (torch's
@@ -21,7 +22,8 @@ has finished that work, not merely once it was launched.
 
 An exception raised by a work item goes into its completion and the stream carries on: the
 failure handler of the round decides what happens next, not the stream. Work whose completion
-was cancelled still runs, since later stages of the round may depend on it.
+was cancelled still runs, since later work (a stage enqueued on its own, the next round) may
+depend on it.
 
 Work items run under ``torch.no_grad`` on every device: a model an engine plugs in must not
 build autograd graphs while it serves, whether or not its methods say so themselves.
@@ -222,9 +224,9 @@ class _QueueStream:
     def close(self) -> None:
         """Drain: let every item enqueued so far run and resolve, then join the threads.
 
-        Draining rather than cancelling keeps a round whole: its later stages were enqueued
-        together with the earlier ones and must not be dropped halfway (the runtime's failure
-        handler, not the stream, decides what a round's outcome is).
+        Draining rather than cancelling keeps the work whole: a round's later stages, or the
+        round behind it, were enqueued with it and must not be dropped halfway (the runtime's
+        failure handler, not the stream, decides what a round's outcome is).
         """
         with self._lock:
             if not self._closed:
@@ -238,8 +240,8 @@ class _QueueStream:
     def _post(self, future: asyncio.Future[Any], outcome: _Outcome,
               on_done: OnDone | None) -> None:
         """Hand an outcome to the loop. Outcomes that arrive while a delivery is already
-        scheduled join it, so a round's stages finishing back to back wake the loop once
-        instead of once each; delivery keeps submission order."""
+        scheduled join it, so items finishing back to back (a prefill and a round) wake the
+        loop once instead of once each; delivery keeps submission order."""
         with self._outbox_lock:
             self._outbox.append((future, outcome, on_done))
             if self._delivery_scheduled:
@@ -301,7 +303,8 @@ class LoopStream:
     """The default cpu stream: every work item runs on the event loop's thread, as one loop
     callback of its own, so other callbacks (the host's next round, a new request) interleave
     between items while the order of items and of their completions stays the submission
-    order.
+    order. A round is one item by default: the loop answers between rounds, not between
+    their stages.
 
     Without ``ADASPEC_CPU_THREADS`` (or ``threads``) the items run with the loop thread's own
     torch thread count and nothing is switched. With one, each item runs with that count and

@@ -77,7 +77,9 @@ class BudgetDecided(Event):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StageCompleted(Event):
-    """The device finished one stage of a round (in unified mode, all of them at once)."""
+    """The device finished one stage of a round. A round's stages arrive together, in order,
+    from its one completion (the default, and unified mode), so their times differ by the
+    host's own work only; with the task pipeline off each arrives as its stage ends."""
 
     kind: ClassVar[str] = "stage_completed"
     round: int
