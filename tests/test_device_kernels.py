@@ -13,7 +13,7 @@ from adaspec.config.requests import SamplingParams
 from adaspec.errors import HostReadError
 from adaspec.models import load_reference_models
 from adaspec.models.protocols import VerifyRows
-from adaspec.runtime.devices import reference
+from adaspec.runtime.devices import commit, packing, reference
 from adaspec.runtime.devices.allocation import allocate_prefixes, emit_budget, verify_caps
 from adaspec.runtime.devices.commit import (
     FINISHED_LENGTH,
@@ -131,10 +131,11 @@ def random_params(rng: random.Random) -> SamplingParams:
                           min_p=rng.choice([0.0, 0.0, 0.05, 0.3]))
 
 
-def random_case(seed: int) -> Case:
+def random_case(seed: int, without_drafts: bool = False) -> Case:
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     num_reqs, width, vocab = rng.randint(1, 9), rng.randint(1, 7), rng.choice([3, 8, 50])
+    width = 0 if without_drafts else width
     valid = [rng.random() < 0.8 for _ in range(num_reqs)]
     valid[0] = True
     live = sum(valid)
@@ -216,6 +217,35 @@ def test_commit_without_stop_tokens_equals_commit_with_none_to_look_for(seed: in
     skipped = commit_rows(packed, sampled, case.drafts, None, case.remaining, case.req_valid)
     for name in CommitResult.__dataclass_fields__:
         assert torch.equal(getattr(looked, name), getattr(skipped, name)), name
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_rounds_without_drafts_match_the_reference(seed: int) -> None:
+    check_against_reference(random_case(seed, without_drafts=True))
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_the_width_0_kernels_give_exactly_what_the_general_ones_give(seed: int) -> None:
+    # pack_rows and commit_rows take a shorter path when a round has no drafts (the
+    # runtime without speculation); every tensor they return must be the general one's.
+    case = random_case(seed, without_drafts=True)
+    args = (case.caps * 0, case.anchors, case.drafts, case.slots, case.starts, case.req_valid,
+            case.num_rows)
+    fast, general = pack_rows(*args), packing._pack_general(*args)
+    for name in PackedRows.__dataclass_fields__:
+        if name != "rows":
+            assert torch.equal(getattr(fast, name), getattr(general, name)), name
+    for name in VerifyRows.__dataclass_fields__:
+        assert torch.equal(torch.as_tensor(getattr(fast.rows, name)),
+                           torch.as_tensor(getattr(general.rows, name))), name
+    sampled = torch.randint(0, 3, (case.num_rows,), generator=torch.Generator().manual_seed(seed))
+    budget = torch.where(case.req_valid, case.remaining, torch.tensor([0, 1])[seed % 2])
+    for stops in (case.stops, None):
+        quick = commit_rows(fast, sampled, case.drafts, stops, budget, case.req_valid)
+        slow = commit._commit_general(general, sampled, case.drafts, stops, budget,
+                                      case.req_valid)
+        for name in CommitResult.__dataclass_fields__:
+            assert torch.equal(getattr(quick, name), getattr(slow, name)), name
 
 
 @pytest.mark.parametrize("seed", range(60))

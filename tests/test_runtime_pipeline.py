@@ -205,6 +205,40 @@ def test_a_failing_stage_ends_its_round_there_and_is_named_in_the_failure(
     assert [name for number, name in seen if number == 0] == stages
 
 
+def test_a_hook_raising_cancelled_error_or_a_multi_line_stage_error_fails_one_round_in_one_line(
+        models: ReferenceModels, target_only: list[tuple[int, ...]]) -> None:
+    def hook(states: Any, source: Any, target: Any, trigger: str) -> None:
+        if states.round_index == 1 and target is RoundState.VERIFY:
+            raise asyncio.CancelledError("a hook cancelled")
+
+    def stage_hook(number: int, name: str) -> None:
+        if (number, name) == (4, "verify"):
+            raise RuntimeError("device fault\nsecond line of the device's report")
+
+    runtime = Runtime(config("DSpark", 3, 1), models=models,
+                      options=RuntimeOptions(stage_hook=stage_hook))
+    runtime.hooks.on_enter(RoundState.VERIFY, hook)
+
+    async def run() -> list[Any]:
+        await runtime.start()
+        outcomes = []
+        for prompt in PROMPTS[:3]:  # one request at a time: round 1 and round 4 fail
+            handle = runtime.submit(list(prompt), SamplingParams(temperature=0.0, max_tokens=200))
+            outcomes.append(await asyncio.gather(handle.result(), return_exceptions=True))
+        later = await runtime.submit(list(PROMPTS[3]), greedy(4)[3]).result()
+        await runtime.stop()
+        return [*outcomes, later]
+
+    first, second, third, later = asyncio.run(run())
+    assert isinstance(first[0], RequestFailed)
+    assert "round 1 failed in pack: CancelledError: a hook cancelled" in str(first[0])
+    failures = [o[0] for o in (second, third) if isinstance(o[0], RequestFailed)]
+    assert len(failures) == 1
+    assert str(failures[0]).endswith("failed in verify: RuntimeError: device fault")
+    assert later.token_ids == target_only[3]
+    assert runtime.statistics().rounds_failed == 2
+
+
 def test_cancelling_between_rounds_ends_the_request_and_frees_its_slot(
         models: ReferenceModels, target_only: list[tuple[int, ...]]) -> None:
     runtime = Runtime(config("MTP", 3, 2), models=models)

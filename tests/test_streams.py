@@ -374,6 +374,27 @@ async def test_an_error_surfaces_on_its_own_completion_and_later_work_still_runs
     assert await later == 7
 
 
+class Unusual(BaseException):
+    """Raised on purpose: a BaseException that is neither Ctrl-C nor SystemExit."""
+
+
+@pytest.mark.asyncio
+async def test_worker_stream_delivers_a_base_exception_as_an_error_and_serves_on(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(CPU_STREAM_ENV, "worker")
+    stream = open_stream("cpu", asyncio.get_running_loop())
+
+    def unusual() -> None:
+        raise Unusual("not an Exception")
+
+    failed = stream.enqueue(unusual)
+    later = stream.enqueue(lambda: 7)
+    with pytest.raises(RuntimeError, match="^stream work interrupted by Unusual$"):
+        await failed
+    assert await later == 7  # the worker thread lived on
+    stream.close()
+
+
 @pytest.mark.asyncio
 async def test_stop_iteration_from_work_is_delivered_as_an_error(
         cpu_stream: DeviceStream) -> None:

@@ -439,8 +439,10 @@ class Pipeline:
                 self._round_failed(record, stage, error)
             else:
                 self._advance(record, stage)
-        except Exception as raised:
+        except BaseException as raised:  # a hook's CancelledError fails its round too
             self._round_failed(record, stage, raised)
+            if isinstance(raised, (KeyboardInterrupt, SystemExit)):
+                raise
 
     def _stages_done(self, record: RoundRecord, future: "asyncio.Future[Any]") -> None:
         """The stages of a split round finished: each moves the round on in order, up to the
@@ -460,8 +462,10 @@ class Pipeline:
                 if self.bus.listening:
                     self.publish(StageCompleted(time=self.now(), round=record.round,
                                                 slot=record.slot, stage=stage))
-        except Exception as raised:
+        except BaseException as raised:  # a hook's CancelledError fails its round too
             self._round_failed(record, stage, raised)
+            if isinstance(raised, (KeyboardInterrupt, SystemExit)):
+                raise
 
     def _unit_done(self, record: RoundRecord, future: "asyncio.Future[Any]") -> None:
         """The whole round finished as one unit (unified mode); the failing stage of a unit
@@ -473,8 +477,10 @@ class Pipeline:
                 return
             for stage in STAGES:
                 self._advance(record, stage)
-        except Exception as raised:
+        except BaseException as raised:
             self._round_failed(record, "round", raised)
+            if isinstance(raised, (KeyboardInterrupt, SystemExit)):
+                raise
 
     def _advance(self, record: RoundRecord, stage: str) -> None:
         record.machine.fire(TRIGGER_OF[stage])
@@ -526,11 +532,12 @@ class Pipeline:
     def _fail_round_requests(self, record: RoundRecord, error: BaseException) -> None:
         stage = record.failed_stage
         self.counters.rounds_failed += 1
+        # One line for the event and for each request: a device error often has several.
+        first_line = str(error).splitlines()[0] if str(error) else ""
         self.publish(RoundFailed(time=self.now(), round=record.round, slot=record.slot,
-                                 stage=stage, error=type(error).__name__,
-                                 message=str(error).splitlines()[0] if str(error) else "",
+                                 stage=stage, error=type(error).__name__, message=first_line,
                                  request_ids=tuple(r.id for r in record.batch)))
-        reason = f"round {record.round} failed in {stage}: {type(error).__name__}: {error}"
+        reason = f"round {record.round} failed in {stage}: {type(error).__name__}: {first_line}"
         for request in record.batch:
             if request.running:
                 self._fail_request(request, reason)

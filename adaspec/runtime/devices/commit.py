@@ -75,6 +75,15 @@ def commit_rows(packed: PackedRows, target_token_ids: Tensor, draft_token_ids: T
     result as all -1, without looking); ``budget [Bcap]`` from ``emit_budget``, the tokens
     each entry may still commit (at least 1 for live entries); ``req_valid [Bcap]``.
     """
+    if draft_token_ids.shape[1] == 0:
+        return _commit_anchors(packed, target_token_ids, stop_token_ids, budget, req_valid)
+    return _commit_general(packed, target_token_ids, draft_token_ids, stop_token_ids, budget,
+                           req_valid)
+
+
+def _commit_general(packed: PackedRows, target_token_ids: Tensor, draft_token_ids: Tensor,
+                    stop_token_ids: Tensor | None, budget: Tensor, req_valid: Tensor
+                    ) -> CommitResult:
     grid_tokens, num_accepted = accepted_lengths(packed, target_token_ids, draft_token_ids)
     offsets = torch.arange(grid_tokens.shape[1], device=grid_tokens.device)
     allowed = torch.minimum(num_accepted + 1, budget)
@@ -102,6 +111,30 @@ def commit_rows(packed: PackedRows, target_token_ids: Tensor, draft_token_ids: T
         next_anchor_ids=torch.where(num_emitted > 0,
                                     target_token_ids.index_select(0, last_rows), -1),
         last_rows=last_rows, row_committed=row_committed,
+        row_next_token_ids=torch.where(row_committed, target_token_ids, -1))
+
+
+def _commit_anchors(packed: PackedRows, target_token_ids: Tensor, stop_token_ids: Tensor | None,
+                    budget: Tensor, req_valid: Tensor) -> CommitResult:
+    """``commit_rows`` of a round without drafts (width 0): every live entry commits its
+    anchor row's target token, which may be a stop token or its last; the same result as
+    the general rule, in fewer kernels."""
+    last_rows = packed.grid_rows[:, 0]
+    anchor_tokens = target_token_ids.index_select(0, last_rows)
+    allowed = budget.clamp(max=1)  # min(accepted + 1, budget), nothing being accepted
+    num_emitted = allowed * req_valid
+    finish = torch.where(num_emitted >= budget, FINISHED_LENGTH, RUNNING)
+    if stop_token_ids is not None:
+        stopped = (anchor_tokens[:, None] == stop_token_ids).any(dim=1) & req_valid \
+            & (allowed >= 1)
+        finish = torch.where(stopped, FINISHED_STOP, finish)
+    tokens = torch.where(num_emitted > 0, anchor_tokens, -1)
+    rows = packed.rows
+    row_committed = rows.row_valid & (num_emitted.index_select(0, rows.row_reqs) > 0)
+    return CommitResult(
+        num_accepted=torch.zeros_like(num_emitted), num_emitted=num_emitted,
+        token_ids=tokens[:, None], finish=(finish * req_valid).to(torch.int8),
+        next_anchor_ids=tokens, last_rows=last_rows, row_committed=row_committed,
         row_next_token_ids=torch.where(row_committed, target_token_ids, -1))
 
 

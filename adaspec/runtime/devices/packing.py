@@ -90,6 +90,16 @@ def pack_rows(verify_lengths: Tensor, anchor_token_ids: Tensor, draft_token_ids:
     Padding rows belong to entry 0 at offset 0 and are marked invalid, so the target writes
     them to the scratch slot.
     """
+    if draft_token_ids.shape[1] == 0:
+        return _pack_anchors(verify_lengths, anchor_token_ids, req_slots, anchor_positions,
+                             req_valid, num_rows)
+    return _pack_general(verify_lengths, anchor_token_ids, draft_token_ids, req_slots,
+                         anchor_positions, req_valid, num_rows)
+
+
+def _pack_general(verify_lengths: Tensor, anchor_token_ids: Tensor, draft_token_ids: Tensor,
+                  req_slots: Tensor, anchor_positions: Tensor, req_valid: Tensor,
+                  num_rows: int) -> PackedRows:
     num_reqs, width = draft_token_ids.shape
     layout = _layout(num_reqs, width, draft_token_ids.device)
     lengths = verify_lengths * req_valid
@@ -122,3 +132,34 @@ def pack_rows(verify_lengths: Tensor, anchor_token_ids: Tensor, draft_token_ids:
     return PackedRows(rows=rows, verify_lengths=lengths, num_entry_rows=entry_rows,
                       cu_num_rows=cu_num_rows, grid_rows=unclamped.clamp(max=num_rows - 1),
                       grid_valid=grid_valid, draft_indices=draft_indices)
+
+
+def _pack_anchors(verify_lengths: Tensor, anchor_token_ids: Tensor, req_slots: Tensor,
+                  anchor_positions: Tensor, req_valid: Tensor, num_rows: int) -> PackedRows:
+    """``pack_rows`` of a round without drafts (width 0): each live entry's anchor row in
+    entry order, then padding. The layout is the general one, built from the entries
+    directly (a grid of one column is the entries themselves), in fewer kernels."""
+    num_reqs = anchor_token_ids.shape[0]
+    device = anchor_token_ids.device
+    entry_rows = req_valid.to(torch.int64)
+    ends = torch.cumsum(entry_rows, dim=0)
+    cu_num_rows = F.pad(ends, (1, 0))
+    torch._assert_async(ends[-1] <= num_rows,
+                        f"pack_rows: the verify rows do not fit G={num_rows} rows (G must be "
+                        "at least the live requests)")
+    firsts = cu_num_rows[:-1]
+    row_entries = torch.full((num_rows + 1,), -1, dtype=torch.int64, device=device)
+    row_entries.index_copy_(0, torch.where(req_valid, firsts, num_rows),
+                            torch.arange(num_reqs, device=device))
+    row_entries = row_entries[:num_rows]
+    row_valid = row_entries >= 0
+    entries = row_entries.clamp(min=0)  # padding rows: entry 0
+    rows = VerifyRows(token_ids=anchor_token_ids.index_select(0, entries), row_reqs=entries,
+                      row_offsets=torch.zeros_like(entries), row_valid=row_valid,
+                      req_slots=req_slots, req_starts=anchor_positions,
+                      rows_per_req=grid_width(0, num_rows))
+    return PackedRows(rows=rows, verify_lengths=verify_lengths * req_valid,
+                      num_entry_rows=entry_rows, cu_num_rows=cu_num_rows,
+                      grid_rows=firsts.clamp(max=num_rows - 1)[:, None],
+                      grid_valid=req_valid[:, None],
+                      draft_indices=torch.full_like(entries, -1))

@@ -175,6 +175,16 @@ def _call(work: Callable[[], object]) -> _Outcome:
         return _Outcome(error=error)
 
 
+def _call_on_thread(work: Callable[[], object]) -> _Outcome:
+    """``_call`` for a stream's own thread, which has nobody to hand a ``BaseException``
+    (a custom one, ``GeneratorExit``) to: the work's completion gets an error naming it and
+    the thread serves on, where a dead thread would leave every completion waiting."""
+    try:
+        return _call(work)
+    except BaseException as error:
+        return _Outcome(error=RuntimeError(f"stream work interrupted by {type(error).__name__}"))
+
+
 def _settle(future: asyncio.Future[Any], outcome: _Outcome) -> None:
     """Runs on the loop's thread, so checking for cancellation here cannot race with it."""
     if future.cancelled():
@@ -296,7 +306,7 @@ class WorkerStream(_QueueStream):
         torch.set_num_threads(self.threads)
         self._ready.set()
         while (item := self._queue.get()) is not None:
-            self._post(item.future, _call(item.work), item.on_done)
+            self._post(item.future, _call_on_thread(item.work), item.on_done)
 
 
 class LoopStream:
@@ -461,8 +471,8 @@ class TorchStream(_QueueStream):
     def _launch_all(self) -> None:
         while (item := self._queue.get()) is not None:
             with self._mod.stream(self.stream):
-                outcome = _call(item.work)
-                recorded = _call(self._recorded_event)
+                outcome = _call_on_thread(item.work)
+                recorded = _call_on_thread(self._recorded_event)
             self._launched.put(_Launched(item.future, item.on_done,
                                          _first_error(outcome, recorded),
                                          recorded.value))
