@@ -248,6 +248,29 @@ def test_the_width_0_kernels_give_exactly_what_the_general_ones_give(seed: int) 
             assert torch.equal(getattr(quick, name), getattr(slow, name)), name
 
 
+@pytest.mark.parametrize(("live", "num_rows"), [(True, 1), (False, 1), (True, 3), (False, 2)])
+def test_a_batch_of_one_entry_packs_and_commits_as_the_general_kernels_do(
+        live: bool, num_rows: int) -> None:
+    # One entry without drafts takes the shortest path (batch 1 without speculation).
+    valid = torch.tensor([live])
+    drafts = torch.zeros(1, 0, dtype=torch.int64)
+    args = (torch.zeros(1, dtype=torch.int64), torch.tensor([7]), drafts, torch.tensor([3]),
+            torch.tensor([11]), valid, num_rows)
+    fast, general = pack_rows(*args), packing._pack_general(*args)
+    for name in PackedRows.__dataclass_fields__:
+        if name != "rows":
+            assert torch.equal(getattr(fast, name), getattr(general, name)), name
+    for name in VerifyRows.__dataclass_fields__:
+        assert torch.equal(torch.as_tensor(getattr(fast.rows, name)),
+                           torch.as_tensor(getattr(general.rows, name))), name
+    sampled = torch.arange(num_rows) + 5
+    for budget, stops in ((torch.tensor([1]), None), (torch.tensor([4]), torch.tensor([[5]]))):
+        quick = commit_rows(fast, sampled, drafts, stops, budget, valid)
+        slow = commit._commit_general(general, sampled, drafts, stops, budget, valid)
+        for name in CommitResult.__dataclass_fields__:
+            assert torch.equal(getattr(quick, name), getattr(slow, name)), name
+
+
 @pytest.mark.parametrize("seed", range(60))
 def test_a_budget_that_holds_every_row_admits_exactly_the_caps(seed: int) -> None:
     # Why a round whose G covers Bcap * (depth + 1) rows skips prefix allocation.

@@ -20,6 +20,9 @@ from adaspec.runtime.slots import SlotStates
 class Drafting(Protocol):
     width: int
     """w: drafted tokens per request and round (0 without speculation)."""
+    keeps_hidden: bool
+    """Whether drafting reads the target hidden state behind each anchor (``SlotStates``
+    keeps one per slot only then)."""
 
     def draft(self, states: SlotStates, slots: Tensor, depth: int) -> tuple[Tensor, Tensor]:
         """Drafted token ids and confidences, both ``[Bcap, width]``, for the gathered
@@ -37,13 +40,24 @@ class Drafting(Protocol):
 
 
 class NoDrafting:
-    """The target alone: every round verifies only each request's anchor row."""
+    """The target alone: every round verifies only each request's anchor row, and slots keep
+    no hidden state (nothing drafts from it)."""
 
     width = 0
+    keeps_hidden = False
+
+    def __init__(self) -> None:
+        # Blocks with no columns hold no values that anything could change: one pair per
+        # batch shape serves every round.
+        self._empty: dict[tuple[int, torch.device], tuple[Tensor, Tensor]] = {}
 
     def draft(self, states: SlotStates, slots: Tensor, depth: int) -> tuple[Tensor, Tensor]:
-        empty = torch.zeros(slots.shape[0], 0, device=slots.device)
-        return empty.to(torch.int64), empty
+        key = (slots.shape[0], slots.device)
+        empty = self._empty.get(key)
+        if empty is None:
+            confidences = torch.zeros(slots.shape[0], 0, device=slots.device)
+            empty = self._empty[key] = (confidences.to(torch.int64), confidences)
+        return empty
 
     def after_prefill(self, prefill: PrefillOutput, prompts: list[Tensor],
                       slots: Tensor) -> None:
@@ -56,6 +70,8 @@ class NoDrafting:
 class DSparkDrafting:
     """One parallel block per round from the hidden state behind each anchor; the drafter
     keeps no context of its own."""
+
+    keeps_hidden = True
 
     def __init__(self, drafter: DSparkDrafter, width: int) -> None:
         self.drafter = drafter
@@ -76,6 +92,8 @@ class DSparkDrafting:
 class MtpDrafting:
     """``depth`` sequential MTP steps; the MTP head keeps a KV context that is published from
     the target's hidden states of committed rows."""
+
+    keeps_hidden = True
 
     def __init__(self, drafter: MtpDrafter, width: int, context_limit: int,
                  scratch_slot: int) -> None:

@@ -207,7 +207,8 @@ class Runtime:
                                    target.context_limit, num_slots)
         elif launch.speculative_algorithm == "DSpark":
             drafting = DSparkDrafting(models.dspark, launch.num_speculative_tokens)
-        states = SlotStates.allocate(num_slots, target.hidden_size, target.dtype, device)
+        hidden_size = target.hidden_size if drafting.keeps_hidden else 0
+        states = SlotStates.allocate(num_slots, hidden_size, target.dtype, device)
         return DeviceContext(target=target, drafting=drafting, collectives=self._collectives,
                              states=states, sampling=SlotSampling.allocate(num_slots, device),
                              device=device, seed=self.options.seed,

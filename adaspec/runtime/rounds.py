@@ -122,8 +122,13 @@ class RoundWork:
         self.budget = emit_budget(rows.remaining, rows.anchor_positions,
                                   self.ctx.context_limit)
         depth, num_rows = self.inputs.depth, self.inputs.num_rows
+        if not drafts.shape[1]:  # nothing drafted: no entry verifies a draft
+            self.packed = pack_rows(torch.zeros_like(self.budget), rows.anchor_ids, drafts,
+                                    self.inputs.slots, rows.anchor_positions, rows.live,
+                                    num_rows)
+            return
         caps = verify_caps(depth, self.budget, rows.live)
-        if drafts.shape[1] and num_rows < self.inputs.slots.shape[0] * (depth + 1):
+        if num_rows < self.inputs.slots.shape[0] * (depth + 1):
             lengths = allocate_prefixes(confidences, num_rows, caps, rows.live)
         else:
             # G holds every entry's anchor and all its capped drafts: allocation would admit
@@ -163,12 +168,14 @@ class RoundWork:
                              _have(self.drafts, "drafts"), stop_token_ids,
                              _have(self.budget, "budget"), rows.live)
         live = rows.live
+        hidden = rows.hidden
+        if hidden.shape[1]:
+            hidden = torch.where(live[:, None], out.hidden.index_select(0, result.last_rows),
+                                 hidden)
         updated = SlotStates(
             anchor_ids=torch.where(live, result.next_anchor_ids, rows.anchor_ids),
             anchor_positions=rows.anchor_positions + result.num_emitted,
-            hidden=torch.where(live[:, None], out.hidden.index_select(0, result.last_rows),
-                               rows.hidden),
-            remaining=rows.remaining - result.num_emitted,
+            hidden=hidden, remaining=rows.remaining - result.num_emitted,
             live=live & (result.finish == RUNNING))
         # Everything above may fail without harm; from here on the round's result is written.
         self.ctx.states.scatter(self.inputs.slots, updated)
@@ -236,8 +243,9 @@ def prefill(ctx: DeviceContext, inputs: PrefillInputs) -> dict[str, Tensor]:
     room = out.lengths < ctx.context_limit - 1
     remaining = inputs.max_tokens - 1
     live = ~stopped & (remaining > 0) & room
+    hidden = out.last.hidden if ctx.states.keeps_hidden else out.last.hidden[:, :0]
     ctx.states.scatter(inputs.slots, SlotStates(
-        anchor_ids=first, anchor_positions=out.lengths.clone(), hidden=out.last.hidden,
+        anchor_ids=first, anchor_positions=out.lengths.clone(), hidden=hidden,
         remaining=remaining, live=live))
     ctx.sampling.write(inputs.slots, inputs.sampling, inputs.stop_token_ids)
     ctx.drafting.after_prefill(out, inputs.prompts, inputs.slots)

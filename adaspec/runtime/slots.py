@@ -24,7 +24,8 @@ class SlotStates:
 
     anchor_ids: Tensor  # [S + 1] int64 newest committed token (the next round's anchor)
     anchor_positions: Tensor  # [S + 1] int64 position of that token
-    hidden: Tensor  # [S + 1, hidden_size] target hidden state of the row that produced it
+    hidden: Tensor  # [S + 1, hidden_size] target hidden state of the row that produced it;
+    #                 no columns when nothing drafts from it (``keeps_hidden``)
     remaining: Tensor  # [S + 1] int64 tokens the request may still generate
     live: Tensor  # [S + 1] bool the request is still decoding
 
@@ -42,6 +43,10 @@ class SlotStates:
     def scratch(self) -> int:
         return self.anchor_ids.shape[0] - 1
 
+    @property
+    def keeps_hidden(self) -> bool:
+        return self.hidden.shape[1] > 0
+
     def gather(self, slots: Tensor) -> "SlotStates":
         """The rows of ``slots [Bcap]`` (copies, so a later scatter cannot change them).
         ``index_select`` rather than ``tensor[slots]``: the same rows at a fraction of the
@@ -57,7 +62,8 @@ class SlotStates:
         duplicate indices only ever collide there."""
         self.anchor_ids.index_copy_(0, slots, rows.anchor_ids)
         self.anchor_positions.index_copy_(0, slots, rows.anchor_positions)
-        self.hidden.index_copy_(0, slots, rows.hidden)
+        if self.hidden.shape[1]:
+            self.hidden.index_copy_(0, slots, rows.hidden)
         self.remaining.index_copy_(0, slots, rows.remaining)
         self.live.index_copy_(0, slots, rows.live)
 

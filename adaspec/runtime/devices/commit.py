@@ -122,19 +122,19 @@ def _commit_anchors(packed: PackedRows, target_token_ids: Tensor, stop_token_ids
     last_rows = packed.grid_rows[:, 0]
     anchor_tokens = target_token_ids.index_select(0, last_rows)
     allowed = budget.clamp(max=1)  # min(accepted + 1, budget), nothing being accepted
-    num_emitted = allowed * req_valid
-    finish = torch.where(num_emitted >= budget, FINISHED_LENGTH, RUNNING)
+    num_emitted = torch.where(req_valid, allowed, 0)
+    emitted = num_emitted > 0
+    finish = (req_valid & (num_emitted >= budget)).to(torch.int8).mul_(FINISHED_LENGTH)
     if stop_token_ids is not None:
-        stopped = (anchor_tokens[:, None] == stop_token_ids).any(dim=1) & req_valid \
-            & (allowed >= 1)
-        finish = torch.where(stopped, FINISHED_STOP, finish)
-    tokens = torch.where(num_emitted > 0, anchor_tokens, -1)
+        stopped = (anchor_tokens[:, None] == stop_token_ids).any(dim=1) & emitted
+        finish.masked_fill_(stopped, FINISHED_STOP)
+    tokens = torch.where(emitted, anchor_tokens, -1)
     rows = packed.rows
-    row_committed = rows.row_valid & (num_emitted.index_select(0, rows.row_reqs) > 0)
+    row_committed = rows.row_valid & emitted.index_select(0, rows.row_reqs)
     return CommitResult(
         num_accepted=torch.zeros_like(num_emitted), num_emitted=num_emitted,
-        token_ids=tokens[:, None], finish=(finish * req_valid).to(torch.int8),
-        next_anchor_ids=tokens, last_rows=last_rows, row_committed=row_committed,
+        token_ids=tokens[:, None], finish=finish, next_anchor_ids=tokens, last_rows=last_rows,
+        row_committed=row_committed,
         row_next_token_ids=torch.where(row_committed, target_token_ids, -1))
 
 

@@ -91,8 +91,9 @@ def pack_rows(verify_lengths: Tensor, anchor_token_ids: Tensor, draft_token_ids:
     them to the scratch slot.
     """
     if draft_token_ids.shape[1] == 0:
-        return _pack_anchors(verify_lengths, anchor_token_ids, req_slots, anchor_positions,
-                             req_valid, num_rows)
+        pack = _pack_anchor if anchor_token_ids.shape[0] == 1 else _pack_anchors
+        return pack(verify_lengths, anchor_token_ids, req_slots, anchor_positions, req_valid,
+                    num_rows)
     return _pack_general(verify_lengths, anchor_token_ids, draft_token_ids, req_slots,
                          anchor_positions, req_valid, num_rows)
 
@@ -138,19 +139,19 @@ def _pack_anchors(verify_lengths: Tensor, anchor_token_ids: Tensor, req_slots: T
                   anchor_positions: Tensor, req_valid: Tensor, num_rows: int) -> PackedRows:
     """``pack_rows`` of a round without drafts (width 0): each live entry's anchor row in
     entry order, then padding. The layout is the general one, built from the entries
-    directly (a grid of one column is the entries themselves), in fewer kernels."""
+    directly (a grid of one column is the entries themselves), in fewer kernels; every
+    verify length is 0, there being nothing to verify."""
     num_reqs = anchor_token_ids.shape[0]
     device = anchor_token_ids.device
     entry_rows = req_valid.to(torch.int64)
     ends = torch.cumsum(entry_rows, dim=0)
-    cu_num_rows = F.pad(ends, (1, 0))
+    firsts = ends - entry_rows
     torch._assert_async(ends[-1] <= num_rows,
                         f"pack_rows: the verify rows do not fit G={num_rows} rows (G must be "
                         "at least the live requests)")
-    firsts = cu_num_rows[:-1]
     row_entries = torch.full((num_rows + 1,), -1, dtype=torch.int64, device=device)
     row_entries.index_copy_(0, torch.where(req_valid, firsts, num_rows),
-                            torch.arange(num_reqs, device=device))
+                            _layout(num_reqs, 0, device).cell_numbers)
     row_entries = row_entries[:num_rows]
     row_valid = row_entries >= 0
     entries = row_entries.clamp(min=0)  # padding rows: entry 0
@@ -158,8 +159,31 @@ def _pack_anchors(verify_lengths: Tensor, anchor_token_ids: Tensor, req_slots: T
                       row_offsets=torch.zeros_like(entries), row_valid=row_valid,
                       req_slots=req_slots, req_starts=anchor_positions,
                       rows_per_req=grid_width(0, num_rows))
-    return PackedRows(rows=rows, verify_lengths=verify_lengths * req_valid,
-                      num_entry_rows=entry_rows, cu_num_rows=cu_num_rows,
+    return PackedRows(rows=rows, verify_lengths=torch.zeros_like(entry_rows),
+                      num_entry_rows=entry_rows, cu_num_rows=torch.cat((firsts, ends[-1:])),
                       grid_rows=firsts.clamp(max=num_rows - 1)[:, None],
+                      grid_valid=req_valid[:, None],
+                      draft_indices=torch.full_like(entries, -1))
+
+
+def _pack_anchor(verify_lengths: Tensor, anchor_token_ids: Tensor, req_slots: Tensor,
+                 anchor_positions: Tensor, req_valid: Tensor, num_rows: int) -> PackedRows:
+    """``_pack_anchors`` of a batch of one entry: its row is row 0 whether it is live or not
+    (a padding row belongs to entry 0 anyway), so the layout needs no ranking, and one row
+    always fits G."""
+    device = anchor_token_ids.device
+    entry_rows = req_valid.to(torch.int64)
+    row_valid = req_valid
+    if num_rows > 1:
+        row_valid = torch.cat((req_valid, torch.zeros(num_rows - 1, dtype=torch.bool,
+                                                      device=device)))
+    entries = torch.zeros(num_rows, dtype=torch.int64, device=device)
+    rows = VerifyRows(token_ids=anchor_token_ids.expand(num_rows).clone(), row_reqs=entries,
+                      row_offsets=torch.zeros_like(entries), row_valid=row_valid,
+                      req_slots=req_slots, req_starts=anchor_positions,
+                      rows_per_req=grid_width(0, num_rows))
+    return PackedRows(rows=rows, verify_lengths=torch.zeros_like(entry_rows),
+                      num_entry_rows=entry_rows, cu_num_rows=F.pad(entry_rows, (1, 0)),
+                      grid_rows=torch.zeros((1, 1), dtype=torch.int64, device=device),
                       grid_valid=req_valid[:, None],
                       draft_indices=torch.full_like(entries, -1))

@@ -37,8 +37,10 @@ def enqueue_retire(stream: DeviceStream,
 
 
 def _host_copy(tensor: Tensor) -> Tensor:
+    if tensor.requires_grad:  # never under the stream's no_grad; an embedder's own call
+        tensor = tensor.detach()
     if tensor.device.type == "cpu":
-        return tensor.detach().clone()
+        return tensor.clone()
     # Pinned memory is what lets the copy run asynchronously on the stream.
     host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
-    return host.copy_(tensor.detach(), non_blocking=True)
+    return host.copy_(tensor, non_blocking=True)
