@@ -24,7 +24,7 @@ from adaspec.runtime.engine import Runtime, RuntimeOptions
 from adaspec.runtime.events.clock import VirtualClock
 from adaspec.runtime.events.log import read_event_log
 from adaspec.runtime.events.replay import replay
-from adaspec.runtime.events.types import RoundRetired
+from adaspec.runtime.events.types import RoundRetired, RoundSubmitted
 from adaspec.runtime.requests import RequestFailed
 from adaspec.runtime.states import RoundState
 from adaspec.runtime.trace import capture_trace, read_trace
@@ -505,3 +505,21 @@ def test_without_schedule_overlap_every_round_uses_slot_0(models: ReferenceModel
     asyncio.run(_hook_count(runtime, [SamplingParams(temperature=0.0, max_tokens=12)]))
     assert len(slots) > 2
     assert {slot for _, slot in slots} == {0}
+
+
+def test_a_request_that_a_round_in_flight_must_end_is_left_out_of_later_rounds(
+        models: ReferenceModels, target_only: list[tuple[int, ...]], tmp_path: Path) -> None:
+    # Without drafts every live entry commits one token a round, so a request one token short
+    # of its budget is ended by the round in flight that includes it; no later round carries
+    # it as an entry that is no longer live, and a waiting request takes its room at once.
+    log = tmp_path / "run.jsonl"
+    results = decode(config("none", 0, 4), PROMPTS, greedy(len(PROMPTS)), models,
+                     options=RuntimeOptions(event_log=str(log)))
+    assert [r.token_ids for r in results] == target_only
+    assert [r.rounds for r in results] == [len(r.token_ids) - 1 for r in results]
+    _, events = read_event_log(str(log))
+    submitted = {e.round: e.request_ids for e in events if isinstance(e, RoundSubmitted)}
+    retired = [e.feedback for e in events if isinstance(e, RoundRetired)]
+    assert len(retired) == len(submitted)
+    for feedback in retired:
+        assert feedback.request_ids == submitted[feedback.round]

@@ -271,7 +271,7 @@ class Pipeline:
         version, facts = self._facts
         if version == self._composition:
             return facts
-        batch = [r for r in self.active if r.running][: self.max_batch]
+        batch = [r for r in self.active if r.running and not r.ending][: self.max_batch]
         facts = self._derive_facts(batch) if batch else None
         self._facts = (self._composition, facts)
         return facts
@@ -291,13 +291,16 @@ class Pipeline:
     def _admit(self) -> None:
         if not self.waiting:
             return
-        room = self.max_batch - sum(r.running for r in self.active)
+        room = self.max_batch - sum(r.running and not r.ending for r in self.active)
         admitted: list[Request] = []
         while self.waiting and room > 0 and self.free_slots:
             request = self.waiting.popleft()
             if not request.running:  # cancelled while waiting
                 continue
             request.kv_slot = self.free_slots.pop()
+            prompt = len(request.prompt)
+            request.end_length = prompt + min(request.params.max_tokens,
+                                              self.ctx.context_limit - prompt)
             admitted.append(request)
             room -= 1
         if admitted:
@@ -578,7 +581,7 @@ class Pipeline:
         finish = host["finish"].tolist()[:num]
         counters = self.counters
         if len(rows) == num and all(r.running for r in batch):
-            self._deliver_all(batch, lengths, accepted, emitted, tokens, finish)
+            self._deliver_all(record.round, batch, lengths, accepted, emitted, tokens, finish)
             return
         delivered = 0
         verified = accepted_total = emitted_total = 0
@@ -599,32 +602,48 @@ class Pipeline:
             emitted_total += count
             if finish[index]:
                 self._finish(request, FINISH_REASONS[finish[index]])
+            elif request.length + 1 >= request.end_length:
+                self._note_ending(request, record.round)
         counters.outcomes.update(pairs)
         counters.request_rounds += delivered
         counters.drafted_verified += verified
         counters.drafted_accepted += accepted_total
         counters.tokens_generated += emitted_total
 
-    def _deliver_all(self, batch: list[Request], lengths: list[int], accepted: list[int],
-                     emitted: list[int], tokens: list[list[int]], finish: list[int]) -> None:
+    def _deliver_all(self, number: int, batch: list[Request], lengths: list[int],
+                     accepted: list[int], emitted: list[int], tokens: list[list[int]],
+                     finish: list[int]) -> None:
         """``_deliver`` for the usual round, where every entry is live and running: the
         counts are summed in one go."""
+        short = []  # one token short of their end: a round in flight may end them
         for request, length, accept, count, row in zip(batch, lengths, accepted, emitted,
                                                        tokens, strict=True):
             request.rounds += 1
             request.verified += length
             request.accepted += accept
             request.emit(row[:count])
+            if request.length + 1 >= request.end_length:
+                short.append(request)
         if any(finish):
             for request, end in zip(batch, finish, strict=True):
                 if end and request.running:  # a subscriber may have ended it meanwhile
                     self._finish(request, FINISH_REASONS[end])
+        for request in short:
+            self._note_ending(request, number)
         counters = self.counters
         counters.outcomes.update(zip(lengths, accepted, strict=True))
         counters.request_rounds += len(batch)
         counters.drafted_verified += sum(lengths)
         counters.drafted_accepted += sum(accepted)
         counters.tokens_generated += sum(emitted)
+
+    def _note_ending(self, request: Request, number: int) -> None:
+        """A running request one token short of its end after round ``number``, which a later
+        round in flight includes, ends in that round: no round after it includes the request
+        (its row there would commit nothing), and it no longer takes room in the batch."""
+        if request.running and not request.ending and request.last_round > number:
+            request.ending = True
+            self._composition += 1
 
     # --- request ends and slots --------------------------------------------------------------
     def _finish(self, request: Request, reason: str) -> None:

@@ -78,6 +78,12 @@ class Request:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     _wakeup: "asyncio.Future[None] | None" = None
     length: int = field(init=False)  # prompt and tokens: the context the host knows of
+    # The length once the request has committed all it may (max_tokens or the context limit):
+    # set when it is admitted. A request one token short of it, with a round in flight that
+    # includes it, ends in that round (every live entry commits a token a round), so no
+    # later round includes it: ``ending``.
+    end_length: int = -1
+    ending: bool = False
 
     def __post_init__(self) -> None:
         self.length = len(self.prompt) + len(self.tokens)
