@@ -118,19 +118,18 @@ def _commit_anchors(packed: PackedRows, target_token_ids: Tensor, stop_token_ids
                     budget: Tensor, req_valid: Tensor) -> CommitResult:
     """``commit_rows`` of a round without drafts (width 0): every live entry commits its
     anchor row's target token, which may be a stop token or its last; the same result as
-    the general rule, in fewer kernels."""
+    the general rule, in fewer kernels. A live entry's budget is at least 1 (the rule of
+    ``commit_rows``), so each live entry commits exactly one token and every row of a live
+    entry is committed."""
     last_rows = packed.grid_rows[:, 0]
     anchor_tokens = target_token_ids.index_select(0, last_rows)
-    allowed = budget.clamp(max=1)  # min(accepted + 1, budget), nothing being accepted
-    num_emitted = torch.where(req_valid, allowed, 0)
-    emitted = num_emitted > 0
-    finish = (req_valid & (num_emitted >= budget)).to(torch.int8).mul_(FINISHED_LENGTH)
+    finish = (req_valid & (budget <= 1)).to(torch.int8).mul_(FINISHED_LENGTH)
     if stop_token_ids is not None:
-        stopped = (anchor_tokens[:, None] == stop_token_ids).any(dim=1) & emitted
+        stopped = (anchor_tokens[:, None] == stop_token_ids).any(dim=1) & req_valid
         finish.masked_fill_(stopped, FINISHED_STOP)
-    tokens = torch.where(emitted, anchor_tokens, -1)
-    rows = packed.rows
-    row_committed = rows.row_valid & emitted.index_select(0, rows.row_reqs)
+    num_emitted = req_valid.to(torch.int64)
+    tokens = torch.where(req_valid, anchor_tokens, -1)
+    row_committed = packed.rows.row_valid.clone()
     return CommitResult(
         num_accepted=torch.zeros_like(num_emitted), num_emitted=num_emitted,
         token_ids=tokens[:, None], finish=finish, next_anchor_ids=tokens, last_rows=last_rows,

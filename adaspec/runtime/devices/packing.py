@@ -183,7 +183,7 @@ def _pack_anchor(verify_lengths: Tensor, anchor_token_ids: Tensor, req_slots: Te
                       req_slots=req_slots, req_starts=anchor_positions,
                       rows_per_req=grid_width(0, num_rows))
     return PackedRows(rows=rows, verify_lengths=torch.zeros_like(entry_rows),
-                      num_entry_rows=entry_rows, cu_num_rows=F.pad(entry_rows, (1, 0)),
+                      num_entry_rows=entry_rows, cu_num_rows=torch.cat((entries[:1], entry_rows)),
                       grid_rows=torch.zeros((1, 1), dtype=torch.int64, device=device),
                       grid_valid=req_valid[:, None],
                       draft_indices=torch.full_like(entries, -1))
