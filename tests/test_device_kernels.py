@@ -122,6 +122,11 @@ class Case:
     uniforms: torch.Tensor  # [G]
 
 
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values and dtype (``torch.equal`` alone ignores the dtype)."""
+    return a.dtype == b.dtype and torch.equal(a, b)
+
+
 def random_params(rng: random.Random) -> SamplingParams:
     if rng.random() < 0.3:
         return SamplingParams(temperature=0.0)
@@ -216,7 +221,7 @@ def test_commit_without_stop_tokens_equals_commit_with_none_to_look_for(seed: in
     looked = commit_rows(packed, sampled, case.drafts, no_stops, case.remaining, case.req_valid)
     skipped = commit_rows(packed, sampled, case.drafts, None, case.remaining, case.req_valid)
     for name in CommitResult.__dataclass_fields__:
-        assert torch.equal(getattr(looked, name), getattr(skipped, name)), name
+        assert same(getattr(looked, name), getattr(skipped, name)), name
 
 
 @pytest.mark.parametrize("seed", range(60))
@@ -234,10 +239,10 @@ def test_the_width_0_kernels_give_exactly_what_the_general_ones_give(seed: int) 
     fast, general = pack_rows(*args), packing._pack_general(*args)
     for name in PackedRows.__dataclass_fields__:
         if name != "rows":
-            assert torch.equal(getattr(fast, name), getattr(general, name)), name
+            assert same(getattr(fast, name), getattr(general, name)), name
     for name in VerifyRows.__dataclass_fields__:
-        assert torch.equal(torch.as_tensor(getattr(fast.rows, name)),
-                           torch.as_tensor(getattr(general.rows, name))), name
+        assert same(torch.as_tensor(getattr(fast.rows, name)),
+                    torch.as_tensor(getattr(general.rows, name))), name
     sampled = torch.randint(0, 3, (case.num_rows,), generator=torch.Generator().manual_seed(seed))
     budget = torch.where(case.req_valid, case.remaining, torch.tensor([0, 1])[seed % 2])
     for stops in (case.stops, None):
@@ -245,7 +250,7 @@ def test_the_width_0_kernels_give_exactly_what_the_general_ones_give(seed: int) 
         slow = commit._commit_general(general, sampled, case.drafts, stops, budget,
                                       case.req_valid)
         for name in CommitResult.__dataclass_fields__:
-            assert torch.equal(getattr(quick, name), getattr(slow, name)), name
+            assert same(getattr(quick, name), getattr(slow, name)), name
 
 
 @pytest.mark.parametrize(("live", "num_rows"), [(True, 1), (False, 1), (True, 3), (False, 2)])
@@ -259,16 +264,16 @@ def test_a_batch_of_one_entry_packs_and_commits_as_the_general_kernels_do(
     fast, general = pack_rows(*args), packing._pack_general(*args)
     for name in PackedRows.__dataclass_fields__:
         if name != "rows":
-            assert torch.equal(getattr(fast, name), getattr(general, name)), name
+            assert same(getattr(fast, name), getattr(general, name)), name
     for name in VerifyRows.__dataclass_fields__:
-        assert torch.equal(torch.as_tensor(getattr(fast.rows, name)),
-                           torch.as_tensor(getattr(general.rows, name))), name
+        assert same(torch.as_tensor(getattr(fast.rows, name)),
+                    torch.as_tensor(getattr(general.rows, name))), name
     sampled = torch.arange(num_rows) + 5
     for budget, stops in ((torch.tensor([1]), None), (torch.tensor([4]), torch.tensor([[5]]))):
         quick = commit_rows(fast, sampled, drafts, stops, budget, valid)
         slow = commit._commit_general(general, sampled, drafts, stops, budget, valid)
         for name in CommitResult.__dataclass_fields__:
-            assert torch.equal(getattr(quick, name), getattr(slow, name)), name
+            assert same(getattr(quick, name), getattr(slow, name)), name
 
 
 @pytest.mark.parametrize("seed", range(60))

@@ -3,7 +3,8 @@
 The loop is one asyncio task. Before it submits round n it retires, in submission order,
 every prefill and round up to n-2 (n-1 without schedule overlap): it streams their tokens,
 finishes requests, frees KV slots no round in flight still uses, and lets the policies
-observe each round's feedback. Then it admits waiting requests (their prefill is enqueued
+observe each round's feedback (a request the round still in flight must end is left out of
+later batches from then on). Then it admits waiting requests (their prefill is enqueued
 ahead of the round), decides depth and G for round n from what it has observed, and
 enqueues the round's stages: back to back as one stream item by default, so one completion
 a round reaches the loop and moves the round through all its states in order (one
