@@ -127,13 +127,17 @@ async def instant_rounds(models: Any, batch: int, rounds: int, trace: str | None
                       options=RuntimeOptions(trace=trace, event_log=event_log))
     await runtime.start()
     assert runtime._pipeline is not None
-    device = InstantDevice(asyncio.get_running_loop(), rounds)
+    # Requests stay within the target's context: the host ends a request where its budget
+    # does, which a stand-in that ignores the context must not outrun.
+    per_request = min(rounds, (models.target.context_limit - 8) // (WIDTH // 2 + 1) - 1)
+    device = InstantDevice(asyncio.get_running_loop(), per_request)
     runtime._pipeline.stream = device  # type: ignore[assignment]
-    params = SamplingParams(temperature=0.0, max_tokens=1 + rounds * (WIDTH // 2 + 1))
+    params = SamplingParams(temperature=0.0, max_tokens=1 + per_request * (WIDTH // 2 + 1))
     start = time.perf_counter()
-    handles = [runtime.submit([65, 66, 67], params) for _ in range(batch)]
-    for handle in handles:
-        await handle.result()
+    for _ in range(-(-rounds // per_request)):  # waves of ``batch`` requests
+        handles = [runtime.submit([65, 66, 67], params) for _ in range(batch)]
+        for handle in handles:
+            await handle.result()
     elapsed = time.perf_counter() - start - device.own_seconds
     submitted = runtime.statistics().rounds_submitted
     await runtime.stop()

@@ -25,6 +25,7 @@ from adaspec.runtime.events.clock import VirtualClock
 from adaspec.runtime.events.log import read_event_log
 from adaspec.runtime.events.replay import replay
 from adaspec.runtime.events.types import RoundRetired, RoundSubmitted
+from adaspec.runtime.pipeline import Pipeline
 from adaspec.runtime.requests import RequestFailed
 from adaspec.runtime.states import RoundState
 from adaspec.runtime.trace import capture_trace, read_trace
@@ -523,3 +524,38 @@ def test_a_request_that_a_round_in_flight_must_end_is_left_out_of_later_rounds(
     assert len(retired) == len(submitted)
     for feedback in retired:
         assert feedback.request_ids == submitted[feedback.round]
+
+
+def test_a_request_the_host_wrongly_expects_to_end_still_gets_every_token(
+        models: ReferenceModels, target_only: list[tuple[int, ...]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Injected fault: the host believes every budget ends 3 tokens early, so it leaves
+    # requests out of rounds that would not have ended them. Once the round it counted on
+    # retires without ending a request, the request takes part in rounds again.
+    admit = Pipeline._admit
+
+    def admit_short(self: Pipeline) -> None:
+        waiting = list(self.waiting)
+        admit(self)
+        for request in waiting:
+            if request.end_length > 0:
+                request.end_length -= 3
+
+    monkeypatch.setattr(Pipeline, "_admit", admit_short)
+    runtime = Runtime(config("none", 0, 4), models=models)
+
+    async def run() -> list[tuple[int, ...]]:
+        await runtime.start()
+        handles = [runtime.submit(list(p), q) for p, q in zip(PROMPTS, greedy(len(PROMPTS)),
+                                                               strict=True)]
+        results = [asyncio.ensure_future(h.result()) for h in handles]
+        # A request left out for good would wait forever: give up on it (a failure, and no
+        # stop that would wait for it) long after the run needs.
+        _, waiting = await asyncio.wait(results, timeout=600)
+        assert not waiting, f"{len(waiting)} requests never finished"
+        assert runtime._pipeline is not None
+        assert not runtime._pipeline.ending
+        await runtime.stop()
+        return [r.result().token_ids for r in results]
+
+    assert asyncio.run(run()) == target_only

@@ -170,6 +170,7 @@ class Pipeline:
         self.active: list[Request] = []
         self.free_slots: list[int] = list(range(ctx.states.scratch))[::-1]
         self.releasing: list[Request] = []
+        self.ending: list[Request] = []  # left out of rounds until their last round retires
         # Device work not yet retired, in stream order: (kind, completion, payload, round).
         # A prefill carries the number of the first round that can include its requests, so
         # it is retired together with that round and never adds a host wait of its own.
@@ -525,6 +526,8 @@ class Pipeline:
             return
         assert host is not None
         feedback = self._feedback(record, host)
+        if self.ending:
+            self._check_ending()
         self.depth_policy.observe(feedback)
         self.budget_policy.observe(feedback)
         self.counters.rounds_retired += 1
@@ -644,7 +647,23 @@ class Pipeline:
         (its row there would commit nothing), and it no longer takes room in the batch."""
         if request.running and not request.ending and request.last_round > number:
             request.ending = True
+            self.ending.append(request)
             self._composition += 1
+
+    def _check_ending(self) -> None:
+        """A request whose last round retired without ending it (the host's budget and the
+        device's disagreed) takes part in rounds again: a missed end costs rounds, never a
+        request left waiting for one."""
+        keep = []
+        for request in self.ending:
+            if not request.running:
+                continue
+            if request.last_round <= self.retired_through:
+                request.ending = False
+                self._composition += 1
+            else:
+                keep.append(request)
+        self.ending = keep
 
     # --- request ends and slots --------------------------------------------------------------
     def _finish(self, request: Request, reason: str) -> None:
