@@ -5,6 +5,7 @@ import ast
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -229,6 +230,25 @@ def test_rounds_without_drafts_match_the_reference(seed: int) -> None:
     check_against_reference(random_case(seed, without_drafts=True))
 
 
+def check_width_0_kernels(args: tuple[Any, ...], sampled: torch.Tensor,
+                          commits: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+    """pack_rows and commit_rows on ``args`` (a round without drafts) return exactly the
+    general kernels' tensors, for each ``(budget, stop_token_ids)`` of ``commits``."""
+    drafts, valid = args[2], args[5]
+    fast, general = pack_rows(*args), packing._pack_general(*args)
+    for name in PackedRows.__dataclass_fields__:
+        if name != "rows":
+            assert same(getattr(fast, name), getattr(general, name)), name
+    for name in VerifyRows.__dataclass_fields__:
+        assert same(torch.as_tensor(getattr(fast.rows, name)),
+                    torch.as_tensor(getattr(general.rows, name))), name
+    for budget, stops in commits:
+        quick = commit_rows(fast, sampled, drafts, stops, budget, valid)
+        slow = commit._commit_general(general, sampled, drafts, stops, budget, valid)
+        for name in CommitResult.__dataclass_fields__:
+            assert same(getattr(quick, name), getattr(slow, name)), name
+
+
 @pytest.mark.parametrize("seed", range(60))
 def test_the_width_0_kernels_give_exactly_what_the_general_ones_give(seed: int) -> None:
     # pack_rows and commit_rows take a shorter path when a round has no drafts (the
@@ -236,44 +256,20 @@ def test_the_width_0_kernels_give_exactly_what_the_general_ones_give(seed: int) 
     case = random_case(seed, without_drafts=True)
     args = (case.caps * 0, case.anchors, case.drafts, case.slots, case.starts, case.req_valid,
             case.num_rows)
-    fast, general = pack_rows(*args), packing._pack_general(*args)
-    for name in PackedRows.__dataclass_fields__:
-        if name != "rows":
-            assert same(getattr(fast, name), getattr(general, name)), name
-    for name in VerifyRows.__dataclass_fields__:
-        assert same(torch.as_tensor(getattr(fast.rows, name)),
-                    torch.as_tensor(getattr(general.rows, name))), name
     sampled = torch.randint(0, 3, (case.num_rows,), generator=torch.Generator().manual_seed(seed))
     budget = torch.where(case.req_valid, case.remaining, torch.tensor([0, 1])[seed % 2])
-    for stops in (case.stops, None):
-        quick = commit_rows(fast, sampled, case.drafts, stops, budget, case.req_valid)
-        slow = commit._commit_general(general, sampled, case.drafts, stops, budget,
-                                      case.req_valid)
-        for name in CommitResult.__dataclass_fields__:
-            assert same(getattr(quick, name), getattr(slow, name)), name
+    check_width_0_kernels(args, sampled, [(budget, case.stops), (budget, None)])
 
 
 @pytest.mark.parametrize(("live", "num_rows"), [(True, 1), (False, 1), (True, 3), (False, 2)])
 def test_a_batch_of_one_entry_packs_and_commits_as_the_general_kernels_do(
         live: bool, num_rows: int) -> None:
     # One entry without drafts takes the shortest path (batch 1 without speculation).
-    valid = torch.tensor([live])
-    drafts = torch.zeros(1, 0, dtype=torch.int64)
-    args = (torch.zeros(1, dtype=torch.int64), torch.tensor([7]), drafts, torch.tensor([3]),
-            torch.tensor([11]), valid, num_rows)
-    fast, general = pack_rows(*args), packing._pack_general(*args)
-    for name in PackedRows.__dataclass_fields__:
-        if name != "rows":
-            assert same(getattr(fast, name), getattr(general, name)), name
-    for name in VerifyRows.__dataclass_fields__:
-        assert same(torch.as_tensor(getattr(fast.rows, name)),
-                    torch.as_tensor(getattr(general.rows, name))), name
-    sampled = torch.arange(num_rows) + 5
-    for budget, stops in ((torch.tensor([1]), None), (torch.tensor([4]), torch.tensor([[5]]))):
-        quick = commit_rows(fast, sampled, drafts, stops, budget, valid)
-        slow = commit._commit_general(general, sampled, drafts, stops, budget, valid)
-        for name in CommitResult.__dataclass_fields__:
-            assert same(getattr(quick, name), getattr(slow, name)), name
+    args = (torch.zeros(1, dtype=torch.int64), torch.tensor([7]),
+            torch.zeros(1, 0, dtype=torch.int64), torch.tensor([3]), torch.tensor([11]),
+            torch.tensor([live]), num_rows)
+    check_width_0_kernels(args, torch.arange(num_rows) + 5,
+                          [(torch.tensor([1]), None), (torch.tensor([4]), torch.tensor([[5]]))])
 
 
 @pytest.mark.parametrize("seed", range(60))
