@@ -139,8 +139,9 @@ def _pack_anchors(verify_lengths: Tensor, anchor_token_ids: Tensor, req_slots: T
                   anchor_positions: Tensor, req_valid: Tensor, num_rows: int) -> PackedRows:
     """``pack_rows`` of a round without drafts (width 0): each live entry's anchor row in
     entry order, then padding. The layout is the general one, built from the entries
-    directly (a grid of one column is the entries themselves), in fewer kernels; every
-    verify length is 0, there being nothing to verify."""
+    directly (a grid of one column is the entries themselves), in fewer kernels. Without
+    drafts every verify length is 0 (``allocate_prefixes`` of no columns), so the lengths
+    are returned as given, their own fresh tensor."""
     num_reqs = anchor_token_ids.shape[0]
     device = anchor_token_ids.device
     entry_rows = req_valid.to(torch.int64)
@@ -159,7 +160,7 @@ def _pack_anchors(verify_lengths: Tensor, anchor_token_ids: Tensor, req_slots: T
                       row_offsets=torch.zeros_like(entries), row_valid=row_valid,
                       req_slots=req_slots, req_starts=anchor_positions,
                       rows_per_req=grid_width(0, num_rows))
-    return PackedRows(rows=rows, verify_lengths=torch.zeros_like(entry_rows),
+    return PackedRows(rows=rows, verify_lengths=verify_lengths,
                       num_entry_rows=entry_rows, cu_num_rows=torch.cat((firsts, ends[-1:])),
                       grid_rows=firsts.clamp(max=num_rows - 1)[:, None],
                       grid_valid=req_valid[:, None],
@@ -182,7 +183,7 @@ def _pack_anchor(verify_lengths: Tensor, anchor_token_ids: Tensor, req_slots: Te
                       row_offsets=torch.zeros_like(entries), row_valid=row_valid,
                       req_slots=req_slots, req_starts=anchor_positions,
                       rows_per_req=grid_width(0, num_rows))
-    return PackedRows(rows=rows, verify_lengths=torch.zeros_like(entry_rows),
+    return PackedRows(rows=rows, verify_lengths=verify_lengths,
                       num_entry_rows=entry_rows, cu_num_rows=torch.cat((entries[:1], entry_rows)),
                       grid_rows=torch.zeros((1, 1), dtype=torch.int64, device=device),
                       grid_valid=req_valid[:, None],
