@@ -341,6 +341,31 @@ def test_no_hook_runs_for_the_initial_state_of_a_new_round() -> None:
 
 # --- the diagram ----------------------------------------------------------------------------
 
+def test_fire_each_moves_as_firing_one_by_one_with_or_without_hooks() -> None:
+    rng = random.Random(7)
+    walks = [tuple(rng.choice(ALPHABET) for _ in range(rng.randint(1, 9)))
+             for _ in range(500)]
+    walks += full_paths()
+    calls: list[Call] = []
+    hooks = RoundHooks()
+    hooks.on_transition(recorder(calls, "every"))
+    for walk in walks:
+        trace = table_trace(walk)
+        refused = next((i for i, (accepted, _) in enumerate(trace) if not accepted), len(walk))
+        end = trace[refused - 1][1] if refused else ROUND_GRAPH.initial
+        for round_hooks in (RoundHooks(), hooks):
+            calls.clear()
+            round_states = RoundStates(1, round_hooks)
+            if refused == len(walk):
+                assert round_states.fire_each(walk).label == end
+            else:
+                with pytest.raises(InvalidTransition) as info:
+                    round_states.fire_each(walk)
+                assert info.value.trigger == walk[refused]
+            assert round_states.state.label == end
+            assert len(calls) == (refused if round_hooks is hooks else 0)
+
+
 def test_mermaid_shows_every_declared_transition() -> None:
     lines = mermaid().splitlines()
     assert lines[0] == "stateDiagram-v2"

@@ -58,10 +58,12 @@ from adaspec.runtime.rounds import (
     prefill,
     stop_tensor,
 )
-from adaspec.runtime.states import RoundHooks, RoundStates
+from adaspec.runtime.states import InvalidTransition, RoundHooks, RoundStates
 
 FINISH_REASONS = {FINISHED_STOP: "stop", FINISHED_LENGTH: "length"}
 TRIGGER_OF = {stage: f"{stage}_done" for stage in STAGES}
+STAGE_TRIGGERS = tuple(TRIGGER_OF[stage] for stage in STAGES)
+STAGE_OF = {trigger: stage for stage, trigger in TRIGGER_OF.items()}
 CONTEXT_LENGTH = operator.attrgetter("length")
 
 
@@ -370,7 +372,10 @@ class Pipeline:
         self.counters.in_flight.add(number)
         self.counters.max_rounds_in_flight = max(self.counters.max_rounds_in_flight,
                                                  len(self.counters.in_flight))
-        await self._enqueue_round(record, record.work)
+        if self.split and not self.pipelined:
+            await self._enqueue_stages(record, record.work)
+        else:
+            self._enqueue_round(record, record.work)
         assert record.retired is not None
         self.pending.append(("round", record.retired, record, number))
 
@@ -410,26 +415,27 @@ class Pipeline:
                                        context=context, num_rows=chosen, bound_rows=bound))
         return bound, verify
 
-    async def _enqueue_round(self, record: RoundRecord, work: RoundWork) -> None:
-        stream = self.stream
+    def _enqueue_round(self, record: RoundRecord, work: RoundWork) -> None:
+        """A unified round, or a split one with the task pipeline: one stream item."""
         if not self.split:
-            record.retired = stream.enqueue(functools.partial(run_unified, work),
-                                            functools.partial(self._unit_done, record))
+            record.retired = self.stream.enqueue(functools.partial(run_unified, work),
+                                                 functools.partial(self._unit_done, record))
             return
-        if self.pipelined:
-            # The stages run back to back as one stream item with one completion: the host
-            # pays for one delivery a round instead of seven, and the states still move
-            # stage by stage, in order, from that completion.
-            record.retired = stream.enqueue(work.run_stages,
-                                            functools.partial(self._stages_done, record))
-            return
+        # The stages run back to back as one stream item with one completion: the host pays
+        # for one delivery a round instead of seven, and the states still move stage by
+        # stage, in order, from that completion.
+        record.retired = self.stream.enqueue(work.run_stages,
+                                             functools.partial(self._stages_done, record))
+
+    async def _enqueue_stages(self, record: RoundRecord, work: RoundWork) -> None:
+        """Without the task pipeline (a synchronous baseline): each stage its own stream item,
+        waited for before the next is enqueued."""
         for stage in STAGES:
-            completion = stream.enqueue(work.stage(stage),
-                                        functools.partial(self._stage_done, record, stage))
+            completion = self.stream.enqueue(work.stage(stage),
+                                             functools.partial(self._stage_done, record, stage))
             if stage == "retire":
                 record.retired = completion
-            if not self.pipelined:  # a synchronous baseline: wait for each stage
-                await asyncio.wait([completion.future])
+            await asyncio.wait([completion.future])
 
     # --- stage completions (callbacks on the loop) ---------------------------------------
     def _stage_done(self, record: RoundRecord, stage: str, future: "asyncio.Future[Any]"
@@ -453,6 +459,13 @@ class Pipeline:
         """The stages of a split round finished: each moves the round on in order, up to the
         one that failed, which fails the round (see ``_stage_done`` for hooks that raise)."""
         error = None if future.cancelled() else future.exception()
+        if error is None and not self.bus.listening and self.hooks.empty:
+            # Nothing can see the moves in between (no hook, no listener): one walk.
+            try:
+                record.machine.fire_each(STAGE_TRIGGERS)
+            except InvalidTransition as refused:
+                self._round_failed(record, STAGE_OF[refused.trigger], refused)
+            return
         if error is not None and not isinstance(error, StageFailed):
             # The stream's own error (an interrupt, a device fault seen only when the round
             # is synchronised) is named after the stage that ran last.
@@ -595,10 +608,7 @@ class Pipeline:
             if not request.running:
                 continue
             length, accept, count = lengths[index], accepted[index], emitted[index]
-            request.rounds += 1
-            request.verified += length
-            request.accepted += accept
-            request.emit(tokens[index][:count])
+            short = request.take_round(length, accept, tokens[index][:count])
             pairs.append((length, accept))
             delivered += 1
             verified += length
@@ -606,7 +616,7 @@ class Pipeline:
             emitted_total += count
             if finish[index]:
                 self._finish(request, FINISH_REASONS[finish[index]])
-            elif request.length + 1 >= request.end_length:
+            elif short:
                 self._note_ending(request, record.round)
         counters.outcomes.update(pairs)
         counters.request_rounds += delivered
@@ -622,11 +632,7 @@ class Pipeline:
         short = []  # one token short of their end: a round in flight may end them
         for request, length, accept, count, row in zip(batch, lengths, accepted, emitted,
                                                        tokens, strict=True):
-            request.rounds += 1
-            request.verified += length
-            request.accepted += accept
-            request.emit(row[:count])
-            if request.length + 1 >= request.end_length:
+            if request.take_round(length, accept, row[:count]):
                 short.append(request)
         if any(finish):
             for request, end in zip(batch, finish, strict=True):

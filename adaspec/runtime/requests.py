@@ -94,6 +94,18 @@ class Request:
         if self._wakeup is not None:
             self._wake()
 
+    def take_round(self, verified: int, accepted: int, token_ids: list[int]) -> bool:
+        """Count one retired round of this request and emit its tokens; True when the
+        request is then one token short of its end (``ending``)."""
+        self.rounds += 1
+        self.verified += verified
+        self.accepted += accepted
+        self.tokens += token_ids
+        self.length += len(token_ids)
+        if self._wakeup is not None:
+            self._wake()
+        return self.length + 1 >= self.end_length
+
     def finish(self, reason: str) -> None:
         self.running = False
         self.finish_reason = reason

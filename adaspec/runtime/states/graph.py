@@ -333,6 +333,11 @@ class RoundHooks:
         self._registered = [(state, h) for state, h in self._registered if h is not hook]
         self._compile()
 
+    @property
+    def empty(self) -> bool:
+        """Whether no hook is registered: a move then runs nothing but the table lookup."""
+        return not self._registered
+
     def _compile(self) -> None:
         self._by_target = tuple(
             tuple(hook for state, hook in self._registered if state is None or state is target)
@@ -380,6 +385,24 @@ class RoundStates:
             hook(self, source, target, trigger)
         self._state = target
         return target
+
+    def fire_each(self, triggers: tuple[str, ...]) -> RoundState:
+        """``fire`` each trigger in order, for a caller with nothing to do between the moves;
+        stops at the first the round refuses (``InvalidTransition``), the moves before it
+        made."""
+        if not self._hooks.empty:
+            for trigger in triggers:
+                self.fire(trigger)
+            return self._state
+        state = self._state  # no hook runs: only the table is walked
+        for trigger in triggers:
+            target = _TABLE[state].get(trigger)
+            if target is None:
+                self._state = state
+                raise InvalidTransition(self.round_index, state, trigger)
+            state = target
+        self._state = state
+        return state
 
     def __repr__(self) -> str:
         return f"RoundStates(round={self.round_index}, state={self._state.label})"
