@@ -1,5 +1,6 @@
-"""The event bus delivers each event to its handlers synchronously in subscription order, lets a
-handler's exception reach the publisher, and resolves ``next`` futures from ``publish`` itself
+"""The event bus delivers each event to its handlers synchronously in subscription order, drops a
+handler that raises (logged once) without the publisher or the other handlers noticing, and
+resolves ``next`` futures from ``publish`` itself
 (no polling, no sleeping); the virtual clock moves only when told to.
 """
 
@@ -61,18 +62,69 @@ def test_a_handler_subscribed_during_publish_sees_the_next_event_only() -> None:
     assert late == [stage(1, time=1.0)]
 
 
-def test_a_handler_exception_reaches_the_publisher_and_stops_delivery() -> None:
+def test_a_raising_handler_is_dropped_and_logged_once_and_the_others_still_see_events(
+        caplog: pytest.LogCaptureFixture) -> None:
     bus = EventBus()
+    before: list[Event] = []
     after: list[Event] = []
+    calls: list[Event] = []
 
     def broken(event: Event) -> None:
-        raise OSError("disk full")
+        calls.append(event)
+        raise OSError("disk full\nsecond line")
 
+    bus.subscribe(before.append)
     bus.subscribe(broken)
     bus.subscribe(after.append)
-    with pytest.raises(OSError, match="disk full"):
+    with caplog.at_level("ERROR", logger="adaspec.events"):
+        bus.publish(stage(0))  # the publisher sees no error
+        bus.publish(stage(1))
+    assert before == after == [stage(0), stage(1)]
+    assert calls == [stage(0)]  # never called again
+    assert bus.dropped == (broken,)
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == ["event subscriber test_a_raising_handler_is_dropped_and_logged_once_and"
+                        "_the_others_still_see_events.<locals>.broken raised OSError: disk full "
+                        "on a stage_completed event; it is unsubscribed and gets no further "
+                        "events"]
+    bus.unsubscribe(broken)  # already gone: no error
+
+
+def test_a_handler_subscribed_twice_that_raises_is_dropped_and_logged_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    bus = EventBus()
+
+    def broken(event: Event) -> None:
+        raise ValueError("bug")
+
+    bus.subscribe(broken)
+    bus.subscribe(broken)
+    with caplog.at_level("ERROR", logger="adaspec.events"):
         bus.publish(stage(0))
-    assert after == []
+        bus.publish(stage(1))
+    assert len(caplog.records) == 1
+    assert bus.dropped == (broken,)
+
+
+def test_an_interrupt_in_a_handler_still_reaches_the_publisher() -> None:
+    bus = EventBus()
+
+    def interrupted(event: Event) -> None:
+        raise KeyboardInterrupt
+
+    bus.subscribe(interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        bus.publish(stage(0))
+    assert bus.dropped == ()
+
+
+@pytest.mark.asyncio
+async def test_a_raising_handler_does_not_keep_waiters_from_their_event() -> None:
+    bus = EventBus()
+    bus.subscribe(lambda event: 1 / 0)
+    waiter = bus.next(StageCompleted)
+    bus.publish(stage(3))
+    assert (await waiter) == stage(3)
 
 
 @pytest.mark.asyncio

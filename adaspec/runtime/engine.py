@@ -140,6 +140,7 @@ class Runtime:
         self._collectives = collectives or LocalCollectives()
         self._ids = itertools.count()
         self._task: asyncio.Task[None] | None = None
+        self._stopping: asyncio.Task[None] | None = None  # the shutdown, once stop is called
         self._stream: DeviceStream | None = None
         self._pipeline: Pipeline | None = None
         self._closers: list[Any] = []
@@ -193,6 +194,7 @@ class Runtime:
             budget_policy=self._budget_policy(), bus=self.bus, clock=self.clock,
             hooks=self.hooks, seed=self.options.seed)
         self._task = asyncio.get_running_loop().create_task(self._pipeline.run())
+        self._stopping = None
 
     def _device_context(self, models: ReferenceModels, device: torch.device) -> DeviceContext:
         launch = self.launch
@@ -359,12 +361,26 @@ class Runtime:
         return make_budget_policy("full", {})
 
     async def stop(self) -> None:
-        """Finish every submitted request, retire every round, release the stream and files."""
+        """Finish every submitted request, retire every round, release the stream and files.
+
+        The shutdown runs as a task of its own: a caller that cancels ``stop`` (or whose
+        ``wait_for`` times out) stops waiting, not the shutdown, so every request still ends;
+        a second ``stop`` waits for the first one's shutdown to finish."""
+        if self._stopping is None:
+            self._stopping = asyncio.get_running_loop().create_task(self._shut_down())
+        await asyncio.shield(self._stopping)
+
+    async def _shut_down(self) -> None:
         if self._pipeline is not None:
             self._pipeline.stop()
         if self._task is not None:
-            task, self._task = self._task, None
-            await task
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                if not self._task.cancelled():  # this shutdown was cancelled, not the loop
+                    raise
+                # The loop was cancelled under us: it failed its requests; shut down the rest.
+            self._task = None
         if self._stream is not None:
             self._stream.close()
             self._stream = None
@@ -395,8 +411,9 @@ class Runtime:
             raise RuntimeStopped("the runtime is not running: await start() first, and do "
                                  "not submit after stop()")
         if pipeline.fault is not None:
+            fault = pipeline.fault
             raise RuntimeStopped(f"the runtime stopped after an internal error: "
-                                 f"{pipeline.fault}")
+                                 f"{type(fault).__name__}: {fault}")
         return pipeline
 
     def cancel(self, request_id: int) -> None:

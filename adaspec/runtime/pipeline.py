@@ -215,7 +215,12 @@ class Pipeline:
             await self._loop()
         except Exception as error:
             self.fault = error
-            self._fail_everything(error)
+            self._fail_everything(f"runtime fault: {type(error).__name__}: {error}")
+        except BaseException as error:  # cancelled or interrupted: no request is left waiting
+            self.fault = error
+            self._fail_everything(f"runtime stopped: its loop was interrupted "
+                                  f"({type(error).__name__})")
+            raise
         finally:
             await self._drain()
             self.idle.set()  # nobody waits for a loop that has ended
@@ -226,10 +231,9 @@ class Pipeline:
                 await self._retire_next()
             except Exception as error:  # a second fault while draining: still end cleanly
                 self.fault = self.fault or error
-                self._fail_everything(error)
+                self._fail_everything(f"runtime fault: {type(error).__name__}: {error}")
 
-    def _fail_everything(self, error: BaseException) -> None:
-        reason = f"runtime fault: {type(error).__name__}: {error}"
+    def _fail_everything(self, reason: str) -> None:
         for request in [*self.active, *self.waiting]:
             if request.running:
                 self._fail_request(request, reason)

@@ -9,12 +9,15 @@ depends on scheduling. Waiting code uses ``next``, a loop future resolved by ``p
 """
 
 import asyncio
+import logging
 from collections.abc import Callable
 from typing import Any, TypeVar, overload
 
 from adaspec.runtime.events.types import Event
 
 E = TypeVar("E", bound=Event)
+
+LOG = logging.getLogger("adaspec.events")
 
 Handler = Callable[[Event], object]
 """A subscriber: called with each published event; its return value is ignored."""
@@ -28,21 +31,23 @@ _Waiter = tuple[Callable[[Event], bool], "asyncio.Future[Event]"]
 class EventBus:
     """Synchronous, ordered fan-out of events to subscribers, plus awaitable waits.
 
-    A handler that raises stops delivery of that event: the exception propagates out of
-    ``publish`` to the publisher (the runtime fails the round through its one failure path),
-    later handlers do not see the event and no waiter is resolved by it. A handler may publish
-    in turn; that nested event is delivered in full before the outer one reaches later
-    handlers. ``publish`` and ``next`` belong to the loop's thread (loop futures are not
-    thread-safe).
+    A handler whose call raises an ``Exception`` is a broken observer, not a broken round: it
+    is unsubscribed (every subscription of it) and its failure logged once, as an error on the
+    ``adaspec.events`` logger naming the handler and the event; the other handlers and the
+    waiters still get the event, and the publisher never sees the error. A ``BaseException``
+    (an interrupt, a cancellation) still propagates to the publisher. A handler may publish in
+    turn; that nested event is delivered in full before the outer one reaches later handlers.
+    ``publish`` and ``next`` belong to the loop's thread (loop futures are not thread-safe).
     """
 
-    __slots__ = ("_handlers", "_waiters")
+    __slots__ = ("_dropped", "_handlers", "_waiters")
 
     def __init__(self) -> None:
         # A tuple replaced on change: publish iterates a snapshot, so (un)subscribing from a
         # handler affects the next event only.
         self._handlers: tuple[Handler, ...] = ()
         self._waiters: list[_Waiter] = []
+        self._dropped: list[Handler] = []  # unsubscribed after raising: see the class doc
 
     @property
     def listening(self) -> bool:
@@ -55,18 +60,39 @@ class EventBus:
         self._handlers = (*self._handlers, handler)
 
     def unsubscribe(self, handler: Handler) -> None:
-        """Stop delivering to ``handler`` (its first subscription, if subscribed twice)."""
+        """Stop delivering to ``handler`` (its first subscription, if subscribed twice); a
+        handler the bus dropped after it raised is already unsubscribed."""
         handlers = list(self._handlers)
+        if handler not in handlers and handler in self._dropped:
+            return
         handlers.remove(handler)
         self._handlers = tuple(handlers)
+
+    @property
+    def dropped(self) -> tuple[Handler, ...]:
+        """The handlers unsubscribed because they raised, in the order they did."""
+        return tuple(self._dropped)
 
     def publish(self, event: Event) -> None:
         """Hand ``event`` to every handler in subscription order, then resolve the waiters
         it matches (in the order they called ``next``)."""
         for handler in self._handlers:
-            handler(event)
+            try:
+                handler(event)
+            except Exception as error:  # the observer's bug, not the round's
+                self._drop(handler, event, error)
         if self._waiters:
             self._resolve(event)
+
+    def _drop(self, handler: Handler, event: Event, error: Exception) -> None:
+        if handler in self._dropped:  # subscribed twice: already dropped and logged
+            return
+        self._handlers = tuple(h for h in self._handlers if h != handler)
+        self._dropped.append(handler)
+        name = getattr(handler, "__qualname__", None) or repr(handler)
+        message = str(error).splitlines()[0] if str(error) else ""
+        LOG.error("event subscriber %s raised %s: %s on a %s event; it is unsubscribed and "
+                  "gets no further events", name, type(error).__name__, message, event.kind)
 
     @overload
     def next(self, match: type[E]) -> "asyncio.Future[E]": ...

@@ -1,0 +1,127 @@
+"""Every request ends whatever happens to the caller of ``stop`` or to the round loop, and a
+broken event subscriber neither fails requests nor stops serving."""
+
+import asyncio
+import logging
+from typing import Any
+
+import pytest
+from runtime_helpers import config, decode, lossless_prompts
+
+from adaspec.config import SamplingParams
+from adaspec.models import ReferenceModels, load_reference_models
+from adaspec.runtime.engine import Runtime
+from adaspec.runtime.events.types import Event, RequestFinished, RoundRetired
+from adaspec.runtime.requests import RequestFailed, RequestResult
+
+PROMPTS = lossless_prompts()[:6]
+TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def models() -> ReferenceModels:
+    return load_reference_models()
+
+
+def greedy(count: int) -> list[SamplingParams]:
+    return [SamplingParams(temperature=0.0, max_tokens=TOKENS) for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def target_only(models: ReferenceModels) -> list[tuple[int, ...]]:
+    return [r.token_ids for r in decode(config("none", 0, 4), PROMPTS, greedy(len(PROMPTS)),
+                                        models)]
+
+
+HANG = 120.0
+"""Seconds after which a request still waiting fails the test instead of hanging the suite
+(the tests themselves never wait that long: every request here ends within seconds)."""
+
+
+async def outcomes(handles: list[Any]) -> list[RequestResult | BaseException]:
+    every = asyncio.gather(*(h.result() for h in handles), return_exceptions=True)
+    return list(await asyncio.wait_for(every, HANG))
+
+
+def test_a_cancelled_stop_still_ends_every_request_and_a_second_stop_waits_for_it(
+        models: ReferenceModels, target_only: list[tuple[int, ...]]) -> None:
+    runtime = Runtime(config("DSpark", 3, 2), models=models)
+
+    async def run() -> tuple[list[Any], bool, bool]:
+        await runtime.start()
+        handles = [runtime.submit(list(p), q) for p, q in zip(PROMPTS, greedy(6), strict=True)]
+        first = asyncio.ensure_future(runtime.stop())
+        for _ in range(3):  # let the first stop begin its shutdown
+            await asyncio.sleep(0)
+        first.cancel()  # what wait_for does to it on a timeout (0.05 s in the report)
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        still_running = not all(h.done for h in handles)
+        await runtime.stop()  # waits for the shutdown the first one began
+        ended = all(h.done for h in handles)
+        return await outcomes(handles), still_running, ended
+
+    results, still_running, ended = asyncio.run(run())
+    assert still_running  # the cancel came while requests were decoding
+    assert ended
+    assert [r.token_ids for r in results if isinstance(r, RequestResult)] == target_only
+
+
+def test_a_cancelled_round_loop_fails_every_request_in_one_line(
+        models: ReferenceModels) -> None:
+    runtime = Runtime(config("DSpark", 3, 2), models=models)
+
+    async def run() -> list[Any]:
+        await runtime.start()
+        handles = [runtime.submit(list(p), q) for p, q in zip(PROMPTS, greedy(6), strict=True)]
+        await handles[0].__aiter__().__anext__()  # decoding has begun
+        assert runtime._task is not None
+        runtime._task.cancel()  # as when the event loop shuts down under a running runtime
+        results = await outcomes(handles)
+        await runtime.stop()  # releases the stream and files all the same
+        assert runtime._stream is None
+        return results
+
+    results = asyncio.run(run())
+    failed = [r for r in results if isinstance(r, RequestFailed)]
+    assert failed  # the requests that were still decoding or waiting
+    assert all(isinstance(r, RequestFailed | RequestResult) for r in results)
+    for error in failed:
+        assert str(error).endswith("runtime stopped: its loop was interrupted "
+                                   "(CancelledError)")
+        assert "\n" not in str(error)
+
+
+def test_a_raising_subscriber_is_dropped_and_every_request_decodes_exactly(
+        models: ReferenceModels, target_only: list[tuple[int, ...]],
+        caplog: pytest.LogCaptureFixture) -> None:
+    runtime = Runtime(config("DSpark", 3, 2), models=models)
+
+    def on_finished(event: Event) -> None:
+        if isinstance(event, RequestFinished):
+            raise RuntimeError("observer bug on finish")
+
+    def on_retired(event: Event) -> None:
+        if isinstance(event, RoundRetired):
+            raise KeyError("observer bug on retire")
+
+    async def run() -> tuple[list[Any], list[Any], int]:
+        await runtime.start()
+        runtime.subscribe(on_finished)
+        runtime.subscribe(on_retired)
+        first = [await runtime.submit(list(p), q).result()
+                 for p, q in zip(PROMPTS[:3], greedy(3), strict=True)]
+        later = await outcomes([runtime.submit(list(p), q)
+                                for p, q in zip(PROMPTS[3:], greedy(3), strict=True)])
+        await runtime.stop()
+        assert runtime._pipeline is not None
+        return first, later, len(runtime._pipeline.free_slots)
+
+    with caplog.at_level(logging.ERROR, logger="adaspec.events"):
+        first, later, free = asyncio.run(run())
+    assert [r.token_ids for r in [*first, *later]] == target_only
+    assert free == 4  # every KV slot is back
+    assert set(runtime.bus.dropped) == {on_finished, on_retired}
+    names = sorted(r.getMessage().split(" raised ")[0].rsplit(".", 1)[1]
+                   for r in caplog.records)
+    assert names == ["on_finished", "on_retired"]  # each logged once
