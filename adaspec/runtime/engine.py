@@ -52,7 +52,7 @@ from adaspec.runtime.requests import Request, RequestHandle, check_prompt
 from adaspec.runtime.rounds import DeviceContext, StageHook
 from adaspec.runtime.slots import MAX_STOP_TOKENS, SlotSampling, SlotStates
 from adaspec.runtime.states import RoundHooks
-from adaspec.runtime.trace import StateTrace
+from adaspec.runtime.trace import StateTrace, trace_destination
 
 MAX_SEED = 1 << 40
 """Seeds stay small enough that every derived generator seed fits torch's 64 bits."""
@@ -328,7 +328,7 @@ class Runtime:
             writer = EventLogWriter(self.options.event_log, self._log_header())
             self.bus.subscribe(writer.write)
             self._closers.append(writer)
-        trace_path = self.options.trace or os.environ.get(TRACE_ENV)
+        trace_path = self.options.trace or trace_destination(os.environ.get(TRACE_ENV))
         if trace_path:
             trace = StateTrace.to_file(trace_path, self.clock)
             self.hooks.on_transition(trace.hook)

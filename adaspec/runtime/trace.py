@@ -7,6 +7,7 @@ is registered and a transition costs nothing extra.
 """
 
 import json
+import sys
 from collections.abc import Callable, Iterator, MutableMapping
 from contextlib import contextmanager
 from typing import Any, TextIO
@@ -25,6 +26,21 @@ from adaspec.runtime.states import RoundState, RoundStates
 
 EventDict = MutableMapping[str, Any]
 
+STDERR = "-"
+"""The trace path that means standard error."""
+
+_SWITCHES = {"1": STDERR, "true": STDERR, "yes": STDERR, "on": STDERR,
+             "0": None, "false": None, "no": None, "off": None, "": None}
+
+
+def trace_destination(value: str | None) -> str | None:
+    """Where the ``ADASPEC_TRACE`` environment variable sends the trace: None (off) for
+    unset, empty, 0, false, no or off; standard error (``-``) for 1, true, yes or on, which
+    read as switches rather than file names; any other value is a file path."""
+    if value is None:
+        return None
+    return _SWITCHES.get(value.strip().lower(), value)
+
 
 class StateTrace:
     """Receives round transitions (a ``RoundHooks`` hook) and the decision events (a bus
@@ -39,7 +55,11 @@ class StateTrace:
 
     @classmethod
     def to_file(cls, path: str, clock: Clock) -> "StateTrace":
-        """JSON lines into a new file (an existing one is never overwritten)."""
+        """JSON lines into a new file (an existing one is never overwritten), or onto
+        standard error for the path ``-``."""
+        if path == STDERR:
+            return cls([structlog.processors.JSONRenderer()], structlog.PrintLogger(sys.stderr),
+                       clock)
         try:
             file = open(path, "x", encoding="utf-8")  # noqa: SIM115 - closed by close()
         except OSError as error:
