@@ -51,6 +51,29 @@ def test_a_launch_calibrate_cannot_use_is_one_line_on_stderr(
     assert message in captured.err
 
 
+@pytest.mark.parametrize(("name", "message"), [
+    ("folder/", "expected a plain file path: printable, naming a file rather than a folder"),
+    ("costs\n.json", "expected a plain file path"),
+    ("/proc/self/costs.json", "expected a file in a writable directory; this process cannot "
+                              "create files in /proc/self"),
+])
+def test_an_output_calibrate_could_not_write_is_refused_before_calibrating(
+        name: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    calibration = tmp_path / "tiny.json"
+    calibration.write_text(json.dumps(TINY_CALIBRATION))
+    output = name if name.startswith("/") else f"{tmp_path}/{name}"  # keeps a trailing /
+    assert cli.run(["calibrate", *LAUNCH, f"--adaptive_target_verify_calibration={calibration}",
+                    f"--adaptive_target_verify_cost_table_output={output}"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    # One line and no calibration window on stderr: nothing was measured first.
+    assert captured.err.count("\n") == 1
+    assert captured.err.startswith("adaspec calibrate: error: "
+                                   "--adaptive_target_verify_cost_table_output=")
+    assert message in captured.err
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["tiny.json"]
+
+
 class Terminal:
     def __init__(self) -> None:
         self.text = ""

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from adaspec import cli
 from adaspec.config.calibration import ContextInterval
 from adaspec.errors import ConfigError, IncompatibleCostTable
 from adaspec.policies.bundles import (
@@ -15,10 +16,13 @@ from adaspec.policies.bundles import (
     Compatibility,
     CostBundle,
     CostProfile,
+    bundle_from_dict,
     fitted_bundle,
     load_bundle,
 )
-from adaspec.policies.costs import CostSample, fit_additive, fit_sps
+from adaspec.policies.costs import CostSample, fit, fit_additive, fit_sps
+from adaspec.policies.workloads import shaped_table, synthetic
+from adaspec.runtime.events.replay import recorded_costs
 
 LAUNCH = Compatibility(
     algorithm="DSpark", draft_width=5, dp_size=1, tp_size=1, unified=False, device="cpu",
@@ -28,11 +32,17 @@ SAMPLES = tuple(CostSample(b, g, 0.004 + 0.001 * b + 0.0001 * g + 0.0001 * k)
                 for b, rows in ((1, (1, 2, 4, 6)), (2, (2, 4, 6, 8, 12)))
                 for g in rows for k in range(3))
 CONTEXT = ContextInterval(prefill_tokens=772, min_kv_length=1, max_kv_length=1024)
+SETTINGS = {"model": "additive", "draft_width": 5, "request_buckets": [1, 2],
+            "target_graph_rows": "all legal prepared tiers", "contexts": [CONTEXT.as_dict()],
+            "warmup_steps": 8, "window_steps": 32, "windows_per_point": 3, "token_seed": 1,
+            "points": [[b, g] for b, rows in zip(LAUNCH.request_buckets, LAUNCH.target_rows,
+                                                 strict=True) for g in rows]}
+"""The settings as calibration records them (CalibrationPlan.settings_dict)."""
 
 
 def bundle(compatibility: Compatibility = LAUNCH) -> CostBundle:
     profile = CostProfile(CONTEXT, fit_additive(SAMPLES), SAMPLES)
-    return fitted_bundle(compatibility, {"model": "additive", "warmup_steps": 8}, [profile],
+    return fitted_bundle(compatibility, SETTINGS, [profile],
                          "calibrated at startup from built-in defaults")
 
 
@@ -139,6 +149,42 @@ def test_coverage_gaps_have_no_price() -> None:
     (lambda d: d.update(extra=1), "extra=1: is not a key here"),
     (lambda d: d["profiles"][0]["table"].update(kind="log-additive"),
      r"profiles\[0\]\.table\.kind=log-additive: expected sps or additive for a table over G"),
+    # Prices at infinity (or absurdly high) would make adaptive verify pick the smallest tier,
+    # verifying no draft; every price must lie in 1e-06..3600 s.
+    (lambda d: d["profiles"][0]["table"].update(bias=1e308),
+     r"profiles\[0\]\.table\.bias=1e\+308: expected every price in 1e-06\.\.3600 s; "
+     r"Bcap=1 G=1 costs 1e\+308 s"),
+    (lambda d: d["profiles"][0]["table"].update(bias=1e6),
+     r"profiles\[0\]\.table\.bias=1000000\.0: expected every price in 1e-06\.\.3600 s"),
+    (lambda d: d["profiles"][0]["table"]["theta"].__setitem__(5, 1e308),
+     r"profiles\[0\]\.table\.theta\[5\]=1e\+308: expected every price .* Bcap=2 G=12 "
+     r"costs 1e\+308 s"),
+    (lambda d: d["profiles"][0]["table"].update(alpha=[0.0, 1e308], theta=[0.0] * 5 + [1e308]),
+     r"profiles\[0\]\.table\.alpha\[1\]=1e\+308: expected every price .* Bcap=2 G=12 "
+     r"costs inf s"),
+    (lambda d: d["profiles"][0]["samples"].append([1, 2, 1e308]),
+     r"profiles\[0\]\.samples\[27\]=\[1, 2, 1e\+308\]: expected \[Bcap, G, seconds\] with "
+     r"seconds in 1e-06\.\.3600"),
+    # Settings that contradict the compatibility (or the profiles) they were saved with.
+    (lambda d: d["settings"].update(draft_width=7),
+     r"settings\.draft_width=7: expected 5, the draft_width of the compatibility"),
+    (lambda d: d["settings"].update(request_buckets=[1, 4]),
+     r"settings\.request_buckets=\[1, 4\]: expected a list of values from "
+     r"compatibility\.request_buckets \[1, 2\]"),
+    (lambda d: d["settings"].update(target_graph_rows=[3]),
+     r"settings\.target_graph_rows=\[3\]: expected a list of values from "
+     r"compatibility\.target_rows"),
+    (lambda d: d["settings"]["points"].append([2, 1]),
+     r"settings\.points\[9\]=\[2, 1\]: expected \[Bcap, G or depth\] with Bcap in "
+     r"compatibility\.request_buckets and G one of its compatibility\.target_rows"),
+    (lambda d: d["settings"].update(model="sps"),
+     r"settings\.model=sps: expected additive, the model of profiles\[0\]\.table"),
+    (lambda d: d["profiles"][0]["context"].update(max_kv_length=1 << 24),
+     r"settings\.contexts=.*expected to list the interval of profiles\[0\] \(prefill 772, "
+     r"KV 1\.\.16777216\)"),
+    (lambda d: d["profiles"].append(d["profiles"][0]),
+     r"profiles\[1\]\.context=.*expected KV intervals that do not overlap; it overlaps "
+     r"1\.\.1024"),
 ])
 def test_a_damaged_bundle_is_refused_naming_the_key(tmp_path: Path, change: object,
                                                      message: str) -> None:
@@ -148,3 +194,71 @@ def test_a_damaged_bundle_is_refused_naming_the_key(tmp_path: Path, change: obje
     with pytest.raises(ConfigError, match=message) as info:
         load_bundle(path, data)
     assert str(info.value).startswith(f"--adaptive_target_verify_cost_table={path}: ")
+
+
+def test_complete_settings_of_a_depth_profile_load() -> None:
+    depth_samples = tuple(CostSample(b, d, 0.004 * b * (1 + 0.1 * d)) for b in (1, 2)
+                          for d in range(1, 6))
+    profile = CostProfile(CONTEXT, fit("additive", depth_samples, over="depth"), depth_samples,
+                          over="depth")
+    points = [[b, d] for b in (1, 2) for d in range(1, 6)]
+    depth = fitted_bundle(LAUNCH, {**SETTINGS, "points": points}, [profile], "calibrated")
+    assert bundle_from_dict(json.loads(depth.to_json()), "saved") == depth
+    points[-1] = [2, 6]  # deeper than the width
+    with pytest.raises(ConfigError, match=r"settings\.points\[9\]=\[2, 6\]: expected"):
+        bundle_from_dict({**json.loads(depth.to_json()),
+                          "settings": {**SETTINGS, "points": points}}, "saved")
+
+
+def test_a_profile_beyond_the_model_context_limit_is_refused() -> None:
+    costs = bundle()
+    costs.check_compatible(LAUNCH, "costs.json", context_limit=1024)
+    with pytest.raises(ConfigError) as info:
+        costs.check_compatible(LAUNCH, "costs.json", context_limit=512)
+    assert str(info.value) == ("--adaptive_target_verify_cost_table=costs.json: profiles[0]."
+                               "context.max_kv_length=1024: expected at most the model's "
+                               "context limit 512")
+
+
+ABSURD = r"bias=1e\+300: expected every price in 1e-06\.\.3600 s; Bcap=8 G=8 costs 1e\+300 s"
+
+
+def test_every_reader_of_bundles_refuses_absurd_prices(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    table = tmp_path / "costs.json"
+    absurd = shaped_table((0.0, 0.0, 0.006, 0.006), bias=1e300)
+    absurd.save(str(table))
+    data = json.loads(table.read_text())
+    with pytest.raises(ConfigError, match=rf"^--adaptive_target_verify_cost_table=.*{ABSURD}"):
+        load_bundle(str(table), data)  # a launch, adaspec simulate
+    with pytest.raises(ConfigError, match=rf"^cost_table\.profiles\[0\]\.table\.{ABSURD}"):
+        recorded_costs({"cost_table": data})  # adaspec replay, from an event log's header
+    with pytest.raises(ConfigError, match=rf"^profiles\[0\]\.table\.{ABSURD}"):
+        bundle_from_dict(data, "rank 0's table")  # what every rank installs
+    legacy, legacy_data = saved(tmp_path, data["profiles"][0]["table"], "legacy.json")
+    with pytest.raises(ConfigError, match=rf"^--adaptive_target_verify_cost_table=.*: {ABSURD}"):
+        load_bundle(legacy, legacy_data)
+    workload = tmp_path / "w.jsonl"
+    workload.write_text("\n".join(synthetic("high", rounds=10).as_lines()))
+    assert cli.run(["simulate", "--workload", str(workload), "--cost_table", str(table),
+                    "--policy", "adaptive-verify"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count("\n") == 1
+    assert "bias=1e+300: expected every price in 1e-06..3600 s" in captured.err
+
+
+def test_a_launch_refuses_a_saved_table_priced_at_infinity_in_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = json.loads(bundle().to_json())
+    data["profiles"][0]["table"]["bias"] = 1e308
+    path, _ = saved(tmp_path, data)
+    assert cli.run(["generate", "--speculative_algorithm=DSpark", "--num_speculative_tokens=5",
+                    "--max_seqs_per_batch=2", "--enable_adaptive_target_verify=true",
+                    f"--adaptive_target_verify_cost_table={path}", "--prompt", "ROMEO.",
+                    "--max_tokens=4", "--temperature=0"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (f"adaspec generate: error: --adaptive_target_verify_cost_table="
+                            f"{path}: profiles[0].table.bias=1e+308: expected every price in "
+                            "1e-06..3600 s; Bcap=1 G=1 costs 1e+308 s\n")

@@ -128,6 +128,37 @@ def test_a_log_table_reloads_exactly_and_never_prices_a_depth_below_a_shallower_
         table.cost_ms(1, 6)
 
 
+LOG_TABLE = {"kind": "log-additive", "bias": -5.0, "buckets": [1, 2], "alpha": [0.0, 0.5],
+             "rows": [1, 2, 3], "theta": [0.0, 0.2, 0.4], "residual_rms": 0.0,
+             "residual_max_relative": 0.0}
+
+
+@pytest.mark.parametrize(("table", "message"), [
+    # 1000 / 5e-324 ms is infinite: every rate would be 0 and the smallest tier would win.
+    ({"kind": "sps", "rows": [1, 2], "steps_per_second": [10.0, 5e-324]},
+     r"^steps_per_second\[1\]=5e-324: expected every price in 1e-06\.\.3600 s; G=2 costs "
+     r"inf s$"),
+    # A picosecond per step: tokens per millisecond overflow the other way.
+    ({"kind": "sps", "rows": [1, 2], "steps_per_second": [1e12, 10.0]},
+     r"^steps_per_second\[0\]=1000000000000\.0: expected every price .* G=1 costs 1e-12 s$"),
+    # exp(1000) overflows a float: the depth policy would crash on its first price.
+    ({**LOG_TABLE, "theta": [0.0, 0.2, 1000.0]},
+     r"^theta\[2\]=1000\.0: expected every price .* Bcap=2 d=3 costs inf s$"),
+    ({**LOG_TABLE, "bias": -40.0},
+     r"^bias=-40\.0: expected every price in 1e-06\.\.3600 s; Bcap=1 d=1 costs 4\.2"),
+])
+def test_a_table_pricing_a_shape_out_of_range_is_refused_naming_a_key(
+        table: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        table_from_dict(table)
+
+
+def test_prices_in_range_load() -> None:
+    assert table_from_dict(LOG_TABLE).cost_ms(2, 3) == pytest.approx(1000 * np.exp(-4.1))
+    sps = {"kind": "sps", "rows": [1, 2], "steps_per_second": [1e6, 1 / 3600]}
+    assert table_from_dict(sps).cost_ms(1, 2) == pytest.approx(3.6e6)
+
+
 def test_sps_fit_recovers_steps_per_second_per_g() -> None:
     """Within 3 % of the true cost, or, where the passes do not agree on a small step
     (0.16 ms from G=12 to 16, under twice a window's noise), at the level of the G below."""

@@ -32,7 +32,14 @@ from adaspec.config.calibration import (
     require_int,
 )
 from adaspec.errors import ConfigError, IncompatibleCostTable
-from adaspec.policies.costs import CostSample, CostTable, UnpricedShape, table_from_dict
+from adaspec.policies.costs import (
+    MAX_PRICE_SECONDS,
+    MIN_PRICE_SECONDS,
+    CostSample,
+    CostTable,
+    UnpricedShape,
+    table_from_dict,
+)
 
 BUNDLE_VERSION = 1
 BUNDLE_FORMAT = "adaspec-cost-table"
@@ -159,12 +166,21 @@ class CostBundle:
             raise ConfigError("--adaptive_target_verify_cost_table_output", path,
                               f"expected a writable file: {error.strerror}") from None
 
-    def check_compatible(self, launch: Compatibility, path: str) -> None:
-        """Refuse the table unless every field it records equals this launch's."""
+    def check_compatible(self, launch: Compatibility, path: str, *,
+                         context_limit: int = MAX_TOKENS_IN_CONTEXT) -> None:
+        """Refuse the table unless every field it records equals this launch's and every
+        profile lies within the target's ``context_limit`` (calibration never measures
+        beyond it, so such a profile was measured on another model)."""
         wanted = launch.as_dict()
         for name in COMPATIBILITY_FIELDS:
             if name in self.compatibility and self.compatibility[name] != wanted[name]:
                 raise IncompatibleCostTable(path, name, self.compatibility[name], wanted[name])
+        for index, profile in enumerate(self.profiles):
+            if profile.context.max_kv_length > context_limit:
+                raise ConfigError(f"--adaptive_target_verify_cost_table={path}: profiles"
+                                  f"[{index}].context.max_kv_length",
+                                  profile.context.max_kv_length,
+                                  f"expected at most the model's context limit {context_limit}")
 
 
 def _priced(profile: CostProfile | None, num_reqs_bucket: int, second: int) -> float | None:
@@ -200,8 +216,24 @@ def bundle_from_dict(data: Mapping[str, object], source: str) -> CostBundle:
         checked = _object(f"profiles[{index}]", profile)
         with key_prefix(f"profiles[{index}]."):
             parsed.append(_profile(checked))
-    return CostBundle(compatibility=compatibility, settings=_object("settings",
-                      data["settings"]), profiles=tuple(parsed), source=source)
+    _check_disjoint(parsed)
+    settings = _object("settings", data["settings"])
+    with key_prefix("settings."):
+        _check_settings(settings, compatibility, parsed)
+    return CostBundle(compatibility=compatibility, settings=settings, profiles=tuple(parsed),
+                      source=source)
+
+
+def _check_disjoint(profiles: Sequence[CostProfile]) -> None:
+    """Profiles of one axis must not overlap: a KV length in two would be priced by whichever
+    comes first, the other silently ignored."""
+    for index, profile in enumerate(profiles):
+        for earlier in profiles[:index]:
+            if earlier.over == profile.over and earlier.context.overlaps(profile.context):
+                raise ConfigError(f"profiles[{index}].context", profile.context.as_dict(),
+                                  "expected KV intervals that do not overlap; it overlaps "
+                                  f"{earlier.context.min_kv_length}.."
+                                  f"{earlier.context.max_kv_length}")
 
 
 def _legacy(data: Mapping[str, object], source: str) -> CostBundle:
@@ -240,11 +272,92 @@ def _profile(profile: Mapping[str, object]) -> CostProfile:
     for index, sample in enumerate(_list("samples", profile["samples"])):
         if (not isinstance(sample, list) or len(sample) != 3
                 or not all(type(v) is int for v in sample[:2])
-                or type(sample[2]) not in (int, float) or not sample[2] > 0):
-            raise ConfigError(f"samples[{index}]", sample,
-                              "expected [Bcap, G, seconds] with positive seconds")
+                or type(sample[2]) not in (int, float)
+                or not MIN_PRICE_SECONDS <= sample[2] <= MAX_PRICE_SECONDS):
+            raise ConfigError(f"samples[{index}]", sample, "expected [Bcap, G, seconds] with "
+                              f"seconds in {MIN_PRICE_SECONDS}..{MAX_PRICE_SECONDS:g}")
         samples.append(CostSample(sample[0], sample[1], float(sample[2])))
     return CostProfile(interval, table, tuple(samples), over=str(profile["over"]))
+
+
+MODEL_OF_KIND = {"sps": "sps", "additive": "additive", "log-additive": "additive"}
+"""The calibration setting ``model`` that fits each table kind (depth profiles fit the additive
+model on log seconds)."""
+
+
+def _check_settings(settings: Mapping[str, object], compatibility: Mapping[str, Any],
+                    profiles: Sequence[CostProfile]) -> None:
+    """Refuse settings that contradict the compatibility or the profiles: the bundle would
+    claim measurements that its own launch could not have taken, so one of them is wrong.
+    Keys the settings do not record are not checked (an embedding may record fewer)."""
+    width = compatibility["draft_width"]
+    if "draft_width" in settings and settings["draft_width"] != width:
+        raise ConfigError("draft_width", settings["draft_width"],
+                          f"expected {width}, the draft_width of the compatibility")
+    captured = dict(zip(compatibility["request_buckets"], compatibility["target_rows"],
+                        strict=True))
+    if "request_buckets" in settings:
+        _require_members("request_buckets", settings["request_buckets"], set(captured),
+                         "compatibility.request_buckets")
+    if settings.get("target_graph_rows", ALL_TIERS) != ALL_TIERS:
+        tiers = {g for rows in captured.values() for g in rows}
+        _require_members("target_graph_rows", settings["target_graph_rows"], tiers,
+                         "compatibility.target_rows")
+    if "points" in settings:
+        _check_points(settings["points"], captured, width, profiles)
+    if "model" in settings:
+        for index, profile in enumerate(profiles):
+            if MODEL_OF_KIND[profile.table.kind] != settings["model"]:
+                raise ConfigError("model", settings["model"], f"expected "
+                                  f"{MODEL_OF_KIND[profile.table.kind]}, the model of "
+                                  f"profiles[{index}].table (kind {profile.table.kind})")
+    if "contexts" in settings:
+        _check_contexts_listed(settings["contexts"], profiles)
+
+
+ALL_TIERS = "all legal prepared tiers"
+"""What the settings record for target_graph_rows when calibration sampled every tier."""
+
+
+def _require_members(name: str, values: object, allowed: set[int], source: str) -> None:
+    if (not isinstance(values, list)
+            or not all(type(v) is int and v in allowed for v in values)):
+        raise ConfigError(name, values, f"expected a list of values from {source} "
+                          f"{sorted(allowed)}")
+
+
+def _check_points(points: object, captured: Mapping[int, Sequence[int]], width: int,
+                  profiles: Sequence[CostProfile]) -> None:
+    """Each sampled point is a captured bucket with one of its tiers (a rows profile) or a
+    depth 1..w (a depth profile)."""
+    axes = {profile.over for profile in profiles}
+    for index, point in enumerate(_list("points", points)):
+        if not (isinstance(point, list) and len(point) == 2
+                and all(type(v) is int for v in point)
+                and point[1] in _legal_seconds(point[0], captured, width, axes)):
+            raise ConfigError(f"points[{index}]", point, "expected [Bcap, G or depth] with "
+                              "Bcap in compatibility.request_buckets and G one of its "
+                              "compatibility.target_rows (or a depth 1..draft_width)")
+
+
+def _legal_seconds(bucket: int, captured: Mapping[int, Sequence[int]], width: int,
+                   axes: set[str]) -> set[int]:
+    """The second values a point of ``bucket`` may have: its tiers, the depths, or both."""
+    if bucket not in captured:
+        return set()
+    tiers = set(captured[bucket]) if "rows" in axes else set()
+    return tiers | (set(range(1, width + 1)) if "depth" in axes else set())
+
+
+def _check_contexts_listed(contexts: object, profiles: Sequence[CostProfile]) -> None:
+    """Each profile covers one of the intervals the settings say were calibrated."""
+    listed = _list("contexts", contexts)
+    for index, profile in enumerate(profiles):
+        context = profile.context
+        if context.as_dict() not in listed:
+            raise ConfigError("contexts", listed, f"expected to list the interval of "
+                              f"profiles[{index}] (prefill {context.prefill_tokens}, KV "
+                              f"{context.min_kv_length}..{context.max_kv_length})")
 
 
 def _check_compatibility_types(data: Mapping[str, object]) -> None:

@@ -46,7 +46,7 @@ import bisect
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Literal, Protocol
+from typing import Literal, Protocol, TypeVar
 
 import numpy as np
 from scipy.special import stdtrit
@@ -462,7 +462,7 @@ def table_from_dict(data: Mapping[str, object]) -> CostTable:
             raise ConfigError("steps_per_second", list(sps),
                               "expected values that never rise with G (a larger G is never "
                               "faster)")
-        return SpsTable(rows=rows, steps_per_second=sps)
+        return check_prices(SpsTable(rows=rows, steps_per_second=sps))
     buckets = require_increasing("buckets", _tuple(data["buckets"]), MAX_BATCH_ROWS)
     rows = require_increasing("rows", _tuple(data["rows"]), MAX_BATCH_ROWS)
     bias = require_float("bias", data["bias"], -math.inf, math.inf)
@@ -472,11 +472,65 @@ def table_from_dict(data: Mapping[str, object]) -> CostTable:
     worst = require_float("residual_max_relative", data["residual_max_relative"], 0.0,
                           math.inf)
     if kind == "log-additive":  # exp() of any sum is a positive price
-        return LogAdditiveTable(bias, buckets, alpha, rows, theta, rms, worst)
+        return check_prices(LogAdditiveTable(bias, buckets, alpha, rows, theta, rms, worst))
     if bias + alpha[0] + theta[0] <= 0:
         raise ConfigError("bias", bias, "expected bias + alpha[0] + theta[0] > 0 (the "
                           "smallest shape would cost nothing)")
-    return AdditiveTable(bias, buckets, alpha, rows, theta, rms, worst)
+    return check_prices(AdditiveTable(bias, buckets, alpha, rows, theta, rms, worst))
+
+
+MIN_PRICE_SECONDS = 1e-6
+"""No full decode step (draft, target forward, sampling, commit) takes under a microsecond.
+Below it the policy's rate (tokens / price) can overflow to infinity at every tier, where the
+first tier, the smallest, wins."""
+MAX_PRICE_SECONDS = 3600.0
+"""Nor an hour: no calibration window measured that. Above it, or at infinity, every tier's
+rate is about zero and again the smallest wins, so adaptive verify stops verifying drafts."""
+
+
+Loaded = TypeVar("Loaded", SpsTable, AdditiveTable, LogAdditiveTable)
+
+
+def check_prices(table: Loaded) -> Loaded:
+    """``table`` when every shape it prices costs MIN..MAX_PRICE_SECONDS, as ``adaspec
+    simulate`` demands of each price it uses. Terms are monotone and float addition rounds
+    monotonically, so the smallest and the largest measured shape bound every price."""
+    for corner in (0, -1):
+        seconds = _corner_seconds(table, corner)
+        if not MIN_PRICE_SECONDS <= seconds <= MAX_PRICE_SECONDS:  # NaN and inf fail too
+            # Name the term that pushes the price out most: the largest when it is too high.
+            pick = min if seconds < MIN_PRICE_SECONDS else max
+            key, value = pick(_corner_terms(table, corner), key=lambda term: term[1])
+            raise ConfigError(key, value, f"expected every price in {MIN_PRICE_SECONDS}.."
+                              f"{MAX_PRICE_SECONDS:g} s; {_corner_name(table, corner)} "
+                              f"costs {seconds} s")
+    return table
+
+
+def _corner_seconds(table: Loaded, corner: int) -> float:
+    if isinstance(table, SpsTable):
+        return 1.0 / table.steps_per_second[corner]
+    try:
+        return table.seconds(table.buckets[corner], table.rows[corner])
+    except OverflowError:  # exp() of a log-additive sum beyond any float
+        return math.inf
+
+
+def _corner_terms(table: Loaded, corner: int) -> list[tuple[str, float]]:
+    """The keys and values that make up a corner's price, so an error names one of them."""
+    g = corner % len(table.rows)
+    if isinstance(table, SpsTable):
+        return [(f"steps_per_second[{g}]", table.steps_per_second[g])]
+    b = corner % len(table.buckets)
+    return [("bias", table.bias), (f"alpha[{b}]", table.alpha[b]),
+            (f"theta[{g}]", table.theta[g])]
+
+
+def _corner_name(table: Loaded, corner: int) -> str:
+    if isinstance(table, SpsTable):
+        return f"G={table.rows[corner]}"
+    axis = "d" if isinstance(table, LogAdditiveTable) else "G"
+    return f"Bcap={table.buckets[corner]} {axis}={table.rows[corner]}"
 
 
 def _tuple(value: object) -> object:

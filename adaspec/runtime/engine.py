@@ -250,7 +250,8 @@ class Runtime:
             return plan_calibration(self.config.target_verify_calibration, geometry,
                                     models.target.context_limit), None
         saved = load_bundle(path, read_json_object("adaptive_target_verify_cost_table", path))
-        saved.check_compatible(self.compatibility(models, geometry), path)
+        saved.check_compatible(self.compatibility(models, geometry), path,
+                               context_limit=models.target.context_limit)
         return None, saved
 
     def compatibility(self, models: ReferenceModels, geometry: BucketGeometry
