@@ -18,9 +18,15 @@ from adaspec.config.calibration import CalibrationConfig, ContextInterval
 from adaspec.config.requests import SamplingParams
 from adaspec.errors import ConfigError, IncompatibleCostTable
 from adaspec.models import ReferenceModels, load_reference_models
+from adaspec.policies.base import BudgetContext, DepthContext, covering_rows
 from adaspec.policies.bundles import CostBundle
 from adaspec.policies.verify import choose_rows
-from adaspec.runtime.calibration import PointMeasured, plan_calibration
+from adaspec.runtime.calibration import (
+    ForcedBudget,
+    ForcedDepth,
+    PointMeasured,
+    plan_calibration,
+)
 from adaspec.runtime.devices.buckets import BucketGeometry
 from adaspec.runtime.engine import Runtime, RuntimeOptions
 from adaspec.runtime.events.log import read_event_log
@@ -235,3 +241,25 @@ def test_serving_after_startup_calibration_stays_lossless(
                                 "adaptive_target_verify_calibration": str(calibration)})
     target_only = decode({"speculative_algorithm": "none", "max_seqs_per_batch": 4})
     assert adaptive == target_only
+
+
+def budget_context(num_reqs: int, bucket: int) -> BudgetContext:
+    return BudgetContext(round=0, num_reqs=num_reqs, num_reqs_bucket=bucket, width=5, depth=5,
+                         tiers=GEOMETRY.legal_rows(bucket), retired_through=-1)
+
+
+def test_only_the_points_request_set_is_forced_and_transient_sets_verify_at_full_width(
+        ) -> None:
+    budget, depth = ForcedBudget(), ForcedDepth()
+    budget.rows, budget.bucket, depth.depth, depth.bucket = 8, 4, 2, 4
+    assert budget.decide(budget_context(4, 4)) == 8
+    full = covering_rows(budget_context(3, 4), 5)
+    assert full == 24  # the smallest tier holding 3 * 6 rows: the full-width binding
+    assert budget.decide(budget_context(3, 4)) == full  # a set still filling or draining
+    assert budget.decide(budget_context(2, 2)) == covering_rows(budget_context(2, 2), 5)
+    assert depth.decide(DepthContext(round=0, num_reqs=4, num_reqs_bucket=4, width=5,
+                                     retired_through=-1)) == 2
+    assert depth.decide(DepthContext(round=0, num_reqs=3, num_reqs_bucket=4, width=5,
+                                     retired_through=-1)) == 5
+    assert ForcedDepth().decide(DepthContext(round=0, num_reqs=4, num_reqs_bucket=4, width=5,
+                                             retired_through=-1)) == 5

@@ -150,18 +150,21 @@ def plan_depth_calibration(settings: CalibrationConfig, geometry: BucketGeometry
 
 
 class ForcedBudget:
-    """Calibration's budget policy: the point's G whenever the batch is the point's requests
-    (the smallest tier covering everything otherwise)."""
+    """Calibration's budget policy: the point's G when the batch is the point's request set
+    (``bucket`` requests, a full bucket); any other, transient, set verifies at its full-width
+    binding, the smallest tier covering every drafted token."""
 
     name = "calibration-forced"
 
     def __init__(self) -> None:
         self.rows: int | None = None
+        self.bucket: int | None = None
         self._decisions = 0
 
     def decide(self, context: BudgetContext) -> int:
         self._decisions += 1
-        if self.rows is not None and self.rows in context.tiers:
+        if self.rows is not None and context.num_reqs == context.num_reqs_bucket == self.bucket \
+                and self.rows in context.tiers:
             return self.rows
         return covering_rows(context, context.depth)
 
@@ -176,17 +179,21 @@ class ForcedBudget:
 
 
 class ForcedDepth:
-    """Calibration's depth policy: the point's depth (full width when none is set)."""
+    """Calibration's depth policy: the point's depth when the batch is the point's request
+    set (``bucket`` requests), full width otherwise (a transient set, or no point set)."""
 
     name = "calibration-forced-depth"
 
     def __init__(self) -> None:
         self.depth: int | None = None
+        self.bucket: int | None = None
         self._decisions = 0
 
     def decide(self, context: DepthContext) -> int:
         self._decisions += 1
-        return self.depth if self.depth is not None else context.width
+        if self.depth is not None and context.num_reqs == context.num_reqs_bucket == self.bucket:
+            return self.depth
+        return context.width
 
     def observe(self, feedback: RoundFeedback) -> None:
         """Calibration learns from timings, not feedback."""
@@ -295,6 +302,7 @@ async def measure_window(driver: CalibrationDriver, settings: CalibrationConfig,
     """Seconds per complete decode interval of one window at (Bcap, d, G), on fresh
     synthetic requests."""
     driver.forced.rows, driver.forced_depth.depth = rows, depth
+    driver.forced.bucket = driver.forced_depth.bucket = bucket
     recorder = _Recorder(bucket=bucket, rows=rows, depth=depth)
     driver.bus.subscribe(recorder)
     needed = settings.warmup_steps + settings.window_steps + 1
