@@ -1,23 +1,28 @@
 """The ``adaspec`` command.
 
 User errors (an ``AdaspecError``) end with exit status 2 and exactly one line on stderr that
-names the flag or key, the value and what is expected; stdout stays empty. Anything else is a
-bug in adaspec and keeps its traceback.
+names the flag or key, the value and what is expected; stdout stays empty. A standard output
+that cannot take the output ends quietly when its reader went away (``adaspec config | head
+-c1``: exit status 141, as a tool stopped by SIGPIPE) and with one line otherwise (a full
+device: exit status 2). Anything else is a bug in adaspec and keeps its traceback.
 """
 
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import MISSING as NO_DEFAULT
 from dataclasses import fields
+from typing import Any, TextIO, cast
 
 from adaspec import __version__
 from adaspec.config import RULES, LaunchConfig, load_config_from_argv
+from adaspec.config.builtin import check_builtin_limits
 from adaspec.config.flags import field_docs
 from adaspec.config.launch import BUILTIN_TARGET, BUILTIN_TARGETS, launch_field_types, metavar
 from adaspec.config.rules import CROSS_CHECKS
 from adaspec.errors import MISSING, AdaspecError, ConfigError, show_value
-from adaspec.runtime.command_flags import flag_lines, take_flags
+from adaspec.runtime.command_flags import check_runnable_here, flag_lines, take_flags
 
 USAGE = """usage: adaspec COMMAND [FLAGS]
 
@@ -62,6 +67,9 @@ def run_config(argv: Sequence[str]) -> int:
         print("\n".join(lines))
         return 0
     effective = load_config_from_argv(argv)
+    # A launch of the built-in models is held to what they can draft, so a line that passes
+    # here runs; other models are checked against themselves when the runtime starts.
+    check_builtin_limits(effective.launch)
     document = {"adaspec_version": __version__, **effective.as_dict()}
     print(json.dumps(document, indent=2))
     return 0
@@ -130,6 +138,10 @@ def run_generate(argv: Sequence[str]) -> int:
 def run_calibrate(argv: Sequence[str]) -> int:
     from adaspec.runtime.calibrate_command import run_calibrate as calibrate  # loads torch
 
+    if not any(arg in ("-h", "--help") for arg in argv):
+        # The command loads its launch again; checked here first so that a device this
+        # process cannot use is refused in one line before the runtime starts.
+        check_runnable_here(load_config_from_argv([a for a in argv if a != "--json"]).launch)
     return calibrate(argv)
 
 
@@ -194,8 +206,65 @@ def run(argv: Sequence[str]) -> int:
         return 2
 
 
+class StdoutFailed(Exception):
+    """Standard output refused the command's output (a closed pipe, a full device)."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(error)
+        self.error = error
+
+
+class _CheckedStdout:
+    """``sys.stdout`` whose write failures are told apart from those of any other file, so
+    that only they are reported in one line (another file's failure is a bug to trace)."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as error:
+            raise StdoutFailed(error) from None
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as error:
+            raise StdoutFailed(error) from None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def run_to_stdout(argv: Sequence[str]) -> int:
+    """``run`` with a standard output that may fail: exit status 141 and no message when its
+    reader went away, one line and exit status 2 when it is closed or cannot be written."""
+    command = f"adaspec {argv[0]}" if argv and argv[0] in COMMANDS else "adaspec"
+    stdout = sys.stdout
+    if stdout is None:  # started with descriptor 1 closed: refused before anything runs
+        print(f"{command}: error: stdout: closed; expected an open standard output "
+              "(redirect it to /dev/null to discard the output)", file=sys.stderr)
+        return 2
+    sys.stdout = cast(TextIO, _CheckedStdout(stdout))
+    try:
+        status = run(argv)
+        sys.stdout.flush()  # inside the check, not at interpreter exit
+        return status
+    except StdoutFailed as failed:
+        # What is still buffered goes nowhere, so the flush at exit fails no second time.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), stdout.fileno())
+        if isinstance(failed.error, BrokenPipeError):
+            return 141
+        reason = failed.error.strerror or type(failed.error).__name__
+        print(f"{command}: error: stdout: cannot write the output ({reason})", file=sys.stderr)
+        return 2
+    finally:
+        sys.stdout = stdout
+
+
 def main() -> None:
-    sys.exit(run(sys.argv[1:]))
+    sys.exit(run_to_stdout(sys.argv[1:]))
 
 
 if __name__ == "__main__":

@@ -80,7 +80,7 @@ def test_event_log_and_trace_flags_write_files_that_replay(
     (["--prompt", "x", "--max_tokens=4", "--temperature=0", "--num_speculative_tokens=9"],
      "--num_speculative_tokens"),
     (["--prompts_file", "/nonexistent/p.txt", "--max_tokens=4", "--temperature=0"],
-     "--prompts_file=/nonexistent/p.txt: cannot be read"),
+     "--prompts_file=/nonexistent/p.txt: expected an existing UTF-8 text file"),
     (["--prompt", "x", "--max_tokens=4", "--temperature=0", "--model=/models/x"],
      "--model=/models/x: adaspec generate runs the built-in reference models"),
 ])

@@ -173,6 +173,14 @@ CROSS_CASES = [
     ("--speculative_algorithm=DSpark --num_speculative_tokens=7 --draft_model=builtin:mtp",
      "--draft_model=builtin:mtp: expected a path or builtin:dspark for "
      "--speculative_algorithm=DSpark (built-in drafts: builtin:dspark, builtin:mtp)"),
+    # A checkpoint target is never paired with a built-in draft, named or implied.
+    ("--model=/models/t --speculative_algorithm=DSpark --num_speculative_tokens=5",
+     "--draft_model: required with --model=/models/t (the built-in drafts draft for "
+     "builtin:target and builtin:target-large only); give your draft's path"),
+    ("--model=/models/t --speculative_algorithm=MTP --num_speculative_tokens=5 "
+     "--draft_model=builtin:mtp",
+     "--draft_model=builtin:mtp: expected your draft's path with --model=/models/t (the "
+     "built-in drafts draft for builtin:target and builtin:target-large only)"),
 ]
 
 
@@ -197,6 +205,13 @@ def test_rule_errors_name_the_flag_that_must_change() -> None:
 def test_disagg_pd_rejected_with_adaptive_draft_steps_cites_that_rule() -> None:
     error = rejection(f"{ADS} --enable_disagg_pd=true")
     assert error.rule == "Adaptive draft steps: no support for prefill/decode disaggregation"
+
+
+def test_a_checkpoint_target_keeps_its_own_draft_and_needs_none_without_speculation() -> None:
+    own = launch("--model=/models/t --speculative_algorithm=DSpark --num_speculative_tokens=5 "
+                 "--draft_model=/models/d")
+    assert own.launch.resolved.draft_model == "/models/d"
+    assert launch("--model=/models/t").launch.resolved.draft_model is None
 
 
 def test_tp_size_is_derived_from_ranks_and_shards() -> None:

@@ -20,6 +20,7 @@ from adaspec.config.calibration import (
 )
 from adaspec.config.flags import RETIRED_NAMES, retired_name_error
 from adaspec.config.launch import LaunchConfig
+from adaspec.config.paths import new_file, regular_file
 from adaspec.errors import MISSING, ConfigError
 
 CALIBRATION_KEYS = frozenset({
@@ -63,7 +64,7 @@ def _no_constants(name: str) -> object:
 def read_json_object(flag: str, path: str) -> dict[str, object]:
     """The top-level object of a JSON file, or a ConfigError naming the flag and file."""
     setting = f"--{flag}"
-    text = _read_text(setting, Path(path))
+    text = _read_text(setting, path)
     try:
         data = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constants)
     except json.JSONDecodeError as error:
@@ -80,23 +81,17 @@ def read_json_object(flag: str, path: str) -> dict[str, object]:
     return data
 
 
-def _read_text(setting: str, path: Path) -> str:
-    if not path.exists():
-        raise ConfigError(setting, str(path), "expected an existing JSON file")
-    if path.is_dir():
-        raise ConfigError(setting, str(path), "expected a JSON file, got a directory")
-    if not path.is_file():
-        raise ConfigError(setting, str(path), "expected a regular JSON file (not a device or "
-                                              "pipe)")
-    if path.stat().st_size > MAX_FILE_BYTES:
-        raise ConfigError(setting, str(path), f"expected a JSON file of at most "
-                                              f"{MAX_FILE_BYTES // 2**20} MiB")
+def _read_text(setting: str, path: str) -> str:
+    # Checked by its status first: opening a FIFO would wait for a writer forever.
+    if regular_file(setting, path, "JSON file").st_size > MAX_FILE_BYTES:
+        raise ConfigError(setting, path, f"expected a JSON file of at most "
+                                         f"{MAX_FILE_BYTES // 2**20} MiB")
     try:
-        return path.read_text(encoding="utf-8")
+        return Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError:
-        raise ConfigError(setting, str(path), "expected a UTF-8 JSON file") from None
+        raise ConfigError(setting, path, "expected a UTF-8 JSON file") from None
     except OSError as error:
-        raise ConfigError(setting, str(path), f"cannot be read ({error.strerror})") from None
+        raise ConfigError(setting, path, f"cannot be read ({error.strerror})") from None
 
 
 def _check_keys(data: Mapping[str, object], allowed: frozenset[str],
@@ -285,10 +280,4 @@ def check_cost_table_paths(launch: LaunchConfig) -> None:
     output = launch.adaptive_target_verify_cost_table_output
     if output is None:
         return
-    path = Path(output)
-    if path.exists() or path.is_symlink():
-        raise ConfigError("--adaptive_target_verify_cost_table_output", output,
-                          "expected a file that does not exist yet; choose a new output file")
-    if not path.parent.is_dir():
-        raise ConfigError("--adaptive_target_verify_cost_table_output", output,
-                          f"expected an existing directory; create {path.parent} first")
+    new_file("--adaptive_target_verify_cost_table_output", output)

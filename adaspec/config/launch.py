@@ -66,7 +66,7 @@ class LaunchConfig:
     draft_model: str | None = None
     """Draft model path; unset means the built-in draft of the chosen algorithm
     (``builtin:mtp`` or ``builtin:dspark``, trained for the built-in target chosen), and no
-    draft without speculation."""
+    draft without speculation. A checkpoint ``--model`` needs its own draft's path here."""
 
     backend: Literal["llm"] = "llm"
     """Serving backend; adaspec serves language models only."""
@@ -100,7 +100,7 @@ class LaunchConfig:
 
     num_speculative_tokens: int = 0
     """Draft width w: tokens drafted per round (the maximum depth for adaptive draft steps);
-    0 exactly when there is no speculation."""
+    0 exactly when there is no speculation. The built-in DSpark drafters draft at most 7."""
 
     enable_adaptive_draft_step: bool = False
     """Choose the number of sequential MTP draft steps per batch from lagged acceptance."""

@@ -17,7 +17,7 @@ from adaspec.config.launch import (
     MAX_SPECULATIVE_TOKENS,
     LaunchConfig,
 )
-from adaspec.errors import ConfigError, show_value
+from adaspec.errors import MISSING, ConfigError, show_value
 
 _SET = object()  # marker: "any value other than None"
 
@@ -229,6 +229,22 @@ def _check_width(cfg: LaunchConfig) -> ConfigError | None:
     return None
 
 
+def _check_own_target_draft(cfg: LaunchConfig) -> ConfigError | None:
+    """A checkpoint target drafts with a named draft of its own, never a built-in one."""
+    if cfg.model in BUILTIN_TARGETS or not cfg.speculative:
+        return None
+    # The built-in drafts share a built-in target's embedding and output head: paired with
+    # another target they would be a silent substitution, so the pairing is never implied.
+    why = (f"with --model={show_value(cfg.model)} (the built-in drafts draft for "
+           f"{' and '.join(BUILTIN_TARGETS)} only)")
+    if cfg.draft_model is None:
+        return ConfigError("--draft_model", MISSING, f"required {why}; give your draft's path")
+    if cfg.draft_model.startswith("builtin:"):
+        return ConfigError("--draft_model", cfg.draft_model,
+                           f"expected your draft's path {why}")
+    return None
+
+
 def _check_builtin_models(cfg: LaunchConfig) -> ConfigError | None:
     """builtin: names exist and the built-in draft matches the algorithm."""
     if cfg.model.startswith("builtin:") and cfg.model not in BUILTIN_TARGETS:
@@ -250,6 +266,7 @@ CROSS_CHECKS: tuple[Callable[[LaunchConfig], ConfigError | None], ...] = (
     _check_parallel_shape,
     _check_batch_limits,
     _check_width,
+    _check_own_target_draft,
     _check_builtin_models,
 )
 

@@ -16,7 +16,7 @@ import platform
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -25,6 +25,7 @@ import torch
 
 from adaspec.config.flags import coerce, parse_argv
 from adaspec.config.launch import BUILTIN_TARGET
+from adaspec.config.paths import existing_directory, new_file, path_status
 from adaspec.errors import MISSING, ConfigError
 from adaspec.runtime.bench import (
     PLAIN,
@@ -39,7 +40,7 @@ from adaspec.runtime.bench import (
     summarise,
 )
 from adaspec.runtime.calibrate_command import progress_reporter
-from adaspec.runtime.command_flags import flag_lines, take_flags
+from adaspec.runtime.command_flags import check_runnable_here, flag_lines, take_flags
 from adaspec.runtime.devices.streams import cpu_threads
 from adaspec.runtime.engine import MAX_SEED, require_builtin
 
@@ -171,28 +172,42 @@ def requests_per_level(choices: Choices) -> dict[int, int]:
 def check_outputs(choices: Choices, arm_names: Sequence[str]) -> None:
     """Output places are checked before anything runs: nothing is overwritten."""
     if choices.event_log_dir is not None:
-        folder = Path(choices.event_log_dir)
-        if not folder.is_dir():
-            raise ConfigError("--event_log_dir", choices.event_log_dir,
-                              "expected an existing directory")
+        folder = choices.event_log_dir
+        existing_directory("--event_log_dir", folder)
         for name in arm_names:
-            path = folder / event_log_name(name)
-            if path.exists():
-                raise ConfigError("--event_log_dir", choices.event_log_dir,
-                                  f"{path.name} exists already; expected a folder without "
-                                  "this bench's logs")
+            log = event_log_name(name)
+            if path_status("--event_log_dir", os.path.join(folder, log), follow=False):
+                raise ConfigError("--event_log_dir", folder, f"{log} exists already; expected "
+                                  "a folder without this bench's logs")
     if choices.plot is not None:
-        path = Path(choices.plot)
-        if path.suffix.lower() != ".png":
+        if Path(choices.plot).suffix.lower() != ".png":
             raise ConfigError("--plot", choices.plot, "expected a .png file name")
-        if path.exists() or not path.parent.is_dir():
-            raise ConfigError("--plot", choices.plot, "expected a new file in an existing "
-                              "directory")
+        new_file("--plot", choices.plot)
         try:
             import matplotlib  # noqa: F401
         except ImportError:
             raise ConfigError("--plot", choices.plot, "needs matplotlib: pip install "
                               "'adaspec[plot]'") from None
+
+
+REQUESTED_ARMS = {"enable_adaptive_target_verify": "adaptive-verify",
+                  "enable_adaptive_draft_step": "adaptive-depth"}
+"""The adaptive flag that asks for each adaptive arm."""
+
+
+def check_arms(settings: Mapping[str, str], arms: Sequence[Arm],
+               skipped: Sequence[tuple[str, str]]) -> None:
+    """Every arm must run on the built-in models and this device; an adaptive arm the launch
+    turns on was asked for, so it is refused with its reason, never skipped."""
+    # Widest first, so a width beyond the drafter is refused at the launch's own width.
+    for arm in sorted(arms, key=lambda arm: -arm.config.launch.num_speculative_tokens):
+        check_runnable_here(arm.config.launch)
+    reasons = dict(skipped)
+    for flag, arm_name in REQUESTED_ARMS.items():
+        asked = flag in settings and coerce(flag, settings[flag], bool) is True
+        if asked and arm_name in reasons:
+            raise ConfigError(f"--{flag}", True, f"asks for the {arm_name} arm, which this "
+                              f"launch cannot run ({reasons[arm_name]})")
 
 
 def machine() -> str:
@@ -316,6 +331,7 @@ def run_bench_command(argv: Sequence[str]) -> int:
         arms, skipped = plan_arms(settings, widths=choices.widths, names=choices.arms,
                                   quick=choices.quick, levels=choices.levels,
                                   scratch=Path(scratch))
+        check_arms(settings, arms, skipped)
         check_outputs(choices, [arm.name for arm in arms])
         threads = torch_threads(arms)  # a bad ADASPEC_CPU_THREADS is refused before any run
         plan = BenchPlan(arms=arms, levels=choices.levels, prompts=shipped_prompts(),

@@ -1,8 +1,15 @@
-"""Splitting a command line into the command's own flags and the launch flags around them."""
+"""Splitting a command line into the command's own flags and the launch flags around them,
+and what every command that runs models refuses before it loads them.
+
+Kept free of torch: ``adaspec config`` and ``adaspec models --help`` import this module.
+"""
 
 from collections.abc import Collection, Mapping, Sequence
 
+from adaspec.config.builtin import check_builtin_limits
+from adaspec.config.launch import LaunchConfig
 from adaspec.errors import MISSING, ConfigError
+from adaspec.runtime.devices.availability import require_device
 
 Flags = Mapping[str, tuple[str, str]]
 """A command's flags: name -> (metavar, help); an empty metavar marks a switch."""
@@ -44,3 +51,10 @@ def take_flags(argv: Sequence[str], flags: Flags, switches: Collection[str]
             value, index = argv[index], index + 1
         own.append((name, value))
     return own, launch
+
+
+def check_runnable_here(launch: LaunchConfig) -> None:
+    """Refuse, before any model loads, a launch the built-in models cannot draft or whose
+    device this process cannot use (``--device=npu`` without torch_npu, say)."""
+    check_builtin_limits(launch)
+    require_device(launch.device)

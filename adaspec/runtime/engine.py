@@ -25,6 +25,7 @@ from adaspec.config.launch import BUILTIN_DRAFTS, BUILTIN_TARGETS, LaunchConfig
 from adaspec.config.requests import SamplingParams, check_request
 from adaspec.errors import ConfigError, InvalidRequest
 from adaspec.models.checkpoint import ReferenceModels, load_reference_models
+from adaspec.models.limits import check_model_limits
 from adaspec.policies.base import BudgetPolicy, DepthPolicy
 from adaspec.policies.bundles import Compatibility, CostBundle, bundle_from_dict, load_bundle
 from adaspec.policies.registry import make_budget_policy, make_depth_policy
@@ -39,6 +40,7 @@ from adaspec.runtime.calibration import (
     plan_calibration,
     plan_depth_calibration,
 )
+from adaspec.runtime.devices.availability import require_device
 from adaspec.runtime.devices.buckets import BindingRegistry, BucketGeometry
 from adaspec.runtime.devices.collectives import Collectives, LocalCollectives
 from adaspec.runtime.devices.graphs import binding_factory
@@ -157,6 +159,8 @@ class Runtime:
                               "one process per rank")
         if launch.device == "cpu":
             cpu_threads()  # a bad ADASPEC_CPU_STREAM or _THREADS is refused before any loading
+        require_device(launch.device)  # torch cannot even name "npu" without torch_npu
+        check_model_limits(launch, self._models)  # the built-in models checked unloaded
         device = torch.device(launch.device)
         models = self._models or builtin_models(launch, device)
         geometry = BucketGeometry.of(launch)

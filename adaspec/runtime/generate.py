@@ -17,10 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from adaspec.config import SamplingParams, load_config_from_argv
+from adaspec.config import SamplingParams, load_config
+from adaspec.config.flags import parse_argv
+from adaspec.config.launch import BUILTIN_TARGET
+from adaspec.config.paths import new_file, regular_file
 from adaspec.errors import MISSING, ConfigError
 from adaspec.runtime.calibrate_command import progress_reporter
-from adaspec.runtime.command_flags import flag_lines, take_flags
+from adaspec.runtime.command_flags import check_runnable_here, flag_lines, take_flags
 from adaspec.runtime.engine import MAX_SEED, Runtime, RuntimeOptions, require_builtin
 from adaspec.runtime.requests import RequestResult
 
@@ -86,14 +89,10 @@ def read_prompts(args: GenerateArgs) -> list[str]:
         raise ConfigError("--prompt", MISSING, "expected one or more --prompt TEXT, or "
                           "--prompts_file FILE, not both")
     if args.prompts_file is None:
+        for prompt in args.prompts:
+            _require_utf8(prompt)
         return args.prompts
-    path = Path(args.prompts_file)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        raise ConfigError("--prompts_file", args.prompts_file,
-                          f"cannot be read as UTF-8 text ({type(error).__name__})") from None
-    prompts = text.splitlines()
+    prompts = _read_prompts_file(args.prompts_file).splitlines()
     for number, prompt in enumerate(prompts, start=1):
         if not prompt:
             raise ConfigError("--prompts_file", f"{args.prompts_file}:{number}",
@@ -101,6 +100,34 @@ def read_prompts(args: GenerateArgs) -> list[str]:
     if not prompts:
         raise ConfigError("--prompts_file", args.prompts_file, "expected at least one prompt")
     return prompts
+
+
+def _require_utf8(prompt: str) -> None:
+    # Bytes that are not UTF-8 reach argv as lone surrogates (Python's surrogateescape).
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError("--prompt", prompt, "expected UTF-8 text (a prompt's token ids are "
+                          "its UTF-8 bytes)") from None
+
+
+def _read_prompts_file(name: str) -> str:
+    # Its status first: opening a FIFO would wait for a writer forever.
+    regular_file("--prompts_file", name, "UTF-8 text file")
+    try:
+        return Path(name).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError("--prompts_file", name, "expected a UTF-8 text file") from None
+    except OSError as error:
+        raise ConfigError("--prompts_file", name, f"cannot be read ({error.strerror})") from None
+
+
+def check_outputs(values: dict[str, str]) -> None:
+    """The event log and the trace must be new files: refused before any model loads, not
+    after the startup that would come before the runtime opens them."""
+    for name in ("event_log", "trace"):
+        if name in values:
+            new_file(f"--{name}", values[name])
 
 
 def _number(name: str, raw: str | None, kind: type, default: Any = MISSING) -> Any:
@@ -150,12 +177,18 @@ def run_generate(argv: Sequence[str]) -> int:
     args = split_argv(argv)
     prompts = read_prompts(args)
     params = sampling_params(args.values)
-    config = load_config_from_argv(args.launch_argv)
-    require_builtin("generate", config.launch.model, config.launch.draft_model,
+    settings = parse_argv(args.launch_argv)
+    # Before the launch is checked as a whole: what this command cannot run is the first
+    # thing to say about a checkpoint path.
+    require_builtin("generate", str(settings.get("model", BUILTIN_TARGET)),
+                    None if settings.get("draft_model") is None else str(settings["draft_model"]),
                     "embed the runtime to serve your own")
+    config = load_config(settings)
     seed = _number("seed", args.values.get("seed"), int, 0)
     if not 0 <= seed < MAX_SEED:
         raise ConfigError("--seed", seed, f"expected an integer in 0..{MAX_SEED - 1}")
+    check_outputs(args.values)
+    check_runnable_here(config.launch)
     options = RuntimeOptions(seed=seed,
                              event_log=args.values.get("event_log"),
                              trace=args.values.get("trace"),

@@ -1,0 +1,138 @@
+"""A launch that asks its models for more than they can draft is refused before anything loads:
+by the library check the runtime calls, by `adaspec config` and by every command."""
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from adaspec import cli
+from adaspec.config import load_config
+from adaspec.config.builtin import BUILTIN_DSPARK_MAX_WIDTH, check_builtin_limits
+from adaspec.config.launch import BUILTIN_TARGETS
+from adaspec.errors import ConfigError
+from adaspec.models import load_reference_models
+from adaspec.models.limits import check_model_limits
+
+DSPARK_8 = ["--speculative_algorithm=DSpark", "--num_speculative_tokens=8"]
+
+
+def too_wide(width: int, model: str = "builtin:target") -> str:
+    return (f"--num_speculative_tokens={width}: expected 1..7: the built-in DSpark drafter of "
+            f"--model={model} drafts at most 7 tokens per block")
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every model load in the process fails the test: a refusal must come before it."""
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("models were loaded before the launch was refused")
+    monkeypatch.setattr("adaspec.models.checkpoint.load_models", refuse)
+
+
+@pytest.mark.parametrize("family", sorted(BUILTIN_DSPARK_MAX_WIDTH))
+def test_the_builtin_limits_are_those_of_the_shipped_drafters(family: str) -> None:
+    assert set(BUILTIN_DSPARK_MAX_WIDTH) == set(BUILTIN_TARGETS.values())
+    models = load_reference_models(name=family)
+    assert BUILTIN_DSPARK_MAX_WIDTH[family] == models.dspark.max_width
+
+
+@pytest.mark.parametrize("model", sorted(BUILTIN_TARGETS))
+@pytest.mark.parametrize("width", [8, 16])
+def test_dspark_wider_than_the_builtin_drafter_is_refused(model: str, width: int) -> None:
+    launch = load_config({"model": model, "speculative_algorithm": "DSpark",
+                          "num_speculative_tokens": width}).launch
+    with pytest.raises(ConfigError) as raised:
+        check_builtin_limits(launch)
+    assert str(raised.value) == too_wide(width, model)
+    # The runtime's check, for the built-in models (None: checked without loading them).
+    with pytest.raises(ConfigError, match="drafts at most 7 tokens per block"):
+        check_model_limits(launch, None)
+
+
+@pytest.mark.parametrize("settings", [
+    {"speculative_algorithm": "DSpark", "num_speculative_tokens": 7},
+    {"speculative_algorithm": "MTP", "num_speculative_tokens": 16},
+    {"model": "/models/t", "draft_model": "/models/d", "speculative_algorithm": "DSpark",
+     "num_speculative_tokens": 16},
+])
+def test_what_the_models_can_draft_passes(settings: dict[str, object]) -> None:
+    launch = load_config(settings).launch
+    check_builtin_limits(launch)
+    check_model_limits(launch, None)
+
+
+def test_the_runtime_check_reads_the_drafter_it_is_given() -> None:
+    launch = load_config({"speculative_algorithm": "DSpark",
+                          "num_speculative_tokens": 8}).launch
+    models = load_reference_models()
+    with pytest.raises(ConfigError) as raised:
+        check_model_limits(launch, models)
+    assert str(raised.value) == (
+        f"--num_speculative_tokens=8: expected 1..7: the DSpark drafter passed to the runtime "
+        f"(identity {models.dspark.identity}) drafts at most 7 tokens per block")
+    # An engine's own drafter is held to its own limit, whatever --model says.
+    wide = SimpleNamespace(dspark=SimpleNamespace(max_width=16, identity="own"))
+    check_model_limits(launch, wide)
+
+
+@pytest.mark.parametrize(("width", "model"), [
+    (8, "builtin:target"), (16, "builtin:target"), (8, "builtin:target-large")])
+def test_config_refuses_what_the_builtin_models_cannot_draft(width: int, model: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "adaspec", "config", f"--model={model}",
+                           "--speculative_algorithm=DSpark", f"--num_speculative_tokens={width}"],
+                          capture_output=True, text=True, check=False, timeout=120)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == f"adaspec config: error: {too_wide(width, model)}\n"
+
+
+GENERATE = ["--prompt", "ROMEO.", "--max_tokens=4", "--temperature=0"]
+
+
+@pytest.mark.usefixtures("no_model_loads")
+@pytest.mark.parametrize(("argv", "message"), [
+    (["generate", *DSPARK_8, *GENERATE], too_wide(8)),
+    (["bench", *DSPARK_8], too_wide(8)),
+    (["bench", "--speculative_algorithm=DSpark", "--num_speculative_tokens=16"], too_wide(16)),
+    (["bench", *DSPARK_8, "--enable_adaptive_target_verify=true"], too_wide(8)),
+    (["bench", *DSPARK_8, "--arms=none,fixed:8"], too_wide(8)),
+    # The adaptive arm a launch turns on is refused with its reason, never skipped.
+    (["bench", "--speculative_algorithm=DSpark", "--num_speculative_tokens=6",
+      "--enable_adaptive_target_verify=true"],
+     "--enable_adaptive_target_verify=true: asks for the adaptive-verify arm, which this "
+     "launch cannot run (--num_speculative_tokens=6: --enable_adaptive_target_verify=true "
+     "needs --num_speculative_tokens=5 or 7)"),
+    (["bench", "--enable_adaptive_draft_step=true"],
+     "--enable_adaptive_draft_step=true: asks for the adaptive-depth arm"),
+    # Adaptive target verify takes widths 5 and 7 only, so calibrate never reaches the limit.
+    (["calibrate", *DSPARK_8, "--enable_adaptive_target_verify=true",
+      "--adaptive_target_verify_cost_table_output=/nonexistent/t.json"],
+     "--num_speculative_tokens=8: --enable_adaptive_target_verify=true needs "
+     "--num_speculative_tokens=5 or 7"),
+])
+def test_commands_refuse_a_width_beyond_the_drafter_before_loading_models(
+        argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.run(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(f"adaspec {argv[0]}: error: {message}")
+    assert captured.err.count("\n") == 1
+
+
+@pytest.mark.parametrize("models", ["builtin", "passed"])
+def test_runtime_start_refuses_a_width_beyond_the_drafter_before_any_device_work(
+        models: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+
+    from adaspec.runtime import engine
+
+    def no_stream(*args: object) -> None:
+        raise AssertionError("a stream was opened before the width was checked")
+
+    monkeypatch.setattr(engine, "open_stream", no_stream)
+    given = load_reference_models() if models == "passed" else None
+    runtime = engine.Runtime(load_config({"speculative_algorithm": "DSpark",
+                                          "num_speculative_tokens": 9}), models=given)
+    with pytest.raises(ConfigError, match=r"^--num_speculative_tokens=9: expected 1\.\.7"):
+        asyncio.run(runtime.start())
