@@ -4,6 +4,7 @@ by the library check the runtime calls, by `adaspec config` and by every command
 import subprocess
 import sys
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -73,7 +74,8 @@ def test_the_runtime_check_reads_the_drafter_it_is_given() -> None:
         f"--num_speculative_tokens=8: expected 1..7: the DSpark drafter passed to the runtime "
         f"(identity {models.dspark.identity}) drafts at most 7 tokens per block")
     # An engine's own drafter is held to its own limit, whatever --model says.
-    wide = SimpleNamespace(dspark=SimpleNamespace(max_width=16, identity="own"))
+    wide = SimpleNamespace(target=models.target, mtp=None,
+                           dspark=SimpleNamespace(max_width=16, identity="own", draft=print))
     check_model_limits(launch, wide)
 
 
@@ -136,3 +138,63 @@ def test_runtime_start_refuses_a_width_beyond_the_drafter_before_any_device_work
                                           "num_speculative_tokens": 9}), models=given)
     with pytest.raises(ConfigError, match=r"^--num_speculative_tokens=9: expected 1\.\.7"):
         asyncio.run(runtime.start())
+
+
+class NoVerify:
+    """A target an engine forgot to finish: everything but ``verify``."""
+
+    def __init__(self, target: object) -> None:
+        self._target = target
+
+    def __getattr__(self, name: str) -> object:
+        if name == "verify":
+            raise AttributeError(name)
+        return getattr(self._target, name)
+
+
+@pytest.mark.parametrize(("algorithm", "width", "make", "message"), [
+    ("none", 0, lambda m: SimpleNamespace(target=NoVerify(m.target), mtp=None, dspark=None),
+     r"^Runtime\(models=\.\.\.\)\.target=NoVerify: expected a TargetModel: it has no verify$"),
+    ("DSpark", 3, lambda m: SimpleNamespace(target=m.target, mtp=m.mtp, dspark=None),
+     r"^Runtime\(models=\.\.\.\)=SimpleNamespace: expected a model set with dspark \(a "
+     r"DSparkDrafter\) for --speculative_algorithm=DSpark$"),
+    ("MTP", 2, lambda m: SimpleNamespace(target=m.target, mtp=SimpleNamespace(
+        identity="x", allocate=print, publish=print), dspark=None),
+     r"^Runtime\(models=\.\.\.\)\.mtp=SimpleNamespace: expected a MtpDrafter: it has no step$"),
+])
+def test_runtime_start_names_what_a_model_set_lacks_before_any_device_work(
+        algorithm: str, width: int, make: Any, message: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+
+    from adaspec.runtime import engine
+
+    def no_stream(*args: object) -> None:
+        raise AssertionError("a stream was opened before the models were checked")
+
+    monkeypatch.setattr(engine, "open_stream", no_stream)
+    launch = {"speculative_algorithm": algorithm, "num_speculative_tokens": width}
+    runtime = engine.Runtime(load_config(launch), models=make(load_reference_models()))
+    with pytest.raises(ConfigError, match=message):
+        asyncio.run(runtime.start())
+
+
+def test_a_model_set_without_the_unused_drafter_decodes() -> None:
+    import asyncio
+
+    from adaspec.config import SamplingParams
+    from adaspec.runtime.engine import Runtime
+
+    full = load_reference_models()
+    models = SimpleNamespace(target=full.target, mtp=full.mtp, dspark=None)
+    runtime = Runtime(load_config({"speculative_algorithm": "MTP",
+                                   "num_speculative_tokens": 2}), models=models)
+
+    async def run() -> int:
+        await runtime.start()
+        result = await runtime.submit(list(b"ROMEO."), SamplingParams(temperature=0.0,
+                                                                      max_tokens=8)).result()
+        await runtime.stop()
+        return len(result.token_ids)
+
+    assert asyncio.run(run()) == 8

@@ -1,36 +1,62 @@
-"""Whether a launch asks its models for more than they can do, checked before any device work.
+"""Whether a launch can run on its models at all, checked before any device work.
 
 ``Runtime.start`` calls ``check_model_limits(launch, models)`` with the models it was given
-(``None`` for the built-in ones, checked without loading them): a DSpark launch wider than its
-drafter's ``max_width`` would otherwise fail every request at its first round.
+(``None`` for the built-in ones, checked without loading them): models that lack a method the
+runtime calls, or a DSpark launch wider than its drafter's ``max_width``, would otherwise fail
+every request at its first round.
 """
-
-from typing import Protocol
 
 from adaspec.config.builtin import check_builtin_limits
 from adaspec.config.launch import LaunchConfig
 from adaspec.errors import ConfigError
-from adaspec.models.protocols import DSparkDrafter
+from adaspec.models.protocols import (
+    DSparkDrafter,
+    ModelSet,
+    MtpDrafter,
+    TargetModel,
+    missing_member,
+)
 
 
-class HasDSpark(Protocol):
-    """The part of a model set (``ReferenceModels`` or an engine's own) checked here."""
-
-    @property
-    def dspark(self) -> DSparkDrafter: ...
-
-
-def check_model_limits(launch: LaunchConfig, models: HasDSpark | None) -> None:
-    """Refuse, naming ``--num_speculative_tokens``, a DSpark width the drafter cannot draft;
+def check_model_limits(launch: LaunchConfig, models: ModelSet | None) -> None:
+    """Refuse models that do not provide what the launch uses (naming the missing member)
+    and a DSpark width the drafter cannot draft (naming ``--num_speculative_tokens``);
     ``models=None`` means the built-in models of ``launch.model``."""
     if models is None:
         check_builtin_limits(launch)
         return
+    check_conformance(launch, models)
     if launch.speculative_algorithm != "DSpark":
         return
-    limit = models.dspark.max_width
+    dspark = models.dspark
+    assert dspark is not None  # check_conformance refused a missing one
+    limit = dspark.max_width
     if launch.num_speculative_tokens > limit:
         raise ConfigError("--num_speculative_tokens", launch.num_speculative_tokens,
                           f"expected 1..{limit}: the DSpark drafter passed to the runtime "
-                          f"(identity {models.dspark.identity}) drafts at most {limit} tokens "
+                          f"(identity {dspark.identity}) drafts at most {limit} tokens "
                           "per block")
+
+
+DRAFTERS: dict[str, tuple[str, type]] = {"MTP": ("mtp", MtpDrafter),
+                                         "DSpark": ("dspark", DSparkDrafter)}
+"""The ``ModelSet`` attribute and protocol of each algorithm's drafter."""
+
+
+def check_conformance(launch: LaunchConfig, models: ModelSet) -> None:
+    """Refuse, naming the first missing member, a model set whose target (or the drafter
+    the launch's algorithm uses) does not provide its protocol."""
+    parts: list[tuple[str, type]] = [("target", TargetModel)]
+    if launch.speculative_algorithm in DRAFTERS:
+        parts.append(DRAFTERS[launch.speculative_algorithm])
+    for attribute, protocol in parts:
+        model = getattr(models, attribute, None)
+        if model is None:
+            raise ConfigError("Runtime(models=...)", type(models).__name__,
+                              f"expected a model set with {attribute} (a "
+                              f"{protocol.__name__}) for --speculative_algorithm="
+                              f"{launch.speculative_algorithm}")
+        missing = missing_member(model, protocol)
+        if missing is not None:
+            raise ConfigError(f"Runtime(models=...).{attribute}", type(model).__name__,
+                              f"expected a {protocol.__name__}: it has no {missing}")

@@ -192,3 +192,44 @@ class DSparkDrafter(CheckpointInfo, Protocol):
     def draft(self, hidden: Tensor, token_ids: Tensor, width: int) -> DSparkBlock:
         """Draft ``width`` tokens after ``token_ids [N]`` from the target's ``hidden [N, d]``."""
         ...
+
+
+@runtime_checkable
+class ModelSet(Protocol):
+    """What ``Runtime(models=...)`` takes: the target and the drafters a launch may use.
+
+    A drafter the launch's algorithm does not use may be None (an engine with only an MTP
+    head gives ``dspark=None``); ``ReferenceModels`` is one such set."""
+
+    @property
+    def target(self) -> TargetModel: ...
+
+    @property
+    def mtp(self) -> MtpDrafter | None: ...
+
+    @property
+    def dspark(self) -> DSparkDrafter | None: ...
+
+
+def protocol_members(protocol: type) -> tuple[str, ...]:
+    """The attributes and methods a protocol requires, its bases' included, in a stable
+    order (what ``isinstance`` checks, by name, so a refusal can say which one is missing)."""
+    names: dict[str, None] = {}
+    for cls in reversed(protocol.__mro__):
+        if cls is object or cls is Protocol or not getattr(cls, "_is_protocol", False):
+            continue
+        for name in (*getattr(cls, "__annotations__", {}), *vars(cls)):
+            if not name.startswith("_"):
+                names[name] = None
+    return tuple(names)
+
+
+def missing_member(model: object, protocol: type) -> str | None:
+    """The first member of ``protocol`` that ``model`` lacks (a method must be callable),
+    or None when it provides them all."""
+    for name in protocol_members(protocol):
+        if not hasattr(model, name):
+            return name
+        if callable(getattr(protocol, name, None)) and not callable(getattr(model, name)):
+            return name
+    return None

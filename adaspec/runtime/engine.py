@@ -26,6 +26,7 @@ from adaspec.config.requests import SamplingParams, check_request
 from adaspec.errors import ConfigError, InvalidRequest
 from adaspec.models.checkpoint import ReferenceModels, load_reference_models
 from adaspec.models.limits import check_model_limits
+from adaspec.models.protocols import ModelSet
 from adaspec.policies.base import BudgetPolicy, DepthPolicy
 from adaspec.policies.bundles import Compatibility, CostBundle, bundle_from_dict, load_bundle
 from adaspec.policies.registry import make_budget_policy, make_depth_policy
@@ -129,7 +130,7 @@ class RuntimeStopped(RuntimeError):
 class Runtime:
     """Adaptive speculative decoding for one rank."""
 
-    def __init__(self, config: EffectiveConfig, *, models: ReferenceModels | None = None,
+    def __init__(self, config: EffectiveConfig, *, models: ModelSet | None = None,
                  options: RuntimeOptions | None = None,
                  collectives: Collectives | None = None) -> None:
         self.config = config
@@ -178,7 +179,7 @@ class Runtime:
             self._closers.clear()
             raise
 
-    async def _start_on_stream(self, models: ReferenceModels, device: torch.device,
+    async def _start_on_stream(self, models: ModelSet, device: torch.device,
                                geometry: BucketGeometry, plan: CalibrationPlan | None,
                                saved: CostBundle | None) -> None:
         launch = self.launch
@@ -200,18 +201,19 @@ class Runtime:
         self._task = asyncio.get_running_loop().create_task(self._pipeline.run())
         self._stopping = None
 
-    def _device_context(self, models: ReferenceModels, device: torch.device) -> DeviceContext:
+    def _device_context(self, models: ModelSet, device: torch.device) -> DeviceContext:
         launch = self.launch
         # A finished request's KV slot is reused only after the rounds in flight retire.
         num_slots = 2 * launch.max_seqs_per_batch
         target = models.target
         target.allocate(num_slots)
         drafting: Drafting = NoDrafting()
-        if launch.speculative_algorithm == "MTP":
+        # check_model_limits refused a set without the drafter the algorithm uses.
+        if launch.speculative_algorithm == "MTP" and models.mtp is not None:
             models.mtp.allocate(num_slots)
             drafting = MtpDrafting(models.mtp, launch.num_speculative_tokens,
                                    target.context_limit, num_slots)
-        elif launch.speculative_algorithm == "DSpark":
+        elif launch.speculative_algorithm == "DSpark" and models.dspark is not None:
             drafting = DSparkDrafting(models.dspark, launch.num_speculative_tokens)
         hidden_size = target.hidden_size if drafting.keeps_hidden else 0
         states = SlotStates.allocate(num_slots, hidden_size, target.dtype, device)
@@ -220,7 +222,7 @@ class Runtime:
                              device=device, seed=self.options.seed,
                              stage_hook=self.options.stage_hook)
 
-    async def _prepare_bindings(self, models: ReferenceModels, geometry: BucketGeometry
+    async def _prepare_bindings(self, models: ModelSet, geometry: BucketGeometry
                                 ) -> list[BindingRegistry] | None:
         """One registry per pipeline slot, prepared on the device stream before ready."""
         launch = self.launch
@@ -239,7 +241,7 @@ class Runtime:
         return registries
 
     # --- costs -----------------------------------------------------------------------------
-    def _cost_source(self, models: ReferenceModels, geometry: BucketGeometry
+    def _cost_source(self, models: ModelSet, geometry: BucketGeometry
                      ) -> tuple[CalibrationPlan | None, CostBundle | None]:
         """The checked calibration plan, or the saved table checked against this launch."""
         launch = self.launch
@@ -258,13 +260,13 @@ class Runtime:
                                context_limit=models.target.context_limit)
         return None, saved
 
-    def compatibility(self, models: ReferenceModels, geometry: BucketGeometry
+    def compatibility(self, models: ModelSet, geometry: BucketGeometry
                       ) -> Compatibility:
         """What a saved table must share with this launch."""
         launch = self.launch
         draft = models.mtp if launch.speculative_algorithm == "MTP" else models.dspark
         return Compatibility(
-            target=models.target.identity, draft=draft.identity,
+            target=models.target.identity, draft="none" if draft is None else draft.identity,
             algorithm=launch.speculative_algorithm, draft_width=launch.num_speculative_tokens,
             dp_size=launch.dp_size, tp_size=launch.resolved.tp_size,
             unified=launch.enable_unified_mtp_graph, request_buckets=geometry.request_buckets,
@@ -273,7 +275,7 @@ class Runtime:
 
     async def _calibrate(self, ctx: DeviceContext, geometry: BucketGeometry,
                          registries: list[BindingRegistry] | None, plan: CalibrationPlan,
-                         models: ReferenceModels) -> CostBundle:
+                         models: ModelSet) -> CostBundle:
         """Drive a calibration pipeline (this runtime's context, stream and bindings, its own
         bus and a real clock) over the plan, fit, and save the bundle when asked."""
         assert self._stream is not None
