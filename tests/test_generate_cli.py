@@ -1,6 +1,7 @@
 """`adaspec generate`, `adaspec states` and `adaspec replay` as scripts use them."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +39,17 @@ def test_json_results_come_in_prompt_order_with_text_tokens_and_acceptance(
     # Greedy speculative text equals the target alone.
     assert [r["token_ids"] for r in results] == [r["token_ids"] for r in plain["results"]]
     assert "residual or bonus" in str(spec["acceptance_length"])
+    assert spec["tokens"] == 36
+    assert isinstance(spec["seconds"], float)
+    assert spec["tokens_per_second"] == pytest.approx(36 / spec["seconds"], rel=0.01)
+
+
+def test_text_output_ends_with_the_decode_rate(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.run(["generate", *LAUNCH, "--prompt", "Enter", "--max_tokens", "6",
+                    "--temperature", "0"]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert re.fullmatch(r"6 tokens in \d+\.\d{3} s: \d+\.\d tokens/s \(from the first submit "
+                        r"to the last result; start-up not counted\)", last)
 
 
 def test_prompts_file_one_per_line_and_a_sampling_run(tmp_path: Path,
@@ -53,7 +65,7 @@ def test_prompts_file_one_per_line_and_a_sampling_run(tmp_path: Path,
     assert [r["prompt"] for r in results] == ["First line", "Second line"]
     again = run_json([*LAUNCH, "--prompts_file", str(prompts), "--max_tokens=5",
                       "--temperature=0.8", "--top_k=20", "--top_p=0.9", "--seed=3"], capsys)
-    assert again == document  # seeded: the same draws
+    assert again["results"] == document["results"]  # seeded: the same draws
 
 
 def test_event_log_and_trace_flags_write_files_that_replay(

@@ -12,6 +12,7 @@ prompt order. ``--speculative_algorithm=none`` runs the target alone, for compar
 import asyncio
 import json
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -153,11 +154,15 @@ def sampling_params(values: dict[str, str]) -> SamplingParams:
 
 
 async def decode(runtime: Runtime, prompts: list[str], params: SamplingParams
-                 ) -> list[RequestResult]:
+                 ) -> tuple[list[RequestResult], float]:
+    """The results, and the seconds from the first submit to the last result (start-up,
+    graph preparation and calibration left out)."""
     await runtime.start()
     try:
+        started = time.perf_counter()
         handles = [runtime.submit(list(p.encode("utf-8")), params) for p in prompts]
-        return [await handle.result() for handle in handles]
+        results = [await handle.result() for handle in handles]
+        return results, time.perf_counter() - started
     finally:
         await runtime.stop()
 
@@ -193,10 +198,13 @@ def run_generate(argv: Sequence[str]) -> int:
                              event_log=args.values.get("event_log"),
                              trace=args.values.get("trace"),
                              calibration_progress=progress_reporter(sys.stderr))
-    results = asyncio.run(decode(Runtime(config, options=options), prompts, params))
+    results, seconds = asyncio.run(decode(Runtime(config, options=options), prompts, params))
     rows = [result_dict(p, r) for p, r in zip(prompts, results, strict=True)]
+    tokens = sum(len(r.token_ids) for r in results)
+    rate = tokens / seconds if seconds > 0 else 0.0
     if args.as_json:
-        print(json.dumps({"results": rows,
+        print(json.dumps({"results": rows, "tokens": tokens, "seconds": round(seconds, 4),
+                          "tokens_per_second": round(rate, 1),
                           "acceptance_length": "accepted + 1 (counts the residual or bonus "
                                                "token)"}, indent=2))
     else:
@@ -205,5 +213,7 @@ def run_generate(argv: Sequence[str]) -> int:
                   f"rounds (accepted {row['drafted_accepted']} of {row['drafted_verified']} "
                   f"verified drafts), finish {row['finish_reason']}")
             print(row["prompt"] + row["text"])
+        print(f"{tokens} tokens in {seconds:.3f} s: {rate:.1f} tokens/s (from the first "
+              "submit to the last result; start-up not counted)")
     sys.stdout.flush()
     return 0
