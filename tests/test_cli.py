@@ -45,7 +45,6 @@ def test_valid_launch_prints_every_setting_with_sources() -> None:
     ["config", "--dp_size"],
     ["config", "--adaptive_target_verify_calibration=/nonexistent/x.json", *ATV],
     ["frobnicate"],
-    [],
 ])
 def test_invalid_input_exits_2_with_one_line_and_nothing_on_stdout(args: list[str]) -> None:
     done = adaspec(*args)
@@ -99,3 +98,31 @@ def test_rules_listing_shows_every_rule_with_its_source(capsys: pytest.CaptureFi
     assert lines[0] == (
         "--enable_adaptive_draft_step=true -> --enable_adaptive_target_verify=false   "
         "[Adaptive Speculation: at most one of the two adaptive controls may be on]")
+
+
+@pytest.mark.parametrize(("argv", "line"), [
+    (["generate", "--prompt", "--max_tokens", "5", "--temperature", "0"],
+     "adaspec generate: error: --prompt: expected a value (prompt TEXT; --prompt=VALUE for a "
+     "value that starts with --)"),
+    (["bench", "--concurrency", "--quick"],
+     "adaspec bench: error: --concurrency: expected a value (concurrency LIST; "
+     "--concurrency=VALUE for a value that starts with --)"),
+    (["bench", "--concurency=1"],
+     "adaspec bench: error: --concurency=1: unknown flag; did you mean --concurrency?"),
+    (["models", "--jsn"], "adaspec models: error: --jsn: unknown flag; did you mean --json?"),
+    (["bench", "--num_speculative_token=3"],
+     "adaspec bench: error: --num_speculative_token=3: unknown flag; did you mean "
+     "--num_speculative_tokens?"),
+])
+def test_a_flag_without_its_value_or_misspelled_is_named_itself(
+        argv: list[str], line: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(argv) == 2
+    captured = capsys.readouterr()
+    assert (captured.out, captured.err) == ("", line + "\n")
+
+
+def test_a_value_that_starts_with_dashes_is_given_with_an_equals_sign(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(["generate", "--prompt=--max_tokens", "--max_tokens", "2",
+                    "--temperature", "0"]) == 0
+    assert "--max_tokens" in capsys.readouterr().out

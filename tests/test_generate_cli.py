@@ -112,4 +112,15 @@ def test_states_diagram_prints_the_declared_graph(capsys: pytest.CaptureFixture[
     out = capsys.readouterr().out
     assert out.startswith("stateDiagram-v2")
     assert "retire --> retired: retire_done" in out
-    assert cli.run(["states"]) == 2
+    assert cli.run(["states"]) == 0  # the diagram is all it prints
+    assert capsys.readouterr().out == out
+    assert cli.run(["states", "--json"]) == 2
+    assert capsys.readouterr().err == ("adaspec states: error: adaspec states=--json: expected "
+                                       "no flag or --diagram\n")
+
+
+def test_adaspec_alone_prints_the_help(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.run([]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: adaspec COMMAND")
+    assert all(f"\n  {command} " in out for command in cli.COMMANDS)
