@@ -80,6 +80,25 @@ def test_price_steps_within_the_window_noise_are_levelled() -> None:
     assert table.cost_ms(16, 32) == table.cost_ms(16, 16)
 
 
+def test_levelled_fits_of_very_noisy_grids_stay_on_the_measured_level_and_reload() -> None:
+    # A tiny calibration on a busy machine: few points, two windows each, up to 3x apart.
+    # Levelling once pulled the first G term so low that the smallest shape cost nothing,
+    # a table every reader refuses.
+    points = [(1, 1), (1, 2), (1, 4), (1, 6), (2, 2), (2, 4), (2, 6), (2, 8), (2, 12)]
+    for seed in range(200):
+        rng = np.random.default_rng(seed)
+        noisy = [CostSample(b, g, 0.05 * float(np.exp(rng.uniform(-1.1, 1.1))))
+                 for b, g in points for _ in range(2)]
+        table = fit_additive(noisy)
+        assert table_from_dict(table.as_dict()) == table
+        medians = {}
+        for point in points:
+            values = sorted(x.seconds for x in noisy if (x.num_reqs_bucket, x.num_rows) == point)
+            medians[point] = float(np.median(values))
+        priced = [table.seconds(b, g) for b, g in points]
+        assert np.mean(priced) == pytest.approx(np.mean(list(medians.values())), rel=1e-9)
+
+
 def test_without_levelling_every_monotone_step_is_kept() -> None:
     """Without levelling (the depth profile's fit) a small real step stays a step."""
     points = [(b, g) for b, g in all_points() if b == 8]

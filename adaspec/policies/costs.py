@@ -323,9 +323,16 @@ def fit_additive(samples: Sequence[CostSample], *, level: bool = True) -> Additi
     theta = (0.0, *solution[len(buckets):].tolist())
     contrast = _theta_contrast(design, residuals, raw, len(buckets)) if level else _exact
     passes = _pass_thetas(raw, samples, buckets, rows) if level else []
+    alpha = _running_max(alpha)
+    theta = significant_steps(theta, _windows_per_g(raw, rows), contrast, passes)
+    # Repairing and levelling the terms moves their level; the bias puts the table back on
+    # the measured points on average, so no shape is priced far from what was measured (a
+    # levelled first G term had priced the smallest shape at or below zero).
+    terms = [alpha[buckets.index(p.num_reqs_bucket)] + theta[rows.index(p.num_rows)]
+             for p in samples]
+    bias = float(np.mean(measured - np.array(terms)))
     return AdditiveTable(
-        bias=float(solution[0]), buckets=buckets, alpha=_running_max(alpha), rows=rows,
-        theta=significant_steps(theta, _windows_per_g(raw, rows), contrast, passes),
+        bias=bias, buckets=buckets, alpha=alpha, rows=rows, theta=theta,
         residual_rms=float(np.sqrt(np.mean(residuals ** 2))),
         residual_max_relative=float(np.max(np.abs(residuals) / measured)))
 
