@@ -284,3 +284,30 @@ def test_a_wrong_type_deep_in_an_array(tmp_path: Path) -> None:
 def test_an_event_that_is_not_an_object(tmp_path: Path) -> None:
     read_error(damaged(tmp_path, lambda lines: lines.insert(1, "[1, 2]\n")), 2,
                re.escape("expected a JSON object (one event), got [1, 2]"))
+
+
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_nan_and_infinity_are_not_json(tmp_path: Path, constant: str) -> None:
+    def edit(lines: list[str]) -> None:
+        lines[6] = lines[6].replace('"time":2.5', f'"time":{constant}')
+
+    read_error(damaged(tmp_path, edit), 7,
+               f"invalid JSON: {constant} is not JSON; expected a finite number")
+
+
+def test_a_key_given_twice_in_one_object(tmp_path: Path) -> None:
+    def edit(lines: list[str]) -> None:
+        lines[3] = lines[3].replace('"depth":3}', '"depth":3,"depth":1}')
+
+    read_error(damaged(tmp_path, edit), 4,
+               re.escape('invalid JSON: key "depth" appears twice in one object'))
+
+
+def test_a_deeply_nested_line(tmp_path: Path) -> None:
+    read_error(damaged(tmp_path, lambda lines: lines.insert(2, "[" * 100_000 + "]" * 100_000
+                                                                + "\n")),
+               3, "invalid JSON: nested too deeply; expected one event object per line")
+
+
+def test_a_directory_is_not_a_log(tmp_path: Path) -> None:
+    read_error(tmp_path, None, "a directory, not a regular file; expected an event log file")

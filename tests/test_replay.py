@@ -5,7 +5,9 @@ reported, and ``adaspec replay`` says all of it with its exit status.
 
 The recorded run is synthetic: fixed policies (depth d = w, G = the tier covering B * (d + 1)),
 a batch size B that varies by round so G varies, and round n-2 retiring just before the
-decisions of round n, as the two-slot pipeline does.
+decisions of round n, as the two-slot pipeline does. Its header carries the effective config of
+a launch whose geometry its events respect (width 3, request buckets 1, 2, 4), since replay
+checks the log as one run of that launch before replaying it.
 """
 
 import json
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from adaspec.config.effective import load_config
 from adaspec.errors import EventLogError, ReplayMismatch
 from adaspec.policies.base import (
     BudgetContext,
@@ -36,6 +39,8 @@ from adaspec.runtime.events.types import (
 WIDTH = 3  # w
 TIERS = (4, 8, 16)  # legal G; B * (w + 1) is 4, 8, 12 or 16, so every tier is chosen
 NUM_ROUNDS = 10
+LAUNCH = {"speculative_algorithm": "DSpark", "num_speculative_tokens": WIDTH,
+          "max_seqs_per_batch": 4}  # request buckets 1, 2, 4; bucket 4's legal G are TIERS
 
 
 def num_reqs(round: int) -> int:
@@ -51,7 +56,12 @@ def feedback(round: int) -> RoundFeedback:
 
 def budget_context(round: int) -> BudgetContext:
     return BudgetContext(round=round, num_reqs=num_reqs(round), num_reqs_bucket=4, width=WIDTH,
-                         depth=WIDTH, tiers=TIERS, retired_through=max(round - 2, -1))
+                         depth=WIDTH, tiers=TIERS, retired_through=max(round - 2, -1),
+                         request_ids=request_ids(round), max_kv_length=64)
+
+
+def request_ids(round: int) -> tuple[int, ...]:
+    return tuple(range(num_reqs(round)))
 
 
 def covering(round: int) -> int:
@@ -67,7 +77,7 @@ def round_events(round: int) -> list[Event]:
     return [DepthDecided(round=round, slot=slot, context=context, depth=WIDTH),
             BudgetDecided(round=round, slot=slot, context=budget_context(round), num_rows=rows,
                           bound_rows=rows),
-            RoundSubmitted(round=round, slot=slot, request_ids=tuple(range(num_reqs(round))),
+            RoundSubmitted(round=round, slot=slot, request_ids=request_ids(round),
                            num_reqs_bucket=4),
             StageCompleted(round=round, slot=slot, stage="commit")]
 
@@ -88,7 +98,7 @@ def recorded_run() -> list[Event]:
 
 
 def write_run(path: Path, events: list[Event] | None = None) -> Path:
-    head = log_header(config={"num_speculative_tokens": WIDTH}, cost_table=None,
+    head = log_header(config=load_config(LAUNCH).as_dict(), cost_table=None,
                       seeds={"sampling": 0}, depth_policy=FixedDepth(),
                       budget_policy=FullBudget())
     with EventLogWriter(path, head) as writer:

@@ -130,10 +130,27 @@ def parse_workload(lines: Iterable[str], source: str) -> Workload:
 
 def _json(source: str, number: int, text: str) -> Any:
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
     except ValueError as error:
         raise ConfigError("--workload", f"{source}:{number}",
                           f"expected one JSON object per line ({error})") from None
+    except RecursionError:
+        raise ConfigError("--workload", f"{source}:{number}", "expected one JSON object per "
+                          "line (this one is nested too deeply)") from None
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """With a repeated key json keeps the last value silently; a workload line is refused."""
+    data = dict(pairs)
+    if len(data) != len(pairs):
+        keys = [key for key, _ in pairs]
+        raise ValueError(f"key {next(k for k in keys if keys.count(k) > 1)!r} appears twice "
+                         "in one object")
+    return data
+
+
+def _no_constant(name: str) -> object:
+    raise ValueError(f"{name} is not JSON; expected a finite number")
 
 
 def _round(data: Any, width: int, dp_size: int, where: str) -> WorkloadRound:

@@ -10,12 +10,11 @@ no ``--cost_table``. No model is loaded and torch is not imported.
 
 import json
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from adaspec.config.files import read_json_object
-from adaspec.errors import MISSING, ConfigError
-from adaspec.policies.bundles import CostBundle, load_bundle
+from adaspec.errors import MISSING, ConfigError, IncompatibleCostTable, show_value
+from adaspec.policies.bundles import COMPATIBILITY_FIELDS, CostBundle, load_bundle
 from adaspec.policies.simulate import (
     WORKLOAD_FORMAT,
     SimulationResult,
@@ -26,7 +25,10 @@ from adaspec.policies.simulate import (
     parse_workload,
     simulate,
 )
-from adaspec.runtime.events.replay import recorded_costs
+
+if TYPE_CHECKING:  # the runtime's modules load only for an event log
+    from adaspec.runtime.events.replay import RecordedRun
+    from adaspec.runtime.events.types import Event
 
 USAGE = """usage: adaspec simulate --workload FILE --cost_table FILE --policy NAME
                         [--policy NAME ...] [--json]
@@ -47,13 +49,15 @@ def run_simulate(argv: Sequence[str]) -> int:
         print(USAGE)
         return 0
     values = _arguments(argv)
-    workload, logged = read_workload(values["workload"][0])
-    costs = _costs(values.get("cost_table"), logged)
+    workload, run = read_workload(values["workload"][0])
+    costs = _costs(values.get("cost_table"), run, workload.name)
     for spec in values["policy"]:  # every name checked before any policy runs
         make_policies(spec, costs, workload.width)
     results = [simulate(spec, workload, costs, values.get("cost_table", ["log"])[0])
                for spec in values["policy"]]
     report = _report(workload, costs, results)
+    if run is not None:
+        report["unchecked_compatibility"] = _unchecked(costs, run)
     if "json" in values:
         print(json.dumps(report, indent=2))
     else:
@@ -88,29 +92,57 @@ def _arguments(argv: Sequence[str]) -> dict[str, list[str]]:
     return values
 
 
-def read_workload(path: str) -> tuple[Workload, dict[str, Any] | None]:
-    """The workload of a file, and the header when the file is an event log."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        raise ConfigError("--workload", path, f"cannot be read ({type(error).__name__})") \
-            from None
+def read_workload(path: str) -> tuple[Workload, "RecordedRun | None"]:
+    """The workload of a file, and the checked run when the file is an event log."""
+    text = _read_text(path)
     first = text.lstrip().split("\n", 1)[0]
     if WORKLOAD_FORMAT in first:
         return parse_workload(text.splitlines(), path), None
     from adaspec.runtime.events.log import read_event_log
+    from adaspec.runtime.events.replay import check_recorded_run
 
     header, events = read_event_log(path)
-    return workload_of_log(header, events, path), header
+    run = check_recorded_run(header, events, path)
+    return _workload_of_run(run, events, path), run
 
 
-def workload_of_log(header: dict[str, Any], events: Sequence[Any], path: str) -> Workload:
-    """Each retired round of a recorded run as a workload round. Where the run verified fewer
-    drafts than the width and all of them were accepted, the full-width acceptance is unknown:
-    the recorded count stands in as a lower bound and the request is marked censored."""
+def _read_text(path: str) -> str:
+    """The file's text; a FIFO or a device is refused before reading a byte (one could block
+    forever), like the config readers refuse them."""
+    from adaspec.runtime.events.log import NotRegularFile, open_regular
+
+    try:
+        with open_regular(path) as file:
+            data = file.read()
+    except NotRegularFile as error:
+        raise ConfigError("--workload", path, f"expected a regular file, got a "
+                          f"{error.kind}") from None
+    except OSError as error:
+        reason = f": {error.strerror}" if error.strerror else ""
+        raise ConfigError("--workload", path, f"cannot be read ({type(error).__name__}"
+                          f"{reason})") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError("--workload", path, "cannot be read (UnicodeDecodeError); "
+                          "expected UTF-8 text") from None
+
+
+def workload_of_log(header: dict[str, Any], events: Sequence["Event"], path: str) -> Workload:
+    """Each retired round of a recorded run as a workload round, the log checked first as
+    ``adaspec replay`` checks it (``EventLogError`` naming the line)."""
+    from adaspec.runtime.events.replay import check_recorded_run
+
+    return _workload_of_run(check_recorded_run(header, events, path), events, path)
+
+
+def _workload_of_run(run: "RecordedRun", events: Sequence["Event"], path: str) -> Workload:
+    """Where the run verified fewer drafts than the width and all of them were accepted, the
+    full-width acceptance is unknown: the recorded count stands in as a lower bound and the
+    request is marked censored."""
     from adaspec.runtime.events.types import BudgetDecided, RoundRetired
 
-    width = int(header["config"]["launch"]["settings"]["num_speculative_tokens"])
+    width = run.launch.num_speculative_tokens
     kv = {e.round: e.context.max_kv_length for e in events if isinstance(e, BudgetDecided)}
     rounds = []
     for event in events:
@@ -134,13 +166,38 @@ def workload_of_log(header: dict[str, Any], events: Sequence[Any], path: str) ->
     return Workload(width=width, rounds=tuple(rounds), name=path)
 
 
-def _costs(paths: list[str] | None, header: dict[str, Any] | None) -> CostBundle:
+def _costs(paths: list[str] | None, run: "RecordedRun | None", log: str) -> CostBundle:
     if paths:
-        return load_bundle(paths[0], read_json_object("cost_table", paths[0]))
-    recorded = recorded_costs(header) if header is not None else None
-    if recorded is not None:
-        return recorded
+        costs = load_bundle(paths[0], read_json_object("cost_table", paths[0]))
+        if run is not None:
+            _check_for_run(costs, run, paths[0], log)
+        return costs
+    if run is not None and run.costs is not None:
+        return run.costs
     raise ConfigError("--cost_table", MISSING, "required (the workload carries no cost table)")
+
+
+def _check_for_run(costs: CostBundle, run: "RecordedRun", path: str, log: str) -> None:
+    """Refuse a table the recorded run's launch would have refused: its prices are another
+    launch's (algorithm, width, parallel layout, graphs, device, geometry or models)."""
+    from adaspec.runtime.events.replay import check_table_for_run
+
+    try:
+        check_table_for_run(costs, run, path)
+    except IncompatibleCostTable as error:
+        raise ConfigError("--cost_table", path, f"{error.field} is "
+                          f"{show_value(error.saved)} in the table but "
+                          f"{show_value(error.launch)} in the recorded run {log}; expected a "
+                          "table saved by a launch like the run's") from None
+
+
+def _unchecked(costs: CostBundle, run: "RecordedRun") -> list[str]:
+    """Compatibility fields no check covered: the table or the log does not record them (none
+    for the log's own table, which the run installed)."""
+    if costs is run.costs:
+        return []
+    return [name for name in COMPATIBILITY_FIELDS
+            if name not in run.known or name not in costs.compatibility]
 
 
 def _report(workload: Workload, costs: CostBundle, results: list[SimulationResult]
@@ -179,4 +236,7 @@ def _table(report: dict[str, Any]) -> str:
                      f"{row.get('vs_best_fixed', float('nan')):13.3f} "
                      f"{row.get('vs_oracle', float('nan')):9.3f}")
     lines.append("AL = accepted + 1 (counts the residual or bonus token)")
+    if report.get("unchecked_compatibility"):
+        lines.append("not checked against the recorded run (the log or the table does not "
+                     f"record them): {', '.join(report['unchecked_compatibility'])}")
     return "\n".join(lines)

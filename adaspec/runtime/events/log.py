@@ -7,20 +7,43 @@ policies by name and settings). Every later line is one event's ``record()``, in
 
 The reader trusts nothing: a log may be truncated by a crash, edited by hand or come from
 another version, and each such problem is one ``EventLogError`` line naming the file, the line
-number and what is wrong there.
+number and what is wrong there. ``read_event_log`` checks each line on its own (strict JSON, the
+fields and their types); ``check_run`` then checks the events as one run: their order and the
+ranges of their values, against what the header's launch fixes (``RunShape``).
 """
 
 import dataclasses
+import errno
 import functools
 import json
 import os
-from collections.abc import Callable, Iterator, Mapping
+import stat
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import IO, TYPE_CHECKING, Any, NamedTuple, get_args, get_origin
+from typing import IO, TYPE_CHECKING, Any, BinaryIO, NamedTuple, get_args, get_origin
 
 from adaspec.errors import EventLogError
-from adaspec.policies.base import BudgetPolicy, DepthPolicy
-from adaspec.runtime.events.types import EVENT_TYPES, Event, event_from_record
+from adaspec.policies.base import (
+    BudgetContext,
+    BudgetPolicy,
+    DepthContext,
+    DepthPolicy,
+    RoundFeedback,
+)
+from adaspec.runtime.events.types import (
+    EVENT_TYPES,
+    STAGES,
+    BudgetDecided,
+    DepthDecided,
+    Event,
+    RequestArrived,
+    RequestFinished,
+    RoundFailed,
+    RoundRetired,
+    RoundSubmitted,
+    StageCompleted,
+    event_from_record,
+)
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -154,22 +177,70 @@ class EventLog(NamedTuple):
 
 
 def read_event_log(path: str | os.PathLike[str]) -> EventLog:
-    """Read and check a whole event log; any problem is one ``EventLogError`` line."""
+    """Read and check every line of an event log; any problem is one ``EventLogError`` line.
+    The events' order and ranges are ``check_run``'s to check."""
     name = os.fspath(path)
     try:
-        file = open(name, "rb")  # bytes: a bad UTF-8 sequence is reported with its line
+        file = open_regular(name)  # bytes: a bad UTF-8 sequence is reported with its line
     except FileNotFoundError:
         raise EventLogError(name, None, "no such file") from None
+    except NotRegularFile as error:
+        raise EventLogError(name, None, f"{error.strerror}; expected an event log "
+                            "file") from None
     except OSError as error:
         raise EventLogError(name, None, f"cannot open it: {_os_reason(error)}") from None
     with file:
-        lines: Iterator[bytes] = iter(file)
-        first = next(lines, None)
-        if first is None:
-            raise EventLogError(name, None, "empty file; expected a header line first")
-        header = _header(name, first)
-        events = [_event(name, number, raw) for number, raw in enumerate(lines, start=2)]
+        try:
+            return _read_lines(name, file)
+        except OSError as error:  # a special file that passes for a regular one (/proc)
+            raise EventLogError(name, None, f"cannot read it: {_os_reason(error)}") from None
+
+
+def _read_lines(name: str, file: BinaryIO) -> EventLog:
+    lines: Iterator[bytes] = iter(file)
+    first = next(lines, None)
+    if first is None:
+        raise EventLogError(name, None, "empty file; expected a header line first")
+    header = _header(name, first)
+    events = [_event(name, number, raw) for number, raw in enumerate(lines, start=2)]
     return EventLog(header, events)
+
+
+class NotRegularFile(OSError):
+    """The path names a FIFO, a device, a socket or a directory: reading one may wait for a
+    writer forever or never end, so readers refuse it before reading a byte."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(errno.EINVAL, f"a {kind}, not a regular file")
+        self.kind = kind
+
+
+_FILE_KINDS = ((stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"),
+               (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
+               (stat.S_ISSOCK, "socket"))
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+
+
+def open_regular(path: str) -> BinaryIO:
+    """Open a regular file for reading in binary mode; ``NotRegularFile`` for anything else,
+    other ``OSError`` as ``open`` raises them."""
+    # Without O_NONBLOCK, opening a FIFO waits for a writer, forever if none comes; the kind is
+    # then read from the open descriptor, so nothing can swap the file in between.
+    try:
+        descriptor = os.open(path, os.O_RDONLY | _NONBLOCK)
+    except ValueError:  # a NUL character, possible from the Python API only
+        raise OSError(errno.EINVAL, "a file name with a NUL character") from None
+    try:
+        mode = os.fstat(descriptor).st_mode
+        if not stat.S_ISREG(mode):
+            kind = next((name for test, name in _FILE_KINDS if test(mode)), "special file")
+            raise NotRegularFile(kind)
+        if _NONBLOCK:
+            os.set_blocking(descriptor, True)
+        return os.fdopen(descriptor, "rb")
+    except BaseException:
+        os.close(descriptor)
+        raise
 
 
 def _os_reason(error: OSError) -> str:
@@ -187,13 +258,33 @@ def _json_line(name: str, number: int, raw: bytes) -> object:
     if not text.strip():
         raise EventLogError(name, number, "blank line; expected one JSON object per line")
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
     except json.JSONDecodeError as error:
         hint = "" if raw.endswith(b"\n") else (
             "; the last line is cut short (did the run stop before closing the log?)")
         # json's own wording ("Expecting value: line 1 column 5"), the line being ours
         raise EventLogError(name, number, f"invalid JSON: {error.msg}: column "
                             f"{error.colno}{hint}") from None
+    except ValueError as error:  # a repeated key or NaN: JSON that Python alone accepts
+        raise EventLogError(name, number, f"invalid JSON: {error}") from None
+    except RecursionError:
+        raise EventLogError(name, number, "invalid JSON: nested too deeply; expected one "
+                            "event object per line") from None
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object whose keys are all distinct: with a repeated key, json keeps the last value
+    silently, so a hand-edited line could say two things at once."""
+    data = dict(pairs)
+    if len(data) != len(pairs):  # comparing sizes keeps the common case free of a loop
+        keys = [key for key, _ in pairs]
+        repeated = next(key for key in keys if keys.count(key) > 1)
+        raise ValueError(f"key {_show(repeated)} appears twice in one object")
+    return data
+
+
+def _no_constant(name: str) -> object:
+    raise ValueError(f"{name} is not JSON; expected a finite number")
 
 
 def _header(name: str, raw: bytes) -> dict[str, Any]:
@@ -326,3 +417,376 @@ def _show(value: object, limit: int = 60) -> str:
     """A parsed JSON value as it appears in the file, cut short for a one-line message."""
     text = json.dumps(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# --- the run: the order of its events and the ranges of their values -----------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class RunShape:
+    """What a run's launch fixes about its events (``replay.check_recorded_run`` derives it
+    from the header's config, so a config that disagrees with its events is found)."""
+
+    width: int  # w: drafted tokens per request
+    lag: int  # the decisions of round n follow the retirement of every round <= n - lag
+    dp_size: int
+    request_buckets: tuple[int, ...]  # prepared Bcap, ascending; () when shapes are unpadded
+    target_rows: tuple[int, ...]  # prepared G, ascending; () when shapes are unpadded
+    max_bucket: int  # most requests one shard's round holds
+
+    def legal_rows(self, bucket: int) -> Sequence[int]:
+        """The G a round of bucket Bcap may verify (``BucketGeometry.legal_rows``): every
+        request keeps its anchor row, none verifies past the width."""
+        high = bucket * (self.width + 1)
+        if not self.request_buckets:
+            return range(bucket, high + 1)  # unpadded: every G; a range, never a long list
+        return tuple(g for g in self.target_rows if bucket <= g <= high)
+
+    @property
+    def min_depth(self) -> int:
+        return 0 if self.width == 0 else 1  # without drafts every round has depth 0
+
+
+def check_run(events: Sequence[Event], shape: RunShape, path: str) -> None:
+    """Check the events as one run of the pipeline; the first problem is one
+    ``EventLogError`` naming the line (event ``i`` is on line ``i + 2``).
+
+    Each round is decided (depth, then budget) and submitted in three consecutive events,
+    round numbers increasing; every submitted round then retires or fails exactly once, in
+    submission order, and rounds <= n - lag retire before round n is decided. A decision
+    that saw more feedback than the lag allows is not refused here: that is a finding of the
+    replay (its lag check), not damage to the log.
+    """
+    walk = _RunWalk(shape, path)
+    for index, event in enumerate(events):
+        walk.step(index + 2, event)
+    walk.finish(len(events) + 1)  # the last event's line
+
+
+@dataclasses.dataclass(slots=True)
+class _Round:
+    """A submitted round, as the checks after its submission need it."""
+
+    line: int  # of its round_submitted event
+    slot: int
+    num_reqs: int  # B
+    bucket: int  # Bcap
+    request_ids: tuple[int, ...]
+    depth: int  # d its budget context says it runs
+    num_rows: int  # G it was bound to (bound_rows)
+
+
+class _RunWalk:
+    """``check_run``'s state; one ``step`` per event."""
+
+    def __init__(self, shape: RunShape, path: str) -> None:
+        self.shape, self.path = shape, path
+        self.in_flight: dict[int, _Round] = {}  # submitted, not ended; in submission order
+        self.ended: dict[int, int] = {}  # round -> line of its round_retired or round_failed
+        self.newest_ended = -1
+        self.last_round = -1  # the newest round decided
+        self.deciding: DepthDecided | BudgetDecided | None = None  # a round not yet submitted
+        self.handlers: dict[type[Event], Callable[[int, Any], None]] = {
+            DepthDecided: self._depth, BudgetDecided: self._budget,
+            RoundSubmitted: self._submitted, StageCompleted: self._stage,
+            RoundRetired: self._retired, RoundFailed: self._failed,
+            RequestArrived: self._arrived, RequestFinished: self._finished}
+
+    def fail(self, line: int, event: Event, reason: str) -> EventLogError:
+        number = getattr(event, "round", None)
+        subject = event.kind if number is None else f"{event.kind} event of round {number}"
+        return EventLogError(self.path, line, f"{subject}: {reason}")
+
+    def step(self, line: int, event: Event) -> None:
+        self._check_sequence(line, event)
+        self.handlers[type(event)](line, event)
+
+    def finish(self, line: int) -> None:
+        if self.deciding is not None:
+            expected = _NEXT[type(self.deciding)]
+            raise EventLogError(self.path, line, f"the log ends before the {expected} "
+                                f"event of round {self.deciding.round}")
+        if self.in_flight:
+            round, entry = next(iter(self.in_flight.items()))
+            raise EventLogError(self.path, entry.line, f"round {round} was submitted here but "
+                                "never retired nor failed (expected a round_retired or "
+                                "round_failed event for it; was the log cut short?)")
+
+    def _check_sequence(self, line: int, event: Event) -> None:
+        """A round's two decisions and its submission are logged together."""
+        together = ("(a round's depth_decided, budget_decided and round_submitted follow "
+                    "each other)")
+        if self.deciding is None:
+            if type(event) in _PREVIOUS:
+                raise self.fail(line, event, f"no {_PREVIOUS[type(event)]} event of its round "
+                                f"just before it {together}")
+            return
+        expected, round = _NEXT[type(self.deciding)], self.deciding.round
+        if event.kind != expected or getattr(event, "round", None) != round:
+            got = event.kind + (f" of round {event.round}" if hasattr(event, "round") else "")
+            raise EventLogError(self.path, line, f"expected the {expected} event of round "
+                                f"{round} next {together}, got {got}")
+
+    # --- decisions and submission -------------------------------------------------------
+
+    def _depth(self, line: int, event: DepthDecided) -> None:
+        if event.round <= self.last_round:
+            raise self.fail(line, event, f"decided after round {self.last_round}; expected "
+                            f"rounds numbered in increasing order")
+        self._check_slot(line, event)
+        self._check_context(line, event)
+        self._check_value(line, event, "depth", event.depth, self.shape.min_depth,
+                          self.shape.width)
+        self._check_retired(line, event)
+        self.last_round, self.deciding = event.round, event
+
+    def _budget(self, line: int, event: BudgetDecided) -> None:
+        context = event.context
+        self._check_slot(line, event)
+        self._check_context(line, event)
+        assert isinstance(self.deciding, DepthDecided)  # _check_sequence saw to it
+        for name in ("num_reqs", "num_reqs_bucket"):  # one batch, both decisions
+            self._expect(line, event, f"context.{name}", getattr(context, name),
+                         getattr(self.deciding.context, name), "as in its depth context")
+        self._check_retired(line, event)
+        self._check_value(line, event, "context.depth", context.depth, self.shape.min_depth,
+                          self.shape.width)
+        self._check_value(line, event, "context.max_kv_length", context.max_kv_length, 1)
+        self._check_tiers(line, event)
+        self._check_batch_ids(line, event, context)
+        self.deciding = event
+
+    def _submitted(self, line: int, event: RoundSubmitted) -> None:
+        assert isinstance(self.deciding, BudgetDecided)  # _check_sequence saw to it
+        context = self.deciding.context
+        self._check_slot(line, event)
+        self._expect(line, event, "num_reqs_bucket", event.num_reqs_bucket,
+                     context.num_reqs_bucket, "the bucket of its decisions")
+        if context.request_ids and not context.shard_sizes:
+            self._expect(line, event, "request_ids", list(event.request_ids),
+                         list(context.request_ids), "the request ids of its budget context")
+        if len(set(event.request_ids)) != len(event.request_ids) or \
+                len(event.request_ids) != context.num_reqs:
+            raise self.fail(line, event, _field("request_ids", list(event.request_ids),
+                                                f"{context.num_reqs} distinct ids (B of its "
+                                                "decisions)"))
+        self.in_flight[event.round] = _Round(
+            line, event.slot, context.num_reqs, event.num_reqs_bucket, event.request_ids,
+            depth=context.depth, num_rows=self.deciding.bound_rows)
+        self.deciding = None
+
+    def _check_slot(self, line: int, event: DepthDecided | BudgetDecided | RoundSubmitted
+                    ) -> None:
+        expected = event.round % 2 if self.shape.lag == 2 else 0
+        self._expect(line, event, "slot", event.slot, expected,
+                     f"round % 2 with the lag of {self.shape.lag}" if self.shape.lag == 2
+                     else "0 without schedule overlap (lag 1)")
+
+    def _check_context(self, line: int, event: DepthDecided | BudgetDecided) -> None:
+        context: DepthContext | BudgetContext = event.context
+        self._expect(line, event, "context.round", context.round, event.round,
+                     "the event's round")
+        self._expect(line, event, "context.width", context.width, self.shape.width,
+                     "the header's num_speculative_tokens")
+        bucket, buckets = context.num_reqs_bucket, self.shape.request_buckets
+        if buckets and bucket not in buckets:
+            raise self.fail(line, event, _field("context.num_reqs_bucket", bucket, "one of the "
+                            f"prepared request buckets {list(buckets)}"))
+        self._check_value(line, event, "context.num_reqs_bucket", bucket, 1,
+                          self.shape.max_bucket)
+        self._check_value(line, event, "context.num_reqs", context.num_reqs, 1, bucket)
+        self._check_value(line, event, "context.retired_through", context.retired_through,
+                          -1)
+
+    def _check_retired(self, line: int, event: DepthDecided | BudgetDecided) -> None:
+        """Rounds <= n - lag retired before round n was decided, and the context says which
+        round retired last (unless either is past the lag: the replay's lag finding)."""
+        allowed = event.round - self.shape.lag
+        if self.in_flight:
+            oldest, entry = next(iter(self.in_flight.items()))
+            if oldest <= allowed:
+                raise self.fail(line, event, f"decided before round {oldest} (submitted at "
+                                f"line {entry.line}) retired; rounds <= n-{self.shape.lag} "
+                                "retire before round n is decided")
+        told = event.context.retired_through
+        if told <= allowed and self.newest_ended <= allowed and told != self.newest_ended:
+            raise self.fail(line, event, _field(
+                "context.retired_through", told, f"{self.newest_ended}, the newest round "
+                "the log retired before this line"))
+
+    def _check_tiers(self, line: int, event: BudgetDecided) -> None:
+        context, legal = event.context, self.shape.legal_rows(event.context.num_reqs_bucket)
+        tiers = list(context.tiers)
+        if not tiers or tiers != sorted(set(tiers)) or not all(g in legal for g in tiers):
+            raise self.fail(line, event, _field("context.tiers", tiers, "ascending distinct "
+                            f"G among the legal rows {_rows(legal)} of bucket "
+                            f"{context.num_reqs_bucket}"))
+        if event.num_rows not in tiers:
+            raise self.fail(line, event, _field("num_rows", event.num_rows,
+                                                f"one of the tiers {tiers}"))
+        if event.bound_rows not in legal:
+            raise self.fail(line, event, _field("bound_rows", event.bound_rows,
+                                                f"one of the legal rows {_rows(legal)}"))
+
+    def _check_batch_ids(self, line: int, event: BudgetDecided, context: BudgetContext
+                         ) -> None:
+        sizes = context.shard_sizes
+        if sizes and (len(sizes) != self.shape.dp_size or max(sizes) != context.num_reqs):
+            raise self.fail(line, event, _field("context.shard_sizes", list(sizes), f"one B "
+                            f"per DP shard ({self.shape.dp_size}), the largest "
+                            f"B={context.num_reqs}"))
+        count = sum(sizes) if sizes else context.num_reqs
+        if context.request_ids and len(context.request_ids) != count:
+            raise self.fail(line, event, _field("context.request_ids",
+                                                list(context.request_ids), f"{count} ids"))
+
+    # --- stages and retirement ----------------------------------------------------------
+
+    def _stage(self, line: int, event: StageCompleted) -> None:
+        entry = self._submission(line, event)
+        if event.stage not in STAGES:
+            raise self.fail(line, event, _field("stage", event.stage, ", ".join(STAGES)))
+        self._expect(line, event, "slot", event.slot, entry.slot, "the slot it was submitted on")
+
+    def _submission(self, line: int, event: StageCompleted | RoundRetired | RoundFailed
+                    ) -> _Round:
+        entry = self.in_flight.get(event.round)
+        if entry is not None:
+            return entry
+        if event.round in self.ended:
+            raise self.fail(line, event, f"round {event.round} already retired or failed at "
+                            f"line {self.ended[event.round]}; a round ends once")
+        raise self.fail(line, event, f"round {event.round} was never submitted")
+
+    def _end(self, line: int, event: RoundRetired | RoundFailed) -> _Round:
+        entry = self._submission(line, event)
+        oldest = next(iter(self.in_flight))
+        if oldest != event.round:
+            raise self.fail(line, event, f"ends before round {oldest} (submitted at line "
+                            f"{self.in_flight[oldest].line}); rounds retire in the order "
+                            "they were submitted")
+        self._expect(line, event, "slot", event.slot, entry.slot, "the slot it was submitted on")
+        del self.in_flight[event.round]
+        self.ended[event.round] = line
+        self.newest_ended = event.round
+        return entry
+
+    def _failed(self, line: int, event: RoundFailed) -> None:
+        entry = self._end(line, event)
+        if event.stage not in (*STAGES, "round"):
+            raise self.fail(line, event, _field("stage", event.stage,
+                                                ", ".join((*STAGES, "round"))))
+        self._expect(line, event, "request_ids", list(event.request_ids),
+                     list(entry.request_ids), "the request ids it was submitted with")
+
+    def _retired(self, line: int, event: RoundRetired) -> None:
+        entry = self._end(line, event)
+        problem = _feedback_problem(event.feedback, self.shape, entry)
+        if problem is not None:
+            raise self.fail(line, event, problem)
+        self._expect(line, event, "feedback.round", event.feedback.round, event.round,
+                     "the event's round")
+
+    # --- requests -----------------------------------------------------------------------
+
+    def _arrived(self, line: int, event: RequestArrived) -> None:
+        self._check_value(line, event, "request_id", event.request_id, 0)
+        self._check_value(line, event, "num_prompt_tokens", event.num_prompt_tokens, 0)
+
+    def _finished(self, line: int, event: RequestFinished) -> None:
+        self._check_value(line, event, "request_id", event.request_id, 0)
+        self._check_value(line, event, "num_tokens", event.num_tokens, 0)
+        if event.reason not in _REASONS:
+            raise self.fail(line, event, _field("reason", event.reason, ", ".join(_REASONS)))
+
+    # --- helpers ------------------------------------------------------------------------
+
+    def _check_value(self, line: int, event: Event, where: str, value: int, low: int,
+                     high: int | None = None) -> None:
+        if value < low or (high is not None and value > high):
+            raise self.fail(line, event, _field(where, value, _range(low, high)))
+
+    def _expect(self, line: int, event: Event, where: str, value: object, expected: object,
+                why: str) -> None:
+        if value != expected:
+            raise self.fail(line, event, _field(where, value, f"{_show(expected)} ({why})"))
+
+
+_NEXT: dict[type[Event], str] = {DepthDecided: BudgetDecided.kind,
+                                 BudgetDecided: RoundSubmitted.kind}
+"""The event that must follow each decision of a round."""
+_PREVIOUS: dict[type[Event], str] = {BudgetDecided: DepthDecided.kind,
+                                     RoundSubmitted: BudgetDecided.kind}
+
+_REASONS = ("stop", "length", "cancelled", "failed")
+
+
+def _feedback_problem(feedback: RoundFeedback, shape: RunShape, entry: _Round) -> str | None:
+    """What is wrong with a retired round's feedback, given the round it retires, or None."""
+    for where, value, expected, why in (
+            ("width", feedback.width, shape.width, "the header's num_speculative_tokens"),
+            ("num_reqs_bucket", feedback.num_reqs_bucket, entry.bucket, "its submission's"),
+            ("depth", feedback.depth, entry.depth, "its budget context's"),
+            ("num_rows", feedback.num_rows, entry.num_rows, "its budget decision's bound_rows")):
+        if value != expected:
+            return _field(f"feedback.{where}", value, f"{expected} ({why})")
+    for where, value, low, high in (("num_reqs", feedback.num_reqs, 0, entry.num_reqs),
+                                    ("shard", feedback.shard, 0, shape.dp_size - 1)):
+        if not low <= value <= high:
+            return _field(f"feedback.{where}", value, _range(low, high))
+    return _entries_problem(feedback, entry.request_ids)
+
+
+def _entries_problem(feedback: RoundFeedback, request_ids: tuple[int, ...]) -> str | None:
+    """The per-request columns: one entry per live request, each within its bounds."""
+    count = feedback.num_reqs
+    for where, column, optional in (("verify_lengths", feedback.verify_lengths, False),
+                                    ("num_accepted", feedback.num_accepted, False),
+                                    ("confidences", feedback.confidences, True),
+                                    ("request_ids", feedback.request_ids, True)):
+        if len(column) != count and not (optional and not column):
+            return _field(f"feedback.{where}", list(column), f"{count} entries (num_reqs)"
+                          + (" or none" if optional else ""))
+    for index, (length, accepted) in enumerate(zip(feedback.verify_lengths,
+                                                   feedback.num_accepted, strict=True)):
+        if not 0 <= length <= feedback.depth:
+            return _field(f"feedback.verify_lengths[{index}]", length,
+                          f"{_range(0, feedback.depth)} (at most the depth)")
+        if not 0 <= accepted <= length:
+            return _field(f"feedback.num_accepted[{index}]", accepted,
+                          f"{_range(0, length)} (at most its verify length)")
+    if sum(feedback.verify_lengths) + count > feedback.num_rows:  # each also has its anchor
+        return _field("feedback.verify_lengths", list(feedback.verify_lengths), "at most "
+                      f"G - B = {feedback.num_rows - count} verified drafts in all")
+    if not set(feedback.request_ids) <= set(request_ids) or \
+            len(set(feedback.request_ids)) != len(feedback.request_ids):
+        return _field("feedback.request_ids", list(feedback.request_ids),
+                      f"distinct ids among those submitted, {list(request_ids)}")
+    return _confidences_problem(feedback.confidences, feedback.width)
+
+
+def _confidences_problem(rows: tuple[tuple[float, ...], ...], width: int) -> str | None:
+    for index, row in enumerate(rows):
+        if len(row) != width:
+            return _field(f"feedback.confidences[{index}]", list(row),
+                          f"{width} confidences (one per drafted position)")
+        if all(0.0 <= value <= 1.0 for value in row):  # False for NaN as well
+            continue
+        position = next(p for p, value in enumerate(row) if not 0.0 <= value <= 1.0)
+        return _field(f"feedback.confidences[{index}][{position}]", row[position],
+                      "a number in 0..1")
+    return None
+
+
+def _field(where: str, value: object, expected: str) -> str:
+    return f'field "{where}" expected {expected}, got {_show(value)}'
+
+
+def _rows(legal: Sequence[int]) -> str:
+    if isinstance(legal, range):
+        return f"{legal.start}..{legal.stop - 1}"
+    return str(list(legal))
+
+
+def _range(low: int, high: int | None) -> str:
+    return f"an integer >= {low}" if high is None else f"an integer in {low}..{high}"

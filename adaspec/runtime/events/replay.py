@@ -8,8 +8,14 @@ acceptance: the contexts and the feedback stay the recorded ones, so a different
 not change the budget context that follows it.
 
 Replay also checks the lag: the decisions of round n may see feedback of rounds <= n-2 only.
+
+Nothing is replayed before the whole log is checked (``check_recorded_run``): the header's
+launch settings as a launch would check them, its cost table against them, and the events as
+one run of that launch (``log.check_run``). ``adaspec simulate`` reads a recorded run through
+the same checks.
 """
 
+import dataclasses
 import json
 import sys
 from collections.abc import Iterable, Mapping, Sequence
@@ -17,11 +23,26 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from adaspec.config.calibration import key_prefix
-from adaspec.errors import MISSING, AdaspecError, ConfigError, EventLogError, ReplayMismatch
+from adaspec.config.effective import effective_value
+from adaspec.config.launch import LaunchConfig, launch_field_types
+from adaspec.errors import (
+    MISSING,
+    AdaspecError,
+    ConfigError,
+    EventLogError,
+    IncompatibleCostTable,
+    ReplayMismatch,
+    show_value,
+)
 from adaspec.policies.base import BudgetPolicy, DepthPolicy
-from adaspec.policies.bundles import CostBundle, bundle_from_dict
+from adaspec.policies.bundles import (
+    COMPATIBILITY_FIELDS,
+    Compatibility,
+    CostBundle,
+    bundle_from_dict,
+)
 from adaspec.policies.registry import make_budget_policy, make_depth_policy
-from adaspec.runtime.events.log import read_event_log
+from adaspec.runtime.events.log import RunShape, check_run, read_event_log
 from adaspec.runtime.events.types import BudgetDecided, DepthDecided, Event, RoundRetired
 
 Decision = Literal["depth", "budget"]
@@ -149,8 +170,12 @@ def _policy_text(entry: Mapping[str, Any]) -> str:
 def recorded_policies(header: Mapping[str, Any]) -> tuple[DepthPolicy, BudgetPolicy]:
     """The run's policies, rebuilt from the header's names and settings (``ConfigError`` for a
     policy this adaspec does not know)."""
+    return _policies(header, recorded_costs(header))
+
+
+def _policies(header: Mapping[str, Any], costs: CostBundle | None
+              ) -> tuple[DepthPolicy, BudgetPolicy]:
     policies = header["policies"]
-    costs = recorded_costs(header)
     return (make_depth_policy(policies["depth"]["name"], policies["depth"]["settings"], costs),
             make_budget_policy(policies["budget"]["name"], policies["budget"]["settings"],
                                costs))
@@ -165,24 +190,160 @@ def recorded_costs(header: Mapping[str, Any]) -> CostBundle | None:
         return bundle_from_dict(table, source="the event log's header")
 
 
+# --- the recorded run, checked ----------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RecordedRun:
+    """What a checked event log says about its run."""
+
+    launch: LaunchConfig  # rebuilt from the header's launch settings
+    lag: int  # 2 with schedule overlap, 1 without
+    costs: CostBundle | None  # the table the run installed (the header's)
+    compatibility: Compatibility  # what a cost table must share with the run to price it
+    known: tuple[str, ...]
+    """The compatibility fields the log tells: the model identities only when its header
+    carries a cost table (the header records no identities of its own)."""
+
+
+def check_recorded_run(header: Mapping[str, Any], events: Sequence[Event], path: str
+                       ) -> RecordedRun:
+    """Check a log read by ``read_event_log`` as one run; ``EventLogError`` for the first
+    problem, naming the line: the header's launch settings (as a launch checks them), its lag
+    and cost table against them, then every event (``log.check_run``)."""
+    launch = _recorded_launch(header, path)
+    lag = _recorded_lag(header, launch, path)
+    costs = _header_costs(header, path)
+    run = RecordedRun(launch=launch, lag=lag, costs=costs, **_compatibility(launch, costs))
+    if costs is not None:
+        try:
+            check_table_for_run(costs, run, "the header")
+        except IncompatibleCostTable as error:
+            raise EventLogError(path, 1, f"header cost_table disagrees with the header's "
+                                f"config: {error.field} is {show_value(error.saved)} in the "
+                                f"table but {show_value(error.launch)} in the config") from None
+    buckets = launch.prepared_request_buckets()
+    check_run(events, RunShape(width=launch.num_speculative_tokens, lag=lag,
+                               dp_size=launch.dp_size, request_buckets=buckets,
+                               target_rows=launch.prepared_target_rows(),
+                               max_bucket=launch.seqs_per_shard), path)
+    return run
+
+
+def check_table_for_run(table: CostBundle, run: RecordedRun, path: str) -> None:
+    """``IncompatibleCostTable`` unless the table was saved by a launch like the run's, as a
+    launch checks a saved table (``CostBundle.check_compatible``)."""
+    # Fields the log does not tell (the model identities of a run without a table) are left
+    # out rather than compared with a guess, which would refuse every table or none.
+    told = {name: value for name, value in table.compatibility.items() if name in run.known}
+    dataclasses.replace(table, compatibility=told).check_compatible(run.compatibility, path)
+
+
+def _recorded_launch(header: Mapping[str, Any], path: str) -> LaunchConfig:
+    """The launch the header's effective config describes, checked as a launch is: rebuilt
+    from the settings that were given (not derived), which must then derive the rest."""
+    settings, sources = _launch_section(header["config"], path)
+    given = {name: value for name, value in settings.items() if sources[name] != "derived"}
+    try:
+        launch = LaunchConfig(**given)
+    except ConfigError as error:
+        raise EventLogError(path, 1, f"header config.launch.settings: {error}") from None
+    for name, value in settings.items():
+        derived = effective_value(launch, name)
+        if value != derived or type(value) is not type(derived):
+            raise EventLogError(path, 1, f'header "config.launch.settings.{name}" expected '
+                                f"{_brief(derived)} (what the other settings make it), got "
+                                f"{_brief(value)}")
+    return launch
+
+
+def _launch_section(config: Mapping[str, Any], path: str
+                    ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The header's launch settings and their sources, both naming every launch setting."""
+    launch = config.get("launch")
+    names = launch_field_types()
+    for key in ("settings", "sources"):
+        section = launch.get(key) if isinstance(launch, dict) else None
+        if not isinstance(section, dict):
+            raise EventLogError(path, 1, f'header "config.launch.{key}" must be an object '
+                                f"naming every launch setting, got {_brief(section)}")
+        unknown = [name for name in section if name not in names]
+        missing = [name for name in names if name not in section]
+        if unknown or missing:
+            what = f'unknown setting "{unknown[0]}"' if unknown else f'no "{missing[0]}"'
+            raise EventLogError(path, 1, f'header "config.launch.{key}" has {what}; '
+                                "expected every launch setting of this adaspec")
+    assert isinstance(launch, dict)
+    return launch["settings"], launch["sources"]
+
+
+def _recorded_lag(header: Mapping[str, Any], launch: LaunchConfig, path: str) -> int:
+    lag = 2 if launch.enable_schedule_overlap else 1
+    given = header.get("lag", lag)  # a log written before logs recorded it follows its config
+    if type(given) is not int or given != lag:
+        raise EventLogError(path, 1, f'header "lag" expected {lag} (enable_schedule_overlap='
+                            f"{show_value(launch.enable_schedule_overlap)} in its config), "
+                            f"got {_brief(given)}")
+    return lag
+
+
+def _header_costs(header: Mapping[str, Any], path: str) -> CostBundle | None:
+    try:
+        return recorded_costs(header)
+    except ConfigError as error:
+        raise EventLogError(path, 1, f"header {error}") from None
+
+
+def _compatibility(launch: LaunchConfig, costs: CostBundle | None) -> dict[str, Any]:
+    """The run's compatibility, as ``Runtime.compatibility`` makes it, and the fields known."""
+    told = costs.compatibility if costs is not None else {}
+    identities = {name: str(told[name]) for name in ("target", "draft")
+                  if isinstance(told.get(name), str)}
+    buckets = launch.prepared_request_buckets()
+    compatibility = Compatibility(
+        algorithm=launch.speculative_algorithm, draft_width=launch.num_speculative_tokens,
+        dp_size=launch.dp_size, tp_size=launch.resolved.tp_size,
+        unified=launch.enable_unified_mtp_graph, device=launch.device,
+        target=identities.get("target", ""), draft=identities.get("draft", ""),
+        request_buckets=buckets, target_rows=tuple(map(launch.legal_target_rows, buckets)))
+    known = tuple(name for name in COMPATIBILITY_FIELDS
+                  if name not in ("target", "draft") or name in identities)
+    return {"compatibility": compatibility, "known": known}
+
+
+def _brief(value: object) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# --- replaying -------------------------------------------------------------------------
+
+
 def replay(
     header: Mapping[str, Any],
     events: Iterable[Event],
     *,
     depth_policy: DepthPolicy | None = None,
     budget_policy: BudgetPolicy | None = None,
+    path: str = "(in memory)",
 ) -> ReplayReport:
-    """Walk ``events`` in order with the recorded policies, or with the ones given (fresh
-    instances: replay feeds them the whole run from its first event)."""
-    recorded = header["policies"]
+    """Check the log (``check_recorded_run``: ``path`` names it in errors), then walk
+    ``events`` in order with the recorded policies, or with the ones given (fresh instances:
+    replay feeds them the whole run from its first event)."""
+    events = list(events)
+    run = check_recorded_run(header, events, path)
     if depth_policy is None or budget_policy is None:
-        depth, budget = recorded_policies(header)  # the header's table is parsed once
+        depth, budget = _policies(header, run.costs)  # the header's table is parsed once
         depth_policy, budget_policy = depth_policy or depth, budget_policy or budget
-    # Logs record their lag (2 with schedule overlap, 1 without); older logs meant 2.
-    walk = _Walk(depth_policy, budget_policy, int(header.get("lag", 2)))
+    return _replayed(header, events, run, depth_policy, budget_policy)
+
+
+def _replayed(header: Mapping[str, Any], events: Sequence[Event], run: RecordedRun,
+              depth_policy: DepthPolicy, budget_policy: BudgetPolicy) -> ReplayReport:
+    walk = _Walk(depth_policy, budget_policy, run.lag)
     for index, event in enumerate(events):
         walk.step(index, event)
-    return walk.report(recorded)
+    return walk.report(header["policies"])
 
 
 class _Walk:
@@ -299,8 +460,9 @@ def _arguments(argv: Sequence[str]) -> tuple[str, bool]:
 
 def _replay_file(path: str) -> ReplayReport:
     header, events = read_event_log(path)
+    run = check_recorded_run(header, events, path)
     try:
-        depth_policy, budget_policy = recorded_policies(header)
+        depth_policy, budget_policy = _policies(header, run.costs)
     except ConfigError as error:
         raise EventLogError(path, 1, f"header policies: {error}") from None
-    return replay(header, events, depth_policy=depth_policy, budget_policy=budget_policy)
+    return _replayed(header, events, run, depth_policy, budget_policy)

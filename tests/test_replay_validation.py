@@ -1,0 +1,472 @@
+"""``adaspec replay`` and ``adaspec simulate`` check a recorded log as one run before they
+evaluate anything: a deleted, duplicated or moved retirement, a decision for a round that never
+ran, feedback out of range and a header whose config disagrees with its events are each one
+error line naming the file, the line, the field and the value (exit 2); simulate refuses a cost
+table the recorded run's launch would have refused, naming the field; a FIFO, an unreadable
+special file or a deeply nested line is one line too, never a hang or a traceback.
+
+The recorded run is synthetic and written by hand: fixed policies on a DSpark launch of width 3
+with request buckets 1, 2 and 4, B = 1, 2, 3 by turns, round n-2 retiring just before round n
+is decided, as the two-slot pipeline does.
+"""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from adaspec import cli
+from adaspec.config.effective import load_config
+from adaspec.errors import EventLogError
+from adaspec.policies.base import BudgetContext, DepthContext, RoundFeedback, covering_rows
+from adaspec.policies.bundles import Compatibility, CostBundle
+from adaspec.policies.fixed import FixedDepth, FullBudget
+from adaspec.policies.workloads import shaped_tables, synthetic
+from adaspec.runtime.events.log import EventLogWriter, log_header, read_event_log
+from adaspec.runtime.events.replay import replay
+from adaspec.runtime.events.types import (
+    BudgetDecided,
+    DepthDecided,
+    Event,
+    RoundRetired,
+    RoundSubmitted,
+    StageCompleted,
+)
+
+WIDTH = 3
+LAUNCH = {"speculative_algorithm": "DSpark", "num_speculative_tokens": WIDTH,
+          "max_seqs_per_batch": 4}
+NUM_ROUNDS = 8
+
+
+def num_reqs(round: int) -> int:
+    return 1 + round % 3  # B: 1, 2, 3, so buckets 1, 2 and 4
+
+
+def bucket(round: int) -> int:
+    return {1: 1, 2: 2, 3: 4}[num_reqs(round)]
+
+
+def legal_rows(round: int) -> tuple[int, ...]:
+    return load_config(LAUNCH).launch.legal_target_rows(bucket(round))
+
+
+def contexts(round: int) -> tuple[DepthContext, BudgetContext]:
+    shared: dict[str, Any] = {"round": round, "num_reqs": num_reqs(round),
+                              "num_reqs_bucket": bucket(round), "width": WIDTH,
+                              "retired_through": max(round - 2, -1)}
+    return DepthContext(**shared), BudgetContext(
+        **shared, depth=WIDTH, tiers=legal_rows(round),
+        request_ids=tuple(range(num_reqs(round))), max_kv_length=32)
+
+
+def decided(round: int) -> list[Event]:
+    """The round's decisions, its submission and its last stage (it retires later)."""
+    depth, budget = contexts(round)
+    rows = covering_rows(budget, WIDTH)
+    slot = round % 2
+    return [DepthDecided(round=round, slot=slot, context=depth, depth=WIDTH),
+            BudgetDecided(round=round, slot=slot, context=budget, num_rows=rows,
+                          bound_rows=rows),
+            RoundSubmitted(round=round, slot=slot, request_ids=budget.request_ids,
+                           num_reqs_bucket=bucket(round)),
+            StageCompleted(round=round, slot=slot, stage="retire")]
+
+
+def retired(round: int) -> RoundRetired:
+    batch = num_reqs(round)
+    accepted = tuple((round + i) % (WIDTH + 1) for i in range(batch))
+    return RoundRetired(round=round, slot=round % 2, feedback=RoundFeedback(
+        round=round, num_reqs=batch, num_reqs_bucket=bucket(round), width=WIDTH, depth=WIDTH,
+        num_rows=covering_rows(contexts(round)[1], WIDTH), verify_lengths=(WIDTH,) * batch,
+        num_accepted=accepted, confidences=((0.9, 0.5, 0.25),) * batch,
+        request_ids=tuple(range(batch))))
+
+
+def recorded_run() -> list[Event]:
+    events: list[Event] = []
+    for round in range(NUM_ROUNDS):
+        if round >= 2:
+            events.append(retired(round - 2))
+        events += decided(round)
+    return [*events, retired(NUM_ROUNDS - 2), retired(NUM_ROUNDS - 1)]
+
+
+def compatibility(**changes: object) -> dict[str, object]:
+    """The synthetic launch's compatibility, as ``Runtime.compatibility`` would make it."""
+    launch = load_config(LAUNCH).launch
+    buckets = launch.prepared_request_buckets()
+    fields = Compatibility(
+        algorithm="DSpark", draft_width=WIDTH, dp_size=1, tp_size=1, unified=False,
+        device="cpu", target="target-id", draft="dspark-id", request_buckets=buckets,
+        target_rows=tuple(map(launch.legal_target_rows, buckets))).as_dict()
+    return {**fields, **changes}
+
+
+def table(**changes: object) -> CostBundle:
+    """A staircase-priced table, saved by the synthetic launch (or one differing so)."""
+    return dataclasses.replace(shaped_tables()["staircase"],
+                               compatibility=compatibility(**changes))
+
+
+def write_run(path: Path, *, cost_table: CostBundle | None = None,
+              launch: dict[str, object] | None = None) -> Path:
+    head = log_header(config=load_config(launch or LAUNCH).as_dict(),
+                      cost_table=None if cost_table is None else cost_table.as_dict(),
+                      seeds={"run": 0}, depth_policy=FixedDepth(), budget_policy=FullBudget(),
+                      lag=2)
+    with EventLogWriter(path, head) as writer:
+        for event in recorded_run():
+            writer.write(event)
+    return path
+
+
+Records = list[dict[str, Any]]
+
+
+def damaged(tmp_path: Path, edit: Callable[[Records], None]) -> Path:
+    """A good log whose parsed lines ``edit`` changed (the header is records[0])."""
+    path = write_run(tmp_path / "run.jsonl")
+    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    edit(records)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def at(records: Records, kind: str, round: int) -> int:
+    """The index (file line - 1) of the ``kind`` event of ``round``."""
+    return next(i for i, r in enumerate(records) if r.get("kind") == kind
+                and r.get("round") == round)
+
+
+def feedback_of(records: Records, round: int) -> Any:
+    return records[at(records, "round_retired", round)]["feedback"]
+
+
+def settings_of(records: Records) -> Any:
+    return records[0]["config"]["launch"]["settings"]
+
+
+def delete_retirement(records: Records) -> None:
+    del records[at(records, "round_retired", 3)]
+
+
+def delete_last_retirement(records: Records) -> None:
+    del records[at(records, "round_retired", NUM_ROUNDS - 1)]
+
+
+def duplicate_retirement(records: Records) -> None:
+    index = at(records, "round_retired", 3)
+    records.insert(index + 1, records[index])
+
+
+def decide_a_round_that_never_runs(records: Records) -> None:
+    records += [json.loads(json.dumps(e.record())) for e in decided(NUM_ROUNDS)[:2]]
+
+
+def decide_a_round_twice(records: Records) -> None:
+    records.insert(at(records, "stage_completed", 4) + 1,
+                   records[at(records, "depth_decided", 4)])
+
+
+def submit_without_decisions(records: Records) -> None:
+    del records[at(records, "depth_decided", 4):at(records, "round_submitted", 4)]
+
+
+def bucket_never_prepared(records: Records) -> None:
+    records[at(records, "depth_decided", 4)]["context"]["num_reqs_bucket"] = 8
+
+
+def retire_after_a_later_decision(records: Records) -> None:
+    moved = records.pop(at(records, "round_retired", 3))
+    records.insert(at(records, "depth_decided", 5) + 1, moved)
+
+
+def confidence_above_1(records: Records) -> None:
+    feedback_of(records, 4)["confidences"][1] = [0.9, 1.5, 0.25]
+
+
+def accepted_above_width(records: Records) -> None:
+    feedback_of(records, 4)["num_accepted"][0] = WIDTH + 2
+
+
+def short_confidences(records: Records) -> None:
+    feedback_of(records, 4)["confidences"][0] = [0.9, 0.5]
+
+
+def nan_confidence(records: Records) -> None:
+    feedback_of(records, 4)["confidences"][0] = [0.9, float("nan"), 0.25]
+
+
+def feedback_rows_not_bound(records: Records) -> None:
+    feedback_of(records, 4)["num_rows"] = 4
+
+
+def context_behind_the_log(records: Records) -> None:
+    # the log retired round 3 just before it
+    records[at(records, "budget_decided", 5)]["context"]["retired_through"] = 2
+
+
+def header_width_4(records: Records) -> None:
+    settings_of(records)["num_speculative_tokens"] = WIDTH + 1
+
+
+def header_without_overlap(records: Records) -> None:
+    settings_of(records)["enable_schedule_overlap"] = False
+
+
+def header_derived_setting_changed(records: Records) -> None:
+    settings_of(records)["tp_size"] = 2  # derived: nnodes / (dp_size * cp_size) = 1
+
+
+def header_unknown_setting(records: Records) -> None:
+    settings_of(records)["num_draft_tokens"] = WIDTH
+
+
+# (edit, line of the error, the rest of the message after "line N: ")
+DAMAGE: dict[str, tuple[Callable[[Records], None], int, str]] = {
+    "deleted retirement": (
+        delete_retirement, 25, "depth_decided event of round 5: decided before round 3 "
+        "(submitted at line 18) retired; rounds <= n-2 retire before round n is decided"),
+    "deleted last retirement": (
+        delete_last_retirement, 38, "round 7 was submitted here but never retired nor failed "
+        "(expected a round_retired or round_failed event for it; was the log cut short?)"),
+    "duplicated retirement": (
+        duplicate_retirement, 26, "round_retired event of round 3: round 3 already retired or "
+        "failed at line 25; a round ends once"),
+    "decision for a round that never ran": (
+        decide_a_round_that_never_runs, 43, "the log ends before the round_submitted event "
+        "of round 8"),
+    "decision for a round already decided": (
+        decide_a_round_twice, 25, "depth_decided event of round 4: decided after round 4; "
+        "expected rounds numbered in increasing order"),
+    "submission without its decisions": (
+        submit_without_decisions, 21, "round_submitted event of round 4: no budget_decided "
+        "event of its round just before it (a round's depth_decided, budget_decided and "
+        "round_submitted follow each other)"),
+    "bucket never prepared": (
+        bucket_never_prepared, 21, 'depth_decided event of round 4: field '
+        '"context.num_reqs_bucket" expected one of the prepared request buckets [1, 2, 4], '
+        "got 8"),
+    "retirement moved after a later decision": (
+        retire_after_a_later_decision, 25, "depth_decided event of round 5: decided before "
+        "round 3 (submitted at line 18) retired; rounds <= n-2 retire before round n is "
+        "decided"),
+    "confidence 1.5": (
+        confidence_above_1, 30, 'round_retired event of round 4: field '
+        '"feedback.confidences[1][1]" expected a number in 0..1, got 1.5'),
+    "accepted greater than the width": (
+        accepted_above_width, 30, 'round_retired event of round 4: field '
+        '"feedback.num_accepted[0]" expected an integer in 0..3 (at most its verify '
+        'length), got 5'),
+    "short confidence list": (
+        short_confidences, 30, 'round_retired event of round 4: field '
+        '"feedback.confidences[0]" expected 3 confidences (one per drafted position), '
+        'got [0.9, 0.5]'),
+    "feedback G other than the round's": (
+        feedback_rows_not_bound, 30, 'round_retired event of round 4: field '
+        '"feedback.num_rows" expected 8 (its budget decision\'s bound_rows), got 4'),
+    "context behind the retirements logged": (
+        context_behind_the_log, 27, 'budget_decided event of round 5: field '
+        '"context.retired_through" expected 3, the newest round the log retired before this '
+        "line, got 2"),
+    "NaN confidence": (
+        nan_confidence, 30, "invalid JSON: NaN is not JSON; expected a finite number"),
+    "header width disagreeing with its events": (
+        header_width_4, 2, 'depth_decided event of round 0: field "context.width" expected '
+        "4 (the header's num_speculative_tokens), got 3"),
+    "header without schedule overlap but lag 2": (
+        header_without_overlap, 1, 'header "lag" expected 1 (enable_schedule_overlap=false '
+        "in its config), got 2"),
+    "header with a derived setting the others do not derive": (
+        header_derived_setting_changed, 1, 'header "config.launch.settings.tp_size" expected '
+        "1 (what the other settings make it), got 2"),
+    "header with an unknown launch setting": (
+        header_unknown_setting, 1, 'header "config.launch.settings" has unknown setting '
+        '"num_draft_tokens"; expected every launch setting of this adaspec'),
+}
+
+
+def one_error_line(capsys: pytest.CaptureFixture[str], command: str) -> str:
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.count("\n") == 1, err
+    assert "Traceback" not in err
+    prefix = f"adaspec {command}: error: "
+    assert err.startswith(prefix)
+    return err[len(prefix):-1]
+
+
+def test_the_synthetic_run_is_a_valid_log_that_replays_and_simulates(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write_run(tmp_path / "run.jsonl", cost_table=table())
+    assert cli.run(["replay", str(path)]) == 0
+    assert "all 16 decisions match the log" in capsys.readouterr().out
+    assert cli.run(["simulate", "--workload", str(path), "--policy", "fixed:3",
+                    "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["rounds"] == NUM_ROUNDS
+    assert report["unchecked_compatibility"] == []  # the run's own table
+
+
+def test_a_launch_without_graphs_replays(tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    # Its effective config derives a graph batch limit that the launch itself may not be
+    # given: the header is rebuilt from the settings given, the derived ones then compared.
+    path = write_run(tmp_path / "run.jsonl", launch={**LAUNCH, "enable_graph": False})
+    assert cli.run(["replay", str(path)]) == 0
+    assert "all 16 decisions match the log" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_replay_refuses_a_damaged_log_in_one_line_naming_its_line(
+        damage: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    edit, line, message = DAMAGE[damage]
+    path = damaged(tmp_path, edit)
+    assert cli.run(["replay", str(path)]) == 2
+    assert one_error_line(capsys, "replay") == f"event log {path}, line {line}: {message}"
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_simulate_reads_recorded_feedback_through_the_same_checks(
+        damage: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    edit, line, message = DAMAGE[damage]
+    path = damaged(tmp_path, edit)
+    table().save(str(tmp_path / "costs.json"))
+    assert cli.run(["simulate", "--workload", str(path), "--cost_table",
+                    str(tmp_path / "costs.json"), "--policy", "fixed:3"]) == 2
+    assert one_error_line(capsys, "simulate") == f"event log {path}, line {line}: {message}"
+
+
+def test_the_library_replay_checks_the_log_before_replaying(tmp_path: Path) -> None:
+    header, events = read_event_log(damaged(tmp_path, duplicate_retirement))
+    with pytest.raises(EventLogError, match=r"^event log run\.jsonl, line 26: round_retired "
+                                            r"event of round 3: round 3 already retired"):
+        replay(header, events, path="run.jsonl")
+
+
+def test_a_header_cost_table_disagreeing_with_its_config_is_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write_run(tmp_path / "run.jsonl", cost_table=table(draft_width=5))
+    assert cli.run(["replay", str(path)]) == 2
+    assert one_error_line(capsys, "replay") == (
+        f"event log {path}, line 1: header cost_table disagrees with the header's config: "
+        "draft_width is 5 in the table but 3 in the config")
+
+
+@pytest.mark.parametrize(("field", "value", "shown", "recorded"), [
+    ("algorithm", "MTP", "MTP", "DSpark"),
+    ("draft_width", 5, "5", "3"),
+    ("target", "another-target", "another-target", "target-id"),
+    ("device", "cuda", "cuda", "cpu"),
+])
+def test_simulate_refuses_a_table_incompatible_with_the_recorded_run(
+        field: str, value: object, shown: str, recorded: str, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    log = write_run(tmp_path / "run.jsonl", cost_table=table())  # it records the identities
+    saved = tmp_path / "costs.json"
+    table(**{field: value}).save(str(saved))
+    assert cli.run(["simulate", "--workload", str(log), "--cost_table", str(saved),
+                    "--policy", "fixed:3"]) == 2
+    assert one_error_line(capsys, "simulate") == (
+        f"--cost_table={saved}: {field} is {shown} in the table but {recorded} in the "
+        f"recorded run {log}; expected a table saved by a launch like the run's")
+
+
+def test_simulate_says_which_fields_a_log_without_a_table_cannot_check(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    log = write_run(tmp_path / "run.jsonl")  # no table: the header names no model identity
+    saved = tmp_path / "costs.json"
+    table(target="any-target").save(str(saved))
+    argv = ["simulate", "--workload", str(log), "--cost_table", str(saved),
+            "--policy", "fixed:3"]
+    assert cli.run([*argv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["unchecked_compatibility"] == ["target",
+                                                                              "draft"]
+    assert cli.run(argv) == 0
+    assert capsys.readouterr().out.endswith(
+        "not checked against the recorded run (the log or the table does not record them): "
+        "target, draft\n")
+    table(draft_width=5).save(str(tmp_path / "wide.json"))
+    assert cli.run([*argv[:4], str(tmp_path / "wide.json"), *argv[5:]]) == 2
+    assert "draft_width is 5 in the table but 3 in the recorded run" in capsys.readouterr().err
+
+
+# ---- files that are not plain logs --------------------------------------------------------
+
+
+def run_cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    """The real entry point in a child process: a reader that blocks fails the test by its
+    timeout instead of hanging the suite."""
+    return subprocess.run([sys.executable, "-m", "adaspec", *argv], capture_output=True,
+                          text=True, timeout=120, check=False)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_fifo_is_refused_at_once_by_replay_and_simulate(tmp_path: Path) -> None:
+    fifo = tmp_path / "log.fifo"
+    os.mkfifo(fifo)  # nobody ever writes it: opening it for reading would wait forever
+    replayed = run_cli("replay", str(fifo))
+    assert (replayed.returncode, replayed.stdout) == (2, "")
+    assert replayed.stderr == (f"adaspec replay: error: event log {fifo}: a FIFO, not a "
+                               "regular file; expected an event log file\n")
+    simulated = run_cli("simulate", "--workload", str(fifo), "--policy", "fixed:3")
+    assert (simulated.returncode, simulated.stdout) == (2, "")
+    assert simulated.stderr == (f"adaspec simulate: error: --workload={fifo}: expected a "
+                                "regular file, got a FIFO\n")
+
+
+def test_a_device_is_refused_by_replay_and_simulate(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.run(["replay", os.devnull]) == 2
+    assert one_error_line(capsys, "replay") == (f"event log {os.devnull}: a character device, "
+                                                "not a regular file; expected an event log file")
+    assert cli.run(["simulate", "--workload", os.devnull, "--policy", "fixed:3"]) == 2
+    assert one_error_line(capsys, "simulate") == (f"--workload={os.devnull}: expected a "
+                                                  "regular file, got a character device")
+
+
+@pytest.mark.skipif(not Path("/proc/self/mem").exists(), reason="needs Linux /proc")
+def test_an_unreadable_special_file_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    # /proc/self/mem passes for a regular file, but reading its first page fails (EIO).
+    assert cli.run(["replay", "/proc/self/mem"]) == 2
+    assert one_error_line(capsys, "replay") == ("event log /proc/self/mem: cannot read it: "
+                                                "Input/output error")
+    assert cli.run(["simulate", "--workload", "/proc/self/mem", "--policy", "fixed:3"]) == 2
+    assert one_error_line(capsys, "simulate") == ("--workload=/proc/self/mem: cannot be read "
+                                                  "(OSError: Input/output error)")
+
+
+DEEP = "[" * 100_000 + "]" * 100_000 + "\n"
+
+
+def test_a_deeply_nested_line_in_a_log_is_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write_run(tmp_path / "run.jsonl")
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    path.write_text(lines[0] + DEEP + "".join(lines[1:]), encoding="utf-8")
+    message = (f"event log {path}, line 2: invalid JSON: nested too deeply; expected one "
+               "event object per line")
+    assert cli.run(["replay", str(path)]) == 2
+    assert one_error_line(capsys, "replay") == message
+    assert cli.run(["simulate", "--workload", str(path), "--policy", "fixed:3"]) == 2
+    assert one_error_line(capsys, "simulate") == message
+
+
+def test_a_deeply_nested_line_in_a_workload_is_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "w.jsonl"
+    first = synthetic("high", rounds=2).as_lines()[0]
+    path.write_text(first + "\n" + DEEP, encoding="utf-8")
+    shaped_tables()["staircase"].save(str(tmp_path / "costs.json"))
+    assert cli.run(["simulate", "--workload", str(path), "--cost_table",
+                    str(tmp_path / "costs.json"), "--policy", "fixed:3"]) == 2
+    assert one_error_line(capsys, "simulate") == (
+        f"--workload={path}:2: expected one JSON object per line (this one is nested too "
+        "deeply)")
