@@ -311,3 +311,20 @@ def test_a_deeply_nested_line(tmp_path: Path) -> None:
 
 def test_a_directory_is_not_a_log(tmp_path: Path) -> None:
     read_error(tmp_path, None, "a directory, not a regular file; expected an event log file")
+
+
+def test_an_event_with_nan_is_refused_by_the_writer_and_nothing_is_written(
+        tmp_path: Path) -> None:
+    from adaspec.policies.base import RoundFeedback
+    from adaspec.runtime.events.log import EventLogWriter
+    from adaspec.runtime.events.types import RoundRetired
+
+    path = tmp_path / "nan.jsonl"
+    writer = EventLogWriter(str(path), header())
+    feedback = RoundFeedback(round=0, num_reqs=1, num_reqs_bucket=1, width=2, depth=2,
+                             num_rows=3, verify_lengths=(2,), num_accepted=(1,),
+                             confidences=((float("nan"), 0.5),), request_ids=(0,))
+    with pytest.raises(ValueError, match="Out of range float values"):
+        writer.write(RoundRetired(round=0, slot=0, feedback=feedback))
+    writer.close()
+    assert len(path.read_text().splitlines()) == 1  # the header alone

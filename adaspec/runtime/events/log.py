@@ -165,7 +165,9 @@ def _fields_of(value: "DataclassInstance") -> dict[str, object]:
 
 
 _FIELD_NAMES: dict[type, tuple[str, ...]] = {}
-_ENCODER = json.JSONEncoder(separators=(",", ":"), default=_plain)  # one, not one per line
+# One encoder, not one per line. NaN and infinities are refused (ValueError) rather than
+# written: the reader refuses them, so a log with one could never be replayed.
+_ENCODER = json.JSONEncoder(separators=(",", ":"), default=_plain, allow_nan=False)
 
 
 class EventLog(NamedTuple):
