@@ -130,6 +130,21 @@ def test_cli_table_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert report["best_fixed"] == "fixed:5"
     assert [p["policy"] for p in report["policies"]] == ["fixed:5", "adaptive-verify", "oracle"]
     assert report["policies"][2]["vs_oracle"] == 1.0
+    assert "predicted from the cost table, not measured" in text
+
+
+def test_cli_table_without_a_fixed_or_oracle_policy_shows_dashes_not_nan(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    workload, table = tmp_path / "step.jsonl", tmp_path / "costs.json"
+    workload.write_text("\n".join(synthetic("step", rounds=50).as_lines()) + "\n")
+    TABLES["staircase"].save(str(table))
+    assert cli.run(["simulate", "--workload", str(workload), f"--cost_table={table}",
+                    "--policy", "adaptive-verify"]) == 0
+    text = capsys.readouterr().out
+    assert "nan" not in text
+    row = next(line for line in text.splitlines() if line.startswith("adaptive-verify"))
+    assert row.split()[-2:] == ["-", "-"]
+    assert "vs best fixed: - (no fixed:K policy given)" in text
 
 
 def test_cli_refuses_an_unknown_policy_before_running_any(

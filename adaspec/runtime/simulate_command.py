@@ -223,6 +223,11 @@ def _report(workload: Workload, costs: CostBundle, results: list[SimulationResul
             "acceptance_length": "accepted + 1 (counts the residual or bonus token)"}
 
 
+def _ratio(value: float | None) -> str:
+    """A ratio column's cell: a dash where the policy it compares with was not run."""
+    return "-" if value is None else f"{value:.3f}"
+
+
 def _table(report: dict[str, Any]) -> str:
     lines = [f"workload {report['workload']}: {report['rounds']} rounds, width "
              f"{report['width']}; costs from {report['cost_table']}",
@@ -233,9 +238,13 @@ def _table(report: dict[str, Any]) -> str:
                      f"{row['mean_acceptance_length']:6.3f} "
                      f"{row['predicted_cost_ms_per_round']:9.3f} "
                      f"{row['predicted_tokens_per_second']:10.1f} "
-                     f"{row.get('vs_best_fixed', float('nan')):13.3f} "
-                     f"{row.get('vs_oracle', float('nan')):9.3f}")
-    lines.append("AL = accepted + 1 (counts the residual or bonus token)")
+                     f"{_ratio(row.get('vs_best_fixed')):>13} {_ratio(row.get('vs_oracle')):>9}")
+    lines.append("AL = accepted + 1 (counts the residual or bonus token); ms/round and tokens/s "
+                 "are predicted from the cost table, not measured")
+    if "vs_best_fixed" not in report["policies"][0]:
+        lines.append("vs best fixed: - (no fixed:K policy given)")
+    if "vs_oracle" not in report["policies"][0]:
+        lines.append("vs oracle: - (the oracle policy not given)")
     if report.get("unchecked_compatibility"):
         lines.append("not checked against the recorded run (the log or the table does not "
                      f"record them): {', '.join(report['unchecked_compatibility'])}")
