@@ -81,13 +81,14 @@ def test_price_steps_within_the_window_noise_are_levelled() -> None:
 
 
 def test_levelled_fits_of_very_noisy_grids_stay_on_the_measured_level_and_reload() -> None:
-    # A tiny calibration on a busy machine: few points, two windows each, up to 3x apart.
+    # A tiny calibration on a busy machine: few points, two windows each, up to 9x apart
+    # (80x on odd seeds).
     # Levelling once pulled the first G term so low that the smallest shape cost nothing,
     # a table every reader refuses.
     points = [(1, 1), (1, 2), (1, 4), (1, 6), (2, 2), (2, 4), (2, 6), (2, 8), (2, 12)]
     for seed in range(200):
         rng = np.random.default_rng(seed)
-        noisy = [CostSample(b, g, 0.05 * float(np.exp(rng.uniform(-1.1, 1.1))))
+        noisy = [CostSample(b, g, 0.05 * float(np.exp(rng.uniform(-1.1, 1.1) * (1 + seed % 2))))
                  for b, g in points for _ in range(2)]
         table = fit_additive(noisy)
         assert table_from_dict(table.as_dict()) == table
@@ -96,7 +97,11 @@ def test_levelled_fits_of_very_noisy_grids_stay_on_the_measured_level_and_reload
             values = sorted(x.seconds for x in noisy if (x.num_reqs_bucket, x.num_rows) == point)
             medians[point] = float(np.median(values))
         priced = [table.seconds(b, g) for b, g in points]
-        assert np.mean(priced) == pytest.approx(np.mean(list(medians.values())), rel=1e-9)
+        cheapest = min(medians.values())
+        assert min(priced) >= cheapest * (1 - 1e-12)  # nothing under the cheapest measured
+        if min(priced) > cheapest * (1 + 1e-9):  # not lifted: the mean is the measured one
+            assert np.mean(priced) == pytest.approx(np.mean(list(medians.values())),
+                                                    rel=1e-9)
 
 
 def test_without_levelling_every_monotone_step_is_kept() -> None:

@@ -331,6 +331,10 @@ def fit_additive(samples: Sequence[CostSample], *, level: bool = True) -> Additi
     terms = [alpha[buckets.index(p.num_reqs_bucket)] + theta[rows.index(p.num_rows)]
              for p in samples]
     bias = float(np.mean(measured - np.array(terms)))
+    # Raising small buckets' terms to keep them monotone can still leave the smallest shape
+    # priced below anything measured (at or below zero on a very noisy grid): no shape is
+    # cheaper than the cheapest point measured.
+    bias = max(bias, float(np.min(measured)) - alpha[0] - theta[0])
     return AdditiveTable(
         bias=bias, buckets=buckets, alpha=alpha, rows=rows, theta=theta,
         residual_rms=float(np.sqrt(np.mean(residuals ** 2))),
