@@ -204,3 +204,24 @@ def test_the_monotonic_clock_never_goes_back() -> None:
     clock: Clock = MonotonicClock()
     readings = [clock.now() for _ in range(100)]
     assert readings == sorted(readings)
+
+
+def test_a_dropped_handler_subscribed_again_is_dropped_again_and_a_non_callable_is_refused(
+        caplog: pytest.LogCaptureFixture) -> None:
+    bus = EventBus()
+    calls: list[Event] = []
+
+    def broken(event: Event) -> None:
+        calls.append(event)
+        raise ValueError("bug")
+
+    with caplog.at_level("ERROR", logger="adaspec.events"):
+        bus.subscribe(broken)
+        bus.publish(stage(0))
+        bus.subscribe(broken)
+        bus.publish(stage(1))
+        bus.publish(stage(2))
+    assert calls == [stage(0), stage(1)]
+    assert len(caplog.records) == 2
+    with pytest.raises(TypeError, match="must be callable, got 42"):
+        bus.subscribe(42)  # type: ignore[arg-type]

@@ -198,3 +198,15 @@ def test_a_model_set_without_the_unused_drafter_decodes() -> None:
         return len(result.token_ids)
 
     assert asyncio.run(run()) == 8
+
+
+@pytest.mark.parametrize("max_width", [None, "7", 0, True])
+def test_a_drafter_max_width_that_is_no_positive_integer_is_refused(max_width: object) -> None:
+    launch = load_config({"speculative_algorithm": "DSpark", "num_speculative_tokens": 3}).launch
+    models = load_reference_models()
+    own = SimpleNamespace(target=models.target, mtp=None,
+                          dspark=SimpleNamespace(max_width=max_width, identity="own",
+                                                 draft=print))
+    with pytest.raises(ConfigError, match=r"^Runtime\(models=\.\.\.\)\.dspark\.max_width=.*: "
+                                          r"expected a positive integer"):
+        check_model_limits(launch, own)

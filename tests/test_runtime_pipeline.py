@@ -423,10 +423,12 @@ def test_an_off_switch_in_the_trace_variable_traces_nothing(
 
 
 async def _hook_count(runtime: Runtime, params: list[SamplingParams]) -> int:
+    """Hooks registered while the runtime serves (stop() detaches its own)."""
     await runtime.start()
     await runtime.submit([65, 66, 67], params[0]).result()
+    count = len(runtime.hooks._registered)
     await runtime.stop()
-    return len(runtime.hooks._registered)
+    return count
 
 
 def test_a_hook_raising_inside_the_pipeline_fails_its_round_and_nothing_else(

@@ -125,3 +125,51 @@ def test_a_raising_subscriber_is_dropped_and_every_request_decodes_exactly(
     names = sorted(r.getMessage().split(" raised ")[0].rsplit(".", 1)[1]
                    for r in caplog.records)
     assert names == ["on_finished", "on_retired"]  # each logged once
+
+
+def test_a_loop_cancelled_before_its_first_step_still_ends_every_request(
+        models: ReferenceModels) -> None:
+    runtime = Runtime(config("DSpark", 3, 2), models=models)
+
+    async def run() -> list[Any]:
+        await runtime.start()
+        handles = [runtime.submit(list(p), q) for p, q in zip(PROMPTS, greedy(6), strict=True)]
+        assert runtime._task is not None
+        runtime._task.cancel()  # no await in between: the loop never runs a step
+        await runtime.stop()
+        return await outcomes(handles)
+
+    results = asyncio.run(run())
+    assert all(isinstance(r, RequestFailed) for r in results)
+    assert all(str(r).endswith("its loop was interrupted (CancelledError)") for r in results)
+
+
+def test_start_is_refused_while_running_or_shutting_down_and_a_restart_opens_fresh_observers(
+        models: ReferenceModels, target_only: list[tuple[int, ...]], tmp_path: Any) -> None:
+    from adaspec.runtime.engine import RuntimeOptions, RuntimeStopped
+
+    first, second = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
+    runtime = Runtime(config("DSpark", 3, 2), models=models,
+                      options=RuntimeOptions(trace=str(first)))
+
+    async def run() -> list[Any]:
+        await runtime.start()
+        handles = [runtime.submit(list(p), q) for p, q in zip(PROMPTS, greedy(6), strict=True)]
+        with pytest.raises(RuntimeStopped, match="await stop\\(\\) before starting it again"):
+            await runtime.start()  # would reset the KV caches under the requests
+        stopping = asyncio.ensure_future(runtime.stop())
+        await asyncio.sleep(0)
+        with pytest.raises(RuntimeStopped, match="still shutting down"):
+            await runtime.start()
+        await stopping
+        results = await outcomes(handles)
+        runtime.options = RuntimeOptions(trace=str(second))
+        await runtime.start()  # a stopped runtime starts again
+        results += await outcomes([runtime.submit(list(PROMPTS[0]), greedy(1)[0])])
+        await runtime.stop()
+        return results
+
+    results = asyncio.run(run())
+    assert [r.token_ids for r in results] == [*target_only, target_only[0]]
+    assert runtime.hooks.empty  # the first run's trace hook went with it
+    assert len(second.read_text().splitlines()) < len(first.read_text().splitlines())

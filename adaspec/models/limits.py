@@ -31,6 +31,9 @@ def check_model_limits(launch: LaunchConfig, models: ModelSet | None) -> None:
     dspark = models.dspark
     assert dspark is not None  # check_conformance refused a missing one
     limit = dspark.max_width
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ConfigError("Runtime(models=...).dspark.max_width", limit,
+                          "expected a positive integer: the most tokens the drafter drafts")
     if launch.num_speculative_tokens > limit:
         raise ConfigError("--num_speculative_tokens", launch.num_speculative_tokens,
                           f"expected 1..{limit}: the DSpark drafter passed to the runtime "

@@ -13,7 +13,7 @@ import itertools
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,12 +147,28 @@ class Runtime:
         self._stream: DeviceStream | None = None
         self._pipeline: Pipeline | None = None
         self._closers: list[Any] = []
+        self._detach: list[Callable[[], None]] = []  # undoes what _open_observers attached
+        self._starting = False
         self.costs: CostBundle | None = None
         """The immutable cost table installed at start (adaptive target verify only)."""
 
     # --- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
-        """Load and place the models, prepare every graph binding, start the round loop."""
+        """Load and place the models, prepare every graph binding, start the round loop. A
+        runtime starts again only once it has stopped: a second start while it runs or while
+        a stop() is still shutting it down is refused (it would reset the KV caches that
+        requests in flight are using)."""
+        if self._starting or self._task is not None or (
+                self._stopping is not None and not self._stopping.done()):
+            raise RuntimeStopped("the runtime is starting, running or still shutting down: "
+                                 "await stop() before starting it again")
+        self._starting = True
+        try:
+            await self._start()
+        finally:
+            self._starting = False
+
+    async def _start(self) -> None:
         launch = self.launch
         if launch.world_size != 1:
             raise ConfigError("--nnodes", launch.nnodes,
@@ -172,11 +188,10 @@ class Runtime:
             await self._start_on_stream(models, device, geometry, plan, saved)
         except BaseException:
             # A start that fails leaves nothing running: no worker thread, no open file.
-            self._stream.close()
-            self._stream = None
-            for closer in self._closers:
-                closer.close()
-            self._closers.clear()
+            if self._stream is not None:  # a stop() during the start may have closed it
+                self._stream.close()
+                self._stream = None
+            self._close_observers()
             raise
 
     async def _start_on_stream(self, models: ModelSet, device: torch.device,
@@ -335,12 +350,32 @@ class Runtime:
             writer = EventLogWriter(self.options.event_log, self._log_header())
             self.bus.subscribe(writer.write)
             self._closers.append(writer)
+            self._detach.append(functools.partial(self.bus.unsubscribe, writer.write))
         trace_path = self.options.trace or trace_destination(os.environ.get(TRACE_ENV))
         if trace_path:
             trace = StateTrace.to_file(trace_path, self.clock)
-            self.hooks.on_transition(trace.hook)
+            hook = trace.hook  # one bound method: hooks are removed by identity
+            self.hooks.on_transition(hook)
             self.bus.subscribe(trace.observe)
             self._closers.append(trace)
+            self._detach += [functools.partial(self.hooks.remove, hook),
+                             functools.partial(self.bus.unsubscribe, trace.observe)]
+
+    def _close_observers(self) -> None:
+        """Detach this run's event log and trace, then close every one of them (the first
+        error of a close is raised once all were tried): a later start opens its own."""
+        for detach in self._detach:
+            detach()
+        self._detach.clear()
+        closers, self._closers = self._closers, []
+        failed: BaseException | None = None
+        for closer in closers:
+            try:
+                closer.close()
+            except Exception as error:  # the others still get closed
+                failed = failed or error
+        if failed is not None:
+            raise failed
 
     def _log_header(self) -> dict[str, object]:
         depth, budget = self._depth_policy(), self._budget_policy()
@@ -386,14 +421,16 @@ class Runtime:
             except asyncio.CancelledError:
                 if not self._task.cancelled():  # this shutdown was cancelled, not the loop
                     raise
-                # The loop was cancelled under us: it failed its requests; shut down the rest.
+                # The loop was cancelled under us, maybe before its first step: no request
+                # may be left waiting for it.
+                if self._pipeline is not None:
+                    self._pipeline.fail_all("runtime stopped: its loop was interrupted "
+                                            "(CancelledError)")
             self._task = None
         if self._stream is not None:
             self._stream.close()
             self._stream = None
-        for closer in self._closers:
-            closer.close()
-        self._closers.clear()
+        self._close_observers()
 
     # --- requests ------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], params: SamplingParams) -> RequestHandle:
@@ -462,6 +499,10 @@ class Runtime:
     def subscribe(self, handler: Any) -> None:
         """Receive every event (a plain callable, run in subscription order)."""
         self.bus.subscribe(handler)
+
+    def unsubscribe(self, handler: Any) -> None:
+        """Stop delivering events to ``handler``."""
+        self.bus.unsubscribe(handler)
 
 
 def adaptive_budget(launch: LaunchConfig) -> bool:

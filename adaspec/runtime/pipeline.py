@@ -233,6 +233,10 @@ class Pipeline:
                 self.fault = self.fault or error
                 self._fail_everything(f"runtime fault: {type(error).__name__}: {error}")
 
+    def fail_all(self, reason: str) -> None:
+        """Fail every request that has not ended (the loop can no longer serve them)."""
+        self._fail_everything(reason)
+
     def _fail_everything(self, reason: str) -> None:
         for request in [*self.active, *self.waiting]:
             if request.running:

@@ -56,7 +56,13 @@ class EventBus:
         return bool(self._handlers or self._waiters)
 
     def subscribe(self, handler: Handler) -> None:
-        """Deliver every later event to ``handler``, after the handlers subscribed before it."""
+        """Deliver every later event to ``handler``, after the handlers subscribed before it
+        (a handler dropped after raising may subscribe again, and is dropped again if it
+        raises again)."""
+        if not callable(handler):
+            raise TypeError(f"an event subscriber must be callable, got {handler!r}")
+        if handler in self._dropped:
+            self._dropped.remove(handler)
         self._handlers = (*self._handlers, handler)
 
     def unsubscribe(self, handler: Handler) -> None:
