@@ -41,14 +41,22 @@ def regular_file(setting: str, path: str, kind: str) -> os.stat_result:
 
 
 def new_file(setting: str, path: str) -> None:
-    """Refuse an output that exists already (a dangling link included, since creating the
-    file would follow it) or whose directory does not exist."""
+    """Refuse an output that could not be created: not a plain file path (unprintable, or
+    naming a folder), existing already (a dangling link included, since creating the file
+    would follow it), or in a directory that is missing or that this process cannot write."""
     if not path:
         raise ConfigError(setting, path, "expected a file name")
+    if not path.isprintable() or os.path.basename(path) in ("", ".", ".."):
+        raise ConfigError(setting, path, "expected a plain file path: printable, naming a "
+                          "file rather than a folder")
     if path_status(setting, path, follow=False) is not None:
         raise ConfigError(setting, path,
                           "expected a file that does not exist yet; choose a new output file")
-    existing_directory(setting, path, str(Path(path).parent))
+    folder = str(Path(path).parent)
+    existing_directory(setting, path, folder)
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(setting, path, f"expected a file in a writable directory; this "
+                          f"process cannot create files in {show_value(folder)}")
 
 
 def existing_directory(setting: str, given: str, folder: str | None = None) -> None:

@@ -12,7 +12,6 @@ too. The summary (or ``--json``) goes to stdout.
 import asyncio
 import json
 import logging
-import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -96,9 +95,10 @@ def run_calibrate(argv: Sequence[str]) -> int:
                           "target verify")
     output = launch.adaptive_target_verify_cost_table_output
     if output is None:
-        raise ConfigError(OUTPUT_FLAG, MISSING,
+        raise ConfigError("--adaptive_target_verify_cost_table_output", MISSING,
                           "required: adaspec calibrate saves the bundle there (a new file)")
-    check_output_path(output)
+    # load_config checked the path already (adaspec.config.paths.new_file), before any
+    # calibration.
     require_builtin("calibrate", launch.model, launch.draft_model,
                     "embed the runtime to calibrate your own")
     runtime = Runtime(config, options=RuntimeOptions(
@@ -122,29 +122,6 @@ def run_calibrate(argv: Sequence[str]) -> int:
                 print(f"  Bcap,G={shape}: {cost:.3f} ms")
     sys.stdout.flush()
     return 0
-
-
-OUTPUT_FLAG = "--adaptive_target_verify_cost_table_output"
-
-
-def check_output_path(output: str) -> None:
-    """Refuse, before minutes of calibration, an output that ``CostBundle.save`` could not
-    create: a plain file path (printable, naming a file rather than a folder) that does not
-    exist yet, in an existing folder this process may write."""
-    name = os.path.basename(output)
-    if not output.isprintable() or name in ("", ".", ".."):
-        raise ConfigError(OUTPUT_FLAG, output, "expected a plain file path: printable, naming "
-                          "a file rather than a folder")
-    if os.path.lexists(output):  # a dangling link too: save() would refuse to follow it
-        raise ConfigError(OUTPUT_FLAG, output, "expected a file that does not exist yet; "
-                          "choose a new output file")
-    folder = os.path.dirname(output) or "."
-    if not os.path.isdir(folder):
-        raise ConfigError(OUTPUT_FLAG, output, f"expected an existing directory; create "
-                          f"{folder} first")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise ConfigError(OUTPUT_FLAG, output, f"expected a file in a writable directory; "
-                          f"this process cannot create files in {folder}")
 
 
 async def _start_and_stop(runtime: Runtime) -> None:
