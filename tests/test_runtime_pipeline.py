@@ -394,16 +394,22 @@ def test_the_trace_is_off_by_default_and_on_with_the_environment_variable(
                                                   "commit", "retire", "retired"]
 
 
+def hooks_with_trace_variable(value: str, models: ReferenceModels, tmp_path: Path,
+                              monkeypatch: pytest.MonkeyPatch) -> int:
+    """Hooks a short run registers with ADASPEC_TRACE set to ``value``; it writes no file."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("ADASPEC_TRACE", value)
+    runtime = Runtime(config("DSpark", 2, 1), models=models)
+    count = asyncio.run(_hook_count(runtime, [SamplingParams(temperature=0.0, max_tokens=5)]))
+    assert list(tmp_path.iterdir()) == []
+    return count
+
+
 @pytest.mark.parametrize("value", ["1", "true", "ON", "-"])
 def test_a_switch_in_the_trace_variable_traces_to_stderr_and_writes_no_file(
         models: ReferenceModels, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str], value: str) -> None:
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("ADASPEC_TRACE", value)
-    runtime = Runtime(config("DSpark", 2, 1), models=models)
-    assert asyncio.run(_hook_count(runtime, [SamplingParams(temperature=0.0,
-                                                             max_tokens=5)])) == 1
-    assert list(tmp_path.iterdir()) == []
+    assert hooks_with_trace_variable(value, models, tmp_path, monkeypatch) == 1
     lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()
              if line.startswith("{")]
     assert [line["to"] for line in lines[:7]] == ["consensus", "pack", "verify", "sample",
@@ -414,12 +420,7 @@ def test_a_switch_in_the_trace_variable_traces_to_stderr_and_writes_no_file(
 def test_an_off_switch_in_the_trace_variable_traces_nothing(
         models: ReferenceModels, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         value: str) -> None:
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("ADASPEC_TRACE", value)
-    runtime = Runtime(config("DSpark", 2, 1), models=models)
-    assert asyncio.run(_hook_count(runtime, [SamplingParams(temperature=0.0,
-                                                             max_tokens=5)])) == 0
-    assert list(tmp_path.iterdir()) == []
+    assert hooks_with_trace_variable(value, models, tmp_path, monkeypatch) == 0
 
 
 async def _hook_count(runtime: Runtime, params: list[SamplingParams]) -> int:
