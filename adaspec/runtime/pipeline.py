@@ -215,10 +215,10 @@ class Pipeline:
             await self._loop()
         except Exception as error:
             self.fault = error
-            self._fail_everything(f"runtime fault: {type(error).__name__}: {error}")
+            self.fail_all(f"runtime fault: {type(error).__name__}: {error}")
         except BaseException as error:  # cancelled or interrupted: no request is left waiting
             self.fault = error
-            self._fail_everything(f"runtime stopped: its loop was interrupted "
+            self.fail_all(f"runtime stopped: its loop was interrupted "
                                   f"({type(error).__name__})")
             raise
         finally:
@@ -231,13 +231,10 @@ class Pipeline:
                 await self._retire_next()
             except Exception as error:  # a second fault while draining: still end cleanly
                 self.fault = self.fault or error
-                self._fail_everything(f"runtime fault: {type(error).__name__}: {error}")
+                self.fail_all(f"runtime fault: {type(error).__name__}: {error}")
 
     def fail_all(self, reason: str) -> None:
         """Fail every request that has not ended (the loop can no longer serve them)."""
-        self._fail_everything(reason)
-
-    def _fail_everything(self, reason: str) -> None:
         for request in [*self.active, *self.waiting]:
             if request.running:
                 self._fail_request(request, reason)
