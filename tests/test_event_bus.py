@@ -225,3 +225,25 @@ def test_a_dropped_handler_subscribed_again_is_dropped_again_and_a_non_callable_
     assert len(caplog.records) == 2
     with pytest.raises(TypeError, match="must be callable, got 42"):
         bus.subscribe(42)  # type: ignore[arg-type]
+
+
+def test_a_dropped_handler_is_not_called_again_in_that_publish_and_a_fresh_subscription_stays(
+        ) -> None:
+    bus = EventBus()
+    calls: list[Event] = []
+
+    def broken(event: Event) -> None:
+        calls.append(event)
+        raise ValueError("bug")
+
+    def resubscribe(event: Event) -> None:
+        bus.subscribe(broken)
+
+    bus.subscribe(broken)
+    bus.subscribe(resubscribe)
+    bus.subscribe(broken)  # its second subscription, still in this publish's snapshot
+    bus.publish(stage(0))
+    assert calls == [stage(0)]  # once, though subscribed twice
+    bus.unsubscribe(resubscribe)
+    bus.publish(stage(1))  # the fresh subscription survived: it runs (and is dropped) again
+    assert calls == [stage(0), stage(1)]

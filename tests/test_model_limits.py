@@ -210,3 +210,18 @@ def test_a_drafter_max_width_that_is_no_positive_integer_is_refused(max_width: o
     with pytest.raises(ConfigError, match=r"^Runtime\(models=\.\.\.\)\.dspark\.max_width=.*: "
                                           r"expected a positive integer"):
         check_model_limits(launch, own)
+
+
+def test_a_drafter_max_width_of_any_integer_type_is_read_as_an_integer() -> None:
+    import numpy as np
+
+    launch = load_config({"speculative_algorithm": "DSpark", "num_speculative_tokens": 5}).launch
+    models = load_reference_models()
+    own = SimpleNamespace(target=models.target, mtp=None,
+                          dspark=SimpleNamespace(max_width=np.int64(4), identity="own",
+                                                 draft=print))
+    with pytest.raises(ConfigError, match=r"expected 1\.\.4"):
+        check_model_limits(launch, own)
+    own.dspark.max_width = "7"
+    with pytest.raises(ConfigError, match=r"max_width='7': .*\(got a str\)"):
+        check_model_limits(launch, own)

@@ -6,6 +6,8 @@ runtime calls, or a DSpark launch wider than its drafter's ``max_width``, would 
 every request at its first round.
 """
 
+import operator
+
 from adaspec.config.builtin import check_builtin_limits
 from adaspec.config.launch import LaunchConfig
 from adaspec.errors import ConfigError
@@ -30,10 +32,7 @@ def check_model_limits(launch: LaunchConfig, models: ModelSet | None) -> None:
         return
     dspark = models.dspark
     assert dspark is not None  # check_conformance refused a missing one
-    limit = dspark.max_width
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-        raise ConfigError("Runtime(models=...).dspark.max_width", limit,
-                          "expected a positive integer: the most tokens the drafter drafts")
+    limit = _positive_integer(dspark.max_width)
     if launch.num_speculative_tokens > limit:
         raise ConfigError("--num_speculative_tokens", launch.num_speculative_tokens,
                           f"expected 1..{limit}: the DSpark drafter passed to the runtime "
@@ -63,3 +62,17 @@ def check_conformance(launch: LaunchConfig, models: ModelSet) -> None:
         if missing is not None:
             raise ConfigError(f"Runtime(models=...).{attribute}", type(model).__name__,
                               f"expected a {protocol.__name__}: it has no {missing}")
+
+
+def _positive_integer(max_width: object) -> int:
+    """A drafter's ``max_width`` as an int (any integer type), or the one-line refusal naming
+    its type."""
+    try:
+        limit = operator.index(max_width)  # type: ignore[arg-type]
+    except TypeError:
+        limit = 0
+    if isinstance(max_width, bool) or limit < 1:
+        raise ConfigError("Runtime(models=...).dspark.max_width", repr(max_width),
+                          f"expected a positive integer: the most tokens the drafter drafts "
+                          f"(got a {type(max_width).__name__})")
+    return limit

@@ -82,10 +82,14 @@ class EventBus:
     def publish(self, event: Event) -> None:
         """Hand ``event`` to every handler in subscription order, then resolve the waiters
         it matches (in the order they called ``next``)."""
+        dropped: list[Handler] | None = None  # in this publish: not called again for it
         for handler in self._handlers:
+            if dropped is not None and handler in dropped:
+                continue
             try:
                 handler(event)
             except Exception as error:  # the observer's bug, not the round's
+                dropped = [*(dropped or ()), handler]
                 self._drop(handler, event, error)
         if self._waiters:
             self._resolve(event)
