@@ -18,11 +18,12 @@ from typing import Any, TextIO, cast
 from adaspec import __version__
 from adaspec.config import RULES, LaunchConfig, load_config_from_argv
 from adaspec.config.builtin import check_builtin_limits
-from adaspec.config.flags import field_docs
+from adaspec.config.flags import field_docs, parse_argv
 from adaspec.config.launch import BUILTIN_TARGET, BUILTIN_TARGETS, launch_field_types, metavar
 from adaspec.config.rules import CROSS_CHECKS
 from adaspec.errors import MISSING, AdaspecError, ConfigError, show_value
-from adaspec.runtime.command_flags import check_runnable_here, flag_lines, take_flags
+from adaspec.policies.bundles import check_saved_table
+from adaspec.runtime.command_flags import CommandFlags, Flag, ParsedFlags
 
 USAGE = """usage: adaspec COMMAND [FLAGS]
 
@@ -33,19 +34,27 @@ commands:
   generate  decode prompts with the built-in models (speculative or target alone)
   calibrate measure and fit the costs of adaptive target verify, save the bundle
   simulate  evaluate policies offline on a workload (or an event log) and a cost bundle
-  states    the round state graph (--diagram prints it as mermaid)
+  states    print the round state graph as a mermaid diagram
   replay    re-run the policies of a recorded event log and report the first divergence
 
 adaspec COMMAND --help shows a command's flags; adaspec --version prints the version."""
 
 
+CONFIG = CommandFlags(
+    command="config",
+    usage="[--name=value | --name value] ... | --rules",
+    about="Checks the launch line (flags, combination rules, JSON files it names) without "
+          "starting anything, then prints every effective setting and its source as JSON. Exit "
+          "0 when valid; exit 2 with one line on stderr when not.",
+    flags={"rules": Flag(help="list the combination rules it enforces instead (no launch "
+                              "flags with it)")},
+    launch=True)
+
+
 def config_help() -> str:
-    """Every launch flag with its expected value, default and meaning."""
-    lines = ["usage: adaspec config [--name=value | --name value] ...", "",
-             "Checks the launch line (flags, combination rules, JSON files it names) without",
-             "starting anything, then prints every effective setting and its source as JSON.",
-             "Exit 0 when valid; exit 2 with one line on stderr when not.",
-             "adaspec config --rules lists the combination rules it enforces.", "", "flags:"]
+    """The command's own flags, then every launch flag with its expected value, default and
+    meaning."""
+    lines = [CONFIG.help(), "", "launch flags:"]
     docs, types = field_docs(), launch_field_types()
     for f in fields(LaunchConfig):
         if not f.init:
@@ -58,58 +67,61 @@ def config_help() -> str:
 
 
 def run_config(argv: Sequence[str]) -> int:
-    if any(arg in ("-h", "--help") for arg in argv):
+    args = CONFIG.parse(argv)
+    if args.help:
         print(config_help())
         return 0
-    if list(argv) == ["--rules"]:
+    if "rules" in args:
+        if args.launch_argv:
+            # A launch flag without its value or misspelled is named first.
+            name, value = next(iter(parse_argv(args.launch_argv).items()))
+            raise ConfigError("--rules", MISSING, f"expected no launch flag with it, got "
+                              f"--{name}={show_value(value)} (the rules are the same for "
+                              "every launch)")
         lines = [rule.describe() for rule in RULES]
         lines += [f"always -> {check.__doc__}" for check in CROSS_CHECKS]
         print("\n".join(lines))
         return 0
-    effective = load_config_from_argv(argv)
+    effective = load_config_from_argv(args.launch_argv)
     # A launch of the built-in models is held to what they can draft, so a line that passes
     # here runs; other models are checked against themselves when the runtime starts.
     check_builtin_limits(effective.launch)
+    # The saved table's contents and the fields the launch fixes; the model identities and
+    # the captured geometry are compared when the runtime starts.
+    check_saved_table(effective.launch)
     document = {"adaspec_version": __version__, **effective.as_dict()}
     print(json.dumps(document, indent=2))
     return 0
 
 
-MODELS_FLAGS = {"json": ("", "print one JSON object instead of a table"),
-                "measure": ("", "also re-measure greedy acceptance on the packaged held-out "
+MODELS = CommandFlags(
+    command="models",
+    usage="[--model=BUILTIN] [--json] [--measure]",
+    about="Identities, sizes and measured quality of the built-in reference models.",
+    flags={"json": Flag(help="print one JSON object instead of a table"),
+           "measure": Flag(help="also re-measure greedy acceptance on the packaged held-out "
                                 "excerpt (a few seconds)"),
-                "model": ("BUILTIN", f"which built-in target and its drafts: "
-                                     f"{' or '.join(BUILTIN_TARGETS)} (default {BUILTIN_TARGET})")}
+           "model": Flag(metavar="BUILTIN", help=f"which built-in target and its drafts: "
+                                                 f"{' or '.join(BUILTIN_TARGETS)} (default "
+                                                 f"{BUILTIN_TARGET})")})
 
 
-def models_choice(argv: Sequence[str]) -> tuple[str, set[str]]:
-    """The ``--model`` value and the switches given, each refused in one line when unknown,
-    repeated or (for ``--model``) not a built-in target."""
-    own, unknown = take_flags(argv, MODELS_FLAGS, ("json", "measure"))
-    if unknown:
-        *others, last = (f"--{name}" for name in MODELS_FLAGS)
-        raise ConfigError(unknown[0], MISSING,
-                          f"unknown flag; expected {', '.join(others)} or {last}")
-    given: dict[str, str] = {}
-    for name, value in own:
-        if name in given:
-            first = f" (first as {given[name]})" if value else ""
-            raise ConfigError(f"--{name}", value or MISSING,
-                              f"given twice{first}; give each flag once")
-        given[name] = value
-    model = given.get("model", BUILTIN_TARGET)
+def models_choice(args: ParsedFlags) -> tuple[str, set[str]]:
+    """The ``--model`` value and the switches given; a ``--model`` that is no built-in target
+    refused in one line."""
+    model = args.get("model") or BUILTIN_TARGET
     if model not in BUILTIN_TARGETS:
         raise ConfigError("--model", model, f"expected one of {', '.join(BUILTIN_TARGETS)}: "
                           "adaspec models describes the built-in reference models")
-    return model, set(given) - {"model"}
+    return model, {name for name, _ in args.given} - {"model"}
 
 
 def run_models(argv: Sequence[str]) -> int:
-    if any(arg in ("-h", "--help") for arg in argv):
-        print("usage: adaspec models [--model=BUILTIN] [--json] [--measure]\n")
-        print("\n".join(flag_lines(MODELS_FLAGS)))
+    args = MODELS.parse(argv)
+    if args.help:
+        print(MODELS.help())
         return 0
-    model, flags = models_choice(argv)
+    model, flags = models_choice(args)
     # Deferred: torch loads only for commands that need models.
     from adaspec.models.checkpoint import load_reference_models
     from adaspec.models.drafter_cost import drafter_costs
@@ -138,10 +150,6 @@ def run_generate(argv: Sequence[str]) -> int:
 def run_calibrate(argv: Sequence[str]) -> int:
     from adaspec.runtime.calibrate_command import run_calibrate as calibrate  # loads torch
 
-    if not any(arg in ("-h", "--help") for arg in argv):
-        # The command loads its launch again; checked here first so that a device this
-        # process cannot use is refused in one line before the runtime starts.
-        check_runnable_here(load_config_from_argv([a for a in argv if a != "--json"]).launch)
     return calibrate(argv)
 
 
@@ -157,13 +165,17 @@ def run_simulate(argv: Sequence[str]) -> int:
     return simulate(argv)
 
 
+STATES = CommandFlags(
+    command="states",
+    usage="[--diagram]",
+    about="Prints the round state graph as a mermaid stateDiagram.",
+    flags={"diagram": Flag(help="the same (the diagram is the only output there is)")})
+
+
 def run_states(argv: Sequence[str]) -> int:
-    if list(argv) in (["-h"], ["--help"]):
-        print("usage: adaspec states [--diagram]\n\nprints the round state graph as a mermaid "
-              "stateDiagram\n\n  --diagram  the same (the only output there is)")
+    if STATES.parse(argv).help:
+        print(STATES.help())
         return 0
-    if list(argv) not in ([], ["--diagram"]):
-        raise ConfigError("adaspec states", " ".join(argv), "expected no flag or --diagram")
     from adaspec.runtime.states import mermaid
 
     print(mermaid())
@@ -171,7 +183,7 @@ def run_states(argv: Sequence[str]) -> int:
 
 
 def run_replay(argv: Sequence[str]) -> int:
-    from adaspec.runtime.events.replay import main as replay
+    from adaspec.runtime.replay_command import main as replay
 
     return replay(list(argv))
 
@@ -198,7 +210,11 @@ def run(argv: Sequence[str]) -> int:
     try:
         return command(argv[1:])
     except AdaspecError as error:
-        print(f"adaspec {argv[0]}: error: {error}", file=sys.stderr)
+        if sys.stderr is not None:  # None: started with descriptor 2 closed
+            try:
+                print(f"adaspec {argv[0]}: error: {error}", file=sys.stderr)
+            except OSError:  # a full standard error: the exit status still says it
+                pass
         return 2
 
 

@@ -185,6 +185,27 @@ class EventLogError(AdaspecError):
         return _printable(f"{where}: {self.reason}")
 
 
+class OutputWriteError(AdaspecError):
+    """An output the run was asked to write (the state trace, an event log) could not be
+    written to the end: the run itself went on, and this is raised when the output closes.
+
+    ``setting`` names where the output was asked for (``--trace``, ``ADASPEC_TRACE``,
+    ``RuntimeOptions.event_log``), ``path`` the file and ``reason`` what the system said.
+    """
+
+    def __init__(self, setting: str, path: str, what: str, reason: str) -> None:
+        super().__init__(setting, path, what, reason)
+        self.setting = setting
+        self.path = path
+        self.what = what
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return _describe(self.setting, self.path, f"cannot write the {self.what} "
+                         f"({self.reason}); what it holds is incomplete, the run went on "
+                         "without it")
+
+
 class ReplayMismatch(AdaspecError):
     """Replaying an event log did not reproduce it: a policy decided otherwise than recorded,
     or a recorded decision saw feedback newer than the lag allows.

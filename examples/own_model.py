@@ -7,19 +7,26 @@ The target scores the next byte from the previous two, ``A[x_t-1, x_t] + S[x_t-2
 the byte at each position of each KV slot: ``verify`` writes every row's byte at its position
 before reading the byte one position back, so a rejected suffix is simply overwritten later,
 which is the consistency rule the runtime relies on. The drafter drafts from ``A`` alone.
+docs/embedding.md states every contract these classes follow.
 
     python examples/own_model.py
 """
 
 import asyncio
-import hashlib
 from types import SimpleNamespace
 
 import torch
 from torch import Tensor
 
 from adaspec.config import SamplingParams, load_config
-from adaspec.models.protocols import MtpStep, PrefillOutput, TargetOutput, VerifyRows
+from adaspec.models import (
+    ContextRows,
+    MtpStep,
+    PrefillOutput,
+    TargetOutput,
+    VerifyRows,
+    checkpoint_identity,
+)
 from adaspec.models.report import heldout_excerpt
 from adaspec.runtime.engine import Runtime
 from adaspec.runtime.plain import plain_loop
@@ -38,20 +45,15 @@ def log_tables(text: bytes) -> tuple[Tensor, Tensor]:
     return pairs.log_softmax(-1), skips.log_softmax(-1)
 
 
-def identity_of(*tables: Tensor) -> str:
-    """A stable hash of the weights: cost tables saved for one model are refused for another."""
-    digest = hashlib.sha256()
-    for table in tables:
-        digest.update(table.numpy().tobytes())
-    return digest.hexdigest()[:32]
-
-
 class TrigramTarget:
     """A ``TargetModel``: prefill and verify over a per-slot cache of past bytes."""
 
     def __init__(self, pairs: Tensor, skips: Tensor, context_limit: int = 1024) -> None:
         self.pairs, self.skips = pairs, skips
-        self.identity = identity_of(pairs, skips)
+        # A stable hash of configuration and weights: cost tables saved for one model are
+        # refused for another.
+        self.identity = checkpoint_identity({"context_limit": context_limit},
+                                            {"pairs": pairs, "skips": skips})
         self.vocab_size, self.hidden_size, self.context_limit = VOCAB, HIDDEN, context_limit
         self.dtype = torch.float32
         self.bytes = torch.zeros(1, context_limit, dtype=torch.int64)
@@ -92,16 +94,15 @@ class TrigramTarget:
 class BigramDrafter:
     """An ``MtpDrafter`` with no context of its own: each step drafts from the last byte."""
 
-    def __init__(self, pairs: Tensor) -> None:
-        self.pairs = pairs
-        self.identity = identity_of(pairs)
+    def __init__(self, pairs: Tensor, target: TrigramTarget) -> None:
+        self.pairs = pairs  # the target's table: the identity names the checkpoint it shares
+        self.identity = checkpoint_identity({}, {"pairs": pairs}, parent=target.identity)
 
     def allocate(self, num_slots: int) -> None:
         """Nothing per request to keep."""
 
-    def publish(self, hidden: Tensor, next_token_ids: Tensor, positions: Tensor,
-                slots: Tensor) -> None:
-        """Nothing to publish: the next step sees the byte it drafts from."""
+    def publish(self, rows: ContextRows) -> None:
+        """Nothing to keep: each step sees the byte it drafts from."""
 
     def step(self, hidden: Tensor, token_ids: Tensor, positions: Tensor,
              slots: Tensor) -> MtpStep:
@@ -129,8 +130,8 @@ async def decode(models: SimpleNamespace, max_tokens: int) -> tuple[list[tuple[i
 
 def main(max_tokens: int = 48) -> None:
     pairs, skips = log_tables("".join(heldout_excerpt().values()).encode())
-    models = SimpleNamespace(target=TrigramTarget(pairs, skips), mtp=BigramDrafter(pairs),
-                             dspark=None)
+    target = TrigramTarget(pairs, skips)
+    models = SimpleNamespace(target=target, mtp=BigramDrafter(pairs, target), dspark=None)
     outputs, acceptance = asyncio.run(decode(models, max_tokens))
     reference = TrigramTarget(pairs, skips)
     reference.allocate(len(PROMPTS))

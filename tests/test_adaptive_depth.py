@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+from cost_tables import depth_bundle
 from runtime_helpers import TINY_CALIBRATION, config, decode, excerpt_prompts, max_tokens_of
 
 from adaspec import cli
@@ -12,7 +13,9 @@ from adaspec.config import SamplingParams
 from adaspec.config.calibration import DraftStepPolicyConfig
 from adaspec.models import load_reference_models
 from adaspec.policies.base import DepthContext, RoundFeedback
-from adaspec.policies.depth import AdaptiveDepth
+from adaspec.policies.bundles import CostBundle
+from adaspec.policies.depth import AdaptiveDepth, bundle_pricing
+from adaspec.policies.registry import make_depth_policy
 from adaspec.policies.simulate import simulate
 from adaspec.policies.workloads import shaped_tables, synthetic
 from adaspec.runtime.calibration import PointMeasured
@@ -20,9 +23,81 @@ from adaspec.runtime.devices.buckets import BucketGeometry
 from adaspec.runtime.engine import RuntimeOptions
 from adaspec.runtime.events.log import read_event_log
 from adaspec.runtime.events.replay import replay
-from adaspec.runtime.events.types import DepthDecided
+from adaspec.runtime.events.types import BudgetDecided, DepthDecided
 
 TABLES = shaped_tables()
+
+def depth_context(num_reqs: int, max_kv_length: int) -> DepthContext:
+    return DepthContext(round=1, num_reqs=num_reqs, num_reqs_bucket=4, width=3,
+                        retired_through=-1, max_kv_length=max_kv_length)
+
+
+def decided(costs: CostBundle, context: DepthContext) -> int:
+    """The depth the runtime's adaptive-depth policy (built as a launch builds it) chooses
+    after batches whose prefix acceptance is 0.9, 0.8 and 0.7."""
+    policy = make_depth_policy("adaptive-depth", {"window_size": 4, "update_interval": 1,
+                                                  "switch_min_gain": 0.0}, costs)
+    for number in range(4):
+        policy.observe(RoundFeedback(
+            round=number, num_reqs=10, num_reqs_bucket=16, width=3, depth=3, num_rows=40,
+            verify_lengths=(3,) * 10, num_accepted=(3, 3, 3, 3, 3, 3, 3, 2, 1, 0)))
+    return policy.decide(context)
+
+
+def test_a_batch_is_priced_by_the_depth_profile_of_its_kv_length() -> None:
+    costs = depth_bundle()
+    # Full bucket (no rows to move): 1.9 / 12, 2.7 / 14 and 3.4 / 24 tokens per ms in the
+    # short interval, 1.9 / 12, 2.7 / 30 and 3.4 / 60 in the long one.
+    assert decided(costs, depth_context(4, 100)) == 2
+    assert decided(costs, depth_context(4, 3000)) == 1
+    price = bundle_pricing(costs)
+    assert [price(depth_context(4, 3000), d) for d in (1, 2, 3)] == pytest.approx(
+        [12.0, 30.0, 60.0])
+    assert price(depth_context(4, 5000), 1) is None  # no interval covers it: unpriced
+    assert decided(costs, depth_context(4, 5000)) == 3  # so the depth stays at full width
+
+
+def test_an_unpriced_batch_runs_at_full_width_and_the_chosen_depth_waits() -> None:
+    # Before, an unpriced batch kept whatever depth the policy had chosen, a shallow one
+    # included; the specification gives batches outside the calibrated table full width.
+    policy = make_depth_policy("adaptive-depth",
+                               {"window_size": 4, "update_interval": 1, "switch_min_gain": 0.0},
+                               depth_bundle())
+    for number in range(4):
+        policy.observe(RoundFeedback(
+            round=number, num_reqs=10, num_reqs_bucket=16, width=3, depth=3, num_rows=40,
+            verify_lengths=(3,) * 10, num_accepted=(3, 3, 3, 3, 3, 3, 3, 2, 1, 0)))
+    assert policy.decide(depth_context(4, 3000)) == 1  # priced: deep drafts cost too much
+    assert policy.decide(depth_context(4, 5000)) == 3  # past every interval: full width
+    assert policy.decide(depth_context(4, 3000)) == 1  # the chosen depth is still there
+    assert policy.statistics().values["unpriced"] == 1
+
+
+def test_a_context_without_a_kv_length_is_priced_as_logs_before_it_were() -> None:
+    # Logs written before depth contexts recorded the KV length priced every batch with the
+    # first depth profile and no rows correction (their tables had no rows profile).
+    old = depth_bundle(rows=False)
+    price = bundle_pricing(old)
+    assert [price(depth_context(3, 0), d) for d in (1, 2, 3)] == pytest.approx(
+        [12.0, 14.0, 24.0])
+    assert decided(old, depth_context(4, 0)) == 2
+
+
+def test_a_batch_smaller_than_its_bucket_is_priced_at_the_rows_it_verifies() -> None:
+    costs = depth_bundle()
+    price = bundle_pricing(costs)
+    # Three requests in bucket 4 verify 6, 12 and 12 rows at depths 1..3 where a full bucket
+    # verifies 8, 12 and 16: the depth price moves by what those rows cost at full depth.
+    assert [price(depth_context(3, 100), d) for d in (1, 2, 3)] == pytest.approx(
+        [12.0 - (11.0 - 10.0), 14.0, 24.0 - (20.0 - 12.0)])
+    assert [price(depth_context(4, 100), d) for d in (1, 2, 3)] == pytest.approx(
+        [12.0, 14.0, 24.0])
+    # 3.4 / 16 beats 2.7 / 14 for three requests; at Bcap * (d + 1) rows it would not.
+    assert decided(costs, depth_context(3, 100)) == 3
+    assert decided(costs, depth_context(4, 100)) == 2
+    # A table from before rows profiles prices the depth as measured.
+    assert bundle_pricing(depth_bundle(rows=False))(depth_context(3, 100), 3) == (
+        pytest.approx(24.0))
 
 
 def feedback(round: int, lengths: tuple[int, ...], accepted: tuple[int, ...]) -> RoundFeedback:
@@ -156,17 +231,24 @@ def test_adaptive_depth_runs_lossless_on_the_runtime_and_replays_bit_exactly(
                                              calibration_progress=windows.append))
     target_only = decode(config("none", 0, 4), prompts, params, models=models, wave=3)
     assert [r.token_ids for r in adaptive] == [r.token_ids for r in target_only]
-    # Every bucket was calibrated at every depth, each with the rows of its full width.
+    # Every bucket was calibrated at every depth, each with the rows of its full width; and,
+    # at full depth, the rows a batch of three verifies in bucket 4 (6 at depth 1, 12 at
+    # depth 3) with the full bucket's rows at those depths (8 and 16).
     assert {(w.num_reqs_bucket, w.depth, w.num_rows) for w in windows} == {
         (b, d, next(g for g in geometry.legal_rows(b) if g >= b * (d + 1)))
-        for b in (1, 2, 4) for d in (1, 2, 3)}
+        for b in (1, 2, 4) for d in (1, 2, 3)} | {(4, 3, g) for g in (6, 8, 12, 16)}
     header, events = read_event_log(log)
     assert header["policies"]["depth"]["name"] == "adaptive-depth"
     assert [(p["over"], p["table"]["kind"]) for p in header["cost_table"]["profiles"]] == [
-        ("depth", "log-additive")]  # the additive model on log seconds: depths scale a bucket
-    depths = [e.depth for e in events if isinstance(e, DepthDecided)]
-    assert depths
-    assert set(depths) <= {1, 2, 3}
+        ("depth", "log-additive"),  # the additive model on log seconds: depths scale a bucket
+        ("rows", "additive")]
+    decisions = [e for e in events if isinstance(e, DepthDecided)]
+    assert {e.depth for e in decisions} <= {1, 2, 3}
+    # Depth contexts carry the KV bound of their budget context, and batches of three in
+    # bucket 4 were decided (priced at their own rows).
+    kv = {e.round: e.context.max_kv_length for e in events if isinstance(e, BudgetDecided)}
+    assert all(e.context.max_kv_length == kv[e.round] > 0 for e in decisions)
+    assert any((e.context.num_reqs, e.context.num_reqs_bucket) == (3, 4) for e in decisions)
     replay(header, events).check()
     # The recorded run re-evaluated offline with the per-depth table its header carries.
     assert cli.run(["simulate", "--workload", str(log), "--policy", "fixed:1", "--policy",

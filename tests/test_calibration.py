@@ -19,13 +19,19 @@ from adaspec.config.requests import SamplingParams
 from adaspec.errors import ConfigError, IncompatibleCostTable
 from adaspec.models import ReferenceModels, load_reference_models
 from adaspec.policies.base import BudgetContext, DepthContext, covering_rows
-from adaspec.policies.bundles import CostBundle
+from adaspec.policies.bundles import Compatibility, CostBundle, bundle_from_dict
+from adaspec.policies.costs import CostSample, grid_components
 from adaspec.policies.verify import choose_rows
 from adaspec.runtime.calibration import (
+    Axis,
     ForcedBudget,
     ForcedDepth,
     PointMeasured,
+    Samples,
+    fit_bundle,
     plan_calibration,
+    plan_depth_calibration,
+    smaller_batch_rows,
 )
 from adaspec.runtime.devices.buckets import BucketGeometry
 from adaspec.runtime.engine import Runtime, RuntimeOptions
@@ -263,3 +269,63 @@ def test_only_the_points_request_set_is_forced_and_transient_sets_verify_at_full
                                      retired_through=-1)) == 5
     assert ForcedDepth().decide(DepthContext(round=0, num_reqs=4, num_reqs_bucket=4, width=5,
                                              retired_through=-1)) == 5
+
+
+ADS = {"speculative_algorithm": "MTP", "num_speculative_tokens": 5, "max_seqs_per_batch": 16,
+       "enable_adaptive_draft_step": True}
+ADS_GEOMETRY = BucketGeometry.of(load_config(ADS).launch)
+
+
+def depth_settings(**changes: object) -> CalibrationConfig:
+    values: dict[str, object] = {"draft_width": 5, "request_buckets": (1, 2, 4, 8, 16)}
+    return CalibrationConfig(**(values | changes))  # type: ignore[arg-type]
+
+
+def test_a_depth_plan_also_measures_the_rows_smaller_batches_verify() -> None:
+    plan = plan_depth_calibration(depth_settings(), ADS_GEOMETRY, 8192)
+    # Full buckets at every depth, each verifying Bcap * (d + 1) rows.
+    assert {(b, d, plan.rows_at[(b, d)]) for b, d in plan.grid.points} == {
+        (b, d, b * (d + 1)) for b in (1, 2, 4, 8, 16) for d in range(1, 6)}
+    # Bucket 4 holds batches of three: at depths 1..5 they verify 6, 10 (9 rows), 12,
+    # 16 (15 rows) and 20 (18 rows) where a full bucket verifies 8, 12, 16, 20 and 24.
+    assert smaller_batch_rows(ADS_GEOMETRY, 4) == (6, 8, 10, 12, 16, 20, 24)
+    assert smaller_batch_rows(ADS_GEOMETRY, 1) == smaller_batch_rows(ADS_GEOMETRY, 2) == ()
+    rows_points = [point for point in plan.points if point[0] == "rows"]
+    assert rows_points == [("rows", b, g) for b in (4, 8, 16)
+                           for g in smaller_batch_rows(ADS_GEOMETRY, b)]
+    assert all(plan.shape(*point) == (5, point[2]) for point in rows_points)  # full depth
+    assert plan.num_windows == len(plan.points) * 3
+    # Fitted: per interval a depth profile, then the rows profile that moves its prices.
+    axes: tuple[Axis, ...] = ("depth", "rows")
+    samples: list[Samples] = [{axis: [
+        CostSample(b, s, 0.01 + 0.001 * b + 0.0001 * s + 0.00001 * k)
+        for k in range(3) for a, b, s in plan.points if a == axis] for axis in axes}]
+    compatibility = Compatibility(
+        algorithm="MTP", draft_width=5, dp_size=1, tp_size=1, unified=False, device="cpu",
+        target="t", draft="d", request_buckets=ADS_GEOMETRY.request_buckets,
+        target_rows=tuple(map(ADS_GEOMETRY.legal_rows, ADS_GEOMETRY.request_buckets)))
+    costs = fit_bundle(plan, samples, compatibility, "test")
+    assert [(p.over, p.table.kind) for p in costs.profiles] == [("depth", "log-additive"),
+                                                                 ("rows", "additive")]
+    assert bundle_from_dict(json.loads(costs.to_json()), "reloaded") == costs
+
+
+def test_a_depth_plan_bridges_buckets_whose_rows_share_no_tier() -> None:
+    geometry = BucketGeometry.of(load_config(ADS | {"num_speculative_tokens": 2}).launch)
+    settings = depth_settings(draft_width=2)
+    rows = {b: smaller_batch_rows(geometry, b) for b in geometry.request_buckets}
+    assert not set(rows[4]) & set(rows[8])  # bucket 4's rows end below bucket 8's
+    plan = plan_depth_calibration(settings, geometry, 8192)
+    points = [(b, s) for a, b, s in plan.points if a == "rows"]
+    # Bucket 8 also measures 8 rows, the largest of bucket 4's it may verify: one grid.
+    assert set(points) == {(b, g) for b in rows for g in rows[b]} | {(8, 8)}
+    assert grid_components(points) == 1
+    # SPS fits every G alone: nothing to bridge.
+    sps = plan_depth_calibration(depth_settings(draft_width=2, model="sps"), geometry, 8192)
+    assert (8, 8) not in [(b, s) for a, b, s in sps.points if a == "rows"]
+    # Buckets 4 and 16 share no tier at all: refused before sampling, not after it.
+    with pytest.raises(ConfigError, match=r"draft-step calibration: request_buckets=\[4, 16\]: "
+                                          "the tiers that batches of fewer requests than their "
+                                          "bucket verify fall into 2 groups"):
+        plan_depth_calibration(depth_settings(draft_width=2, request_buckets=(4, 16)),
+                               geometry, 8192)

@@ -102,11 +102,11 @@ def test_rules_listing_shows_every_rule_with_its_source(capsys: pytest.CaptureFi
 
 @pytest.mark.parametrize(("argv", "line"), [
     (["generate", "--prompt", "--max_tokens", "5", "--temperature", "0"],
-     "adaspec generate: error: --prompt: expected a value (prompt TEXT; --prompt=VALUE for a "
-     "value that starts with --)"),
+     "adaspec generate: error: --prompt: expected a value (--prompt TEXT, or --prompt=TEXT for "
+     "a value that starts with --)"),
     (["bench", "--concurrency", "--quick"],
-     "adaspec bench: error: --concurrency: expected a value (concurrency LIST; "
-     "--concurrency=VALUE for a value that starts with --)"),
+     "adaspec bench: error: --concurrency: expected a value (--concurrency LIST, or "
+     "--concurrency=LIST for a value that starts with --)"),
     (["bench", "--concurency=1"],
      "adaspec bench: error: --concurency=1: unknown flag; did you mean --concurrency?"),
     (["models", "--jsn"], "adaspec models: error: --jsn: unknown flag; did you mean --json?"),

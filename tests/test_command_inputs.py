@@ -142,7 +142,7 @@ def test_a_fifo_as_prompts_file_is_refused_without_opening_it(tmp_path: Path) ->
                    "--temperature=0")
     assert (done.returncode, done.stdout) == (2, b"")
     assert done.stderr.decode() == (f"adaspec generate: error: --prompts_file={fifo}: expected "
-                                    "a regular UTF-8 text file (not a device or pipe)\n")
+                                    "a regular UTF-8 text file, got a FIFO\n")
 
 
 def test_a_prompt_that_is_not_utf8_is_refused_in_one_line() -> None:

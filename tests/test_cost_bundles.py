@@ -7,49 +7,20 @@ import json
 from pathlib import Path
 
 import pytest
+from cost_tables import CONTEXT, LAUNCH, SAMPLES, SETTINGS, bundle, depth_bundle, saved
 
 from adaspec import cli
-from adaspec.config.calibration import ContextInterval
 from adaspec.errors import ConfigError, IncompatibleCostTable
 from adaspec.policies.bundles import (
     COMPATIBILITY_FIELDS,
-    Compatibility,
-    CostBundle,
     CostProfile,
     bundle_from_dict,
     fitted_bundle,
     load_bundle,
 )
-from adaspec.policies.costs import CostSample, fit, fit_additive, fit_sps
+from adaspec.policies.costs import CostSample, fit, fit_sps
 from adaspec.policies.workloads import shaped_table, synthetic
 from adaspec.runtime.events.replay import recorded_costs
-
-LAUNCH = Compatibility(
-    algorithm="DSpark", draft_width=5, dp_size=1, tp_size=1, unified=False, device="cpu",
-    target="target-id", draft="dspark-id", request_buckets=(1, 2),
-    target_rows=((1, 2, 4, 6), (2, 4, 6, 8, 12)))
-SAMPLES = tuple(CostSample(b, g, 0.004 + 0.001 * b + 0.0001 * g + 0.0001 * k)
-                for b, rows in ((1, (1, 2, 4, 6)), (2, (2, 4, 6, 8, 12)))
-                for g in rows for k in range(3))
-CONTEXT = ContextInterval(prefill_tokens=772, min_kv_length=1, max_kv_length=1024)
-SETTINGS = {"model": "additive", "draft_width": 5, "request_buckets": [1, 2],
-            "target_graph_rows": "all legal prepared tiers", "contexts": [CONTEXT.as_dict()],
-            "warmup_steps": 8, "window_steps": 32, "windows_per_point": 3, "token_seed": 1,
-            "points": [[b, g] for b, rows in zip(LAUNCH.request_buckets, LAUNCH.target_rows,
-                                                 strict=True) for g in rows]}
-"""The settings as calibration records them (CalibrationPlan.settings_dict)."""
-
-
-def bundle(compatibility: Compatibility = LAUNCH) -> CostBundle:
-    profile = CostProfile(CONTEXT, fit_additive(SAMPLES), SAMPLES)
-    return fitted_bundle(compatibility, SETTINGS, [profile],
-                         "calibrated at startup from built-in defaults")
-
-
-def saved(tmp_path: Path, data: object, name: str = "table.json") -> tuple[str, dict]:
-    path = tmp_path / name
-    path.write_text(json.dumps(data))
-    return str(path), json.loads(path.read_text())
 
 
 def test_a_saved_bundle_reloads_bit_for_bit(tmp_path: Path) -> None:
@@ -175,7 +146,7 @@ def test_coverage_gaps_have_no_price() -> None:
      r"settings\.target_graph_rows=\[3\]: expected a list of values from "
      r"compatibility\.target_rows"),
     (lambda d: d["settings"]["points"].append([2, 1]),
-     r"settings\.points\[9\]=\[2, 1\]: expected \[Bcap, G or depth\] with Bcap in "
+     r"settings\.points\[9\]=\[2, 1\]: expected \[Bcap, G\] with Bcap in "
      r"compatibility\.request_buckets and G one of its compatibility\.target_rows"),
     (lambda d: d["settings"].update(model="sps"),
      r"settings\.model=sps: expected additive, the model of profiles\[0\]\.table"),
@@ -262,3 +233,24 @@ def test_a_launch_refuses_a_saved_table_priced_at_infinity_in_one_line(
     assert captured.err == (f"adaspec generate: error: --adaptive_target_verify_cost_table="
                             f"{path}: profiles[0].table.bias=1e+308: expected every price in "
                             "1e-06..3600 s; Bcap=1 G=1 costs 1e+308 s\n")
+
+
+def test_a_depth_price_moves_to_the_rows_the_round_verifies() -> None:
+    costs = depth_bundle()
+    # Bucket 4 at depth 3 was measured verifying 16 rows; at 12 rows it costs the 8 ms less
+    # that the rows profile of the same interval says 12 rows save at full depth.
+    assert costs.depth_cost_ms(4, 3, 100) == pytest.approx(24.0)
+    assert costs.depth_cost_ms(4, 3, 100, num_rows=16) == pytest.approx(24.0)
+    assert costs.depth_cost_ms(4, 3, 100, num_rows=12) == pytest.approx(16.0)
+    assert costs.depth_cost_ms(4, 3, 3000, num_rows=12) == pytest.approx(52.0)
+    assert costs.depth_cost_ms(4, 3, None, num_rows=12) == pytest.approx(16.0)  # first ones
+    assert costs.depth_cost_ms(4, 3, 5000, num_rows=12) is None  # no interval covers it
+    assert costs.legal_rows(4) == (4, 6, 8, 12, 16)
+    assert costs.legal_rows(8) == () == shaped_table((0.0,) * 4).legal_rows(4)
+    # A rows profile that takes more off than the whole depth costs contradicts the table.
+    rows = next(p for p in costs.profiles if p.over == "rows")
+    dear = dataclasses.replace(rows, table=dataclasses.replace(
+        rows.table, theta=(0.0, 0.001, 0.002, 0.040)))
+    contradicting = dataclasses.replace(costs, profiles=(costs.profiles[0], dear))
+    assert contradicting.depth_cost_ms(4, 3, 100, num_rows=12) is None
+    assert contradicting.depth_cost_ms(4, 2, 100, num_rows=12) == pytest.approx(14.0)

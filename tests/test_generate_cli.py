@@ -88,7 +88,13 @@ def test_event_log_and_trace_flags_write_files_that_replay(
     (["--prompt", "x", "--max_tokens=four", "--temperature=0"],
      "--max_tokens=four: expected an integer"),
     (["--prompt", "x", "--max_tokens=4", "--temperature=-1"],
-     "request field temperature=-1.0: expected a number in 0..100"),
+     "--temperature=-1: expected a number in 0..100"),
+    (["--prompt", "x", "--max_tokens=4", "--temperature=1", "--top_k=1e30"],
+     "--top_k=1e30: expected an integer in 0..2147483647 (0: off)"),
+    (["--prompt", "x", "--max_tokens=4", "--temperature=1", "--top_p=nan"],
+     "--top_p=nan: expected a number in (0, 1]"),
+    (["--prompt", "x", "--max_tokens=0", "--temperature=0"],
+     "--max_tokens=0: expected an integer in 1.."),
     (["--prompt", "x", "--max_tokens=4", "--temperature=0", "--num_speculative_tokens=9"],
      "--num_speculative_tokens"),
     (["--prompts_file", "/nonexistent/p.txt", "--max_tokens=4", "--temperature=0"],
@@ -115,8 +121,8 @@ def test_states_diagram_prints_the_declared_graph(capsys: pytest.CaptureFixture[
     assert cli.run(["states"]) == 0  # the diagram is all it prints
     assert capsys.readouterr().out == out
     assert cli.run(["states", "--json"]) == 2
-    assert capsys.readouterr().err == ("adaspec states: error: adaspec states=--json: expected "
-                                       "no flag or --diagram\n")
+    assert capsys.readouterr().err == ("adaspec states: error: --json: unknown flag; expected "
+                                       "--diagram\n")
 
 
 def test_adaspec_alone_prints_the_help(capsys: pytest.CaptureFixture[str]) -> None:

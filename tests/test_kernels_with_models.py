@@ -8,7 +8,7 @@ import torch
 from conftest import serving_models
 
 from adaspec.config.requests import SamplingParams
-from adaspec.models import ReferenceModels
+from adaspec.models import ContextRows, ReferenceModels
 from adaspec.models.quality import encode
 from adaspec.models.report import heldout_excerpt
 from adaspec.runtime.devices.allocation import allocate_prefixes, emit_budget, verify_caps
@@ -31,7 +31,7 @@ def draft_block(models: ReferenceModels, drafter: str, hidden: torch.Tensor,
     """Drafted tokens and confidences ``[B, WIDTH]``: the DSpark confidence head, or the MTP
     selected-token probability of each sequential step."""
     if drafter == "dspark":
-        block = models.dspark.draft(hidden, anchors, WIDTH)
+        block = models.dspark.draft(hidden, anchors, positions - 1, slots, WIDTH)
         return block.token_ids, block.confidences
     tokens, probs = [], []
     state, token = hidden, anchors
@@ -50,22 +50,14 @@ def draft_block(models: ReferenceModels, drafter: str, hidden: torch.Tensor,
     return torch.stack(tokens, 1), torch.stack(probs, 1)
 
 
-def publish_prompts(models: ReferenceModels, hidden: torch.Tensor,
-                    prompts: list[torch.Tensor], slots: list[int]) -> None:
-    for index, prompt in enumerate(prompts):
-        count = len(prompt) - 1
-        models.mtp.publish(hidden[index, :count], prompt[1:], torch.arange(count),
-                           torch.full((count,), slots[index]))
-
-
 def decode(models: ReferenceModels, prompts: list[torch.Tensor], slots: list[int],
            speculate: bool, drafter: str = "dspark") -> tuple[list[list[int]], int, int]:
     """Greedy outputs, verify rounds run, and drafted tokens accepted."""
     target = models.target
     num = len(prompts)
     prefill = target.prefill(prompts, torch.tensor(slots))
-    publish_prompts(models, prefill.hidden, prompts, slots)
     anchors = prefill.last.logits.argmax(-1)
+    models.mtp.publish(ContextRows.of_prompts(prefill, prompts, torch.tensor(slots), anchors))
     hidden = prefill.last.hidden
     positions = prefill.lengths.clone()
     outputs = [[token] for token in anchors.tolist()]
@@ -87,7 +79,11 @@ def decode(models: ReferenceModels, prompts: list[torch.Tensor], slots: list[int
         sampled = sample_rows(out.logits, packed.rows.row_reqs, params,
                               torch.zeros(num_rows, dtype=torch.float64))
         result = commit_rows(packed, sampled, drafts, torch.full((num, 1), -1), budget, live)
-        models.mtp.publish(out.hidden, *publication(packed, result, target.num_slots))
+        next_token_ids, row_positions, row_slots = publication(packed, result,
+                                                               target.num_slots)
+        models.mtp.publish(ContextRows(token_ids=packed.rows.token_ids, hidden=out.hidden,
+                                       next_token_ids=next_token_ids, positions=row_positions,
+                                       slots=row_slots))
         for index, (row, count) in enumerate(zip(result.token_ids.tolist(),
                                                  result.num_emitted.tolist(), strict=True)):
             outputs[index] += row[:count]

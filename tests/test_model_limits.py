@@ -161,6 +161,18 @@ class NoVerify:
     ("MTP", 2, lambda m: SimpleNamespace(target=m.target, mtp=SimpleNamespace(
         identity="x", allocate=print, publish=print), dspark=None),
      r"^Runtime\(models=\.\.\.\)\.mtp=SimpleNamespace: expected a MtpDrafter: it has no step$"),
+    # A drafter written to the protocol before drafts took positions and slots: it used to
+    # pass the start and fail every request at its first round.
+    ("DSpark", 3, lambda m: SimpleNamespace(target=m.target, mtp=None, dspark=SimpleNamespace(
+        identity="old", max_width=7,
+        draft=lambda hidden, token_ids, width: m.dspark.draft(hidden, token_ids, None, None,
+                                                              width))),
+     r"^Runtime\(models=\.\.\.\)\.dspark=SimpleNamespace: expected a DSparkDrafter: it has "
+     r"a draft that cannot be called as draft\(hidden, token_ids, positions, slots, width\)$"),
+    ("DSpark", 3, lambda m: SimpleNamespace(target=m.target, mtp=None, dspark=SimpleNamespace(
+        identity="half", max_width=7, draft=m.dspark.draft, publish=print)),
+     r"^Runtime\(models=\.\.\.\)\.dspark=SimpleNamespace: expected a DrafterContext, as it "
+     r"has publish: it has no allocate$"),
 ])
 def test_runtime_start_names_what_a_model_set_lacks_before_any_device_work(
         algorithm: str, width: int, make: Any, message: str,

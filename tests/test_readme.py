@@ -1,18 +1,135 @@
-"""The README's two commands stay true: CI runs exactly the test command it shows; its
-runtime example runs as written, twice in a row."""
+"""The README stays true: CI runs exactly the test command it shows, and every command and
+snippet in it runs as written (the slow ones are checked to parse, or run on a smaller grid).
 
+Every shell command of the README, in a fenced block or inline, must have an entry here
+(``FENCED`` or ``INLINE``), so a command added or edited in the README without a check fails.
+Commands run in a fresh temporary folder, with this checkout first on ``PYTHONPATH``.
+"""
+
+import json
+import os
 import re
 import subprocess
 import sys
+import tomllib
+from collections.abc import Callable
+from fnmatch import fnmatch
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+TINY_GRID = {"request_buckets": [1, 2], "warmup_steps": 2, "window_steps": 3,
+             "windows_per_point": 2}
+"""A calibration grid small enough to run in seconds, in place of calibrate's full grid."""
 
 
 def readme_commands() -> list[str]:
-    text = (ROOT / "README.md").read_text()
-    top = text.split("\n## ", 1)[0]
+    """The fenced shell blocks before the first section: the two commands of the top."""
+    top = README.split("\n## ", 1)[0]
     return re.findall(r"```(?:sh|bash)\n(.+?)\n```", top, flags=re.S)
+
+
+def fenced_commands() -> list[str]:
+    """Every command of every fenced shell block, continuation lines joined, comments
+    dropped."""
+    commands = []
+    for block in re.findall(r"```(?:sh|bash)\n(.+?)\n```", README, flags=re.S):
+        for command in block.replace("\\\n", " ").splitlines():
+            command = re.sub(r" {2,}", " ", command).strip()
+            if command and not command.startswith("#"):
+                commands.append(command)
+    return commands
+
+
+def inline_commands() -> list[str]:
+    """Inline code outside fenced blocks that reads as a command line."""
+    prose = re.sub(r"```.*?```", "", README, flags=re.S)
+    return [span for span in re.findall(r"`([^`\n]+)`", prose)
+            if re.match(r"(adaspec|python|pip) ", span)]
+
+
+def succeeds(command: str | list[str], cwd: Path) -> str:
+    """Standard output of a command line (run by bash) or an argument list that exits 0."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    shell = isinstance(command, str)
+    done = subprocess.run(command, shell=shell, executable="/bin/bash" if shell else None,
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert done.returncode == 0, f"{command}\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+# The two commands of the top. The install cannot run inside the tests; CI runs the second
+# line itself (below), and tests/test_bench.py runs `adaspec bench --quick` and checks its
+# table.
+TOP = {readme_commands()[0], readme_commands()[1]}
+
+CONFIG = ("adaspec config --speculative_algorithm=DSpark --num_speculative_tokens=7 "
+          "--enable_adaptive_target_verify=true")
+GENERATE = ('adaspec generate --speculative_algorithm=DSpark --num_speculative_tokens=5 '
+            '--prompt "ROMEO." --max_tokens 64 --temperature 0')
+CALIBRATE = ("adaspec calibrate --speculative_algorithm=DSpark --num_speculative_tokens=5 "
+             "--enable_adaptive_target_verify=true "
+             "--adaptive_target_verify_cost_table_output=costs.json")
+REUSE = ('adaspec generate --speculative_algorithm=DSpark --num_speculative_tokens=5 '
+         '--enable_adaptive_target_verify=true --adaptive_target_verify_cost_table=costs.json '
+         '--prompt "ROMEO." --max_tokens 64 --temperature 0 --event_log run.jsonl')
+REPLAY = "adaspec replay run.jsonl"
+SIMULATE = ("adaspec simulate --workload run.jsonl --policy fixed:5 --policy adaptive-verify "
+            "--policy oracle")
+COSTS = (CALIBRATE, REUSE, REPLAY, SIMULATE)
+LEFT_BEHIND = {"costs.json", "run.jsonl"}
+"""The files the README's commands write in the folder they run in."""
+
+
+def check_config(out: str) -> None:
+    settings = json.loads(out)["launch"]["settings"]
+    assert settings["num_speculative_tokens"] == 7
+    assert settings["enable_adaptive_target_verify"] is True
+
+
+def check_generate(out: str) -> None:
+    assert "ROMEO." in out
+    assert "tokens/s" in out
+    assert "AL" in out
+
+
+def check_models(out: str) -> None:
+    assert "dspark" in out
+    assert "mtp" in out
+
+
+def check_states(out: str) -> None:
+    assert out.lstrip().startswith("stateDiagram")
+    for state in ("draft", "consensus", "pack", "verify", "sample", "commit", "retire"):
+        assert state in out
+
+
+SHORT: dict[str, Callable[[str], None]] = {
+    CONFIG: check_config,
+    GENERATE: check_generate,
+    "adaspec models": check_models,
+    "adaspec states --diagram": check_states,
+}
+"""Commands that take seconds: run as written, each with a property of its output."""
+
+FENCED = TOP | set(SHORT) | set(COSTS)
+
+INLINE = {
+    "adaspec bench": "help",  # the full bench: eleven minutes; its --help must parse
+    "adaspec COMMAND --help": "every command",
+    "adaspec config FLAGS": "placeholder: the config line of More commands runs",
+    "adaspec config --rules": "run",
+    "adaspec replay": "name: the Costs and calibration block runs it",
+    "adaspec simulate": "name: the Costs and calibration block runs it",
+    "python -m pip install -e .": "install",
+    'python -m pip install -e ".[npu]"': "install",
+    "python examples/own_model.py": "tests/test_examples.py runs it",
+}
 
 
 def test_readme_top_shows_exactly_two_commands() -> None:
@@ -37,8 +154,75 @@ def test_main_command_installs_the_cpu_torch_pin() -> None:
     assert all("torch==2.13.0" in c for c in readme_commands())
 
 
+def test_every_readme_command_has_a_check() -> None:
+    assert set(fenced_commands()) == FENCED
+    assert set(inline_commands()) == set(INLINE)
+
+
+@pytest.mark.parametrize("command", sorted(SHORT))
+def test_the_short_commands_run_as_written(command: str, tmp_path: Path) -> None:
+    SHORT[command](succeeds(command, tmp_path))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_calibrate_command_parses_as_written(tmp_path: Path) -> None:
+    # Its full grid takes minutes; `adaspec config` checks the same launch line, files and
+    # output path before anything would run.
+    flags = CALIBRATE.removeprefix("adaspec calibrate ")
+    out = json.loads(succeeds(f"adaspec config {flags}", tmp_path))
+    assert out["adaptive_target_verify"]["cost_table_output"] == "costs.json"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_costs_block_runs_in_order(tmp_path: Path) -> None:
+    """calibrate (on a small grid instead of the full one), then the other three lines of the
+    block as written, on the bundle and the event log the lines before them wrote."""
+    (tmp_path / "grid.json").write_text(json.dumps(TINY_GRID))
+    succeeds(f"{CALIBRATE} --adaptive_target_verify_calibration=grid.json", tmp_path)
+    bundle = json.loads((tmp_path / "costs.json").read_text())
+    assert bundle["format"] == "adaspec-cost-table"
+    check_generate(succeeds(REUSE, tmp_path))
+    assert "decisions match" in succeeds(REPLAY, tmp_path)
+    simulated = succeeds(SIMULATE, tmp_path)
+    for policy in ("fixed:5", "adaptive-verify", "oracle"):
+        assert policy in simulated
+    assert "nan" not in simulated.split()
+    assert {p.name for p in tmp_path.iterdir()} == LEFT_BEHIND | {"grid.json"}
+
+
+def test_gitignore_holds_what_the_readme_commands_leave_behind() -> None:
+    patterns = [line.strip() for line in (ROOT / ".gitignore").read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+    for name in LEFT_BEHIND:
+        assert any(fnmatch(name, pattern.lstrip("/")) for pattern in patterns), name
+
+
+def test_the_inline_commands_hold(tmp_path: Path) -> None:
+    assert "adaspec bench [LAUNCH FLAGS]" in succeeds("adaspec bench --help", tmp_path)
+    assert "--enable_adaptive_target_verify" in succeeds("adaspec config --rules", tmp_path)
+    listed = succeeds("adaspec --help", tmp_path)
+    commands = re.findall(r"^  ([a-z]+) ", listed, flags=re.M)
+    assert {"bench", "config", "generate", "calibrate", "simulate", "replay"} <= set(commands)
+    for command in commands:
+        assert f"adaspec {command}" in succeeds(f"adaspec {command} --help", tmp_path)
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert {"npu", "test"} <= set(extras)
+    assert (ROOT / "examples" / "own_model.py").is_file()
+
+
+def python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.+?)\n```", README, flags=re.S)
+
+
+def test_the_launch_snippet_runs(tmp_path: Path) -> None:
+    snippet = python_blocks()[0]
+    assert "check_request" in snippet
+    succeeds([sys.executable, "-c", snippet], tmp_path)
+
+
 def runtime_example() -> str:
-    section = (ROOT / "README.md").read_text().split("\n## The runtime\n", 1)[1]
+    section = README.split("\n## The runtime\n", 1)[1]
     found = re.search(r"```python\n(.+?)\n```", section, flags=re.S)
     assert found is not None
     return found.group(1)
@@ -46,11 +230,13 @@ def runtime_example() -> str:
 
 def test_the_runtime_example_runs_twice_in_a_row_and_leaves_no_file(tmp_path: Path) -> None:
     for _ in range(2):
-        done = subprocess.run([sys.executable, "-c", runtime_example()], cwd=tmp_path,
-                              capture_output=True, text=True, timeout=300, check=False)
-        assert done.returncode == 0, done.stderr
-        last = done.stdout.splitlines()[-1]
+        last = succeeds([sys.executable, "-c", runtime_example()], tmp_path).splitlines()[-1]
         assert last.startswith("acceptance length ")
         acceptance = float(last.split()[-1])
         assert 1.0 <= acceptance <= 4.0  # AL of MTP width 3 counts the bonus token
     assert list(tmp_path.iterdir()) == []
+
+
+def test_every_python_snippet_is_run_above() -> None:
+    assert len(python_blocks()) == 2
+    assert python_blocks()[1] == runtime_example()

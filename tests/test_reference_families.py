@@ -95,8 +95,8 @@ def test_models_command_describes_the_large_family() -> None:
     (["--model=builtin:gpt"], "--model=builtin:gpt: expected one of builtin:target, "
                               "builtin:target-large: adaspec models describes the built-in "
                               "reference models"),
-    (["--model"], "--model: expected a value (model BUILTIN; --model=VALUE for a value that "
-                  "starts with --)"),
+    (["--model"], "--model: expected a value (--model BUILTIN, or --model=BUILTIN for a value "
+                  "that starts with --)"),
     (["--model=builtin:target-large", "--model", "builtin:target"],
      "--model=builtin:target: given twice (first as builtin:target-large); give each flag "
      "once"),

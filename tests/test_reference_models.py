@@ -9,13 +9,19 @@ from conftest import serving_models
 from adaspec.models.checkpoint import (
     FILES,
     ReferenceModels,
-    identity,
+    checkpoint_identity,
     load_model_card,
     load_reference_models,
     own_state,
     shipped_folder,
 )
-from adaspec.models.protocols import DSparkDrafter, MtpDrafter, TargetModel, VerifyRows
+from adaspec.models.protocols import (
+    ContextRows,
+    DSparkDrafter,
+    MtpDrafter,
+    TargetModel,
+    VerifyRows,
+)
 from adaspec.models.quality import encode
 from adaspec.models.report import heldout_excerpt
 from adaspec.models.target import PREFILL_PADDING, PREFILL_SLACK, length_groups
@@ -194,8 +200,7 @@ def test_mtp_serving_step_matches_its_teacher_forced_forward(models: ReferenceMo
         _, hidden = models.target(tokens[None])
         expected = models.mtp.head.logits(models.mtp(hidden[:, :600], tokens[None, 1:]))[0, -1]
     out = models.target.prefill([context], torch.tensor([2]))
-    models.mtp.publish(out.hidden[0, :599], context[1:], torch.arange(599),
-                       torch.full((599,), 2))
+    models.mtp.publish(ContextRows.of_prompts(out, [context], torch.tensor([2]), anchor))
     step = models.mtp.step(out.last.hidden, anchor, torch.tensor([599]), torch.tensor([2]))
     torch.testing.assert_close(step.logits[0], expected, atol=ATOL, rtol=0)
     probs = step.logits.softmax(-1)[0]
@@ -238,11 +243,8 @@ def test_drafters_are_deterministic(models: ReferenceModels, text: bytes) -> Non
         slots = torch.tensor([0, 1])
         out = models.target.prefill(context, slots)
         anchor = out.last.logits.argmax(-1)
-        block = models.dspark.draft(out.last.hidden, anchor, 7)
-        for index, tokens in enumerate(context):
-            count = len(tokens) - 1
-            models.mtp.publish(out.hidden[index, :count], tokens[1:], torch.arange(count),
-                               slots[index].repeat(count))
+        block = models.dspark.draft(out.last.hidden, anchor, out.lengths - 1, slots, 7)
+        models.mtp.publish(ContextRows.of_prompts(out, context, slots, anchor))
         state, token, drafted = out.last.hidden, anchor, []
         for step in range(7):
             result = models.mtp.step(state, token, out.lengths - 1 + step, slots)
@@ -256,15 +258,17 @@ def test_drafters_are_deterministic(models: ReferenceModels, text: bytes) -> Non
 
 def test_dspark_narrower_block_is_a_prefix_of_the_wider_one(models: ReferenceModels,
                                                             text: bytes) -> None:
-    out = models.target.prefill([prompt(text, 0, 300)], torch.tensor([0]))
+    slots = torch.tensor([0])
+    out = models.target.prefill([prompt(text, 0, 300)], slots)
     anchor = out.last.logits.argmax(-1)
-    wide = models.dspark.draft(out.last.hidden, anchor, 7)
-    narrow = models.dspark.draft(out.last.hidden, anchor, 5)
+    positions = out.lengths - 1
+    wide = models.dspark.draft(out.last.hidden, anchor, positions, slots, 7)
+    narrow = models.dspark.draft(out.last.hidden, anchor, positions, slots, 5)
     assert torch.equal(narrow.token_ids, wide.token_ids[:, :5])
     torch.testing.assert_close(narrow.confidences, wide.confidences[:, :5])
     assert ((wide.confidences > 0) & (wide.confidences < 1)).all()
     with pytest.raises(ValueError, match="width=8: expected 1..7"):
-        models.dspark.draft(out.last.hidden, anchor, 8)
+        models.dspark.draft(out.last.hidden, anchor, positions, slots, 8)
 
 
 def test_quality_holds_at_long_positions(models: ReferenceModels) -> None:
@@ -301,12 +305,12 @@ def test_weights_load_offline_and_identities_match_the_card(models: ReferenceMod
 def test_identity_changes_with_any_weight(models: ReferenceModels) -> None:
     config = models.target.config.as_dict()
     state = own_state(models.target)
-    before = identity(config, state)
+    before = checkpoint_identity(config, state)
     changed = dict(state)
     changed["norm.weight"] = state["norm.weight"] + 1e-3
-    assert identity(config, changed) != before
-    assert identity(config, state) == before
-    assert identity({**config, "window": 128}, state) != before
+    assert checkpoint_identity(config, changed) != before
+    assert checkpoint_identity(config, state) == before
+    assert checkpoint_identity({**config, "window": 128}, state) != before
 
 
 def test_cuda_placement_matches_cpu(models: ReferenceModels, text: bytes) -> None:

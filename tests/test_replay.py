@@ -12,21 +12,28 @@ checks the log as one run of that launch before replaying it.
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
+from cost_tables import depth_bundle
 
+from adaspec.config.calibration import DraftStepPolicyConfig
 from adaspec.config.effective import load_config
 from adaspec.errors import EventLogError, ReplayMismatch
 from adaspec.policies.base import (
     BudgetContext,
     DepthContext,
+    DepthPolicy,
     PolicyStatistics,
     RoundFeedback,
     covering_rows,
 )
+from adaspec.policies.bundles import CostBundle
+from adaspec.policies.depth import AdaptiveDepth
 from adaspec.policies.fixed import FixedDepth, FullBudget
+from adaspec.policies.registry import make_depth_policy
 from adaspec.runtime.events.log import EventLogWriter, log_header, read_event_log
-from adaspec.runtime.events.replay import main, replay
+from adaspec.runtime.events.replay import replay
 from adaspec.runtime.events.types import (
     BudgetDecided,
     DepthDecided,
@@ -34,7 +41,9 @@ from adaspec.runtime.events.types import (
     RoundRetired,
     RoundSubmitted,
     StageCompleted,
+    event_from_record,
 )
+from adaspec.runtime.replay_command import main
 
 WIDTH = 3  # w
 TIERS = (4, 8, 16)  # legal G; B * (w + 1) is 4, 8, 12 or 16, so every tier is chosen
@@ -351,3 +360,93 @@ def test_cli_help(capsys: pytest.CaptureFixture[str]) -> None:
 def test_reading_errors_are_event_log_errors(tmp_path: Path) -> None:
     with pytest.raises(EventLogError):
         read_event_log(tmp_path / "missing.jsonl")
+
+
+ADS_LAUNCH = {"speculative_algorithm": "MTP", "num_speculative_tokens": WIDTH,
+              "max_seqs_per_batch": 4, "enable_adaptive_draft_step": True}
+ADS_POLICY = DraftStepPolicyConfig(window_size=4, update_interval=1, switch_min_gain=0.0)
+ADS_TIERS = (4, 6, 8, 12, 16)  # bucket 4's legal G with adaptive draft steps
+
+
+def adaptive_depth_run(costs: CostBundle, policy: DepthPolicy
+                       ) -> tuple[dict[str, Any], list[Event]]:
+    """The header and events of a run of adaptive draft depth on bucket 4: batches of three
+    and four requests, short contexts for 20 rounds then long ones (the two intervals of
+    ``depth_bundle``), decided by ``policy`` with round n-2's feedback retired just before
+    round n, every round verifying all its drafts."""
+    events: list[Event] = []
+    depths: dict[int, tuple[int, int, int]] = {}  # round -> (B, depth, G)
+
+    def retire(number: int) -> None:
+        batch, depth, rows = depths[number]
+        accepted = tuple(min(depth, (number + i) % (depth + 2)) for i in range(batch))
+        feedback = RoundFeedback(round=number, num_reqs=batch, num_reqs_bucket=4, width=WIDTH,
+                                 depth=depth, num_rows=rows, verify_lengths=(depth,) * batch,
+                                 num_accepted=accepted)
+        policy.observe(feedback)
+        events.append(RoundRetired(round=number, slot=number % 2, feedback=feedback))
+
+    for number in range(40):
+        if number >= 2:
+            retire(number - 2)
+        batch, kv = 3 + (number // 5) % 2, 100 + number if number < 20 else 3000 + number
+        context = DepthContext(round=number, num_reqs=batch, num_reqs_bucket=4, width=WIDTH,
+                               retired_through=max(number - 2, -1), max_kv_length=kv)
+        depth = policy.decide(context)
+        budget = BudgetContext(round=number, num_reqs=batch, num_reqs_bucket=4, width=WIDTH,
+                               depth=depth, tiers=ADS_TIERS,
+                               retired_through=context.retired_through,
+                               request_ids=tuple(range(batch)), max_kv_length=kv)
+        rows = covering_rows(budget, depth)
+        depths[number] = (batch, depth, rows)
+        events += [DepthDecided(round=number, slot=number % 2, context=context, depth=depth),
+                   BudgetDecided(round=number, slot=number % 2, context=budget, num_rows=rows,
+                                 bound_rows=rows),
+                   RoundSubmitted(round=number, slot=number % 2,
+                                  request_ids=tuple(range(batch)), num_reqs_bucket=4)]
+    retire(38)
+    retire(39)
+    return log_header(config=load_config(ADS_LAUNCH).as_dict(), cost_table=costs.as_dict(),
+                      seeds={"sampling": 0}, depth_policy=policy,
+                      budget_policy=FullBudget()), events
+
+
+def test_adaptive_depth_decisions_priced_by_kv_length_and_rows_replay_as_recorded(
+        tmp_path: Path) -> None:
+    costs = depth_bundle()
+    head, recorded = adaptive_depth_run(
+        costs, make_depth_policy("adaptive-depth", ADS_POLICY.as_dict(), costs))
+    path = tmp_path / "run.jsonl"
+    with EventLogWriter(path, head) as writer:
+        for event in recorded:
+            writer.write(event)
+    header, events = read_event_log(path)
+    depths = [e.depth for e in events if isinstance(e, DepthDecided)]
+    assert len(set(depths)) > 1  # the decisions depend on what the prices say
+    assert main([str(path)]) == 0  # the header's table priced as the run priced it
+    replay(header, events).check()
+    # Priced as before, by the first depth profile at Bcap * (d + 1) rows, they would differ.
+    first = AdaptiveDepth(ADS_POLICY, lambda context, depth:
+                          costs.depth_cost_ms(context.num_reqs_bucket, depth))
+    assert not replay(header, events, depth_policy=first).all_matched
+
+
+def test_a_depth_context_recorded_without_a_kv_length_is_priced_as_it_was_then() -> None:
+    # Before depth contexts recorded the KV length, tables had no rows profile and every
+    # depth was priced by the first depth profile whatever the context: replay prices a
+    # context without one (read as 0) so again.
+    costs = depth_bundle(rows=False)
+    header, recorded = adaptive_depth_run(costs, AdaptiveDepth(
+        ADS_POLICY,
+        lambda context, depth: costs.depth_cost_ms(context.num_reqs_bucket, depth)))
+    events = []
+    for event in recorded:
+        if isinstance(event, DepthDecided):
+            record = event.record()
+            del record["context"]["max_kv_length"]
+            event = event_from_record(record)
+            assert isinstance(event, DepthDecided)
+            assert event.context.max_kv_length == 0
+        events.append(event)
+    assert len({e.depth for e in events if isinstance(e, DepthDecided)}) > 1
+    replay(header, events).check()

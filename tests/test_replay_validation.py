@@ -419,7 +419,7 @@ def test_a_fifo_is_refused_at_once_by_replay_and_simulate(tmp_path: Path) -> Non
     simulated = run_cli("simulate", "--workload", str(fifo), "--policy", "fixed:3")
     assert (simulated.returncode, simulated.stdout) == (2, "")
     assert simulated.stderr == (f"adaspec simulate: error: --workload={fifo}: expected a "
-                                "regular file, got a FIFO\n")
+                                "regular workload file, got a FIFO\n")
 
 
 def test_a_device_is_refused_by_replay_and_simulate(
@@ -429,7 +429,8 @@ def test_a_device_is_refused_by_replay_and_simulate(
                                                 "not a regular file; expected an event log file")
     assert cli.run(["simulate", "--workload", os.devnull, "--policy", "fixed:3"]) == 2
     assert one_error_line(capsys, "simulate") == (f"--workload={os.devnull}: expected a "
-                                                  "regular file, got a character device")
+                                                  "regular workload file, got a character "
+                                                  "device")
 
 
 @pytest.mark.skipif(not Path("/proc/self/mem").exists(), reason="needs Linux /proc")
@@ -440,7 +441,7 @@ def test_an_unreadable_special_file_is_one_line(capsys: pytest.CaptureFixture[st
                                                 "Input/output error")
     assert cli.run(["simulate", "--workload", "/proc/self/mem", "--policy", "fixed:3"]) == 2
     assert one_error_line(capsys, "simulate") == ("--workload=/proc/self/mem: cannot be read "
-                                                  "(OSError: Input/output error)")
+                                                  "(Input/output error)")
 
 
 DEEP = "[" * 100_000 + "]" * 100_000 + "\n"

@@ -59,7 +59,7 @@ def test_neutral_values_of_unsupported_features_are_accepted(field: str, value: 
     ({"temperature": -0.1}, "request field temperature=-0.1: expected a number in 0..100"),
     ({"temperature": float("nan")}, "request field temperature=nan: expected a number in 0..100"),
     ({"temperature": "0.5"}, "request field temperature=0.5: expected a number in 0..100"),
-    ({"top_k": -1}, "request field top_k=-1: expected an integer >= 0 (0: off)"),
+    ({"top_k": -1}, "request field top_k=-1: expected an integer in 0..2147483647 (0: off)"),
     ({"top_p": 0.0}, "request field top_p=0.0: expected a number in (0, 1]"),
     ({"top_p": 1.5}, "request field top_p=1.5: expected a number in (0, 1]"),
     ({"min_p": 2}, "request field min_p=2: expected a number in [0, 1]"),

@@ -9,12 +9,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from cost_tables import depth_bundle
 
 from adaspec import cli
 from adaspec.errors import ConfigError
-from adaspec.policies.base import BudgetContext, RoundFeedback
+from adaspec.policies.base import BudgetContext, DepthContext, RoundFeedback
 from adaspec.policies.bundles import CostBundle
-from adaspec.policies.simulate import allocate, parse_workload, simulate
+from adaspec.policies.depth import bundle_pricing
+from adaspec.policies.simulate import (
+    Workload,
+    WorkloadRequest,
+    WorkloadRound,
+    allocate,
+    parse_workload,
+    simulate,
+)
 from adaspec.policies.verify import AdaptiveVerify
 from adaspec.policies.workloads import shaped_tables, synthetic
 from adaspec.runtime.devices.allocation import allocate_prefixes
@@ -224,3 +233,32 @@ def test_budget_policies_are_refused_on_a_table_priced_per_depth() -> None:
                                               "over target rows G"):
             simulate(spec, workload, per_depth)
     assert simulate("fixed:3", workload, per_depth).rounds == 5
+
+
+def depth_workload(num_reqs: int, kv_length: int, rounds: int = 300) -> Workload:
+    """Rounds of ``num_reqs`` requests of a Draft3 launch whose prefix acceptance is 0.9,
+    0.8 and 0.7 (accepted counts cycling through ten requests), all at one KV length."""
+    accepted = (3, 3, 3, 3, 3, 3, 3, 2, 1, 0)
+    return Workload(width=3, rounds=tuple(WorkloadRound(requests=tuple(
+        WorkloadRequest(id=i, confidences=(0.9, 0.9, 0.9),
+                        accepted=accepted[(n * num_reqs + i) % len(accepted)])
+        for i in range(num_reqs)), kv_length=kv_length) for n in range(rounds)))
+
+
+@pytest.mark.parametrize(("num_reqs", "kv_length", "settled"), [
+    (4, 100, 2), (3, 100, 3), (4, 3000, 1), (3, 3000, 1)])
+def test_simulate_prices_depths_as_the_runtime_does(num_reqs: int, kv_length: int,
+                                                    settled: int) -> None:
+    costs = depth_bundle()
+    runtime = bundle_pricing(costs)
+    context = DepthContext(round=0, num_reqs=num_reqs, num_reqs_bucket=4, width=3,
+                           retired_through=-1, max_kv_length=kv_length)
+    workload = depth_workload(num_reqs, kv_length, rounds=10)
+    for depth in (1, 2, 3):
+        result = simulate(f"fixed:{depth}", workload, costs)
+        assert result.cost_ms / result.rounds == pytest.approx(runtime(context, depth))
+    # The policy decides with the same prices: the batch's KV interval, the rows it verifies.
+    decisions = simulate("adaptive-depth", depth_workload(num_reqs, kv_length),
+                         costs).decisions[100:]
+    depths = [depth for depth, _ in decisions]
+    assert max(set(depths), key=depths.count) == settled

@@ -48,12 +48,27 @@ def require_int(setting: str, value: object, low: int, high: int) -> int:
 
 
 def require_float(setting: str, value: object, low: float, high: float) -> float:
-    expected = f"expected a number in {low}..{high}"
+    """A finite number in ``low..high`` (an infinite bound leaves that side open)."""
+    expected = f"expected {_number_range(low, high)}"
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ConfigError(setting, value, f"{expected}, got {json_type(value)}")
-    if not math.isfinite(value) or not low <= value <= high:
+    try:
+        number = float(value)
+    except OverflowError:  # an integer beyond any float
+        raise ConfigError(setting, value, expected) from None
+    if not math.isfinite(number) or not low <= number <= high:
         raise ConfigError(setting, value, expected)
-    return float(value)
+    return number
+
+
+def _number_range(low: float, high: float) -> str:
+    if math.isinf(low) and math.isinf(high):
+        return "a finite number"
+    if math.isinf(high):
+        return f"a finite number >= {low:g}"
+    if math.isinf(low):
+        return f"a number <= {high:g}"
+    return f"a number in {low:g}..{high:g}"
 
 
 def require_increasing(setting: str, values: object, high: int) -> tuple[int, ...]:

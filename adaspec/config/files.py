@@ -7,7 +7,6 @@ into frozen dataclasses in one go or rejected.
 
 import json
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 
 from adaspec.config.calibration import (
     DRAFT_STEP_DEFAULT_MAX_BUCKET,
@@ -20,7 +19,7 @@ from adaspec.config.calibration import (
 )
 from adaspec.config.flags import RETIRED_NAMES, retired_name_error
 from adaspec.config.launch import LaunchConfig
-from adaspec.config.paths import new_file, regular_file
+from adaspec.config.paths import new_file, read_regular
 from adaspec.errors import MISSING, ConfigError
 
 CALIBRATION_KEYS = frozenset({
@@ -82,16 +81,11 @@ def read_json_object(flag: str, path: str) -> dict[str, object]:
 
 
 def _read_text(setting: str, path: str) -> str:
-    # Checked by its status first: opening a FIFO would wait for a writer forever.
-    if regular_file(setting, path, "JSON file").st_size > MAX_FILE_BYTES:
-        raise ConfigError(setting, path, f"expected a JSON file of at most "
-                                         f"{MAX_FILE_BYTES // 2**20} MiB")
+    data = read_regular(setting, path, "JSON file", MAX_FILE_BYTES)
     try:
-        return Path(path).read_text(encoding="utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError:
         raise ConfigError(setting, path, "expected a UTF-8 JSON file") from None
-    except OSError as error:
-        raise ConfigError(setting, path, f"cannot be read ({error.strerror})") from None
 
 
 def _check_keys(data: Mapping[str, object], allowed: frozenset[str],

@@ -26,6 +26,8 @@ RETIRED_NAMES: dict[str, str] = {
 }
 
 _INT = re.compile(r"[+-]?[0-9]+")
+MAX_INT_DIGITS = 18
+"""Longer integers are refused as such: no launch setting comes near 10**18."""
 
 
 def retired_name_error(setting: str, name: str, value: object) -> ConfigError:
@@ -94,6 +96,9 @@ def coerce(name: str, raw: object, hint: object) -> object:
     elif target is bool and raw.lower() in ("true", "false"):
         return raw.lower() == "true"
     elif target is int and _INT.fullmatch(raw.strip()):
+        if len(raw.strip().lstrip("+-")) > MAX_INT_DIGITS:  # int() refuses thousands of digits
+            raise ConfigError(f"--{name}", raw, f"expected an integer of at most "
+                              f"{MAX_INT_DIGITS} digits")
         return int(raw)
     elif target is str and raw.strip():
         return raw

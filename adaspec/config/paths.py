@@ -1,14 +1,19 @@
-"""File names given by flags, checked by their status before anything opens them.
+"""File names given by flags: inputs opened only when they are regular files, outputs checked
+before anything runs.
 
-Only ``stat`` is used here: opening a FIFO blocks until a writer comes, so a reader must know
-it has a regular file first. A name the system refuses (longer than the file system allows,
-say) is a ``ConfigError`` naming the flag, never an ``OSError`` with a traceback; messages show
-the name shortened, however long it is.
+An input is opened without blocking and its kind read from the open descriptor: opening a
+FIFO would otherwise wait for a writer forever, and a check by name before the open could be
+raced. An input is read up to a bound, since some special files pass for regular ones and read
+without end. A name the system refuses (longer than the file system allows, say) is a
+``ConfigError`` naming the flag, never an ``OSError`` with a traceback; messages show the name
+shortened, however long it is.
 """
 
+import errno
 import os
 import stat
 from pathlib import Path
+from typing import BinaryIO
 
 from adaspec.errors import ConfigError, show_value
 
@@ -27,17 +32,72 @@ def path_status(setting: str, path: str, *, follow: bool = True) -> os.stat_resu
         raise ConfigError(setting, path, "expected a file name without NUL characters") from None
 
 
-def regular_file(setting: str, path: str, kind: str) -> os.stat_result:
-    """The status of an existing regular file of ``kind`` ("JSON file", ...), or the refusal:
-    missing, a directory, or anything else (a device or a pipe, which would block a read)."""
-    status = path_status(setting, path)
-    if status is None:
-        raise ConfigError(setting, path, f"expected an existing {kind}")
-    if stat.S_ISDIR(status.st_mode):
-        raise ConfigError(setting, path, f"expected a {kind}, got a directory")
-    if not stat.S_ISREG(status.st_mode):
-        raise ConfigError(setting, path, f"expected a regular {kind} (not a device or pipe)")
-    return status
+class NotRegularFile(OSError):
+    """The path names a FIFO, a device, a socket or a directory: reading one may wait for a
+    writer forever or never end, so readers refuse it before reading a byte."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(errno.EINVAL, f"a {kind}, not a regular file")
+        self.kind = kind
+
+
+_FILE_KINDS = ((stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"),
+               (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
+               (stat.S_ISSOCK, "socket"))
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_BAD_NAME = (errno.ENAMETOOLONG, errno.ELOOP, errno.EINVAL)
+"""Errors that say the name itself cannot be looked up, whatever the file holds."""
+
+
+def open_regular(path: str) -> BinaryIO:
+    """Open a regular file for reading in binary mode; ``NotRegularFile`` for anything else,
+    other ``OSError`` as ``open`` raises them."""
+    # The kind is read from the open descriptor, so nothing can swap the file in between.
+    try:
+        descriptor = os.open(path, os.O_RDONLY | _NONBLOCK)
+    except ValueError:  # a NUL character, possible from the Python API only
+        raise OSError(errno.EINVAL, "a file name with a NUL character") from None
+    try:
+        mode = os.fstat(descriptor).st_mode
+        if not stat.S_ISREG(mode):
+            kind = next((name for test, name in _FILE_KINDS if test(mode)), "special file")
+            raise NotRegularFile(kind)
+        if _NONBLOCK:
+            os.set_blocking(descriptor, True)
+        return os.fdopen(descriptor, "rb")
+    except BaseException:
+        os.close(descriptor)
+        raise
+
+
+def read_regular(setting: str, path: str, kind: str, max_bytes: int) -> bytes:
+    """The bytes of an existing regular file of ``kind`` ("JSON file", ...) of at most
+    ``max_bytes``, or the refusal naming ``setting``: missing, a directory, anything else (a
+    device or a pipe), unreadable, or longer."""
+    try:
+        with open_regular(path) as file:
+            data = file.read(max_bytes + 1)
+    except (FileNotFoundError, NotADirectoryError):
+        raise ConfigError(setting, path, f"expected an existing {kind}") from None
+    except NotRegularFile as error:
+        if error.kind == "directory":
+            raise ConfigError(setting, path, f"expected a {kind}, got a directory") from None
+        raise ConfigError(setting, path, f"expected a regular {kind}, got a "
+                          f"{error.kind}") from None
+    except OSError as error:
+        reason = error.strerror or type(error).__name__
+        if error.errno in _BAD_NAME:
+            raise ConfigError(setting, path, f"cannot be used as a file name ({reason})") \
+                from None
+        raise ConfigError(setting, path, f"cannot be read ({reason})") from None
+    if len(data) > max_bytes:
+        raise ConfigError(setting, path, f"expected a {kind} of at most "
+                          f"{_size(max_bytes)}")
+    return data
+
+
+def _size(count: int) -> str:
+    return f"{count // 2**20} MiB" if count >= 2**20 else f"{count} bytes"
 
 
 def new_file(setting: str, path: str) -> None:

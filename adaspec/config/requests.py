@@ -92,8 +92,9 @@ class SamplingParams:
             raise InvalidRequest("stop", ids, "expected a list of non-negative token ids")
 
     def _check_filters(self) -> None:
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise InvalidRequest("top_k", self.top_k, "expected an integer >= 0 (0: off)")
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= MAX_TOP_K:
+            raise InvalidRequest("top_k", self.top_k,
+                                 f"expected an integer in 0..{MAX_TOP_K} (0: off)")
         if not _number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise InvalidRequest("top_p", self.top_p, "expected a number in (0, 1]")
         if not _number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
@@ -122,6 +123,11 @@ class SamplingParams:
                 raise InvalidRequest(name, value, "unknown field; expected one of "
                                      + ", ".join(sorted(known)))
         return cls(**values)  # type: ignore[arg-type]
+
+
+MAX_TOP_K = 2**31 - 1
+"""Any k at or above the vocabulary keeps every token; larger values would not fit the
+sampler's integer tensors."""
 
 
 def _is_int(value: object) -> bool:

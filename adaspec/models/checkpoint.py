@@ -1,12 +1,14 @@
 """Checkpoints: safetensors files with their configuration, and stable identities.
 
-A checkpoint's identity hashes its configuration and every tensor (name, dtype, shape,
-bytes); a drafter's identity also covers the target whose embedding and head it shares. Cost
-tables record identities, so a table fitted for one set of weights is never reused for another.
+A checkpoint's identity (``checkpoint_identity``) hashes its configuration and every tensor
+(name, dtype, shape, bytes); a drafter's identity also covers the target whose embedding and
+head it shares. Cost tables record identities, so a table fitted for one set of weights is
+never reused for another.
 """
 
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -33,13 +35,28 @@ def own_state(module: nn.Module) -> dict[str, torch.Tensor]:
     return {name: tensor.detach().contiguous() for name, tensor in sorted(state.items())}
 
 
-def identity(config: dict[str, int], state: dict[str, torch.Tensor], parent: str = "") -> str:
+def checkpoint_identity(config: Mapping[str, object], weights: Mapping[str, torch.Tensor],
+                        *, parent: str = "") -> str:
+    """The ``identity`` of a checkpoint: 32 hex digits of a SHA-256 over ``config`` (any
+    JSON-serialisable mapping, written with sorted keys), ``parent`` (the identity of the
+    checkpoint whose weights this one shares, e.g. a drafter's target; empty for none) and
+    every tensor of ``weights`` in name order: its name, dtype, shape and raw bytes.
+
+    It depends on values alone: not on the mapping's order, the process, the machine, the
+    device a tensor sits on, or its memory layout. It does depend on each tensor's dtype, so
+    hash the weights as the checkpoint stores them (the reference models hash their stored
+    float16 tensors and keep that identity when loaded in float32 or onto a GPU). Any changed
+    weight, name, shape or config value gives another identity. Reading a device tensor
+    copies it to the host: compute it once, when the model is loaded, never while serving.
+    """
     digest = hashlib.sha256()
-    digest.update(json.dumps(config, sort_keys=True).encode())
+    digest.update(json.dumps(dict(config), sort_keys=True).encode())
     digest.update(parent.encode())
-    for name, tensor in sorted(state.items()):
+    for name in sorted(weights):
+        tensor = weights[name].detach()
         digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
-        digest.update(tensor.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        flat = tensor.cpu().contiguous().reshape(-1)
+        digest.update(flat.view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:32]
 
 
@@ -62,7 +79,8 @@ def _restore(module: nn.Module, state: dict[str, torch.Tensor], parent: str,
              config: dict[str, int]) -> None:
     module.load_state_dict({k: v.float() for k, v in state.items()})
     # Identity of the stored (float16) tensors, so it does not depend on the load dtype.
-    module.identity = identity(config, state, parent)  # type: ignore[assignment]
+    module.identity = checkpoint_identity(config, state,  # type: ignore[assignment]
+                                          parent=parent)
 
 
 @dataclass(frozen=True, slots=True)

@@ -62,7 +62,7 @@ def drafter_costs(models: ReferenceModels, width: int = 5, threads: int = 1,
             seconds = _timings({
                 "target_step": lambda: target.verify(step_rows),
                 "target_verify": lambda: target.verify(block_rows),
-                "dspark_block": lambda: dspark.draft(hidden, token, width),
+                "dspark_block": lambda: dspark.draft(hidden, token, position, slot, width),
                 "mtp_step": lambda: mtp.step(hidden, token, position, slot)},
                 calls_per_round, rounds)
     finally:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from adaspec.models.layers import MLP, Block, RMSNorm, init_weights
-from adaspec.models.protocols import DSparkBlock, MtpStep, VerifyRows
+from adaspec.models.protocols import ContextRows, DSparkBlock, MtpStep, VerifyRows
 from adaspec.models.target import GridIndex, KVCache, ReferenceTarget, grid_attention
 
 
@@ -75,7 +75,9 @@ class ReferenceMtp(nn.Module):
 
     Step inputs are the state of the previous step (the target's hidden state for the first)
     and the token after it; the block attends over its own KV cache, which ``publish`` fills
-    with teacher-forced context for committed positions.
+    with teacher-forced context for committed positions. Position p of that cache holds
+    ``(h_p, x_{p+1})`` (DeepSeek-V3's MTP input), so the token at p itself is not used: the
+    target's state ``h_p`` already carries it.
     """
 
     def __init__(self, config: MtpConfig, target: ReferenceTarget) -> None:
@@ -110,12 +112,11 @@ class ReferenceMtp(nn.Module):
         return self.cache
 
     @torch.no_grad()
-    def publish(self, hidden: Tensor, next_token_ids: Tensor, positions: Tensor,
-                slots: Tensor) -> None:
+    def publish(self, rows: ContextRows) -> None:
         cache = self._require_cache()
-        x = self.fuse(hidden, self.head.embed(next_token_ids))
-        k, v = self.block.attn.key_values(self.block.attn_norm(x), positions)
-        cache.write(0, slots, positions, k, v)
+        x = self.fuse(rows.hidden, self.head.embed(rows.next_token_ids))
+        k, v = self.block.attn.key_values(self.block.attn_norm(x), rows.positions)
+        cache.write(0, rows.slots, rows.positions, k, v)
 
     @torch.no_grad()
     def step(self, hidden: Tensor, token_ids: Tensor, positions: Tensor,
@@ -212,7 +213,10 @@ class ReferenceDSpark(nn.Module):
         return raw[..., 0]
 
     @torch.no_grad()
-    def draft(self, hidden: Tensor, token_ids: Tensor, width: int) -> DSparkBlock:
+    def draft(self, hidden: Tensor, token_ids: Tensor, positions: Tensor, slots: Tensor,
+              width: int) -> DSparkBlock:
+        """The block after ``token_ids`` from ``hidden`` alone: this drafter keeps no context,
+        so ``positions`` and ``slots`` are not used."""
         if not 1 <= width <= self.config.max_width:
             raise ValueError(f"width={width}: expected 1..{self.config.max_width}")
         states = self.states(hidden, token_ids, width)

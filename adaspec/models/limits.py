@@ -12,6 +12,7 @@ from adaspec.config.builtin import check_builtin_limits
 from adaspec.config.launch import LaunchConfig
 from adaspec.errors import ConfigError
 from adaspec.models.protocols import (
+    DrafterContext,
     DSparkDrafter,
     ModelSet,
     MtpDrafter,
@@ -46,8 +47,10 @@ DRAFTERS: dict[str, tuple[str, type]] = {"MTP": ("mtp", MtpDrafter),
 
 
 def check_conformance(launch: LaunchConfig, models: ModelSet) -> None:
-    """Refuse, naming the first missing member, a model set whose target (or the drafter
-    the launch's algorithm uses) does not provide its protocol."""
+    """Refuse, naming the first missing member or the first method that cannot be called as
+    its protocol calls it, a model set whose target (or the drafter the launch's algorithm
+    uses) does not provide its protocol; a DSpark drafter that publishes must keep a whole
+    ``DrafterContext``."""
     parts: list[tuple[str, type]] = [("target", TargetModel)]
     if launch.speculative_algorithm in DRAFTERS:
         parts.append(DRAFTERS[launch.speculative_algorithm])
@@ -61,7 +64,14 @@ def check_conformance(launch: LaunchConfig, models: ModelSet) -> None:
         missing = missing_member(model, protocol)
         if missing is not None:
             raise ConfigError(f"Runtime(models=...).{attribute}", type(model).__name__,
-                              f"expected a {protocol.__name__}: it has no {missing}")
+                              f"expected a {protocol.__name__}: it has {missing}")
+    dspark = models.dspark if launch.speculative_algorithm == "DSpark" else None
+    if callable(getattr(dspark, "publish", None)):
+        # A DSpark drafter that keeps its own context gets it published, so all of it.
+        missing = missing_member(dspark, DrafterContext)
+        if missing is not None:
+            raise ConfigError("Runtime(models=...).dspark", type(dspark).__name__,
+                              f"expected a DrafterContext, as it has publish: it has {missing}")
 
 
 def _positive_integer(max_width: object) -> int:

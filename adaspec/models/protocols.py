@@ -1,22 +1,39 @@
 """What the runtime needs from a target model and from each kind of drafter.
 
 An engine plugs its own models in by implementing these protocols; the reference models in
-this package implement them on the CPU, CUDA or an NPU. Every method takes and returns device
-tensors and never reads a value back to the host, so a round can be enqueued without waits.
+this package implement them on the CPU, CUDA or an NPU. docs/embedding.md states every
+contract below in one place, with the reasons; this docstring is its summary.
+
+Device tensors, no host reads. Every method takes and returns device tensors and never reads
+a value back to the host (no ``.item()``, ``.tolist()``, ``bool(tensor)``, boolean-mask
+indexing or ``nonzero``), so a round can be enqueued without waits and ``verify`` can be
+captured as a graph. The runtime calls the models from its device stream only, one call at a
+time, in submission order, under ``torch.no_grad``, possibly from a thread other than the one
+that built them.
 
 Positions and rows. A request's committed tokens are ``x_0 .. x_n``; the target's KV cache
 holds ``x_0 .. x_{n-1}`` and ``x_n`` (the newest token, sampled last round) is the **anchor**.
 A round verifies rows ``[x_n, d_1, .., d_k]`` at positions ``n .. n+k``: the row at offset ``j``
 yields the target's distribution for position ``n+j+1``. Rows of all requests are packed into
-one padded tensor of G rows (a prepared bucket), with the anchor row always present.
+one padded tensor of G rows (a prepared bucket), with the anchor row always present. The
+hidden state ``h_p`` of position p is the target's final hidden state after reading ``x_p``
+(what a drafter conditions on); the drafters continue from ``h_{n-1}``, the state of the row
+that produced the anchor.
+
+KV slots. ``allocate(n)`` provides n + 1 KV slots: 0 .. n-1 hold requests, slot n is
+**scratch**. Padding rows (``row_valid`` False), padding batch entries and a drafter call past
+the context edge all use the scratch slot, so no shape depends on the batch; nothing read from
+scratch is ever used.
 
 KV consistency. ``verify`` writes each row's keys and values at its position before attending,
 and a query at position p reads only positions <= p of its own slot. Rows of a rejected suffix
 therefore sit past the committed length and are overwritten before anything can read them:
 after a rejection the cache behaves as if the suffix had never been verified, with no
-rollback copy (see tests/test_reference_models.py).
+rollback copy (see tests/test_reference_models.py). A drafter that keeps a context of its own
+(``DrafterContext``) relies on the same rule.
 """
 
+import inspect
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -39,9 +56,9 @@ class VerifyRows:
     @property
     def positions(self) -> Tensor:
         """[G] position of each row: its request's anchor position plus its offset. Derived,
-        never packed separately, so it cannot disagree with the attention mask. The packer
-        must keep every valid row below the context limit (cap the verify length at
-        ``context_limit - 1 - anchor_position``)."""
+        never packed separately, so it cannot disagree with the attention mask. Valid rows
+        sit at positions <= context_limit - 2: the packer caps each request's verify length
+        by its token budget (``emit_budget``)."""
         return self.req_starts.index_select(0, self.row_reqs) + self.row_offsets
 
     @classmethod
@@ -83,20 +100,63 @@ class VerifyRows:
 
 @dataclass(frozen=True, slots=True)
 class TargetOutput:
-    """The target's output for packed rows (verify) or for each request's last prompt token."""
+    """The target's output for packed rows (verify) or for each request's last prompt token.
+    Padding rows hold finite values that nothing reads."""
 
-    logits: Tensor  # [G, vocab] (prefill: [B, vocab])
-    hidden: Tensor  # [G, hidden_size] final hidden state a drafter conditions on
+    logits: Tensor  # [G, vocab] (prefill: [B, vocab]) next-token logits of each row
+    hidden: Tensor  # [G, hidden_size] h_p of each row, in ``TargetModel.dtype``
 
 
 @dataclass(frozen=True, slots=True)
 class PrefillOutput:
-    """Prefill of whole prompts, right-padded to the longest; what ``hidden`` holds past a
-    prompt's length is unspecified."""
+    """Prefill of whole prompts, in the order given, right-padded to the longest (T). What
+    ``hidden`` holds past a prompt's length is unspecified: the runtime never reads it."""
 
-    last: TargetOutput  # logits and hidden at each prompt's last position, [B, ...]
-    hidden: Tensor  # [B, T, hidden_size] hidden state at every prompt position
-    lengths: Tensor  # [B] int64 prompt lengths
+    last: TargetOutput  # logits and h_{T_i - 1} at each prompt's last position, [B, ...]
+    hidden: Tensor  # [B, T, hidden_size] h_p at every prompt position p (what verify returns)
+    lengths: Tensor  # [B] int64 prompt lengths T_i
+
+
+@dataclass(frozen=True, slots=True)
+class ContextRows:
+    """Committed positions a drafter keeps as its own context (``DrafterContext.publish``).
+
+    Row i is position p = ``positions[i]`` of the request in KV slot ``slots[i]``: the token
+    ``x_p``, the target's state ``h_p`` after reading it, and the committed token ``x_{p+1}``
+    after it. Rows of one KV slot come in increasing position order; a row whose slot is the
+    scratch slot (a rejected or padding row) carries nothing to keep.
+    """
+
+    token_ids: Tensor  # [N] int64 x_p
+    hidden: Tensor  # [N, hidden_size] h_p
+    next_token_ids: Tensor  # [N] int64 x_{p+1}
+    positions: Tensor  # [N] int64 p: 0 .. context_limit - 2 in a request's slot
+    slots: Tensor  # [N] int64 KV slot of each row (scratch: nothing to keep)
+
+    @classmethod
+    def of_prompts(cls, prefill: PrefillOutput, prompts: list[Tensor], slots: Tensor,
+                   first_token_ids: Tensor) -> "ContextRows":
+        """Every position of newly prefilled prompts: ``x_0 .. x_{T-1}`` of each prompt, its
+        ``prefill.hidden``, and after the last prompt token the request's first generated
+        token (``first_token_ids [B]``), so a one-token prompt publishes one row. Index
+        tensors are built on the host from the prompts' lengths (shapes, not values) and
+        copied to the device once; nothing is read back."""
+        device = prefill.hidden.device
+        lengths = torch.tensor([len(prompt) for prompt in prompts])
+        prompt_of_row = torch.repeat_interleave(torch.arange(len(prompts)), lengths)
+        ends = lengths.cumsum(0)
+        positions = torch.arange(int(ends[-1])) - (ends - lengths).index_select(0, prompt_of_row)
+        flat_rows = prompt_of_row * prefill.hidden.shape[1] + positions
+        rows = len(positions)
+        layout = torch.cat([prompt_of_row, positions, flat_rows, ends - 1]).to(device)
+        token_ids = torch.cat([prompt.to(device) for prompt in prompts])
+        next_token_ids = torch.cat([token_ids[1:], token_ids[:1]]).index_copy_(
+            0, layout[3 * rows:], first_token_ids.to(token_ids.dtype))
+        hidden = prefill.hidden.reshape(-1, prefill.hidden.shape[-1]).index_select(
+            0, layout[2 * rows:3 * rows])
+        return cls(token_ids=token_ids, hidden=hidden, next_token_ids=next_token_ids,
+                   positions=layout[rows:2 * rows],
+                   slots=slots.index_select(0, layout[:rows]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +181,8 @@ class DSparkBlock:
 @runtime_checkable
 class CheckpointInfo(Protocol):
     identity: str
-    """Stable hash of weights and configuration; cost tables are tied to it."""
+    """Stable hash of weights and configuration (``adaspec.models.checkpoint_identity``);
+    cost tables record it, and a table fitted for one identity is refused for another."""
 
 
 @runtime_checkable
@@ -149,36 +210,60 @@ class TargetModel(CheckpointInfo, Protocol):
         ...
 
     def allocate(self, num_slots: int) -> None:
-        """(Re)allocate the KV cache for ``num_slots`` concurrent requests."""
+        """(Re)allocate the KV cache: ``num_slots + 1`` KV slots, the last one scratch (the
+        runtime calls it once at start, with twice ``max_seqs_per_batch``)."""
         ...
 
     def prefill(self, prompts: list[Tensor], slots: Tensor) -> PrefillOutput:
-        """Process whole prompts (``[T_i]`` int64 each) into the KV slots ``slots [B]``."""
+        """Process whole prompts (``[T_i]`` int64 each, 1 <= T_i <= context_limit - 1) into
+        KV slots ``slots [B]``, positions 0 .. T_i - 1: afterwards each slot's cache holds
+        exactly its prompt, whatever an earlier request left there."""
         ...
 
     def verify(self, rows: VerifyRows) -> TargetOutput:
-        """One forward over packed rows; writes their KV and returns logits and hidden."""
+        """One forward over packed rows; writes each valid row's KV at its position before
+        attending (padding rows write only to the scratch slot) and returns logits and
+        hidden per row. Shapes depend only on ``(Bcap, G, rows_per_req)``, never on values."""
         ...
 
 
 @runtime_checkable
-class MtpDrafter(CheckpointInfo, Protocol):
-    """A multi-token-prediction head drafting one token per sequential step."""
+class DrafterContext(Protocol):
+    """A drafter's own per-request context (a KV cache of its own), kept by the runtime.
+
+    After each prefill the runtime publishes every prompt position (``ContextRows.of_prompts``:
+    ``x_0`` included, the first generated token after the last), and after each round's
+    commit every packed row, committed ones in their request's slot and the rest in scratch.
+    So before a request's first round the drafter holds positions 0 .. T-1, and before each
+    later round every position below the anchor's. An ``MtpDrafter`` must provide this; a
+    ``DSparkDrafter`` may (the runtime then allocates and publishes to it the same way)."""
 
     def allocate(self, num_slots: int) -> None:
-        """(Re)allocate the drafter's own KV context for ``num_slots`` requests."""
+        """(Re)allocate the context: ``num_slots + 1`` KV slots, the last one scratch (the
+        target's ``num_slots``; called once at start)."""
         ...
 
-    def publish(self, hidden: Tensor, next_token_ids: Tensor, positions: Tensor,
-                slots: Tensor) -> None:
-        """Write the drafter's own context at committed positions: for position p, the
-        target's hidden state at p and the token at p+1. Invalid rows use the scratch slot."""
+    def publish(self, rows: ContextRows) -> None:
+        """Keep ``rows`` in the context, writing before anything reads (a row may read the
+        rows before it of its slot). Positions past the committed length may hold stale
+        values (rejected drafts, an earlier request of the slot): the drafter's own calls
+        write them before reading them, as ``verify`` does."""
         ...
+
+
+@runtime_checkable
+class MtpDrafter(DrafterContext, CheckpointInfo, Protocol):
+    """A multi-token-prediction head drafting one token per sequential step."""
 
     def step(self, hidden: Tensor, token_ids: Tensor, positions: Tensor,
              slots: Tensor) -> MtpStep:
-        """Draft the token after ``token_ids [N]`` from ``hidden [N, d]`` (the target's state
-        for the first step, the previous step's ``MtpStep.hidden`` after that)."""
+        """Draft the token at p + 2 from ``hidden [N, d]`` at p = ``positions [N]`` and
+        ``token_ids [N]`` at p + 1: step j of a round gets ``h_{n-1}`` and the anchor
+        ``x_n`` at p = n - 1 (j = 0), then the previous step's ``MtpStep.hidden`` and
+        token at p = n - 1 + j. Positions lie in 0 .. context_limit - 2, so the token at
+        p + 1 is always inside the context; a step that would sit past that (or before 0,
+        a padding entry) gets the scratch slot at a clamped position, and its draft is
+        never verified."""
         ...
 
 
@@ -189,8 +274,14 @@ class DSparkDrafter(CheckpointInfo, Protocol):
     @property
     def max_width(self) -> int: ...
 
-    def draft(self, hidden: Tensor, token_ids: Tensor, width: int) -> DSparkBlock:
-        """Draft ``width`` tokens after ``token_ids [N]`` from the target's ``hidden [N, d]``."""
+    def draft(self, hidden: Tensor, token_ids: Tensor, positions: Tensor, slots: Tensor,
+              width: int) -> DSparkBlock:
+        """Draft tokens at p + 2 .. p + 1 + ``width`` after the anchor ``token_ids [N]`` at
+        p + 1, from the target's ``hidden [N, d]`` at p = ``positions [N]`` of KV ``slots
+        [N]`` (the convention of ``MtpDrafter.step``'s first step: p in 0 ..
+        context_limit - 2, padding entries on the scratch slot). A drafter with a context
+        of its own also implements ``DrafterContext``; one without ignores slots and
+        positions. Tokens past position context_limit - 1 are never verified."""
         ...
 
 
@@ -225,11 +316,38 @@ def protocol_members(protocol: type) -> tuple[str, ...]:
 
 
 def missing_member(model: object, protocol: type) -> str | None:
-    """The first member of ``protocol`` that ``model`` lacks (a method must be callable),
-    or None when it provides them all."""
+    """What ``model`` lacks of ``protocol``, said as what it has ("no verify", "a draft that
+    cannot be called as draft(hidden, ...)": a drafter written to another version of the
+    protocol, say), or None when it provides it all."""
     for name in protocol_members(protocol):
         if not hasattr(model, name):
-            return name
-        if callable(getattr(protocol, name, None)) and not callable(getattr(model, name)):
-            return name
+            return f"no {name}"
+        required = getattr(protocol, name, None)
+        if not callable(required):
+            continue
+        method = getattr(model, name)
+        if not callable(method):
+            return f"no {name}"
+        if not _callable_as(method, required):
+            return (f"a {name} that cannot be called as "
+                    f"{name}({', '.join(_parameters(required))})")
     return None
+
+
+def _parameters(function: object) -> list[str]:
+    """The parameters a protocol method is called with, ``self`` left out."""
+    return list(inspect.signature(function).parameters)[1:]  # type: ignore[arg-type]
+
+
+def _callable_as(method: object, required: object) -> bool:
+    """Whether ``method`` accepts the positional arguments the protocol's ``required`` is
+    called with (a method whose signature cannot be read is given the benefit)."""
+    try:
+        signature = inspect.signature(method)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return True
+    try:
+        signature.bind(*_parameters(required))
+    except TypeError:
+        return False
+    return True

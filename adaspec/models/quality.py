@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from adaspec.models.drafters import ReferenceDSpark, ReferenceMtp
-from adaspec.models.protocols import VerifyRows
+from adaspec.models.protocols import ContextRows, VerifyRows
 from adaspec.models.target import ReferenceTarget
 
 
@@ -65,7 +65,7 @@ class DSparkRound:
 @torch.no_grad()
 def dspark_round(target: ReferenceTarget, dspark: ReferenceDSpark, hidden: Tensor,
                  anchor: Tensor, lengths: Tensor, slots: Tensor, width: int) -> DSparkRound:
-    block = dspark.draft(hidden, anchor, width)
+    block = dspark.draft(hidden, anchor, lengths - 1, slots, width)
     prev = torch.cat([anchor[:, None], block.token_ids[:, :-1]], 1)
     return DSparkRound(states=dspark.states(hidden, anchor, width), prev_token_ids=prev,
                        draft_logits=block.logits, token_ids=block.token_ids,
@@ -79,11 +79,12 @@ def trace_drafts(target: ReferenceTarget, mtp: ReferenceMtp, dspark: ReferenceDS
     """Draft a block after each context with both drafters and verify it with the target."""
     device = target.embed.weight.device
     slots = torch.arange(len(contexts), device=device)
-    prefill = target.prefill([c.to(device) for c in contexts], slots)
+    prompts = [c.to(device) for c in contexts]
+    prefill = target.prefill(prompts, slots)
     anchor = prefill.last.logits.argmax(-1)
     hidden = prefill.last.hidden
     lengths = prefill.lengths
-    _publish_prompts(mtp, prefill.hidden, contexts, slots)
+    mtp.publish(ContextRows.of_prompts(prefill, prompts, slots, anchor))
     mtp_drafts = _mtp_block(mtp, hidden, anchor, lengths - 1, slots, width)
     rounds = {"mtp": (mtp_drafts, _verify_block(target, anchor, mtp_drafts, lengths, slots))}
     block = dspark_round(target, dspark, hidden, anchor, lengths, slots, width)
@@ -117,16 +118,6 @@ def concat_traces(traces: list[DraftTrace]) -> DraftTrace:
     return DraftTrace(np.concatenate([t.greedy_accept for t in traces]),
                       np.concatenate([t.sample_accept for t in traces]),
                       np.concatenate(confidences) if confidences else None)
-
-
-def _publish_prompts(mtp: ReferenceMtp, hidden: Tensor, contexts: list[Tensor],
-                     slots: Tensor) -> None:
-    for index, context in enumerate(contexts):
-        count = len(context) - 1
-        if count > 0:
-            device = hidden.device
-            mtp.publish(hidden[index, :count], context[1:].to(device),
-                        torch.arange(count, device=device), slots[index].repeat(count))
 
 
 def _mtp_block(mtp: ReferenceMtp, hidden: Tensor, anchor: Tensor, positions: Tensor,

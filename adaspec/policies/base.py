@@ -57,6 +57,10 @@ class DepthContext:
     num_reqs_bucket: int  # Bcap
     width: int  # w: the largest depth
     retired_through: int  # newest round whose feedback was observed (-1: none yet)
+    max_kv_length: int = 0
+    """Bound on the longest context this round can reach, which selects the depth profile
+    (the same bound as the round's ``BudgetContext``). 0: not recorded (a log written before
+    depth decisions recorded it; its depths were priced by the first depth profile)."""
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)

@@ -25,13 +25,17 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from adaspec.config.calibration import (
+    MAX_STEPS,
     MAX_TOKENS_IN_CONTEXT,
     ContextInterval,
     json_type,
     key_prefix,
     require_int,
 )
+from adaspec.config.files import read_json_object
+from adaspec.config.launch import LaunchConfig
 from adaspec.errors import ConfigError, IncompatibleCostTable
+from adaspec.policies.base import covering_tier
 from adaspec.policies.costs import (
     MAX_PRICE_SECONDS,
     MIN_PRICE_SECONDS,
@@ -120,16 +124,56 @@ class CostBundle:
                 return profile
         return None
 
-    def depth_cost_ms(self, num_reqs_bucket: int, depth: int,
-                      kv_length: int | None = None) -> float | None:
-        """Predicted full-cycle milliseconds of a round at depth d (all drafted tokens
-        verified); None when no depth profile covers it. Without a KV length, the first
-        depth profile prices it."""
+    def depth_cost_ms(self, num_reqs_bucket: int, depth: int, kv_length: int | None = None,
+                      num_rows: int | None = None) -> float | None:
+        """Predicted full-cycle milliseconds of a round at depth d in bucket Bcap whose longest
+        KV is ``kv_length``, verifying ``num_rows`` target rows; None when no depth profile
+        covers it. Without a KV length (a log that did not record one) the first profile of
+        each axis prices it.
+
+        A depth profile measured full buckets: Bcap requests at depth d verifying the tier
+        that covers Bcap * (d + 1) rows. A batch of B < Bcap requests verifies only the tier
+        covering B * (d + 1). Its price is then the rows profile of the same KV interval
+        (full depth, every tier such a batch runs) at the rows it verifies, less what the
+        depth saves at full rows: ``rows(G) - (rows(G_d) - depth(d))``, which is
+        ``depth(d) - (rows(G_d) - rows(G))``; draft steps and verification run one after
+        the other, so the rows' difference does not depend on the depth. A table without
+        that profile (fitted before calibration measured it) or without a price for both
+        tiers leaves the depth's own price; one whose rows difference exceeds the whole
+        depth price contradicts itself and prices nothing.
+        """
+        price = _priced(self._profile_of(kv_length, "depth"), num_reqs_bucket, depth)
+        tiers = self.legal_rows(num_reqs_bucket)
+        if price is None or num_rows is None or not tiers:
+            return price
+        measured = covering_tier(tiers, num_reqs_bucket, depth)
+        if num_rows == measured:
+            return price
+        rows = self._profile_of(kv_length, "rows")
+        high, low = _priced(rows, num_reqs_bucket, measured), _priced(rows, num_reqs_bucket,
+                                                                       num_rows)
+        if high is None or low is None:
+            return price
+        moved = price - (high - low)
+        return moved if moved >= 1000 * MIN_PRICE_SECONDS else None
+
+    def legal_rows(self, num_reqs_bucket: int) -> tuple[int, ...]:
+        """The captured tiers G of a request bucket (``compatibility.target_rows``); () when
+        the bundle does not record them (a legacy table) or did not capture the bucket."""
+        buckets = self.compatibility.get("request_buckets")
+        rows = self.compatibility.get("target_rows")
+        if not isinstance(buckets, list | tuple) or not isinstance(rows, list | tuple):
+            return ()
+        for bucket, tiers in zip(buckets, rows, strict=False):
+            if bucket == num_reqs_bucket:
+                return tuple(tiers)
+        return ()
+
+    def _profile_of(self, kv_length: int | None, over: str) -> CostProfile | None:
+        """The profile of that axis covering a KV length; the first of the axis without one."""
         if kv_length is None:
-            profile = next((p for p in self.profiles if p.over == "depth"), None)
-        else:
-            profile = self.profile(kv_length, over="depth")
-        return _priced(profile, num_reqs_bucket, depth)
+            return next((p for p in self.profiles if p.over == over), None)
+        return self.profile(kv_length, over)
 
     def cost_ms(self, num_reqs_bucket: int, num_rows: int, kv_length: int) -> float | None:
         """Predicted full-step milliseconds at (Bcap, G) for a batch whose longest KV is
@@ -152,35 +196,70 @@ class CostBundle:
         return json.dumps(self.as_dict(), indent=1, sort_keys=False) + "\n"
 
     def save(self, path: str) -> None:
-        """Write the bundle to a new file; an existing file is never overwritten."""
+        """Write the bundle to a new file; an existing file is never overwritten, and a write
+        that fails part way (a full disk) removes what it created, so no truncated table is
+        left for a later launch to refuse."""
+        setting = "--adaptive_target_verify_cost_table_output"
         try:
-            with open(path, "x", encoding="utf-8") as handle:
+            handle = open(path, "x", encoding="utf-8")  # noqa: SIM115 - closed below
+        except FileExistsError:
+            raise ConfigError(setting, path, "expected a file that does not exist yet; choose "
+                              "a new output file") from None
+        except OSError as error:
+            raise ConfigError(setting, path,
+                              f"expected a writable file: {error.strerror}") from None
+        try:
+            with handle:
                 handle.write(self.to_json())
                 handle.flush()
                 os.fsync(handle.fileno())
-        except FileExistsError:
-            raise ConfigError("--adaptive_target_verify_cost_table_output", path,
-                              "expected a file that does not exist yet; choose a new output "
-                              "file") from None
         except OSError as error:
-            raise ConfigError("--adaptive_target_verify_cost_table_output", path,
-                              f"expected a writable file: {error.strerror}") from None
+            os.unlink(path)
+            raise ConfigError(setting, path, f"cannot write the cost table "
+                              f"({error.strerror}); nothing was kept") from None
 
     def check_compatible(self, launch: Compatibility, path: str, *,
                          context_limit: int = MAX_TOKENS_IN_CONTEXT) -> None:
         """Refuse the table unless every field it records equals this launch's and every
         profile lies within the target's ``context_limit`` (calibration never measures
         beyond it, so such a profile was measured on another model)."""
-        wanted = launch.as_dict()
-        for name in COMPATIBILITY_FIELDS:
-            if name in self.compatibility and self.compatibility[name] != wanted[name]:
-                raise IncompatibleCostTable(path, name, self.compatibility[name], wanted[name])
+        self.check_fields(launch.as_dict(), path)
         for index, profile in enumerate(self.profiles):
             if profile.context.max_kv_length > context_limit:
                 raise ConfigError(f"--adaptive_target_verify_cost_table={path}: profiles"
                                   f"[{index}].context.max_kv_length",
                                   profile.context.max_kv_length,
                                   f"expected at most the model's context limit {context_limit}")
+
+
+    def check_fields(self, wanted: Mapping[str, object], path: str) -> None:
+        """Refuse the table when a field it records differs from ``wanted`` (a subset of the
+        compatibility fields: what is known before the models load, say); the first that
+        differs, in ``COMPATIBILITY_FIELDS`` order, is named."""
+        for name in COMPATIBILITY_FIELDS:
+            if name in wanted and name in self.compatibility \
+                    and self.compatibility[name] != wanted[name]:
+                raise IncompatibleCostTable(path, name, self.compatibility[name], wanted[name])
+
+
+def launch_fields(launch: LaunchConfig) -> dict[str, object]:
+    """The compatibility fields a launch fixes by itself, before any model or device is
+    known (the checkpoint identities and the captured geometry come at start)."""
+    return {"algorithm": launch.speculative_algorithm,
+            "draft_width": launch.num_speculative_tokens, "dp_size": launch.dp_size,
+            "tp_size": launch.resolved.tp_size, "unified": launch.enable_unified_mtp_graph,
+            "device": launch.device}
+
+
+def check_saved_table(launch: LaunchConfig) -> None:
+    """A launch's saved cost table (when it names one): its contents checked as a load
+    checks them, and the fields the launch fixes compared, so ``adaspec config`` refuses
+    what the start would."""
+    path = launch.adaptive_target_verify_cost_table
+    if path is None or not launch.enable_adaptive_target_verify:
+        return
+    bundle = load_bundle(path, read_json_object("adaptive_target_verify_cost_table", path))
+    bundle.check_fields(launch_fields(launch), path)
 
 
 def _priced(profile: CostProfile | None, num_reqs_bucket: int, second: int) -> float | None:
@@ -220,6 +299,10 @@ def bundle_from_dict(data: Mapping[str, object], source: str) -> CostBundle:
     settings = _object("settings", data["settings"])
     with key_prefix("settings."):
         _check_settings(settings, compatibility, parsed)
+        for name, low, high in COUNTED_SETTINGS:
+            if name in settings:
+                require_int(name, settings[name], low, high)
+    _check_samples(compatibility, parsed)
     return CostBundle(compatibility=compatibility, settings=settings, profiles=tuple(parsed),
                       source=source)
 
@@ -303,8 +386,11 @@ def _check_settings(settings: Mapping[str, object], compatibility: Mapping[str, 
         tiers = {g for rows in captured.values() for g in rows}
         _require_members("target_graph_rows", settings["target_graph_rows"], tiers,
                          "compatibility.target_rows")
-    if "points" in settings:
-        _check_points(settings["points"], captured, width, profiles)
+    axis = "depth" if any(profile.over == "depth" for profile in profiles) else "rows"
+    if "points" in settings:  # on the bundle's own axis; a depth bundle's rows apart
+        _check_points("points", settings["points"], captured, width, axis)
+    if "rows_points" in settings:
+        _check_points("rows_points", settings["rows_points"], captured, width, "rows")
     if "model" in settings:
         for index, profile in enumerate(profiles):
             if MODEL_OF_KIND[profile.table.kind] != settings["model"]:
@@ -313,6 +399,28 @@ def _check_settings(settings: Mapping[str, object], compatibility: Mapping[str, 
                                   f"profiles[{index}].table (kind {profile.table.kind})")
     if "contexts" in settings:
         _check_contexts_listed(settings["contexts"], profiles)
+
+
+COUNTED_SETTINGS = (("warmup_steps", 0, MAX_STEPS), ("window_steps", 1, MAX_STEPS),
+                    ("windows_per_point", 1, MAX_STEPS), ("token_seed", 0, 2**63 - 1))
+"""Calibration counts a bundle's settings may record, with the ranges a launch accepts."""
+
+
+def _check_samples(compatibility: Mapping[str, Any], profiles: Sequence[CostProfile]) -> None:
+    """Every sample was taken at a shape the launch captured: a bucket of the compatibility
+    with one of its tiers (a rows profile) or a depth 1..draft_width (a depth profile)."""
+    captured = dict(zip(compatibility["request_buckets"], compatibility["target_rows"],
+                        strict=True))
+    width = compatibility["draft_width"]
+    for index, profile in enumerate(profiles):
+        for number, sample in enumerate(profile.samples):
+            legal = _legal_seconds(sample.num_reqs_bucket, captured, width, {profile.over})
+            if sample.num_rows not in legal:
+                raise ConfigError(f"profiles[{index}].samples[{number}]",
+                                  [sample.num_reqs_bucket, sample.num_rows, sample.seconds],
+                                  "expected [Bcap, G or depth, seconds] at a shape of the "
+                                  "compatibility (Bcap in request_buckets and G one of its "
+                                  "target_rows, or a depth 1..draft_width)")
 
 
 ALL_TIERS = "all legal prepared tiers"
@@ -326,18 +434,18 @@ def _require_members(name: str, values: object, allowed: set[int], source: str) 
                           f"{sorted(allowed)}")
 
 
-def _check_points(points: object, captured: Mapping[int, Sequence[int]], width: int,
-                  profiles: Sequence[CostProfile]) -> None:
-    """Each sampled point is a captured bucket with one of its tiers (a rows profile) or a
-    depth 1..w (a depth profile)."""
-    axes = {profile.over for profile in profiles}
-    for index, point in enumerate(_list("points", points)):
+def _check_points(name: str, points: object, captured: Mapping[int, Sequence[int]],
+                  width: int, axis: str) -> None:
+    """Each sampled point of ``axis`` is a captured bucket with one of its tiers (rows) or
+    with a depth 1..w (depth)."""
+    second = "G one of its compatibility.target_rows" if axis == "rows" else \
+        "a depth 1..draft_width"
+    for index, point in enumerate(_list(name, points)):
         if not (isinstance(point, list) and len(point) == 2
                 and all(type(v) is int for v in point)
-                and point[1] in _legal_seconds(point[0], captured, width, axes)):
-            raise ConfigError(f"points[{index}]", point, "expected [Bcap, G or depth] with "
-                              "Bcap in compatibility.request_buckets and G one of its "
-                              "compatibility.target_rows (or a depth 1..draft_width)")
+                and point[1] in _legal_seconds(point[0], captured, width, {axis})):
+            raise ConfigError(f"{name}[{index}]", point, f"expected [Bcap, {second.split()[0]}] "
+                              f"with Bcap in compatibility.request_buckets and {second}")
 
 
 def _legal_seconds(bucket: int, captured: Mapping[int, Sequence[int]], width: int,

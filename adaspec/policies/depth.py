@@ -2,9 +2,12 @@
 
 Every ``update_interval`` observed batches the policy rescores every depth 1..w by predicted
 throughput ``B * (1 + sum(a[:d])) / cost_ms(d)`` (``a_k`` the prefix acceptance of position
-k, ``cost_ms(d)`` the calibrated full-cycle cost of a round at depth d for the batch's
-request bucket) and switches only when the best depth beats the current one by more than
-``switch_min_gain`` (relative), so noise around a tie never flips it.
+k, ``cost_ms(d)`` the calibrated full-cycle cost of what a round at depth d runs for this
+batch: its request bucket, its KV length and the rows it verifies, see ``bundle_pricing``)
+and switches only when the best depth beats the current one by more than
+``switch_min_gain`` (relative), so noise around a tie never flips it. A batch the table does
+not price (its KV length or bucket lies outside what was calibrated) runs at the prewarmed full
+width w, as the specification has uncovered batches do, and leaves the chosen depth as it was.
 
 Censoring. A round at depth d verifies positions 1..d only; it says nothing about deeper
 positions, and counting them as rejected would drive the depth down for good. The policy
@@ -31,10 +34,27 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from adaspec.config.calibration import DraftStepPolicyConfig
-from adaspec.policies.base import DepthContext, PolicyStatistics, RoundFeedback
+from adaspec.policies.base import DepthContext, PolicyStatistics, RoundFeedback, covering_tier
+from adaspec.policies.bundles import CostBundle
 
 DepthPricing = Callable[[DepthContext, int], float | None]
 """Full-cycle milliseconds of a round at depth d for this context's batch (None: unpriced)."""
+
+
+def bundle_pricing(costs: CostBundle) -> DepthPricing:
+    """What the round will run, priced from a bundle's depth profiles (the runtime's pricing,
+    which ``adaspec simulate`` and replay share): Bcap draft entries at depth d, verifying
+    the tier that covers the batch's B * (d + 1) rows (adaptive draft steps verify every
+    drafted token), in the profile of the batch's KV length (``CostBundle.depth_cost_ms``).
+    A context that does not record its KV length (an older log) is priced as it was then,
+    by the first depth profile."""
+    def price(context: DepthContext, depth: int) -> float | None:
+        bucket = context.num_reqs_bucket
+        tiers = costs.legal_rows(bucket)
+        rows = covering_tier(tiers, context.num_reqs, depth) if tiers else None
+        return costs.depth_cost_ms(bucket, depth, context.max_kv_length or None, rows)
+    return price
+
 
 PROBE_EVERY_WINDOWS = 3
 """One probe every three windows of rounds: a probe round costs one step more, so at the
@@ -88,7 +108,7 @@ class AdaptiveDepth:
         self._depth: int | None = None  # the chosen (non-probe) depth
         self._observed = self._decisions = 0
         self._scored_at = 0  # observed batches at the last rescoring
-        self._switches = self._probes = 0
+        self._switches = self._probes = self._unpriced = 0
         self._probing = True  # whether a deeper depth could still win (see _rescore)
         self.probe_interval = max(2, config.window_size * PROBE_EVERY_WINDOWS)
 
@@ -149,6 +169,11 @@ class AdaptiveDepth:
         width = context.width
         if self._depth is None:
             self._depth = width  # full width until evidence says otherwise
+        if self._pricing is not None and self._pricing(context, width) is None:
+            # No calibrated price for this batch (its KV length or bucket lies outside the
+            # table): it runs at the prewarmed full width, and the chosen depth waits.
+            self._unpriced += 1
+            return width
         if self._observed - self._scored_at >= self._config.update_interval:
             self._scored_at = self._observed
             self._rescore(context)
@@ -189,7 +214,8 @@ class AdaptiveDepth:
 
     def statistics(self) -> PolicyStatistics:
         return PolicyStatistics(self.name, self._decisions, self._observed, {
-            "depth": self._depth, "switches": self._switches, "probes": self._probes})
+            "depth": self._depth, "switches": self._switches, "probes": self._probes,
+            "unpriced": self._unpriced})
 
     def settings(self) -> dict[str, object]:
         return self._config.as_dict()

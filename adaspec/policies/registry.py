@@ -8,7 +8,7 @@ from adaspec.config.calibration import DraftStepPolicyConfig
 from adaspec.errors import ConfigError
 from adaspec.policies.base import BudgetPolicy, DepthPolicy
 from adaspec.policies.bundles import CostBundle
-from adaspec.policies.depth import AdaptiveDepth
+from adaspec.policies.depth import AdaptiveDepth, bundle_pricing
 from adaspec.policies.fixed import FixedDepth, FullBudget
 from adaspec.policies.verify import AdaptiveVerify
 
@@ -20,9 +20,7 @@ def _adaptive_depth(settings: Mapping[str, object], costs: CostBundle | None) ->
         raise ConfigError("adaptive-depth settings", dict(settings), "expected the keys "
                           "window_size, update_interval, switch_min_gain") from None
     assert costs is not None  # NEEDS_COSTS: checked by _make
-    table = costs
-    return AdaptiveDepth(config, lambda context, depth: table.depth_cost_ms(
-        context.num_reqs_bucket, depth))
+    return AdaptiveDepth(config, bundle_pricing(costs))
 
 
 DEPTH_POLICIES: dict[str, Callable[[Mapping[str, object], CostBundle | None],

@@ -12,7 +12,8 @@ accept if offered the full width (``docs/workload.md``). For round n the simulat
    survival order, ties to the lower request then the lower position, contiguous prefixes,
    at most d per request);
 4. counts each request's accepted tokens as ``min(verified, accepted at full width)`` plus
-   the residual or bonus token, and prices the round at ``cost_ms(Bcap, G, kv)``.
+   the residual or bonus token, and prices the round at ``cost_ms(Bcap, G, kv)`` (a table of
+   adaptive draft steps: at depth d verifying G rows, as the runtime prices it).
 
 DP shards (``dp_size`` > 1) share one decision per round, made from every shard's retired
 feedback (what each shard of a DP launch receives); each shard allocates the G rows to its
@@ -46,7 +47,7 @@ from adaspec.policies.base import (
 )
 from adaspec.policies.bundles import CostBundle
 from adaspec.policies.costs import UnpricedShape
-from adaspec.policies.depth import AdaptiveDepth, DepthPricing
+from adaspec.policies.depth import AdaptiveDepth, DepthPricing, bundle_pricing
 from adaspec.policies.fixed import FixedDepth, FullBudget
 from adaspec.policies.verify import AdaptiveVerify
 
@@ -301,16 +302,17 @@ PolicySpec = tuple[DepthPolicy, BudgetPolicy | Oracle]
 
 
 def depth_pricing(costs: CostBundle, geometry: "Geometry") -> DepthPricing:
-    """Depth d's price: from a table measured per depth when the bundle has one; otherwise
-    the verification table at the tier verifying every drafted token, ``B * (d + 1)`` rows
-    (draft steps then not priced apart)."""
-    kv = costs.profiles[0].context.max_kv_length
+    """Depth d's price for a context's batch: from a table measured per depth, the runtime's
+    own pricing (``bundle_pricing``: the batch's KV interval, the rows it verifies);
+    otherwise the verification table at the tier verifying every drafted token,
+    ``B * (d + 1)`` rows (draft steps then not priced apart)."""
     if any(p.over == "depth" for p in costs.profiles):  # a table measured per depth
-        return lambda context, depth: costs.depth_cost_ms(context.num_reqs_bucket, depth)
+        return bundle_pricing(costs)
+    default_kv = costs.profiles[0].context.max_kv_length
 
     def price(context: DepthContext, depth: int) -> float | None:
         rows = covering_tier(geometry.tiers[context.num_reqs_bucket], context.num_reqs, depth)
-        return costs.cost_ms(context.num_reqs_bucket, rows, kv)
+        return costs.cost_ms(context.num_reqs_bucket, rows, context.max_kv_length or default_kv)
 
     return price
 
@@ -321,11 +323,13 @@ def make_policies(spec: str, costs: CostBundle, width: int,
     budget) pair."""
     if spec.startswith("fixed:"):
         value = spec.partition(":")[2]
-        if not value.isdigit() or not 1 <= int(value) <= width:
+        # ASCII and short first: int() refuses "²" and strings of thousands of digits.
+        if not (value.isascii() and value.isdigit() and len(value) <= 4) \
+                or not 1 <= int(value) <= width:
             raise ConfigError("--policy", spec, f"expected fixed:K with K in 1..{width}")
         return FixedAt(int(value)), FullBudget()
-    if spec in ("adaptive-verify", "oracle") and not any(p.over == "rows"
-                                                       for p in costs.profiles):
+    if spec in ("adaptive-verify", "oracle") and any(p.over == "depth"
+                                                   for p in costs.profiles):
         raise ConfigError("--policy", spec, "needs a cost table priced over target rows G; "
                           "this one is priced per draft depth (adaptive draft steps)")
     if spec == "adaptive-verify":
@@ -385,7 +389,8 @@ def simulate(spec: str, workload: Workload, costs: CostBundle, path: str = "cost
         kv = rnd.kv_length if rnd.kv_length is not None else default_kv
         retired = number - LAG
         depth_context = DepthContext(round=number, num_reqs=num_reqs, num_reqs_bucket=bucket,
-                                     width=workload.width, retired_through=retired)
+                                     width=workload.width, retired_through=retired,
+                                     max_kv_length=kv)
         if isinstance(depth_policy, OracleDepth):
             depth = _oracle_depth(rnd, depth_context, tiers, kv, costs, path)
         else:
@@ -430,24 +435,41 @@ def simulate(spec: str, workload: Workload, costs: CostBundle, path: str = "cost
 
 def _price(costs: CostBundle, bucket: int, rows: int, kv: int, path: str,
            depth: int | None = None) -> float:
-    """A round's predicted milliseconds: from the (Bcap, G) profiles, or from the depth
-    profiles of an adaptive-draft-step table (a round at depth d verifying every draft)."""
-    over = "rows" if any(p.over == "rows" for p in costs.profiles) else "depth"
-    second = rows if over == "rows" or depth is None else depth
-    cost = (costs.cost_ms(bucket, rows, kv) if over == "rows"
-            else costs.depth_cost_ms(bucket, second, kv))
-    if cost is None:  # a KV length outside the coverage: price with the nearest profile
-        profiles = [p for p in costs.profiles if p.over == over]
-        profile = min(profiles, key=lambda p: min(abs(kv - p.context.min_kv_length),
+    """A round's predicted milliseconds: from the (Bcap, G) profiles, or, for a table of
+    adaptive draft steps, as the runtime prices a round at depth d verifying G rows
+    (``CostBundle.depth_cost_ms``). A KV length outside the coverage is priced with the
+    nearest interval."""
+    over = "depth" if depth is not None and any(p.over == "depth" for p in costs.profiles) \
+        else "rows"
+    profiles = [p for p in costs.profiles if p.over == over]
+    if profiles and costs.profile(kv, over) is None:
+        nearest = min(profiles, key=lambda p: min(abs(kv - p.context.min_kv_length),
                                                   abs(kv - p.context.max_kv_length)))
-        try:
-            cost = profile.table.cost_ms(bucket, second)
-        except UnpricedShape as error:
-            raise ConfigError("--cost_table", path, f"cannot price Bcap={bucket} G={rows} "
-                              f"({error}); calibrate the buckets the workload uses") from None
+        kv = min(max(kv, nearest.context.min_kv_length), nearest.context.max_kv_length)
+    shape = f"Bcap={bucket} G={rows}" + (f" d={depth}" if over == "depth" else "")
+    cost = (costs.depth_cost_ms(bucket, depth, kv, rows) if depth is not None and over == "depth"
+            else costs.cost_ms(bucket, rows, kv))
+    if cost is None:
+        raise ConfigError("--cost_table", path, f"cannot price {shape} "
+                          f"({_unpriced(costs, over, bucket, rows, kv, depth)}); calibrate "
+                          "the buckets the workload uses")
     if not math.isfinite(cost) or cost <= 0:
-        raise ConfigError("--cost_table", path, f"prices Bcap={bucket} G={rows} at {cost} ms")
+        raise ConfigError("--cost_table", path, f"prices {shape} at {cost} ms")
     return cost
+
+
+def _unpriced(costs: CostBundle, over: str, bucket: int, rows: int, kv: int,
+              depth: int | None) -> str:
+    """Why a covered KV length has no price: the shape lies above the measured ones, or the
+    rows profile's difference exceeds the depth's whole price."""
+    profile = costs.profile(kv, over)
+    if profile is None:
+        return f"the table has no {over} profile"
+    try:
+        profile.table.cost_ms(bucket, depth if over == "depth" and depth is not None else rows)
+    except UnpricedShape as error:
+        return str(error)
+    return "its rows profile takes more off the depth's price than the depth costs"
 
 
 def _verify(batch: Sequence[WorkloadRequest], depth: int, rows: int

@@ -10,10 +10,10 @@ adaptive arms calibrate their costs once, at start, as a serving launch would; t
 arm gets its own copy of the target.
 
 Runs. At each concurrency C a closed loop of C clients sends the level's prompts (each client
-sends its next prompt when the previous one finishes), greedy, ``max_tokens`` each. One pass
-runs every (level, arm) once; passes repeat, every other one in reverse order and each
-rotated (``pass_order``), so a slow spell of the machine does not land on the same arm every
-time.
+sends its next prompt when the previous one finishes), ``max_tokens`` each, greedy unless the
+plan gives temperatures (below). One pass runs every (level, arm) once; passes repeat, every
+other one in reverse order and each rotated (``pass_order``), so a slow spell of the machine
+does not land on the same arm every time.
 
 Figures per arm and level: output tokens per second (the geometric mean of the passes; the
 aggregate over all passes is reported too), TPOT (time per output token after the first: a
@@ -25,6 +25,16 @@ mean padded target rows verified per round, and the speedups over the plain loop
 speculation and over the best fixed width of that level (geometric means of the per-pass
 ratios, with their noise and a verdict). The greedy outputs of all arms must be identical
 token for token: the bench compares them with the plain loop's and reports every difference.
+
+Sampled requests. A plan may give positive temperatures, alone or mixed with 0 (``BenchPlan.
+temperatures``): request i of a level sends prompt i // m at the (i mod m)-th of the m
+temperatures, so greedy and sampled requests see the same prompts. Random-target acceptance and
+speed are not those of greedy targets, so each arm's AL, acceptance rate, TPOT and tokens/s are
+also given per kind of request (``by_kind``: greedy, sampled). Sampled outputs are not compared:
+each arm draws its own random tokens (their rounds differ), so token equality cannot hold and
+is not claimed; the exactness of random sampling is what the sampler tests check. An arm that
+cannot run sampled requests (the plain loop is greedy only; a launch's own request check may
+refuse positive temperatures) is refused or skipped with its reason before anything runs.
 """
 
 import asyncio
@@ -43,10 +53,10 @@ from typing import Any
 import torch
 from scipy.special import stdtrit
 
-from adaspec.config import EffectiveConfig, SamplingParams, load_config
+from adaspec.config import EffectiveConfig, SamplingParams, check_request, load_config
 from adaspec.config.flags import coerce
 from adaspec.config.launch import launch_field_types
-from adaspec.errors import ConfigError
+from adaspec.errors import ConfigError, UnsupportedRequest
 from adaspec.models import ReferenceModels
 from adaspec.models.protocols import TargetModel
 from adaspec.runtime.calibration import Progress
@@ -54,9 +64,16 @@ from adaspec.runtime.devices.buckets import BucketGeometry
 from adaspec.runtime.engine import Runtime, RuntimeOptions, builtin_models
 from adaspec.runtime.pipeline import RuntimeStatistics
 from adaspec.runtime.plain import PlainRun, plain_loop
+from adaspec.runtime.requests import RequestResult
 
 PLAIN = "plain"
 """The arm that runs the target alone in a straight loop, outside the runtime."""
+
+GREEDY, SAMPLED = "greedy", "sampled"
+"""The kinds of request: temperature 0 (the target's argmax) and above 0 (drawn)."""
+
+PLAIN_IS_GREEDY = ("the plain loop decodes greedily only (adaspec.runtime.plain); the none "
+                   "arm is the target-alone baseline for sampled requests")
 
 FULL_LEVELS = (1, 4, 16)
 ADAPTIVE_FLAGS = ("enable_adaptive_target_verify", "enable_adaptive_draft_step",
@@ -89,14 +106,46 @@ class BenchPlan:
     seed: int = 0
     event_log_dir: str | None = None
     skipped: tuple[tuple[str, str], ...] = ()  # (arm, why the launch does not allow it)
+    temperatures: tuple[float, ...] = (0.0,)  # the mix; each prompt is sent at each one
+    top_k: int = 0  # the target filters of every request (greedy requests ignore them)
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    def level_requests(self, level: int) -> list[tuple[bytes, float]]:
+        """The level's requests in order, as (prompt, temperature). With m temperatures,
+        request i sends prompt i // m at the (i mod m)-th one: each prompt goes out once at
+        each temperature, so the kinds are measured on the same prompts (an alternation over
+        the interleaved pool would give each kind its own domains)."""
+        m = len(self.temperatures)
+        return [(self.prompts[(i // m) % len(self.prompts)], self.temperatures[i % m])
+                for i in range(self.requests[level])]
 
     def level_prompts(self, level: int) -> list[bytes]:
-        count = self.requests[level]
-        return [self.prompts[i % len(self.prompts)] for i in range(count)]
+        return [prompt for prompt, _ in self.level_requests(level)]
+
+    def params(self, temperature: float) -> SamplingParams:
+        """The sampling parameters of a request at ``temperature``."""
+        return SamplingParams(temperature=temperature, top_k=self.top_k, top_p=self.top_p,
+                              min_p=self.min_p, max_tokens=self.max_tokens)
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The kinds of request the plan sends, greedy first."""
+        return tuple(kind for kind in (GREEDY, SAMPLED)
+                     if any(kind_of(t) == kind for t in self.temperatures))
+
+    def kind_requests(self, kind: str) -> dict[str, int]:
+        """Requests of ``kind`` per pass at each level (keyed by the level as text, as JSON)."""
+        return {str(level): sum(kind_of(t) == kind for _, t in self.level_requests(level))
+                for level in self.levels}
 
     @property
     def total_runs(self) -> int:
         return len(self.arms) * len(self.levels) * self.passes
+
+
+def kind_of(temperature: float) -> str:
+    return GREEDY if temperature == 0 else SAMPLED
 
 
 def shipped_prompts() -> tuple[bytes, ...]:
@@ -115,12 +164,16 @@ def shipped_prompts() -> tuple[bytes, ...]:
 
 def plan_arms(settings: Mapping[str, object], *, widths: Sequence[int] | None,
               names: Sequence[str] | None, quick: bool, levels: Sequence[int],
-              scratch: Path) -> tuple[tuple[Arm, ...], tuple[tuple[str, str], ...]]:
+              scratch: Path, temperatures: Sequence[float] = (0.0,)
+              ) -> tuple[tuple[Arm, ...], tuple[tuple[str, str], ...]]:
     """The arms of a launch: every one checked (``load_config``) before anything runs.
 
     ``settings`` are the launch flags given; without an algorithm the bench runs DSpark at
     width 5. ``names`` picks arms explicitly (refused when the launch does not allow one);
-    otherwise adaptive arms the launch does not allow are skipped with the reason."""
+    otherwise adaptive arms the launch does not allow are skipped with the reason. Every
+    arm must also run requests at each of ``temperatures`` (``sampling_refusal``): one that
+    cannot is refused when named, and otherwise skipped with the reason when it is the plain
+    loop or an adaptive arm, refused when it is ``none`` or a fixed width (the baselines)."""
     base = dict(settings)
     algorithm = str(_typed(base.pop("speculative_algorithm", "DSpark"), "speculative_algorithm"))
     width = int(_typed(base.pop("num_speculative_tokens", 5), "num_speculative_tokens"))
@@ -143,7 +196,7 @@ def plan_arms(settings: Mapping[str, object], *, widths: Sequence[int] | None,
         PLAIN: target_only, "none": target_only,
         **{f"fixed:{k}": _fixed(base, algorithm, k) for k in fixed_widths},
         **_adaptive(base, adaptive, algorithm, width, quick, levels, scratch)}
-    return _choose(candidates, names)
+    return _choose(candidates, names, tuple(temperatures))
 
 
 def _fixed(base: Mapping[str, object], algorithm: str, k: int
@@ -194,24 +247,64 @@ def _write(path: Path, data: Mapping[str, object]) -> str:
 
 
 def _choose(candidates: Mapping[str, Callable[[], EffectiveConfig]],
-            names: Sequence[str] | None
+            names: Sequence[str] | None, temperatures: tuple[float, ...]
             ) -> tuple[tuple[Arm, ...], tuple[tuple[str, str], ...]]:
     if names is not None:
-        if len(set(names)) != len(names):
-            raise ConfigError("--arms", ",".join(names), "expected each arm once")
-        for name in names:
-            if name not in candidates:
-                raise ConfigError("--arms", name, f"expected some of {', '.join(candidates)}")
-        return tuple(Arm(name, candidates[name]()) for name in names), ()
-    arms, skipped = [], []
+        return _named(candidates, names, temperatures), ()
+    chosen, skipped = [], []
     for name, build in candidates.items():
         try:
-            arms.append(Arm(name, build()))
+            arm = Arm(name, build())
         except ConfigError as error:
             if not name.startswith("adaptive"):
                 raise
             skipped.append((name, str(error)))
-    return tuple(arms), tuple(skipped)
+            continue
+        why = sampling_refusal(arm, temperatures)
+        if why is None:
+            chosen.append(arm)
+        elif name == PLAIN or name.startswith("adaptive"):
+            skipped.append((name, why))
+        else:  # a baseline every figure is read against: the run would mean nothing without
+            raise _cannot_sample(name, temperatures, why, "a baseline of this launch")
+    return tuple(chosen), tuple(skipped)
+
+
+def _named(candidates: Mapping[str, Callable[[], EffectiveConfig]], names: Sequence[str],
+           temperatures: tuple[float, ...]) -> tuple[Arm, ...]:
+    """The arms ``--arms`` names: each one asked for, so refused with its reason, never
+    dropped."""
+    if len(set(names)) != len(names):
+        raise ConfigError("--arms", ",".join(names), "expected each arm once")
+    for name in names:
+        if name not in candidates:
+            raise ConfigError("--arms", name, f"expected some of {', '.join(candidates)}")
+    arms = tuple(Arm(name, candidates[name]()) for name in names)
+    for arm in arms:
+        why = sampling_refusal(arm, temperatures)
+        if why is not None:
+            raise _cannot_sample(arm.name, temperatures, why, "named in --arms")
+    return arms
+
+
+def sampling_refusal(arm: Arm, temperatures: Sequence[float]) -> str | None:
+    """Why ``arm`` cannot run requests at ``temperatures``, or None. Runtime arms ask the
+    runtime's own request check (``check_request``), so what the launch refuses at submit is
+    found before anything runs, not as a failed request in the middle of a pass."""
+    if arm.name == PLAIN:
+        return None if all(t == 0 for t in temperatures) else PLAIN_IS_GREEDY
+    for temperature in temperatures:
+        try:
+            check_request(SamplingParams(temperature=temperature), arm.config.launch)
+        except UnsupportedRequest as error:
+            return str(error)
+    return None
+
+
+def _cannot_sample(arm: str, temperatures: Sequence[float], why: str, asked: str
+                   ) -> ConfigError:
+    return ConfigError("--temperature", ",".join(f"{t:g}" for t in temperatures),
+                       f"the {arm} arm, {asked}, cannot run it: {why}")
 
 
 def _typed(raw: object, name: str) -> Any:
@@ -230,6 +323,29 @@ def _check_capacity(base: Mapping[str, object], levels: Sequence[int]) -> None:
 # ---- measuring -----------------------------------------------------------------------------
 
 @dataclass(slots=True)
+class KindCounts:
+    """The requests of one kind (greedy or sampled) in one run, from their own results: a
+    mixed batch shares its rounds between the kinds, so the runtime's counters cannot split
+    them."""
+
+    requests: int = 0
+    tokens: int = 0
+    rounds: int = 0  # decode rounds the requests took part in
+    verified: int = 0
+    accepted: int = 0
+    tpot_s: list[float] = field(default_factory=list)
+
+    def add(self, result: RequestResult, tpot: float | None) -> None:
+        self.requests += 1
+        self.tokens += len(result.token_ids)
+        self.rounds += result.rounds
+        self.verified += result.verified
+        self.accepted += result.accepted
+        if tpot is not None:
+            self.tpot_s.append(tpot)
+
+
+@dataclass(slots=True)
 class RunRecord:
     """One arm at one concurrency in one pass."""
 
@@ -241,6 +357,8 @@ class RunRecord:
     tokens: int = 0
     tpot_s: list[float] = field(default_factory=list)
     outputs: list[tuple[int, ...]] = field(default_factory=list)  # in prompt order
+    temperatures: list[float] = field(default_factory=list)  # per output; none: all greedy
+    kinds: dict[str, KindCounts] = field(default_factory=dict)
     rounds: int = 0
     rows: int = 0
     request_rounds: int = 0
@@ -258,6 +376,10 @@ class RunRecord:
         # Every step after the prefills verifies one row per running request and emits one
         # token for it.
         self.rows = self.request_rounds = self.tokens - len(run.outputs)
+        # The plain loop decodes greedily only (``sampling_refusal``): one kind.
+        self.temperatures = [0.0] * len(run.outputs)
+        self.kinds = {GREEDY: KindCounts(requests=len(run.outputs), tokens=self.tokens,
+                                         rounds=self.request_rounds, tpot_s=list(run.tpot_s))}
 
     def count(self, before: RuntimeStatistics, after: RuntimeStatistics) -> None:
         """The run's rounds from the runtime's own counters (no event is built for them)."""
@@ -275,8 +397,8 @@ class RunRecord:
 
 
 async def timed_request(runtime: Runtime, prompt: bytes, params: SamplingParams
-                        ) -> tuple[tuple[int, ...], float | None]:
-    """The output token ids and the request's TPOT (None with fewer than two tokens)."""
+                        ) -> tuple[RequestResult, float | None]:
+    """The request's result and its TPOT (None with fewer than two tokens)."""
     handle = runtime.submit(list(prompt), params)
     first = last = None
     async for _ in handle:
@@ -286,21 +408,24 @@ async def timed_request(runtime: Runtime, prompt: bytes, params: SamplingParams
     count = len(result.token_ids)
     tpot = (last - first) / (count - 1) if count > 1 and first is not None \
         and last is not None else None
-    return result.token_ids, tpot
+    return result, tpot
 
 
-async def run_level(runtime: Runtime, prompts: Sequence[bytes], max_tokens: int,
+async def run_level(runtime: Runtime, requests: Sequence[tuple[bytes, SamplingParams]],
                     concurrency: int, record: RunRecord) -> None:
-    """C closed-loop clients over the prompts; fills ``record``'s timing and outputs."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    queue = list(enumerate(prompts))
-    outputs: list[tuple[int, ...]] = [()] * len(prompts)
+    """C closed-loop clients over the (prompt, parameters) requests; fills ``record``'s
+    timing, outputs and per-kind counts."""
+    queue = list(enumerate(requests))
+    outputs: list[tuple[int, ...]] = [()] * len(requests)
+    record.temperatures = [float(params.temperature or 0.0) for _, params in requests]
 
     async def client() -> None:
         while queue:
-            index, prompt = queue.pop(0)
-            tokens, tpot = await timed_request(runtime, prompt, params)
-            outputs[index] = tokens
+            index, (prompt, params) = queue.pop(0)
+            result, tpot = await timed_request(runtime, prompt, params)
+            outputs[index] = result.token_ids
+            kind = kind_of(record.temperatures[index])
+            record.kinds.setdefault(kind, KindCounts()).add(result, tpot)
             if tpot is not None:
                 record.tpot_s.append(tpot)
 
@@ -323,7 +448,12 @@ async def run_bench(plan: BenchPlan, models: Callable[[], ReferenceModels] | Non
     """Start every arm, run every pass, stop every arm; the records in run order.
 
     ``models`` makes one set of models per arm (each runtime owns its KV caches, so arms
-    never share one set); default: the built-in reference models."""
+    never share one set); default: the built-in reference models. An arm that cannot run
+    the plan's temperatures is refused before any arm starts (``sampling_refusal``)."""
+    for arm in plan.arms:
+        why = sampling_refusal(arm, plan.temperatures)
+        if why is not None:
+            raise _cannot_sample(arm.name, plan.temperatures, why, "in the plan")
     async with contextlib.AsyncExitStack() as stack:
         runtimes: dict[str, Runtime | PlainArm] = {}
         for arm in plan.arms:
@@ -406,7 +536,8 @@ async def _passes(plan: BenchPlan, runtimes: Mapping[str, "Runtime | PlainArm"],
 async def _run_runtime(runtime: Runtime, plan: BenchPlan, level: int,
                        record: RunRecord) -> None:
     before = runtime.statistics()
-    await run_level(runtime, plan.level_prompts(level), plan.max_tokens, level, record)
+    requests = [(prompt, plan.params(t)) for prompt, t in plan.level_requests(level)]
+    await run_level(runtime, requests, level, record)
     # Retirement of the last rounds may trail the last token by a round.
     await runtime.wait_idle()
     record.count(before, runtime.statistics())
@@ -426,7 +557,7 @@ def summarise(plan: BenchPlan, records: Sequence[RunRecord]) -> dict[str, Any]:
     groups: dict[tuple[str, int], list[RunRecord]] = {}
     for record in records:
         groups.setdefault((record.arm, record.level), []).append(record)
-    entries = [_entry(arm.name, level, groups[arm.name, level])
+    entries = [_entry(arm.name, level, groups[arm.name, level], plan.kinds)
                for level in plan.levels for arm in plan.arms]
     # One pass measures no noise: its figures stand, but no comparison is called a verdict.
     verdicts = plan.passes >= MIN_VERDICT_PASSES
@@ -440,6 +571,7 @@ def summarise(plan: BenchPlan, records: Sequence[RunRecord]) -> dict[str, Any]:
     steady = steady_fixed([level["fixed_within_noise"] for level in levels]) if verdicts \
         else None
     mismatches = compare_outputs(records)
+    reference = output_reference([arm.name for arm in plan.arms])
     return {
         "arms": entries,
         "levels": levels,
@@ -447,14 +579,18 @@ def summarise(plan: BenchPlan, records: Sequence[RunRecord]) -> dict[str, Any]:
         "fixed_within_noise_at_every_level": steady,
         "best_fixed_changes_with_concurrency": None if not verdicts or not any(
             level["best_fixed"] for level in levels) else not steady,
-        "greedy_outputs_identical": not mismatches,
+        # None: the plan sent no greedy request, so there was nothing to compare.
+        "greedy_outputs_identical": not mismatches if GREEDY in plan.kinds else None,
         "outputs_compared": _compared(records),
-        "outputs_reference": output_reference([arm.name for arm in plan.arms]),
+        "outputs_reference": reference,
         "output_mismatches": mismatches[:20],
+        "output_checks": output_checks(plan, reference),
+        "notes": sampling_notes(plan),
         "skipped_arms": [{"arm": name, "why": why} for name, why in plan.skipped],
         "settings": {"concurrency": list(plan.levels), "passes": plan.passes,
                      "max_tokens": plan.max_tokens, "seed": plan.seed,
                      "requests_per_pass": {str(k): v for k, v in plan.requests.items()},
+                     "sampling": _sampling_settings(plan),
                      "modes": {arm.name: _mode(arm) for arm in plan.arms}},
         "definitions": {
             "acceptance_length": "accepted drafts + 1 per request and round (counts the "
@@ -464,8 +600,51 @@ def summarise(plan: BenchPlan, records: Sequence[RunRecord]) -> dict[str, Any]:
                                      "thread: device worker, event loop, torch's own)",
             "position_acceptance": "of the request-rounds that verified position k, the "
                                    "share that accepted drafts 1..k",
-            "mean_rows_per_round": "padded target rows G verified per round"},
+            "mean_rows_per_round": "padded target rows G verified per round",
+            "by_kind": "the arm's greedy (temperature 0) and sampled (above 0) requests apart, "
+                       "from their own results: AL, acceptance rate, TPOT, and tokens/s as the "
+                       "kind's output tokens over the run's wall time (in a mixed run the "
+                       "kinds share the batches, so that is the kind's share of the "
+                       "throughput)"},
     }
+
+
+def _sampling_settings(plan: BenchPlan) -> dict[str, Any]:
+    return {"temperatures": list(plan.temperatures), "top_k": plan.top_k,
+            "top_p": plan.top_p, "min_p": plan.min_p,
+            "requests_per_pass_by_kind": {kind: plan.kind_requests(kind)
+                                          for kind in plan.kinds},
+            "assignment": "request i sends prompt i // m at the (i mod m)-th of the m "
+                          "temperatures: each prompt once at each"}
+
+
+def output_checks(plan: BenchPlan, reference: str) -> dict[str, str | None]:
+    """Which output verdict applies to each kind of request the plan sent (None: the kind
+    was not sent). Greedy outputs are compared token for token; sampled ones are not, since
+    no two arms draw the same random tokens, and the bench claims nothing from them."""
+    checks: dict[str, str | None] = {GREEDY: None, SAMPLED: None}
+    if GREEDY in plan.kinds:
+        checks[GREEDY] = (f"every arm's greedy outputs must equal {reference}'s token for "
+                          "token")
+    if SAMPLED in plan.kinds:
+        checks[SAMPLED] = ("not compared token for token: each arm draws its own random "
+                           "tokens, so equality cannot hold and no losslessness is claimed "
+                           "from it (the sampler tests check that random sampling keeps the "
+                           "target distribution); acceptance and speed are reported per kind")
+    return checks
+
+
+def sampling_notes(plan: BenchPlan) -> list[str]:
+    """What a reader of a run with sampled requests must know to read its figures."""
+    if SAMPLED not in plan.kinds:
+        return []
+    notes = [f"random draws come from each arm's runtime generator, seeded with {plan.seed} "
+             "(the runtime refuses per-request seeds); the arms' rounds differ, so their "
+             "draws and sampled outputs differ"]
+    if any(arm.name.startswith("adaptive") for arm in plan.arms):
+        notes.append("the adaptive arms' costs are calibrated on greedy requests: random "
+                     "sampling adds sampler work that calibration does not measure")
+    return notes
 
 
 def _mode(arm: Arm) -> str:
@@ -477,7 +656,8 @@ def _mode(arm: Arm) -> str:
     return str(execution["mode"])
 
 
-def _entry(arm: str, level: int, runs: Sequence[RunRecord]) -> dict[str, Any]:
+def _entry(arm: str, level: int, runs: Sequence[RunRecord], kinds: Sequence[str]
+           ) -> dict[str, Any]:
     seconds = sum(r.seconds for r in runs)
     tokens = sum(r.tokens for r in runs)
     tpot = [t for r in runs for t in r.tpot_s]
@@ -499,17 +679,40 @@ def _entry(arm: str, level: int, runs: Sequence[RunRecord]) -> dict[str, Any]:
         "tokens_per_cpu_second": round(statistics.geometric_mean(cpu_rates), 2)
         if cpu_rates else None,
         "aggregate_tokens_per_second": round(tokens / seconds, 2) if seconds else 0.0,
-        "tpot_ms": {"mean": _ms(statistics.fmean(tpot)) if tpot else None,
-                    "p50": _ms(percentile(tpot, 0.5)) if tpot else None,
-                    "p90": _ms(percentile(tpot, 0.9)) if tpot else None},
-        "mean_acceptance_length": round((accepted + request_rounds) / request_rounds, 4)
-        if request_rounds else None,
+        "tpot_ms": _tpot_ms(tpot),
+        "mean_acceptance_length": _al(accepted, request_rounds),
         "acceptance_rate": round(accepted / verified, 4) if verified else None,
         "position_acceptance": [round(t / n, 4) if n else None
                                 for t, n in zip(through, reached, strict=True)],
         "mean_rows_per_round": round(sum(r.rows for r in runs) / rounds, 2) if rounds else None,
         "tokens": tokens, "seconds": round(seconds, 3), "rounds": rounds,
+        "by_kind": {kind: _kind_entry(runs, kind) for kind in kinds},
     }
+
+
+def _kind_entry(runs: Sequence[RunRecord], kind: str) -> dict[str, Any]:
+    """One kind of request's figures over an arm's runs at one level."""
+    counts = [(r, r.kinds[kind]) for r in runs if kind in r.kinds]
+    rates = [c.tokens / r.seconds for r, c in counts if r.seconds and c.tokens]
+    accepted = sum(c.accepted for _, c in counts)
+    verified = sum(c.verified for _, c in counts)
+    return {"requests": sum(c.requests for _, c in counts),
+            "tokens": sum(c.tokens for _, c in counts),
+            "tokens_per_second": round(statistics.geometric_mean(rates), 2) if rates else 0.0,
+            "tpot_ms": _tpot_ms([t for _, c in counts for t in c.tpot_s]),
+            "mean_acceptance_length": _al(accepted, sum(c.rounds for _, c in counts)),
+            "acceptance_rate": round(accepted / verified, 4) if verified else None}
+
+
+def _tpot_ms(tpot: Sequence[float]) -> dict[str, float | None]:
+    return {"mean": _ms(statistics.fmean(tpot)) if tpot else None,
+            "p50": _ms(percentile(tpot, 0.5)) if tpot else None,
+            "p90": _ms(percentile(tpot, 0.9)) if tpot else None}
+
+
+def _al(accepted: int, rounds: int) -> float | None:
+    """Mean acceptance length: accepted drafts plus the residual or bonus token per round."""
+    return round((accepted + rounds) / rounds, 4) if rounds else None
 
 
 def _ms(seconds: float) -> float:
@@ -662,8 +865,9 @@ def output_reference(arms: Sequence[str]) -> str:
 
 
 def compare_outputs(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
-    """Every (level, pass, prompt) whose output differs from the reference arm's
-    (``output_reference`` over the arms in the order they first ran)."""
+    """Every (level, pass, request) whose greedy output differs from the reference arm's
+    (``output_reference`` over the arms in the order they first ran). Sampled requests are
+    left out: each arm draws its own tokens for them (``output_checks``)."""
     runs: dict[tuple[int, int], dict[str, RunRecord]] = {}
     for record in records:
         runs.setdefault((record.level, record.passed), {})[record.arm] = record
@@ -674,7 +878,7 @@ def compare_outputs(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
         for name, record in arms.items():
             for index, (mine, theirs) in enumerate(zip(record.outputs, reference.outputs,
                                                        strict=True)):
-                if mine != theirs:
+                if mine != theirs and _greedy(reference, index):
                     mismatches.append({"arm": name, "reference": reference.arm,
                                        "concurrency": level, "pass": number, "prompt": index,
                                        "first_difference": _first_difference(mine, theirs)})
@@ -688,7 +892,15 @@ def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
     return min(len(a), len(b))
 
 
+def _greedy(record: RunRecord, index: int) -> bool:
+    """Whether the record's request ``index`` was greedy (a record without temperatures is
+    all greedy)."""
+    return index >= len(record.temperatures) or record.temperatures[index] == 0
+
+
 def _compared(records: Sequence[RunRecord]) -> int:
+    """The greedy outputs compared with the reference arm's."""
     reference = output_reference(list(dict.fromkeys(r.arm for r in records)))
-    return sum(len(r.outputs) for r in records if r.arm != reference)
+    return sum(_greedy(r, index) for r in records if r.arm != reference
+               for index in range(len(r.outputs)))
 

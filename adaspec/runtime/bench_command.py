@@ -2,6 +2,7 @@
 
     adaspec bench [LAUNCH FLAGS] [--quick] [--concurrency 1,4,16] [--widths 1,...,w]
                   [--arms NAME,...] [--passes N] [--requests N] [--max_tokens N] [--seed S]
+                  [--temperature T[,T...]] [--top_k K] [--top_p P] [--min_p M]
                   [--event_log_dir DIR] [--plot FILE.png] [--json]
 
 Launch flags are those of ``adaspec config`` (default: DSpark, width 5, on the built-in
@@ -10,6 +11,7 @@ reference models); the fixed arms drop the adaptive flags, the adaptive arms kee
 """
 
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -26,9 +28,11 @@ import torch
 from adaspec.config.flags import coerce, parse_argv
 from adaspec.config.launch import BUILTIN_TARGET
 from adaspec.config.paths import existing_directory, new_file, path_status
-from adaspec.errors import MISSING, ConfigError
+from adaspec.config.requests import MAX_TEMPERATURE
+from adaspec.errors import ConfigError
 from adaspec.runtime.bench import (
     PLAIN,
+    SAMPLED,
     Arm,
     BenchPlan,
     RunProgress,
@@ -40,45 +44,68 @@ from adaspec.runtime.bench import (
     summarise,
 )
 from adaspec.runtime.calibrate_command import progress_reporter
-from adaspec.runtime.command_flags import check_runnable_here, flag_lines, take_flags
+from adaspec.runtime.command_flags import (
+    CommandFlags,
+    Flag,
+    check_runnable_here,
+    sampling_flag,
+)
 from adaspec.runtime.devices.streams import cpu_threads
 from adaspec.runtime.engine import MAX_SEED, require_builtin
 
-# name -> (metavar, help); every one takes a value except --quick and --json.
-BENCH_FLAGS: dict[str, tuple[str, str]] = {
-    "quick": ("", "a short run (one pass, one wave of requests, 24 tokens each, a quick "
-                  "calibration): under a minute"),
-    "concurrency": ("LIST", "comma-separated concurrency levels (default 1,4,16)"),
-    "widths": ("LIST", "fixed widths to run (default every width 1..w)"),
-    "arms": ("LIST", "run only these arms (plain, none, fixed:K, adaptive-verify, "
-                     "adaptive-depth)"),
-    "passes": ("N", "passes over every arm and level (default 6; --quick: 1)"),
-    "requests": ("N", "requests per pass at every level (default max(8, 2C); --quick: "
-                      "max(4, C))"),
-    "max_tokens": ("N", "tokens generated per request (default 128; --quick: 24)"),
-    "seed": ("S", "seed of every random draw (default 0)"),
-    "event_log_dir": ("DIR", "write each arm's event log there (ARM.jsonl, new files)"),
-    "plot": ("FILE", "save a plot (PNG) of tokens/s and per-position acceptance (needs "
-                     "matplotlib: pip install 'adaspec[plot]')"),
-    "json": ("", "print one JSON object instead of the table"),
-}
-SWITCHES = ("quick", "json")
+ABOUT = (
+    "Runs the target alone in a plain loop (no runtime), no speculation, every fixed width and "
+    "the adaptive modes the launch allows on the shipped prompt set at several concurrency "
+    "levels, greedy unless --temperature says otherwise, in one process, and compares "
+    "tokens/s, TPOT, acceptance and verified rows. Greedy outputs must be identical in every "
+    "arm; random-target acceptance and speed differ from greedy ones, so sampled requests get "
+    "their own figures and no token-equality verdict. Launch flags are those of `adaspec "
+    "config --help` (default: --speculative_algorithm=DSpark --num_speculative_tokens=5); the "
+    "adaptive ones (cost table, calibration and draft-step files) go to the adaptive arms "
+    "only; --arms picks the arms.\n\n"
+    "Two regimes ship: --model=builtin:target (default) has verified rows nearly free on a "
+    "CPU, as an accelerator at low load; with --model=builtin:target-large --concurrency=1,64 "
+    "verified rows cost at 64 requests, as at high load.")
 
-
-def bench_help() -> str:
-    lines = ["usage: adaspec bench [LAUNCH FLAGS] [--quick] [--concurrency LIST] [--json] ...",
-             "",
-             "Runs the target alone in a plain loop (no runtime), no speculation, every fixed",
-             "width and the adaptive modes the launch allows on the shipped prompt set at",
-             "several concurrency levels, greedy, in one process, and compares tokens/s, TPOT,",
-             "acceptance and verified rows. Launch flags are those",
-             "of `adaspec config --help` (default: --speculative_algorithm=DSpark",
-             "--num_speculative_tokens=5); the adaptive ones (cost table, calibration and",
-             "draft-step files) go to the adaptive arms only; --arms picks the arms.", "",
-             "Two regimes ship: --model=builtin:target (default) has verified rows nearly",
-             "free on a CPU, as an accelerator at low load; with --model=builtin:target-large",
-             "--concurrency=1,64 verified rows cost at 64 requests, as at high load.", ""]
-    return "\n".join(lines + flag_lines(BENCH_FLAGS))
+BENCH = CommandFlags(
+    command="bench",
+    usage="[LAUNCH FLAGS] [--quick] [--concurrency LIST] [--json] ...",
+    about=ABOUT,
+    launch=True,
+    flags={
+        "quick": Flag(help="a short run (one pass, one wave of requests, 24 tokens each, a "
+                           "quick calibration): under a minute"),
+        "concurrency": Flag(metavar="LIST",
+                            help="comma-separated concurrency levels (default 1,4,16)"),
+        "widths": Flag(metavar="LIST", help="fixed widths to run (default every width 1..w)"),
+        "arms": Flag(metavar="LIST", help="run only these arms (plain, none, fixed:K, "
+                                          "adaptive-verify, adaptive-depth)"),
+        "passes": Flag(metavar="N", help="passes over every arm and level (default 6; "
+                                         "--quick: 1)"),
+        "requests": Flag(metavar="N", help="requests per pass at every level (default "
+                                           "max(8, 2C); --quick: max(4, C))"),
+        "max_tokens": Flag(metavar="N", help="tokens generated per request (default 128; "
+                                             "--quick: 24)"),
+        "seed": Flag(metavar="S", help="seed of every random draw (default 0)"),
+        "temperature": Flag(metavar="T[,T...]", help=(
+            "sampling temperature of the requests: 0 greedy (default), above 0 samples the "
+            "target; a mix such as 0,0.8 sends each prompt once at each temperature. AL, "
+            "acceptance and speed are then also reported per kind (greedy, sampled); sampled "
+            "outputs are not compared between arms, and the plain loop (greedy only) is "
+            "skipped")),
+        "top_k": Flag(metavar="K", help="target top-k of sampled requests (default 0: off; "
+                                        "needs a positive --temperature)"),
+        "top_p": Flag(metavar="P", help="target top-p of sampled requests, in (0, 1] (default "
+                                        "1: off; needs a positive --temperature)"),
+        "min_p": Flag(metavar="M", help="target min-p of sampled requests, in [0, 1] (default "
+                                        "0: off; needs a positive --temperature)"),
+        "event_log_dir": Flag(metavar="DIR", help="write each arm's event log there "
+                                                  "(ARM.jsonl, new files)"),
+        "plot": Flag(metavar="FILE", help="save a plot (PNG) of tokens/s and per-position "
+                                          "acceptance, written after the report is printed "
+                                          "(needs matplotlib: pip install 'adaspec[plot]')"),
+        "json": Flag(help="print one JSON object instead of the table"),
+    })
 
 
 @dataclass(slots=True)
@@ -89,16 +116,15 @@ class BenchArgs:
 
 
 def split_argv(argv: Sequence[str]) -> BenchArgs:
-    """Take the bench flags out of ``argv``; everything else is a launch flag."""
-    args = BenchArgs()
-    own, args.launch_argv = take_flags(argv, BENCH_FLAGS, SWITCHES)
-    for name, value in own:
-        if name in args.switches or name in args.values:
-            raise ConfigError(f"--{name}", value or MISSING, "given twice; give each flag once")
-        if name in SWITCHES:
-            args.switches.add(name)
-        else:
+    """The bench flags of ``argv`` (``BENCH`` refuses a flag given twice); everything else is
+    a launch flag."""
+    parsed = BENCH.parse(argv)
+    args = BenchArgs(launch_argv=list(parsed.launch_argv))
+    for name, value in parsed.given:
+        if BENCH.flags[name].metavar:
             args.values[name] = value
+        else:
+            args.switches.add(name)
     return args
 
 
@@ -122,6 +148,42 @@ def _ints(name: str, raw: str, low: int, high: int) -> tuple[int, ...]:
     return values
 
 
+TEMPERATURES_EXPECTED = (f"expected a number in 0..{MAX_TEMPERATURE:g} (0: greedy, above 0: "
+                         "sampled), or a comma-separated mix of distinct ones such as 0,0.8")
+
+
+def read_temperatures(raw: str) -> tuple[float, ...]:
+    """``--temperature``: one temperature, or a mix given as a comma-separated list. Every
+    refusal shows the whole value given, so a bad member of a mix is seen in its place."""
+    try:
+        values = tuple(float(sampling_flag("temperature", part)) for part in raw.split(","))
+    except ConfigError:
+        raise ConfigError("--temperature", raw, TEMPERATURES_EXPECTED) from None
+    if len(set(values)) != len(values):
+        raise ConfigError("--temperature", raw, "expected distinct values "
+                          "(each prompt is sent once at each temperature)")
+    return values
+
+
+FILTER_DEFAULTS = {"top_k": 0, "top_p": 1.0, "min_p": 0.0}
+"""The target filters, off by default."""
+
+
+def read_filter(name: str, values: Mapping[str, str], temperatures: Sequence[float]
+                ) -> float:
+    """A target filter flag's value (its default when not given), held to its request
+    field's rule. Given with no positive temperature, it would filter nothing (greedy
+    requests take the argmax), so it is refused rather than accepted silently."""
+    if name not in values:
+        return FILTER_DEFAULTS[name]
+    raw = values[name]
+    value = sampling_flag(name, raw)
+    if not any(temperatures):
+        raise ConfigError(f"--{name}", raw, "filters sampled requests only; expected a "
+                          "positive --temperature with it")
+    return value
+
+
 @dataclass(frozen=True, slots=True)
 class Choices:
     quick: bool
@@ -135,11 +197,16 @@ class Choices:
     event_log_dir: str | None
     plot: str | None
     as_json: bool
+    temperatures: tuple[float, ...] = (0.0,)
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
 
 
 def read_choices(args: BenchArgs) -> Choices:
     values, quick = args.values, "quick" in args.switches
     get = values.get
+    temperatures = read_temperatures(get("temperature", "0"))
     return Choices(
         quick=quick,
         levels=tuple(sorted(_ints("concurrency", get("concurrency", "1,4,16"), 1, 1024))),
@@ -150,7 +217,10 @@ def read_choices(args: BenchArgs) -> Choices:
         else None,
         max_tokens=_int("max_tokens", get("max_tokens", "24" if quick else "128"), 1, 100000),
         seed=_int("seed", get("seed", "0"), 0, MAX_SEED - 1),
-        event_log_dir=get("event_log_dir"), plot=get("plot"), as_json="json" in args.switches)
+        event_log_dir=get("event_log_dir"), plot=get("plot"), as_json="json" in args.switches,
+        temperatures=temperatures, top_k=int(read_filter("top_k", values, temperatures)),
+        top_p=read_filter("top_p", values, temperatures),
+        min_p=read_filter("min_p", values, temperatures))
 
 
 def requests_per_level(choices: Choices) -> dict[int, int]:
@@ -317,8 +387,8 @@ def run_progress(stream: TextIO) -> RunProgress:
 
 
 def run_bench_command(argv: Sequence[str]) -> int:
-    if any(arg in ("-h", "--help") for arg in argv):
-        print(bench_help())
+    if BENCH.parse(argv).help:
+        print(BENCH.help())
         return 0
     args = split_argv(argv)
     choices = read_choices(args)
@@ -330,14 +400,16 @@ def run_bench_command(argv: Sequence[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="adaspec-bench-") as scratch:
         arms, skipped = plan_arms(settings, widths=choices.widths, names=choices.arms,
                                   quick=choices.quick, levels=choices.levels,
-                                  scratch=Path(scratch))
+                                  scratch=Path(scratch), temperatures=choices.temperatures)
         check_arms(settings, arms, skipped)
         check_outputs(choices, [arm.name for arm in arms])
         threads = torch_threads(arms)  # a bad ADASPEC_CPU_THREADS is refused before any run
         plan = BenchPlan(arms=arms, levels=choices.levels, prompts=shipped_prompts(),
                          requests=requests_per_level(choices), max_tokens=choices.max_tokens,
                          passes=choices.passes, seed=choices.seed,
-                         event_log_dir=choices.event_log_dir, skipped=skipped)
+                         event_log_dir=choices.event_log_dir, skipped=skipped,
+                         temperatures=choices.temperatures, top_k=choices.top_k,
+                         top_p=choices.top_p, min_p=choices.min_p)
         started, ticks, own = time.perf_counter(), cpu_times(), time.process_time()
         load_start = _load()
         records = asyncio.run(run_bench(plan, run_progress=run_progress(sys.stderr),
@@ -357,16 +429,41 @@ def run_bench_command(argv: Sequence[str]) -> int:
     report["busy_warning"] = busy_warning(
         report["cpu_share_of_other_processes"],
         None if load_start is None or load_end is None else (load_start, load_end))
-    if choices.plot is not None:
-        from adaspec.runtime.bench_plot import save_plot  # deferred: optional matplotlib
-
-        save_plot(report, choices.plot)
     if choices.as_json:
         print(json.dumps(report, indent=2))
     else:
         print_table(report, sys.stdout)
     sys.stdout.flush()
-    return 0 if report["greedy_outputs_identical"] else 1
+    if choices.plot is not None:  # after the report: a failed write loses the plot only
+        write_plot(report, choices.plot)
+    # No greedy request (None): no token-equality verdict applies, so none failed.
+    return 1 if report["greedy_outputs_identical"] is False else 0
+
+
+def write_plot(report: dict[str, Any], path: str) -> None:
+    """Render the plot, then write it to ``path`` as a new file (``path`` was checked new
+    before the run; a file that appeared since is never overwritten). A write that fails (a
+    full disk, a quota, an I/O error) is one line naming --plot, and the partial file is
+    removed."""
+    from adaspec.runtime.bench_plot import render_png  # deferred: optional matplotlib
+
+    png = render_png(report)
+    try:
+        out = open(path, "xb")  # noqa: SIM115 - closed below
+    except OSError as error:
+        reason = "it exists now" if isinstance(error, FileExistsError) else \
+            error.strerror or type(error).__name__
+        raise ConfigError("--plot", path, f"could not be written ({reason}); the report "
+                          "above is complete") from None
+    try:
+        with out:
+            out.write(png)
+    except OSError as error:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise ConfigError("--plot", path, f"could not be written "
+                          f"({error.strerror or type(error).__name__}); the report above "
+                          "is complete") from None
 
 
 def _load() -> float | None:
@@ -444,7 +541,40 @@ def print_table(report: dict[str, Any], out: TextIO) -> None:
             if e["position_acceptance"]:
                 write(f"  {e['arm']:16} " + " ".join(_fmt(a, '.2f')
                                                       for a in e["position_acceptance"]))
+        if SAMPLED in report["settings"]["sampling"]["requests_per_pass_by_kind"]:
+            _print_kinds(entries, write)
     _print_footer(report, write)
+
+
+def _print_kinds(entries: Sequence[dict[str, Any]], write: Callable[[str], Any]) -> None:
+    """Each arm's greedy and sampled requests apart: random-target acceptance and speed are
+    not greedy ones (the figures above mix the kinds)."""
+    write("by kind of request (tok/s: the kind's tokens over the run's time; AL and accept "
+          "from the kind's own requests):")
+    write(f"  {'arm':16} {'kind':8} {'reqs':>5} {'tok/s':>8} {'TPOT ms':>8} {'p90':>7} "
+          f"{'AL':>5} {'accept':>6}")
+    for e in entries:
+        for kind, k in e["by_kind"].items():
+            tpot = k["tpot_ms"]
+            write(f"  {e['arm']:16} {kind:8} {k['requests']:5d} {k['tokens_per_second']:8.1f} "
+                  f"{_fmt(tpot['mean'], '8.2f')} {_fmt(tpot['p90'], '7.2f')} "
+                  f"{_fmt(k['mean_acceptance_length'], '5.2f')} "
+                  f"{_fmt(k['acceptance_rate'], '6.2f')}")
+
+
+def sampling_words(settings: Mapping[str, Any]) -> str:
+    """How the run's requests sample, for the heading."""
+    sampling = settings["sampling"]
+    temperatures = sampling["temperatures"]
+    shown = " and ".join(f"{t:g}" for t in temperatures)
+    if temperatures == [0.0]:
+        return "greedy"
+    filters = [f"{name.replace('_', '-')} {sampling[name]:g}"
+               for name, off in (("top_k", 0), ("top_p", 1), ("min_p", 0))
+               if sampling[name] != off]
+    words = (f"each prompt at temperatures {shown}" if len(temperatures) > 1
+             else f"sampled at temperature {shown}")
+    return words + (f" ({', '.join(filters)})" if filters else "")
 
 
 def _print_heading(report: dict[str, Any], write: Callable[[str], Any]) -> None:
@@ -453,7 +583,8 @@ def _print_heading(report: dict[str, Any], write: Callable[[str], Any]) -> None:
     threads = report.get("torch_threads") or {}
     names = {"plain": "plain loop", "cpu_stream": "cpu stream"}
     write(f"adaspec bench: {report['machine']}; {settings['passes']} pass(es), "
-          f"{settings['max_tokens']} tokens per request, greedy; {report['seconds']} s"
+          f"{settings['max_tokens']} tokens per request, {sampling_words(settings)}; "
+          f"{report['seconds']} s"
           + ("; torch threads: " + ", ".join(f"{names[k]} {v}" for k, v in threads.items())
              if threads else "")
           + ("" if steal is None else f"; CPU time stolen by the host: {100 * steal:.1f} %")
@@ -475,11 +606,17 @@ def _print_footer(report: dict[str, Any], write: Callable[[str], Any]) -> None:
         write(f"skipped {skipped['arm']}: {skipped['why']}")
     reference = report.get("outputs_reference", "")
     against = "the target alone" if reference in ("plain", "none") else f"arm {reference}'s"
-    if report["greedy_outputs_identical"]:
+    identical = report["greedy_outputs_identical"]
+    if identical:
         write(f"greedy outputs: identical in every arm ({report['outputs_compared']} outputs "
               f"compared with {against})")
-    else:
+    elif identical is False:
         first = report["output_mismatches"][0]
         write(f"greedy outputs DIFFER: {len(report['output_mismatches'])}+ mismatches, first "
-              f"{first['arm']} at concurrency {first['concurrency']}, prompt "
+              f"{first['arm']} at concurrency {first['concurrency']}, request "
               f"{first['prompt']}, token {first['first_difference']}")
+    sampled = (report.get("output_checks") or {}).get(SAMPLED)
+    if sampled:
+        write(f"sampled outputs: {sampled}")
+    for note in report.get("notes") or ():
+        write(f"note: {note}")

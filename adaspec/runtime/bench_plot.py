@@ -1,6 +1,10 @@
 """The bench plot: tokens per second against concurrency for every arm, and per-position
-acceptance of every speculative arm (matplotlib, an optional extra)."""
+acceptance of every speculative arm (matplotlib, an optional extra).
 
+The plot is rendered in memory and written by the command, so a write that fails (a full
+disk) is the command's one-line error about --plot, not an image library's traceback."""
+
+import io
 from typing import Any
 
 import matplotlib
@@ -10,7 +14,8 @@ matplotlib.use("Agg")  # files only: no display is needed or wanted
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def save_plot(report: dict[str, Any], path: str) -> None:
+def render_png(report: dict[str, Any]) -> bytes:
+    """The report's plot as PNG bytes."""
     entries = report["arms"]
     levels = report["settings"]["concurrency"]
     names = list(dict.fromkeys(e["arm"] for e in entries))
@@ -37,8 +42,23 @@ def save_plot(report: dict[str, Any], path: str) -> None:
     positions.set_ylabel("accepted drafts 1..k, of request-rounds verifying k")
     positions.set_title(f"per-position acceptance at concurrency {levels[-1]}")
     positions.set_ylim(0, 1)
-    positions.legend(fontsize=8)
-    figure.suptitle(f"adaspec bench ({report['machine']})", fontsize=9)
+    if positions.get_lines():  # no speculative arm: no line, and no legend to warn about
+        positions.legend(fontsize=8)
+    figure.suptitle(f"adaspec bench ({report['machine']}; {sampling_title(report)})",
+                    fontsize=9)
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    png = io.BytesIO()
+    try:
+        figure.savefig(png, format="png", dpi=110)
+    finally:
+        plt.close(figure)
+    return png.getvalue()
+
+
+def sampling_title(report: dict[str, Any]) -> str:
+    """Which requests the figures cover: the tokens/s and acceptance mix the kinds."""
+    temperatures = report["settings"]["sampling"]["temperatures"]
+    if temperatures == [0.0]:
+        return "greedy"
+    shown = ", ".join(f"{t:g}" for t in temperatures)
+    return f"temperature{'s' if len(temperatures) > 1 else ''} {shown}, all requests together"

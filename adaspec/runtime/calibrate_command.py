@@ -23,22 +23,22 @@ from adaspec.errors import MISSING, ConfigError
 from adaspec.policies.bundles import CostBundle
 from adaspec.policies.costs import AdditiveTable, relative_errors
 from adaspec.runtime.calibration import PointMeasured, Progress
+from adaspec.runtime.command_flags import CommandFlags, Flag, check_runnable_here
 from adaspec.runtime.engine import Runtime, RuntimeOptions, require_builtin
 
 BAR_WIDTH = 30
 
 
-def calibrate_help() -> str:
-    return "\n".join([
-        "usage: adaspec calibrate [LAUNCH FLAGS] "
-        "--adaptive_target_verify_cost_table_output=FILE [--json]", "",
-        "Calibrates the full-step costs of adaptive target verify on the built-in reference",
-        "models exactly as a serving launch with these flags would, saves the bundle to FILE",
-        "(which must not exist), and prints a summary. Launch flags are those of",
-        "`adaspec config --help`; --enable_adaptive_target_verify=true is required, and",
-        "--adaptive_target_verify_calibration=JSON restricts the grid.", "",
-        "flags:",
-        "  --json                  print one JSON object instead of text"])
+CALIBRATE = CommandFlags(
+    command="calibrate",
+    usage="[LAUNCH FLAGS] --adaptive_target_verify_cost_table_output=FILE [--json]",
+    about="Calibrates the full-step costs of adaptive target verify on the built-in reference "
+          "models exactly as a serving launch with these flags would, saves the bundle to FILE "
+          "(which must not exist), and prints a summary. Launch flags are those of `adaspec "
+          "config --help`; --enable_adaptive_target_verify=true is required, and "
+          "--adaptive_target_verify_calibration=JSON restricts the grid.",
+    flags={"json": Flag(help="print one JSON object instead of text")},
+    launch=True)
 
 
 def progress_reporter(stream: TextIO) -> Progress:
@@ -83,12 +83,15 @@ def summary(bundle: CostBundle, output: str, seconds: float) -> dict[str, Any]:
 
 
 def run_calibrate(argv: Sequence[str]) -> int:
-    if any(arg in ("-h", "--help") for arg in argv):
-        print(calibrate_help())
+    args = CALIBRATE.parse(argv)
+    if args.help:
+        print(CALIBRATE.help())
         return 0
-    as_json = "--json" in argv
-    config = load_config_from_argv([a for a in argv if a != "--json"])
+    config = load_config_from_argv(args.launch_argv)
     launch = config.launch
+    # Before the checks of this command: a device this process cannot use is the first thing
+    # to say about the launch.
+    check_runnable_here(launch)
     if not launch.enable_adaptive_target_verify:
         raise ConfigError("--enable_adaptive_target_verify", launch.enable_adaptive_target_verify,
                           "expected true: adaspec calibrate measures the costs of adaptive "
@@ -108,7 +111,7 @@ def run_calibrate(argv: Sequence[str]) -> int:
         asyncio.run(_start_and_stop(runtime))
     assert runtime.costs is not None
     report = summary(runtime.costs, output, time.perf_counter() - started)
-    if as_json:
+    if "json" in args:
         print(json.dumps(report, indent=2))
     else:
         print(f"calibrated in {report['seconds']} s; saved {output}")

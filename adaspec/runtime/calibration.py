@@ -42,7 +42,7 @@ from adaspec.policies.base import (
     covering_tier,
 )
 from adaspec.policies.bundles import Compatibility, CostBundle, CostProfile, fitted_bundle
-from adaspec.policies.costs import CostSample, fit
+from adaspec.policies.costs import CostSample, fit, grid_components
 from adaspec.policies.grid import (
     ProbeGrid,
     check_contexts,
@@ -56,6 +56,7 @@ from adaspec.runtime.events.types import BudgetDecided, DepthDecided, Event, Rou
 from adaspec.runtime.requests import Request
 
 T = TypeVar("T")
+Axis = Literal["rows", "depth"]
 
 LOG = logging.getLogger("adaspec.calibration")
 
@@ -79,29 +80,47 @@ class CalibrationPlan:
     ``over="depth"`` (adaptive draft steps): they are (Bcap, d), each run at depth d with the
     tier verifying every drafted token, ``rows_at[(Bcap, d)]``; the fit then treats d as its
     second axis, so every depth gets its own measured full-cycle cost (the additive model
-    on log seconds, see ``adaspec.policies.costs``).
+    on log seconds, see ``adaspec.policies.costs``). Those are full buckets; a batch of
+    fewer requests verifies a smaller tier, so the plan also measures ``rows_points``,
+    (Bcap, G) at full depth, fitted as a rows profile of the same interval: the tiers such
+    batches verify and the full bucket's tiers at those depths, whose difference moves a
+    depth's price to the rows the round runs (``CostBundle.depth_cost_ms``).
     """
 
     settings: CalibrationConfig
     grid: ProbeGrid
     contexts: tuple[ContextInterval, ...]  # effective intervals, one profile each
-    over: Literal["rows", "depth"] = "rows"
+    over: Axis = "rows"
     rows_at: Mapping[tuple[int, int], int] = field(default_factory=dict)
+    rows_points: tuple[tuple[int, int], ...] = ()  # depth plans: (Bcap, G) at full depth
 
-    def shape(self, bucket: int, second: int) -> tuple[int, int]:
+    @property
+    def points(self) -> list[tuple[Axis, int, int]]:
+        """Every point measured, with the axis of the profile it is fitted to."""
+        return ([(self.over, bucket, second) for bucket, second in self.grid.points]
+                + [("rows", bucket, rows) for bucket, rows in self.rows_points])
+
+    def shape(self, axis: Axis, bucket: int, second: int) -> tuple[int, int]:
         """(depth, G) a point runs at."""
-        if self.over == "depth":
+        if axis == "depth":
             return second, self.rows_at[(bucket, second)]
         return self.grid.width, second
 
     @property
     def num_windows(self) -> int:
-        return len(self.contexts) * len(self.grid.points) * self.settings.windows_per_point
+        return len(self.contexts) * len(self.points) * self.settings.windows_per_point
 
     def settings_dict(self) -> dict[str, object]:
-        """The settings as used: the effective contexts and the sampled points included."""
-        return {**self.settings.as_dict(), "contexts": [c.as_dict() for c in self.contexts],
-                "points": [list(point) for point in self.grid.points]}
+        """The settings as used: the effective contexts and the sampled points included,
+        ``points`` on the plan's own axis ([Bcap, G], or [Bcap, d] for a depth plan) and a
+        depth plan's rows points apart (``rows_points``, [Bcap, G] at full depth), so no
+        point can be read on the wrong axis."""
+        settings = {**self.settings.as_dict(),
+                    "contexts": [c.as_dict() for c in self.contexts],
+                    "points": [[bucket, second] for bucket, second in self.grid.points]}
+        if self.rows_points:
+            settings["rows_points"] = [[bucket, rows] for bucket, rows in self.rows_points]
+        return settings
 
 
 def effective_contexts(settings: CalibrationConfig, width: int, context_limit: int,
@@ -134,7 +153,7 @@ def plan_depth_calibration(settings: CalibrationConfig, geometry: BucketGeometry
     """Every captured bucket of the settings at every depth 1..w, checked before sampling."""
     contexts = effective_contexts(settings, geometry.width, context_limit,
                                   "draft-step calibration")
-    points, rows_at = [], {}
+    points, rows_at, rows_points = [], {}, []
     for bucket in settings.request_buckets:
         if bucket not in geometry.request_buckets:
             raise ConfigError("draft-step calibration: request_buckets",
@@ -145,8 +164,54 @@ def plan_depth_calibration(settings: CalibrationConfig, geometry: BucketGeometry
         for depth in range(1, geometry.width + 1):
             points.append((bucket, depth))
             rows_at[(bucket, depth)] = covering_tier(tiers, bucket, depth)
+        rows_points += [(bucket, rows) for rows in smaller_batch_rows(geometry, bucket)]
+    if settings.model == "additive":
+        rows_points = bridged(rows_points, geometry)
+        pieces = grid_components(rows_points)
+        if pieces > 1:
+            raise ConfigError("draft-step calibration: request_buckets",
+                              list(settings.request_buckets),
+                              f"the tiers that batches of fewer requests than their bucket "
+                              f"verify fall into {pieces} groups with no G in common, which "
+                              "the additive fit cannot join; sample buckets that share "
+                              "tiers, or use model sps")
     return CalibrationPlan(settings=settings, grid=ProbeGrid(geometry.width, tuple(points)),
-                           contexts=contexts, over="depth", rows_at=rows_at)
+                           contexts=contexts, over="depth", rows_at=rows_at,
+                           rows_points=tuple(sorted(rows_points)))
+
+
+def smaller_batch_rows(geometry: BucketGeometry, bucket: int) -> tuple[int, ...]:
+    """The tiers that rounds of fewer than ``bucket`` requests in this bucket verify at some
+    depth (every drafted token: the tier covering B * (d + 1)) where that differs from the
+    full bucket's tier, with the full bucket's tiers of those depths: what the rows profile
+    of a depth plan must price. Empty when every batch of the bucket is full (bucket 1, or
+    one just above the previous bucket)."""
+    tiers = geometry.legal_rows(bucket)
+    previous = max((b for b in geometry.request_buckets if b < bucket), default=0)
+    rows: set[int] = set()
+    for depth in range(1, geometry.width + 1):
+        full = covering_tier(tiers, bucket, depth)
+        smaller = {covering_tier(tiers, n, depth) for n in range(previous + 1, bucket)}
+        if smaller - {full}:
+            rows |= smaller | {full}
+    return tuple(sorted(rows))
+
+
+def bridged(points: Sequence[tuple[int, int]], geometry: BucketGeometry
+            ) -> list[tuple[int, int]]:
+    """``points`` joined into one connected grid, which the additive fit needs: a bucket
+    whose tiers share none with the smaller buckets' also measures the largest of their G
+    that it may verify (a legal tier of its own). The rows profile prices only differences
+    within a bucket, so a bridge just puts every bucket's points on one scale."""
+    out = list(points)
+    seen: set[int] = set()
+    for bucket in sorted({b for b, _ in points}):
+        own = {g for b, g in points if b == bucket}
+        legal = [g for g in sorted(seen) if g in geometry.legal_rows(bucket)]
+        if seen and not own & seen and legal:
+            out.append((bucket, legal[-1]))
+        seen |= own
+    return out
 
 
 class ForcedBudget:
@@ -337,25 +402,29 @@ async def measure_window(driver: CalibrationDriver, settings: CalibrationConfig,
     return (times[start + step] - times[start]) / step
 
 
+Samples = dict[Axis, list[CostSample]]
+"""One context interval's samples, by the axis of the profile they are fitted to."""
+
+
 async def calibrate(driver: CalibrationDriver, plan: CalibrationPlan,
-                    progress: Progress | None = None) -> list[list[CostSample]]:
+                    progress: Progress | None = None) -> list[Samples]:
     """Samples of every context interval: passes over the grid (``pass_points``), one window
-    of every point per pass. A sample's second coordinate is the
-    plan's: G, or the depth."""
-    settings, points = plan.settings, plan.grid.points
+    of every point per pass. A sample's second coordinate is its axis's: G, or the depth."""
+    settings, points = plan.settings, plan.points
     report = progress or log_progress
     done, first_id = 0, 0
-    per_context: list[list[CostSample]] = []
+    per_context: list[Samples] = []
     for index, context in enumerate(plan.contexts):
-        samples: list[CostSample] = []
+        samples: Samples = {}
         for window in range(settings.windows_per_point):
-            for bucket, second in pass_points(points, window, settings.windows_per_point):
-                depth, rows = plan.shape(bucket, second)
+            for axis, bucket, second in pass_points(points, window,
+                                                    settings.windows_per_point):
+                depth, rows = plan.shape(axis, bucket, second)
                 seconds = await measure_window(driver, settings, context, bucket, depth, rows,
                                                first_id)
                 first_id += bucket
                 done += 1
-                samples.append(CostSample(bucket, second, seconds))
+                samples.setdefault(axis, []).append(CostSample(bucket, second, seconds))
                 report(PointMeasured(done, plan.num_windows, index, window, bucket, rows,
                                      seconds, depth))
         per_context.append(samples)
@@ -370,10 +439,13 @@ def pass_points(points: Sequence[T], window: int, windows: int) -> list[T]:
     return list(points[shift:]) + list(points[:shift])
 
 
-def fit_bundle(plan: CalibrationPlan, samples: list[list[CostSample]],
+def fit_bundle(plan: CalibrationPlan, samples: Sequence[Samples],
                compatibility: Compatibility, source: str) -> CostBundle:
-    """One fitted profile per context interval, on CPU."""
-    profiles = [CostProfile(context, fit(plan.settings.model, context_samples, over=plan.over),
-                            tuple(context_samples), over=plan.over)
-                for context, context_samples in zip(plan.contexts, samples, strict=True)]
+    """One fitted profile per context interval and axis (a depth plan's depth profile, then
+    its rows profile when it measured one), on CPU."""
+    axes: tuple[Axis, ...] = ("depth", "rows") if plan.over == "depth" else ("rows",)
+    profiles = [CostProfile(context, fit(plan.settings.model, by_axis[axis], over=axis),
+                            tuple(by_axis[axis]), over=axis)
+                for context, by_axis in zip(plan.contexts, samples, strict=True)
+                for axis in axes if axis in by_axis]
     return fitted_bundle(compatibility, plan.settings_dict(), profiles, source)

@@ -4,6 +4,13 @@ Every drafter returns a block of ``width`` drafted tokens per batch entry with a
 confidence per position (DSpark's confidence head; for MTP the selected-token probability),
 so allocation, packing and commit are shared. MTP at depth d < w fills positions past d with
 zero confidence; the verify caps never admit them.
+
+A drafter call for a batch entry whose anchor sits at position n is made at p = n - 1 (the
+position of the target state it starts from, ``SlotStates.hidden``), MTP step j at
+p = n - 1 + j. Calls stay at p <= context_limit - 2, so the token a call is given (at p + 1)
+is always inside the context; past that, and for padding entries (anchor position 0), they run
+on the scratch slot at a clamped position: no verify row ever reaches their drafts, because
+``emit_budget`` caps a request's last verify row at context_limit - 2.
 """
 
 from typing import Protocol
@@ -11,7 +18,14 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from adaspec.models.protocols import DSparkDrafter, MtpDrafter, PrefillOutput, TargetOutput
+from adaspec.models.protocols import (
+    ContextRows,
+    DrafterContext,
+    DSparkDrafter,
+    MtpDrafter,
+    PrefillOutput,
+    TargetOutput,
+)
 from adaspec.runtime.devices.commit import CommitResult, publication
 from adaspec.runtime.devices.packing import PackedRows
 from adaspec.runtime.slots import SlotStates
@@ -29,14 +43,54 @@ class Drafting(Protocol):
         ``states`` of the batch entries at KV ``slots [Bcap]``."""
         ...
 
-    def after_prefill(self, prefill: PrefillOutput, prompts: list[Tensor],
-                      slots: Tensor) -> None:
-        """Give the drafter the context of newly prefilled prompts."""
+    def after_prefill(self, prefill: PrefillOutput, prompts: list[Tensor], slots: Tensor,
+                      first_token_ids: Tensor) -> None:
+        """Give the drafter the context of newly prefilled prompts, whose first generated
+        tokens are ``first_token_ids [B]``."""
         ...
 
     def after_commit(self, out: TargetOutput, packed: PackedRows, result: CommitResult) -> None:
         """Keep the drafter's context consistent with what the round committed."""
         ...
+
+
+def call_positions(anchor_positions: Tensor, step: int, slots: Tensor, context_limit: int,
+                   scratch_slot: int) -> tuple[Tensor, Tensor]:
+    """Positions and KV slots ``[Bcap]`` of draft call ``step`` (0 for the first) of entries
+    whose anchors sit at ``anchor_positions``: p = anchor - 1 + step, kept in
+    0 .. context_limit - 2; a call outside that runs on the scratch slot."""
+    positions = anchor_positions + (step - 1)
+    clamped = positions.clamp(0, max(context_limit - 2, 0))
+    # Four small kernels a call: a round pays them once per draft call.
+    return clamped, torch.where(clamped == positions, slots, scratch_slot)
+
+
+class PublishedContext:
+    """Keeps a drafter's own context (``DrafterContext``): allocated with the target's KV
+    slots, fed every prompt position after prefill and every committed row after commit."""
+
+    def __init__(self, drafter: DrafterContext, num_slots: int) -> None:
+        drafter.allocate(num_slots)
+        self.drafter = drafter
+        self.scratch_slot = num_slots
+
+    def after_prefill(self, prefill: PrefillOutput, prompts: list[Tensor], slots: Tensor,
+                      first_token_ids: Tensor) -> None:
+        self.drafter.publish(ContextRows.of_prompts(prefill, prompts, slots, first_token_ids))
+
+    def after_commit(self, out: TargetOutput, packed: PackedRows, result: CommitResult) -> None:
+        next_token_ids, positions, slots = publication(packed, result, self.scratch_slot)
+        self.drafter.publish(ContextRows(token_ids=packed.rows.token_ids, hidden=out.hidden,
+                                         next_token_ids=next_token_ids, positions=positions,
+                                         slots=slots))
+
+
+def own_context(drafter: object, num_slots: int) -> PublishedContext | None:
+    """The published context of a DSpark drafter that keeps one (it has ``publish``: the
+    start's conformance check made sure it is a whole ``DrafterContext``), or None."""
+    if not callable(getattr(drafter, "publish", None)):
+        return None
+    return PublishedContext(drafter, num_slots)  # type: ignore[arg-type]
 
 
 class NoDrafting:
@@ -59,8 +113,8 @@ class NoDrafting:
             empty = self._empty[key] = (confidences.to(torch.int64), confidences)
         return empty
 
-    def after_prefill(self, prefill: PrefillOutput, prompts: list[Tensor],
-                      slots: Tensor) -> None:
+    def after_prefill(self, prefill: PrefillOutput, prompts: list[Tensor], slots: Tensor,
+                      first_token_ids: Tensor) -> None:
         """Nothing to keep."""
 
     def after_commit(self, out: TargetOutput, packed: PackedRows, result: CommitResult) -> None:
@@ -68,54 +122,57 @@ class NoDrafting:
 
 
 class DSparkDrafting:
-    """One parallel block per round from the hidden state behind each anchor; the drafter
-    keeps no context of its own."""
+    """One parallel block per round from the hidden state behind each anchor; a drafter that
+    keeps a context of its own (``DrafterContext``) gets it published as an MTP head does."""
 
     keeps_hidden = True
 
-    def __init__(self, drafter: DSparkDrafter, width: int) -> None:
+    def __init__(self, drafter: DSparkDrafter, width: int, context_limit: int,
+                 num_slots: int) -> None:
         self.drafter = drafter
         self.width = width
+        self.context_limit = context_limit
+        self.scratch_slot = num_slots
+        self.context = own_context(drafter, num_slots)
 
     def draft(self, states: SlotStates, slots: Tensor, depth: int) -> tuple[Tensor, Tensor]:
-        block = self.drafter.draft(states.hidden, states.anchor_ids, self.width)
+        positions, call_slots = call_positions(states.anchor_positions, 0, slots,
+                                               self.context_limit, self.scratch_slot)
+        block = self.drafter.draft(states.hidden, states.anchor_ids, positions, call_slots,
+                                   self.width)
         return block.token_ids, block.confidences
 
-    def after_prefill(self, prefill: PrefillOutput, prompts: list[Tensor],
-                      slots: Tensor) -> None:
-        """Nothing to keep."""
+    def after_prefill(self, prefill: PrefillOutput, prompts: list[Tensor], slots: Tensor,
+                      first_token_ids: Tensor) -> None:
+        if self.context is not None:
+            self.context.after_prefill(prefill, prompts, slots, first_token_ids)
 
     def after_commit(self, out: TargetOutput, packed: PackedRows, result: CommitResult) -> None:
-        """Nothing to keep."""
+        if self.context is not None:
+            self.context.after_commit(out, packed, result)
 
 
 class MtpDrafting:
     """``depth`` sequential MTP steps; the MTP head keeps a KV context that is published from
-    the target's hidden states of committed rows."""
+    the prompt and from the target's hidden states of committed rows."""
 
     keeps_hidden = True
 
     def __init__(self, drafter: MtpDrafter, width: int, context_limit: int,
-                 scratch_slot: int) -> None:
+                 num_slots: int) -> None:
         self.drafter = drafter
         self.width = width
         self.context_limit = context_limit
-        self.scratch_slot = scratch_slot
+        self.scratch_slot = num_slots
+        self.context = PublishedContext(drafter, num_slots)
 
     def draft(self, states: SlotStates, slots: Tensor, depth: int) -> tuple[Tensor, Tensor]:
         tokens, probs = [], []
         hidden, token = states.hidden, states.anchor_ids
         for step in range(depth):
-            # Step j sits at the position of the row that produced the anchor, plus j. Steps
-            # past the context limit draft tokens the caps never verify; they run on the
-            # scratch slot so nothing is written outside the cache.
-            # Padding entries read the scratch slot's state (anchor position 0), so their
-            # first step would sit at -1: clamped into the cache like the far end.
-            positions = states.anchor_positions - 1 + step
-            inside = (positions < self.context_limit) & (positions >= 0)
-            out = self.drafter.step(hidden, token,
-                                    positions.clamp(0, self.context_limit - 1),
-                                    torch.where(inside, slots, self.scratch_slot))
+            positions, step_slots = call_positions(states.anchor_positions, step, slots,
+                                                   self.context_limit, self.scratch_slot)
+            out = self.drafter.step(hidden, token, positions, step_slots)
             hidden, token = out.hidden, out.token_ids
             tokens.append(token)
             probs.append(out.probs)
@@ -126,15 +183,9 @@ class MtpDrafting:
             confidences[:, :depth] = torch.stack(probs, 1).to(confidences.dtype)
         return drafts, confidences
 
-    def after_prefill(self, prefill: PrefillOutput, prompts: list[Tensor],
-                      slots: Tensor) -> None:
-        for index, prompt in enumerate(prompts):
-            count = len(prompt) - 1
-            if count > 0:
-                device = prefill.hidden.device
-                self.drafter.publish(prefill.hidden[index, :count], prompt[1:].to(device),
-                                     torch.arange(count, device=device),
-                                     slots[index].repeat(count))
+    def after_prefill(self, prefill: PrefillOutput, prompts: list[Tensor], slots: Tensor,
+                      first_token_ids: Tensor) -> None:
+        self.context.after_prefill(prefill, prompts, slots, first_token_ids)
 
     def after_commit(self, out: TargetOutput, packed: PackedRows, result: CommitResult) -> None:
-        self.drafter.publish(out.hidden, *publication(packed, result, self.scratch_slot))
+        self.context.after_commit(out, packed, result)

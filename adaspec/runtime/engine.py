@@ -22,13 +22,20 @@ import torch
 from adaspec.config.effective import EffectiveConfig
 from adaspec.config.files import read_json_object
 from adaspec.config.launch import BUILTIN_DRAFTS, BUILTIN_TARGETS, LaunchConfig
+from adaspec.config.paths import new_file
 from adaspec.config.requests import SamplingParams, check_request
 from adaspec.errors import ConfigError, InvalidRequest
 from adaspec.models.checkpoint import ReferenceModels, load_reference_models
 from adaspec.models.limits import check_model_limits
 from adaspec.models.protocols import ModelSet
 from adaspec.policies.base import BudgetPolicy, DepthPolicy
-from adaspec.policies.bundles import Compatibility, CostBundle, bundle_from_dict, load_bundle
+from adaspec.policies.bundles import (
+    Compatibility,
+    CostBundle,
+    bundle_from_dict,
+    launch_fields,
+    load_bundle,
+)
 from adaspec.policies.registry import make_budget_policy, make_depth_policy
 from adaspec.runtime.calibration import (
     CalibrationDriver,
@@ -55,7 +62,7 @@ from adaspec.runtime.requests import Request, RequestHandle, check_prompt
 from adaspec.runtime.rounds import DeviceContext, StageHook
 from adaspec.runtime.slots import MAX_STOP_TOKENS, SlotSampling, SlotStates
 from adaspec.runtime.states import RoundHooks
-from adaspec.runtime.trace import StateTrace, trace_destination
+from adaspec.runtime.trace import STDERR, StateTrace, trace_destination
 
 MAX_SEED = 1 << 40
 """Seeds stay small enough that every derived generator seed fits torch's 64 bits."""
@@ -177,6 +184,7 @@ class Runtime:
         if launch.device == "cpu":
             cpu_threads()  # a bad ADASPEC_CPU_STREAM or _THREADS is refused before any loading
         require_device(launch.device)  # torch cannot even name "npu" without torch_npu
+        self._check_observer_paths()
         check_model_limits(launch, self._models)  # the built-in models checked unloaded
         device = torch.device(launch.device)
         models = self._models or builtin_models(launch, device)
@@ -207,7 +215,7 @@ class Runtime:
             self.costs = self._shared(await self._calibrate(ctx, geometry, registries, plan,
                                                              models))
         LOG.info(json.dumps(self.effective_log(geometry)))
-        self._open_observers()
+        self._open_observers(models)
         self._pipeline = Pipeline(
             launch=launch, ctx=ctx, stream=self._stream, geometry=geometry,
             registries=registries, depth_policy=self._depth_policy(),
@@ -224,12 +232,13 @@ class Runtime:
         target.allocate(num_slots)
         drafting: Drafting = NoDrafting()
         # check_model_limits refused a set without the drafter the algorithm uses.
+        # A drafter's own context is allocated with the same KV slots by its Drafting.
         if launch.speculative_algorithm == "MTP" and models.mtp is not None:
-            models.mtp.allocate(num_slots)
             drafting = MtpDrafting(models.mtp, launch.num_speculative_tokens,
                                    target.context_limit, num_slots)
         elif launch.speculative_algorithm == "DSpark" and models.dspark is not None:
-            drafting = DSparkDrafting(models.dspark, launch.num_speculative_tokens)
+            drafting = DSparkDrafting(models.dspark, launch.num_speculative_tokens,
+                                      target.context_limit, num_slots)
         hidden_size = target.hidden_size if drafting.keeps_hidden else 0
         states = SlotStates.allocate(num_slots, hidden_size, target.dtype, device)
         return DeviceContext(target=target, drafting=drafting, collectives=self._collectives,
@@ -278,15 +287,16 @@ class Runtime:
     def compatibility(self, models: ModelSet, geometry: BucketGeometry
                       ) -> Compatibility:
         """What a saved table must share with this launch."""
-        launch = self.launch
-        draft = models.mtp if launch.speculative_algorithm == "MTP" else models.dspark
         return Compatibility(
-            target=models.target.identity, draft="none" if draft is None else draft.identity,
-            algorithm=launch.speculative_algorithm, draft_width=launch.num_speculative_tokens,
-            dp_size=launch.dp_size, tp_size=launch.resolved.tp_size,
-            unified=launch.enable_unified_mtp_graph, request_buckets=geometry.request_buckets,
-            target_rows=tuple(geometry.legal_rows(b) for b in geometry.request_buckets),
-            device=torch.device(launch.device).type)
+            **launch_fields(self.launch),  # type: ignore[arg-type]
+            target=models.target.identity, draft=self._draft_identity(models),
+            request_buckets=geometry.request_buckets,
+            target_rows=tuple(geometry.legal_rows(b) for b in geometry.request_buckets))
+
+    def _draft_identity(self, models: ModelSet) -> str:
+        """The identity of the drafter this launch drafts with ("none" without one)."""
+        draft = models.mtp if self.launch.speculative_algorithm == "MTP" else models.dspark
+        return "none" if draft is None else draft.identity
 
     async def _calibrate(self, ctx: DeviceContext, geometry: BucketGeometry,
                          registries: list[BindingRegistry] | None, plan: CalibrationPlan,
@@ -342,24 +352,39 @@ class Runtime:
                     "target_rows": {str(b): list(geometry.legal_rows(b))
                                     for b in geometry.request_buckets}}}
 
-    def _open_observers(self) -> None:
+    def _open_observers(self, models: ModelSet) -> None:
         """Event log and state trace, each only when asked for."""
         if self.options.event_log is not None:
             from adaspec.runtime.events.log import EventLogWriter
 
-            writer = EventLogWriter(self.options.event_log, self._log_header())
+            writer = EventLogWriter(self.options.event_log, self._log_header(models))
             self.bus.subscribe(writer.write)
             self._closers.append(writer)
             self._detach.append(functools.partial(self.bus.unsubscribe, writer.write))
-        trace_path = self.options.trace or trace_destination(os.environ.get(TRACE_ENV))
+        trace_path, setting = self._trace_path()
         if trace_path:
-            trace = StateTrace.to_file(trace_path, self.clock)
+            trace = StateTrace.to_file(trace_path, self.clock, setting)
             hook = trace.hook  # one bound method: hooks are removed by identity
             self.hooks.on_transition(hook)
             self.bus.subscribe(trace.observe)
             self._closers.append(trace)
             self._detach += [functools.partial(self.hooks.remove, hook),
                              functools.partial(self.bus.unsubscribe, trace.observe)]
+
+    def _trace_path(self) -> tuple[str | None, str]:
+        """Where the state trace goes (None: off), and the setting that said so."""
+        if self.options.trace:
+            return self.options.trace, "trace"
+        return trace_destination(os.environ.get(TRACE_ENV)), TRACE_ENV
+
+    def _check_observer_paths(self) -> None:
+        """Refuse an event log or trace path that could not be created, before the models
+        load and calibrate rather than after."""
+        if self.options.event_log is not None:
+            new_file("event_log", self.options.event_log)
+        trace_path, setting = self._trace_path()
+        if trace_path and trace_path != STDERR:
+            new_file(setting, trace_path)
 
     def _close_observers(self) -> None:
         """Detach this run's event log and trace, then close every one of them (the first
@@ -377,10 +402,12 @@ class Runtime:
         if failed is not None:
             raise failed
 
-    def _log_header(self) -> dict[str, object]:
+    def _log_header(self, models: ModelSet) -> dict[str, object]:
         depth, budget = self._depth_policy(), self._budget_policy()
         cost_table = None if self.costs is None else self.costs.as_dict()
         return {"config": self.config.as_dict(), "cost_table": cost_table,
+                "models": {"target": models.target.identity,
+                           "draft": self._draft_identity(models)},
                 "seeds": {"run": self.options.seed},
                 "lag": 2 if self.launch.enable_schedule_overlap else 1,
                 "policies": {"depth": {"name": depth.name, "settings": depth.settings()},
@@ -442,6 +469,10 @@ class Runtime:
             raise InvalidRequest("stop", f"{len(params.stop)} token ids",
                                  f"expected at most {MAX_STOP_TOKENS} stop token ids")
         check_prompt(pipeline.ctx.target, prompt)
+        vocab = pipeline.ctx.target.vocab_size
+        unknown = next((token for token in params.stop if token >= vocab), None)
+        if unknown is not None:  # it could never be sampled: the request would never stop
+            raise InvalidRequest("stop", unknown, f"expected token ids in 0..{vocab - 1}")
         request = Request(id=next(self._ids), prompt=tuple(prompt), params=params)
         self.bus.publish(RequestArrived(time=self.clock.now(), request_id=request.id,
                                         num_prompt_tokens=len(prompt),

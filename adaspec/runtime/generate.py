@@ -15,42 +15,50 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from adaspec.config import SamplingParams, load_config
 from adaspec.config.flags import parse_argv
 from adaspec.config.launch import BUILTIN_TARGET
-from adaspec.config.paths import new_file, regular_file
-from adaspec.errors import MISSING, ConfigError
+from adaspec.config.paths import new_file, read_regular
+from adaspec.errors import (
+    MISSING,
+    AdaspecError,
+    ConfigError,
+    EventLogError,
+    InvalidRequest,
+    OutputWriteError,
+)
 from adaspec.runtime.calibrate_command import progress_reporter
-from adaspec.runtime.command_flags import check_runnable_here, flag_lines, take_flags
+from adaspec.runtime.command_flags import CommandFlags, Flag, check_runnable_here, sampling_flag
 from adaspec.runtime.engine import MAX_SEED, Runtime, RuntimeOptions, require_builtin
 from adaspec.runtime.requests import RequestResult
 
-# name -> (metavar, help); every one takes a value except --json.
-GENERATE_FLAGS: dict[str, tuple[str, str]] = {
-    "prompt": ("TEXT", "a prompt; repeat for several"),
-    "prompts_file": ("FILE", "a UTF-8 file with one prompt per line"),
-    "max_tokens": ("N", "tokens to generate per prompt (required)"),
-    "temperature": ("T", "0 decodes greedily, above 0 samples the target (required)"),
-    "top_k": ("K", "keep the K most likely tokens (0: off)"),
-    "top_p": ("P", "keep the smallest set of tokens reaching probability P (1: off)"),
-    "min_p": ("M", "drop tokens below M times the most likely one (0: off)"),
-    "seed": ("S", "seed of every random draw (default 0)"),
-    "event_log": ("FILE", "write the event log here (the file must not exist)"),
-    "trace": ("FILE", "write the state trace here (the file must not exist)"),
-    "json": ("", "print one JSON object instead of text"),
-}
-
-
-def generate_help() -> str:
-    lines = ["usage: adaspec generate [LAUNCH FLAGS] (--prompt TEXT ... | --prompts_file FILE)",
-             "                        --max_tokens N --temperature T [--top_k K --top_p P "
-             "--min_p M] [--json]", "",
-             "Decodes the prompts with the built-in reference models (byte-level: token ids",
-             "are UTF-8 bytes). Launch flags are those of `adaspec config --help`.", ""]
-    return "\n".join(lines + flag_lines(GENERATE_FLAGS))
+GENERATE = CommandFlags(
+    command="generate",
+    usage="[LAUNCH FLAGS] (--prompt TEXT ... | --prompts_file FILE)\n--max_tokens N "
+          "--temperature T [--top_k K --top_p P --min_p M] [--json]",
+    about="Decodes the prompts with the built-in reference models (byte-level: token ids are "
+          "UTF-8 bytes). Launch flags are those of `adaspec config --help`.",
+    flags={
+        "prompt": Flag(metavar="TEXT", repeat=True, help="a prompt; repeat for several"),
+        "prompts_file": Flag(metavar="FILE", help="a UTF-8 file with one prompt per line"),
+        "max_tokens": Flag(metavar="N", required=True, help="tokens to generate per prompt"),
+        "temperature": Flag(metavar="T", required=True, help="0 decodes greedily, above 0 "
+                            "samples the target"),
+        "top_k": Flag(metavar="K", help="keep the K most likely tokens (0: off)"),
+        "top_p": Flag(metavar="P", help="keep the smallest set of tokens reaching probability "
+                      "P (1: off)"),
+        "min_p": Flag(metavar="M", help="drop tokens below M times the most likely one (0: "
+                      "off)"),
+        "seed": Flag(metavar="S", help="seed of every random draw (default 0)"),
+        "event_log": Flag(metavar="FILE", help="write the event log here (the file must not "
+                          "exist)"),
+        "trace": Flag(metavar="FILE", help="write the state trace here (the file must not "
+                      "exist)"),
+        "json": Flag(help="print one JSON object instead of text"),
+    },
+    launch=True)
 
 
 @dataclass(slots=True)
@@ -58,31 +66,20 @@ class GenerateArgs:
     prompts: list[str] = field(default_factory=list)
     prompts_file: str | None = None
     values: dict[str, str] = field(default_factory=dict)
+    """The other flags that take a value."""
     as_json: bool = False
     launch_argv: list[str] = field(default_factory=list)
+    help: bool = False
 
 
 def split_argv(argv: Sequence[str]) -> GenerateArgs:
     """Take the generate flags out of ``argv``; everything else is a launch flag."""
-    args = GenerateArgs()
-    own, args.launch_argv = take_flags(argv, GENERATE_FLAGS, ("json",))
-    for name, value in own:
-        if name == "json":
-            args.as_json = True
-        else:
-            _store(args, name, value)
-    return args
-
-
-def _store(args: GenerateArgs, name: str, value: str) -> None:
-    if name == "prompt":
-        args.prompts.append(value)
-    elif name == "prompts_file":
-        args.prompts_file = value
-    elif name in args.values:
-        raise ConfigError(f"--{name}", value, "given twice; give each flag once")
-    else:
-        args.values[name] = value
+    parsed = GENERATE.parse(argv)
+    values = {name: value for name, value in parsed.given
+              if name not in ("prompt", "prompts_file", "json")}
+    return GenerateArgs(prompts=parsed.values("prompt"), prompts_file=parsed.get("prompts_file"),
+                        values=values, as_json="json" in parsed,
+                        launch_argv=list(parsed.launch_argv), help=parsed.help)
 
 
 def read_prompts(args: GenerateArgs) -> list[str]:
@@ -112,15 +109,15 @@ def _require_utf8(prompt: str) -> None:
                           "its UTF-8 bytes)") from None
 
 
+MAX_PROMPTS_FILE_BYTES = 64 * 2**20
+
+
 def _read_prompts_file(name: str) -> str:
-    # Its status first: opening a FIFO would wait for a writer forever.
-    regular_file("--prompts_file", name, "UTF-8 text file")
+    data = read_regular("--prompts_file", name, "UTF-8 text file", MAX_PROMPTS_FILE_BYTES)
     try:
-        return Path(name).read_text(encoding="utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError:
         raise ConfigError("--prompts_file", name, "expected a UTF-8 text file") from None
-    except OSError as error:
-        raise ConfigError("--prompts_file", name, f"cannot be read ({error.strerror})") from None
 
 
 def check_outputs(values: dict[str, str]) -> None:
@@ -131,40 +128,48 @@ def check_outputs(values: dict[str, str]) -> None:
             new_file(f"--{name}", values[name])
 
 
-def _number(name: str, raw: str | None, kind: type, default: Any = MISSING) -> Any:
+def _number(name: str, raw: str | None, default: int) -> int:
+    """An integer flag's value (``default`` when not given)."""
     if raw is None:
-        if default is MISSING:
-            raise ConfigError(f"--{name}", MISSING, f"required: give --{name}="
-                              f"{GENERATE_FLAGS[name][0]}")
         return default
     try:
-        return kind(raw)
-    except ValueError:
-        what = "an integer" if kind is int else "a number"
-        raise ConfigError(f"--{name}", raw, f"expected {what}") from None
+        return int(raw)
+    except ValueError:  # not an integer, or one of thousands of digits
+        raise ConfigError(f"--{name}", raw, "expected an integer") from None
 
 
 def sampling_params(values: dict[str, str]) -> SamplingParams:
-    return SamplingParams(
-        temperature=_number("temperature", values.get("temperature"), float),
-        max_tokens=_number("max_tokens", values.get("max_tokens"), int),
-        top_k=_number("top_k", values.get("top_k"), int, 0),
-        top_p=_number("top_p", values.get("top_p"), float, 1.0),
-        min_p=_number("min_p", values.get("min_p"), float, 0.0))
+    """The request's sampling, each flag held to its request field's rule and refused by
+    name; ``--temperature`` and ``--max_tokens`` are required by the parser."""
+    filters = {name: sampling_flag(name, values[name])
+               for name in ("top_k", "top_p", "min_p") if name in values}
+    max_tokens = _number("max_tokens", values["max_tokens"], 0)
+    try:
+        return SamplingParams(temperature=sampling_flag("temperature", values["temperature"]),
+                              max_tokens=max_tokens, **filters)  # type: ignore[arg-type]
+    except InvalidRequest as error:
+        raise ConfigError(f"--{error.field}", values[error.field], error.expected) from None
 
 
 async def decode(runtime: Runtime, prompts: list[str], params: SamplingParams
-                 ) -> tuple[list[RequestResult], float]:
-    """The results, and the seconds from the first submit to the last result (start-up,
-    graph preparation and calibration left out)."""
+                 ) -> tuple[list[RequestResult], float, AdaspecError | None]:
+    """The results, the seconds from the first submit to the last result (start-up, graph
+    preparation and calibration left out), and the error of an output (event log, trace)
+    that could not be written: the results are still there to print."""
     await runtime.start()
     try:
         started = time.perf_counter()
         handles = [runtime.submit(list(p.encode("utf-8")), params) for p in prompts]
         results = [await handle.result() for handle in handles]
-        return results, time.perf_counter() - started
-    finally:
+        seconds = time.perf_counter() - started
+    except BaseException:
         await runtime.stop()
+        raise
+    try:
+        await runtime.stop()
+    except (EventLogError, OutputWriteError) as error:
+        return results, seconds, error
+    return results, seconds, None
 
 
 def result_dict(prompt: str, result: RequestResult) -> dict[str, Any]:
@@ -176,10 +181,10 @@ def result_dict(prompt: str, result: RequestResult) -> dict[str, Any]:
 
 
 def run_generate(argv: Sequence[str]) -> int:
-    if any(arg in ("-h", "--help") for arg in argv):
-        print(generate_help())
-        return 0
     args = split_argv(argv)
+    if args.help:
+        print(GENERATE.help())
+        return 0
     prompts = read_prompts(args)
     params = sampling_params(args.values)
     settings = parse_argv(args.launch_argv)
@@ -189,7 +194,7 @@ def run_generate(argv: Sequence[str]) -> int:
                     None if settings.get("draft_model") is None else str(settings["draft_model"]),
                     "embed the runtime to serve your own")
     config = load_config(settings)
-    seed = _number("seed", args.values.get("seed"), int, 0)
+    seed = _number("seed", args.values.get("seed"), 0)
     if not 0 <= seed < MAX_SEED:
         raise ConfigError("--seed", seed, f"expected an integer in 0..{MAX_SEED - 1}")
     check_outputs(args.values)
@@ -198,7 +203,8 @@ def run_generate(argv: Sequence[str]) -> int:
                              event_log=args.values.get("event_log"),
                              trace=args.values.get("trace"),
                              calibration_progress=progress_reporter(sys.stderr))
-    results, seconds = asyncio.run(decode(Runtime(config, options=options), prompts, params))
+    results, seconds, failed = asyncio.run(decode(Runtime(config, options=options), prompts,
+                                                  params))
     rows = [result_dict(p, r) for p, r in zip(prompts, results, strict=True)]
     tokens = sum(len(r.token_ids) for r in results)
     rate = tokens / seconds if seconds > 0 else 0.0
@@ -216,4 +222,6 @@ def run_generate(argv: Sequence[str]) -> int:
         print(f"{tokens} tokens in {seconds:.3f} s: {rate:.1f} tokens/s (from the first "
               "submit to the last result; start-up not counted)")
     sys.stdout.flush()
+    if failed is not None:
+        raise failed  # after the results: what was decoded is never lost
     return 0

@@ -357,7 +357,7 @@ class Pipeline:
         self.next_round += 1
         slot = number % 2 if self.lag == 2 else 0
         batch, bucket = facts.batch, facts.bucket
-        depth = self._decide_depth(number, slot, len(batch), bucket)
+        depth = self._decide_depth(number, slot, facts)
         num_rows, verify = self._decide_rows(number, slot, facts, depth)
         inputs = RoundInputs(round=number, slots=facts.slots, depth=depth, num_rows=num_rows,
                              all_greedy=facts.all_greedy, verify=verify,
@@ -384,9 +384,19 @@ class Pipeline:
         assert record.retired is not None
         self.pending.append(("round", record.retired, record, number))
 
-    def _decide_depth(self, number: int, slot: int, num_reqs: int, bucket: int) -> int:
-        context = DepthContext(round=number, num_reqs=num_reqs, num_reqs_bucket=bucket,
-                               width=self.width, retired_through=self.retired_through)
+    def _kv_bound(self, batch: list[Request]) -> int:
+        """Bound on the longest context a round of this batch can reach, which both decisions
+        price with. The host lags the device: the prefill's token and the round in flight
+        (lag 2) may not have reached it, and this round itself writes up to w + 1
+        positions; no context passes the target's limit, so neither does the bound."""
+        longest: int = max(map(CONTEXT_LENGTH, batch))
+        return min(longest + 1 + self.lag * (self.width + 1), self.ctx.target.context_limit)
+
+    def _decide_depth(self, number: int, slot: int, facts: BatchFacts) -> int:
+        context = DepthContext(round=number, num_reqs=len(facts.batch),
+                               num_reqs_bucket=facts.bucket, width=self.width,
+                               retired_through=self.retired_through,
+                               max_kv_length=self._kv_bound(facts.batch))
         depth = self.depth_policy.decide(context)
         if not (self.width == 0 and depth == 0) and not 1 <= depth <= self.width:
             raise AdaspecError(f"depth policy {self.depth_policy.name} chose depth {depth}; "
@@ -399,14 +409,11 @@ class Pipeline:
     def _decide_rows(self, number: int, slot: int, facts: BatchFacts, depth: int
                      ) -> tuple[int, Binding]:
         batch, bucket, tiers = facts.batch, facts.bucket, facts.tiers
-        # The host lags the device: the prefill's token and the round in flight (lag 2) may
-        # not have reached it, and this round itself writes up to w + 1 positions.
-        known = max(map(CONTEXT_LENGTH, batch)) + 1
         context = BudgetContext(round=number, num_reqs=len(batch), num_reqs_bucket=bucket,
                                 width=self.width, depth=depth, tiers=tiers,
                                 retired_through=self.retired_through,
                                 request_ids=facts.request_ids,
-                                max_kv_length=known + self.lag * (self.width + 1))
+                                max_kv_length=self._kv_bound(batch))
         chosen = self.budget_policy.decide(context)
         if chosen not in tiers:
             raise AdaspecError(f"budget policy {self.budget_policy.name} chose G={chosen}; "

@@ -248,7 +248,7 @@ def prefill(ctx: DeviceContext, inputs: PrefillInputs) -> dict[str, Tensor]:
         anchor_ids=first, anchor_positions=out.lengths.clone(), hidden=hidden,
         remaining=remaining, live=live))
     ctx.sampling.write(inputs.slots, inputs.sampling, inputs.stop_token_ids)
-    ctx.drafting.after_prefill(out, inputs.prompts, inputs.slots)
+    ctx.drafting.after_prefill(out, inputs.prompts, inputs.slots, first)
     return retire_copy({"first": first, "live": live, "stopped": stopped})
 
 

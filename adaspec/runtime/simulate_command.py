@@ -1,6 +1,6 @@
 """``adaspec simulate``: evaluate policies offline on a workload and a saved cost bundle.
 
-    adaspec simulate --workload FILE --cost_table FILE --policy NAME [--policy NAME ...]
+    adaspec simulate --workload FILE [--cost_table FILE] --policy NAME [--policy NAME ...]
                      [--json]
 
 The workload is a JSON-lines file (``docs/workload.md``) or a recorded event log, so a real
@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from adaspec.config.files import read_json_object
+from adaspec.config.paths import read_regular
 from adaspec.errors import MISSING, ConfigError, IncompatibleCostTable, show_value
 from adaspec.policies.bundles import COMPATIBILITY_FIELDS, CostBundle, load_bundle
 from adaspec.policies.simulate import (
@@ -25,71 +26,51 @@ from adaspec.policies.simulate import (
     parse_workload,
     simulate,
 )
+from adaspec.runtime.command_flags import CommandFlags, Flag
 
 if TYPE_CHECKING:  # the runtime's modules load only for an event log
     from adaspec.runtime.events.replay import RecordedRun
     from adaspec.runtime.events.types import Event
 
-USAGE = """usage: adaspec simulate --workload FILE --cost_table FILE --policy NAME
-                        [--policy NAME ...] [--json]
-
-Runs each policy over the workload through the runtime's lag (decisions for round n see
-feedback through n-2) and tier rules, pricing every round with the saved cost bundle.
-
-  --workload FILE    JSON lines (see docs/workload.md) or an event log of a recorded run
-  --cost_table FILE  a bundle saved by --adaptive_target_verify_cost_table_output (optional
-                     for an event log that carries its table)
-  --policy NAME      fixed:K (K in 1..width), adaptive-depth, adaptive-verify, oracle
-                     (best G per round), oracle-depth (best depth per round); repeat
-  --json             print one JSON object instead of a table"""
+SIMULATE = CommandFlags(
+    command="simulate",
+    usage="--workload FILE [--cost_table FILE] --policy NAME\n[--policy NAME ...] [--json]",
+    about="Runs each policy over the workload through the runtime's lag (decisions for round n "
+          "see feedback through n-2) and tier rules, pricing every round with the saved cost "
+          "bundle.",
+    flags={
+        "workload": Flag(metavar="FILE", required=True, help="JSON lines (see "
+                         "docs/workload.md) or an event log of a recorded run"),
+        "cost_table": Flag(metavar="FILE", help="a bundle saved by "
+                           "--adaptive_target_verify_cost_table_output (optional for an event "
+                           "log that carries its table)"),
+        "policy": Flag(metavar="NAME", repeat=True, required=True, help="fixed:K (K in "
+                       "1..width), adaptive-depth, adaptive-verify, oracle (best G per round), "
+                       "oracle-depth (best depth per round); repeat to compare several"),
+        "json": Flag(help="print one JSON object instead of a table"),
+    })
 
 
 def run_simulate(argv: Sequence[str]) -> int:
-    if any(arg in ("-h", "--help") for arg in argv):
-        print(USAGE)
+    args = SIMULATE.parse(argv)
+    if args.help:
+        print(SIMULATE.help())
         return 0
-    values = _arguments(argv)
-    workload, run = read_workload(values["workload"][0])
-    costs = _costs(values.get("cost_table"), run, workload.name)
-    for spec in values["policy"]:  # every name checked before any policy runs
+    workload, run = read_workload(args["workload"])
+    table = args.get("cost_table")
+    costs = _costs(table, run, workload.name)
+    policies = args.values("policy")
+    for spec in policies:  # every name checked before any policy runs
         make_policies(spec, costs, workload.width)
-    results = [simulate(spec, workload, costs, values.get("cost_table", ["log"])[0])
-               for spec in values["policy"]]
+    results = [simulate(spec, workload, costs, table or "log") for spec in policies]
     report = _report(workload, costs, results)
     if run is not None:
         report["unchecked_compatibility"] = _unchecked(costs, run)
-    if "json" in values:
+    if "json" in args:
         print(json.dumps(report, indent=2))
     else:
         print(_table(report))
     return 0
-
-
-def _arguments(argv: Sequence[str]) -> dict[str, list[str]]:
-    values: dict[str, list[str]] = {}
-    index = 0
-    while index < len(argv):
-        name, has_value, value = argv[index].partition("=")
-        if name == "--json":
-            values["json"] = []
-            index += 1
-            continue
-        if name not in ("--workload", "--cost_table", "--policy"):
-            raise ConfigError(argv[index], MISSING, "unknown flag; expected --workload, "
-                              "--cost_table, --policy or --json")
-        if not has_value:
-            if index + 1 >= len(argv):
-                raise ConfigError(name, MISSING, "expected a value")
-            value, index = argv[index + 1], index + 1
-        if name != "--policy" and name[2:] in values:
-            raise ConfigError(name, value, "given twice; give it once")
-        values.setdefault(name[2:], []).append(value)
-        index += 1
-    for required in ("workload", "policy"):
-        if required not in values:
-            raise ConfigError(f"--{required}", MISSING, "required (adaspec simulate --help "
-                              "shows the usage)")
-    return values
 
 
 def read_workload(path: str) -> tuple[Workload, "RecordedRun | None"]:
@@ -106,21 +87,15 @@ def read_workload(path: str) -> tuple[Workload, "RecordedRun | None"]:
     return _workload_of_run(run, events, path), run
 
 
+MAX_WORKLOAD_BYTES = 256 << 20
+"""A workload or event log is read whole: a hundred thousand synthetic rounds take about 110
+MiB, and a /proc file that reads without end stops here."""
+
+
 def _read_text(path: str) -> str:
     """The file's text; a FIFO or a device is refused before reading a byte (one could block
     forever), like the config readers refuse them."""
-    from adaspec.runtime.events.log import NotRegularFile, open_regular
-
-    try:
-        with open_regular(path) as file:
-            data = file.read()
-    except NotRegularFile as error:
-        raise ConfigError("--workload", path, f"expected a regular file, got a "
-                          f"{error.kind}") from None
-    except OSError as error:
-        reason = f": {error.strerror}" if error.strerror else ""
-        raise ConfigError("--workload", path, f"cannot be read ({type(error).__name__}"
-                          f"{reason})") from None
+    data = read_regular("--workload", path, "workload file", MAX_WORKLOAD_BYTES)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
@@ -166,11 +141,11 @@ def _workload_of_run(run: "RecordedRun", events: Sequence["Event"], path: str) -
     return Workload(width=width, rounds=tuple(rounds), name=path)
 
 
-def _costs(paths: list[str] | None, run: "RecordedRun | None", log: str) -> CostBundle:
-    if paths:
-        costs = load_bundle(paths[0], read_json_object("cost_table", paths[0]))
+def _costs(path: str | None, run: "RecordedRun | None", log: str) -> CostBundle:
+    if path is not None:
+        costs = load_bundle(path, read_json_object("cost_table", path))
         if run is not None:
-            _check_for_run(costs, run, paths[0], log)
+            _check_for_run(costs, run, path, log)
         return costs
     if run is not None and run.costs is not None:
         return run.costs

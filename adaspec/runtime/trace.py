@@ -14,7 +14,7 @@ from typing import Any, TextIO
 
 import structlog
 
-from adaspec.errors import ConfigError
+from adaspec.errors import ConfigError, OutputWriteError
 from adaspec.runtime.events.clock import Clock
 from adaspec.runtime.events.types import (
     BudgetDecided,
@@ -44,29 +44,37 @@ def trace_destination(value: str | None) -> str | None:
 
 class StateTrace:
     """Receives round transitions (a ``RoundHooks`` hook) and the decision events (a bus
-    subscriber), and renders them through structlog processors."""
+    subscriber), and renders them through structlog processors.
+
+    The trace only watches: a write the system refuses (a full disk, a closed standard error)
+    ends the trace, never the round, and ``close`` then raises ``OutputWriteError``."""
 
     def __init__(self, processors: list[Callable[[Any, str, EventDict], Any]],
-                 logger: Any, clock: Clock, file: TextIO | None = None) -> None:
+                 logger: Any, clock: Clock, file: TextIO | None = None, *,
+                 setting: str = "trace", path: str = STDERR) -> None:
         self._log = structlog.wrap_logger(logger, processors=processors)
         self._clock = clock
         self._file = file
         self._rounds: dict[int, dict[str, Any]] = {}
+        self._setting, self._path = setting, path
+        self._failure: OSError | None = None
 
     @classmethod
-    def to_file(cls, path: str, clock: Clock) -> "StateTrace":
+    def to_file(cls, path: str, clock: Clock, setting: str = "trace") -> "StateTrace":
         """JSON lines into a new file (an existing one is never overwritten), or onto
-        standard error for the path ``-``."""
+        standard error for the path ``-``; ``setting`` is where the path was given, for
+        errors."""
+        render: list[Callable[[Any, str, EventDict], Any]] = [
+            structlog.processors.JSONRenderer()]
         if path == STDERR:
-            return cls([structlog.processors.JSONRenderer()], structlog.PrintLogger(sys.stderr),
-                       clock)
+            return cls(render, structlog.PrintLogger(sys.stderr), clock, setting=setting)
         try:
             file = open(path, "x", encoding="utf-8")  # noqa: SIM115 - closed by close()
         except OSError as error:
-            raise ConfigError("trace", path, f"cannot create the state trace file "
+            raise ConfigError(setting, path, f"cannot create the state trace file "
                               f"({error.strerror}); give a new path") from None
-        return cls([structlog.processors.JSONRenderer()], structlog.PrintLogger(file), clock,
-                   file)
+        return cls(render, structlog.PrintLogger(file), clock, file, setting=setting,
+                   path=path)
 
     @classmethod
     def to_list(cls, lines: list[dict[str, Any]], clock: Clock) -> "StateTrace":
@@ -90,6 +98,15 @@ class StateTrace:
 
     def hook(self, states: RoundStates, source: RoundState, target: RoundState,
              trigger: str) -> None:
+        if self._failure is not None:
+            return
+        try:
+            self._trace(states, source, target, trigger)
+        except OSError as error:
+            self._failure = error
+
+    def _trace(self, states: RoundStates, source: RoundState, target: RoundState,
+               trigger: str) -> None:
         info = self._rounds.get(states.round_index, {})
         decision: dict[str, Any] | None = None
         if source is RoundState.DRAFT and "depth" in info:
@@ -105,9 +122,17 @@ class StateTrace:
             self._rounds.pop(states.round_index, None)
 
     def close(self) -> None:
+        """Close the file; raises ``OutputWriteError`` when a write or the close failed."""
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            file, self._file = self._file, None
+            try:
+                file.close()
+            except OSError as error:
+                self._failure = self._failure or error
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            reason = failure.strerror or type(failure).__name__
+            raise OutputWriteError(self._setting, self._path, "state trace", reason)
 
 
 @contextmanager

@@ -3,7 +3,9 @@ back by ``adaspec replay``.
 
 Line 1 is the header: ``format`` and ``version`` first, then what a replay needs to rebuild
 the run's decisions (the effective configuration, the cost table's identity, the seeds and the
-policies by name and settings). Every later line is one event's ``record()``, in publish order.
+policies by name and settings) and, from the runtime, the checkpoint identities of the models
+(``models``), so a cost table can be checked against the run that a log records. Every later
+line is one event's ``record()``, in publish order.
 
 The reader trusts nothing: a log may be truncated by a crash, edited by hand or come from
 another version, and each such problem is one ``EventLogError`` line naming the file, the line
@@ -13,15 +15,14 @@ ranges of their values, against what the header's launch fixes (``RunShape``).
 """
 
 import dataclasses
-import errno
 import functools
 import json
 import os
-import stat
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import IO, TYPE_CHECKING, Any, BinaryIO, NamedTuple, get_args, get_origin
 
+from adaspec.config.paths import NotRegularFile, open_regular
 from adaspec.errors import EventLogError
 from adaspec.policies.base import (
     BudgetContext,
@@ -55,6 +56,11 @@ VERSION = 1
 HEADER_KEYS = ("config", "cost_table", "seeds", "policies")
 """What every header holds besides ``format`` and ``version`` (``cost_table`` may be null)."""
 
+ADDED_FIELDS: dict[type, frozenset[str]] = {DepthContext: frozenset({"max_kv_length"})}
+"""Fields added to version-1 records after logs of that version were written: an older log
+lacks them, and its records read back with the field's default (0: not recorded), as the run
+that wrote it behaved. Every other field is required."""
+
 _BUFFER_BYTES = 1 << 16  # a few hundred events per write(2); close() flushes the rest
 
 
@@ -84,6 +90,8 @@ class EventLogWriter:
 
     The file must not exist: a log is evidence of one run and is never overwritten. Writes are
     buffered and reach the disk at ``close()`` (idempotent; also on leaving a ``with`` block).
+    A write the system refuses (a full disk) stops the log, never the run: later events are
+    dropped and ``close()`` raises ``EventLogError`` saying the log is incomplete.
     """
 
     def __init__(self, path: str | os.PathLike[str], header: Mapping[str, Any]) -> None:
@@ -100,7 +108,8 @@ class EventLogWriter:
         except OSError as error:
             reason = f"cannot create it: {_os_reason(error)}"
             raise EventLogError(self.path, None, reason) from None
-        self._file.write(first)
+        self._failure: OSError | None = None
+        self._write(first)
 
     def _checked(self, header: Mapping[str, Any]) -> Mapping[str, Any]:
         missing = [key for key in HEADER_KEYS if key not in header]
@@ -116,17 +125,36 @@ class EventLogWriter:
         """Append one event (a bus subscriber: runs synchronously inside ``publish``)."""
         if self._file is None:
             raise EventLogError(self.path, None, f"{event.kind} event written after close()")
-        self._file.write(_dumps(event))
+        self._write(_dumps(event))
+
+    def _write(self, line: str) -> None:
+        if self._failure is not None or self._file is None:
+            return
+        try:
+            self._file.write(line)
+        except OSError as error:
+            self._failure = error
 
     def flush(self) -> None:
         """Push buffered events to the operating system (say, before a risky operation)."""
-        if self._file is not None:
-            self._file.flush()
+        if self._file is not None and self._failure is None:
+            try:
+                self._file.flush()
+            except OSError as error:
+                self._failure = error
 
     def close(self) -> None:
+        """Write what is buffered and close; ``EventLogError`` when any write failed."""
         if self._file is not None:
             file, self._file = self._file, None
-            file.close()
+            try:
+                file.close()
+            except OSError as error:
+                self._failure = self._failure or error
+            if self._failure is not None:
+                raise EventLogError(self.path, None, f"cannot write it "
+                                    f"({_os_reason(self._failure)}); the log is incomplete, "
+                                    "the run went on without it")
 
     def __enter__(self) -> "EventLogWriter":
         return self
@@ -198,51 +226,31 @@ def read_event_log(path: str | os.PathLike[str]) -> EventLog:
             raise EventLogError(name, None, f"cannot read it: {_os_reason(error)}") from None
 
 
+MAX_LINE_BYTES = 64 * 2**20
+"""No event or header line comes near this (a header with a large cost table is a few hundred
+KB); a longer one is not an event log, and reading it whole could exhaust memory (a /proc file
+that reads without end passes for a regular file)."""
+
+
+def _bounded_lines(name: str, file: BinaryIO) -> Iterator[bytes]:
+    """The file's lines, each refused once it passes ``MAX_LINE_BYTES``."""
+    number = 0
+    while raw := file.readline(MAX_LINE_BYTES + 1):
+        number += 1
+        if len(raw) > MAX_LINE_BYTES:
+            raise EventLogError(name, number, f"longer than {MAX_LINE_BYTES // 2**20} MiB; "
+                                "expected one JSON object per line")
+        yield raw
+
+
 def _read_lines(name: str, file: BinaryIO) -> EventLog:
-    lines: Iterator[bytes] = iter(file)
+    lines = _bounded_lines(name, file)
     first = next(lines, None)
     if first is None:
         raise EventLogError(name, None, "empty file; expected a header line first")
     header = _header(name, first)
     events = [_event(name, number, raw) for number, raw in enumerate(lines, start=2)]
     return EventLog(header, events)
-
-
-class NotRegularFile(OSError):
-    """The path names a FIFO, a device, a socket or a directory: reading one may wait for a
-    writer forever or never end, so readers refuse it before reading a byte."""
-
-    def __init__(self, kind: str) -> None:
-        super().__init__(errno.EINVAL, f"a {kind}, not a regular file")
-        self.kind = kind
-
-
-_FILE_KINDS = ((stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"),
-               (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
-               (stat.S_ISSOCK, "socket"))
-_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
-
-
-def open_regular(path: str) -> BinaryIO:
-    """Open a regular file for reading in binary mode; ``NotRegularFile`` for anything else,
-    other ``OSError`` as ``open`` raises them."""
-    # Without O_NONBLOCK, opening a FIFO waits for a writer, forever if none comes; the kind is
-    # then read from the open descriptor, so nothing can swap the file in between.
-    try:
-        descriptor = os.open(path, os.O_RDONLY | _NONBLOCK)
-    except ValueError:  # a NUL character, possible from the Python API only
-        raise OSError(errno.EINVAL, "a file name with a NUL character") from None
-    try:
-        mode = os.fstat(descriptor).st_mode
-        if not stat.S_ISREG(mode):
-            kind = next((name for test, name in _FILE_KINDS if test(mode)), "special file")
-            raise NotRegularFile(kind)
-        if _NONBLOCK:
-            os.set_blocking(descriptor, True)
-        return os.fdopen(descriptor, "rb")
-    except BaseException:
-        os.close(descriptor)
-        raise
 
 
 def _os_reason(error: OSError) -> str:
@@ -356,14 +364,15 @@ def _record_problem(
     if not isinstance(data, dict):
         return f'field "{prefix[:-1]}" expected an object, got {_show(data)}'
     declared = _declared(cls)
-    missing = [prefix + key for key in declared if key not in data]
+    missing = [prefix + key for key in declared if key not in data and key not in
+               ADDED_FIELDS.get(cls, ())]
     if missing:
         return f"missing field {_names(missing)}"
     unexpected = [prefix + key for key in data if key not in declared and key not in extra]
     if unexpected:
         return f"unexpected field {_names(unexpected)}"
     for key, annotation in declared.items():
-        problem = _value_problem(data[key], annotation, prefix + key)
+        problem = key in data and _value_problem(data[key], annotation, prefix + key)
         if problem:
             return problem
     return None
@@ -539,6 +548,8 @@ class _RunWalk:
         self._check_context(line, event)
         self._check_value(line, event, "depth", event.depth, self.shape.min_depth,
                           self.shape.width)
+        # 0: a log written before depth contexts recorded it
+        self._check_value(line, event, "context.max_kv_length", event.context.max_kv_length, 0)
         self._check_retired(line, event)
         self.last_round, self.deciding = event.round, event
 
@@ -550,6 +561,9 @@ class _RunWalk:
         for name in ("num_reqs", "num_reqs_bucket"):  # one batch, both decisions
             self._expect(line, event, f"context.{name}", getattr(context, name),
                          getattr(self.deciding.context, name), "as in its depth context")
+        if self.deciding.context.max_kv_length:  # one bound for both decisions of a round
+            self._expect(line, event, "context.max_kv_length", context.max_kv_length,
+                         self.deciding.context.max_kv_length, "as in its depth context")
         self._check_retired(line, event)
         self._check_value(line, event, "context.depth", context.depth, self.shape.min_depth,
                           self.shape.width)

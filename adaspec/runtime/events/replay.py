@@ -7,7 +7,8 @@ is reproducible; with other policies it is a counterfactual evaluation on the sa
 acceptance: the contexts and the feedback stay the recorded ones, so a different depth does
 not change the budget context that follows it.
 
-Replay also checks the lag: the decisions of round n may see feedback of rounds <= n-2 only.
+Replay also checks the lag: the decisions of round n may see feedback of rounds <= n-2 only
+(n-1 for a run without schedule overlap, whose header records lag 1).
 
 Nothing is replayed before the whole log is checked (``check_recorded_run``): the header's
 launch settings as a launch would check them, its cost table against them, and the events as
@@ -17,7 +18,6 @@ the same checks.
 
 import dataclasses
 import json
-import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
@@ -26,8 +26,6 @@ from adaspec.config.calibration import key_prefix
 from adaspec.config.effective import effective_value
 from adaspec.config.launch import LaunchConfig, launch_field_types
 from adaspec.errors import (
-    MISSING,
-    AdaspecError,
     ConfigError,
     EventLogError,
     IncompatibleCostTable,
@@ -106,6 +104,7 @@ class ReplayReport:
     first_divergence: Divergence | None
     num_lag_violations: int
     first_lag_violation: LagViolation | None
+    lag: int = 2  # the run's lag: round n may use feedback of rounds <= n - lag
 
     @property
     def all_matched(self) -> bool:
@@ -131,7 +130,7 @@ class ReplayReport:
                 "num_rounds": self.num_rounds, "num_decisions": self.num_decisions,
                 "num_observed": self.num_observed, "num_divergences": self.num_divergences,
                 "first_divergence": _finding_dict(self.first_divergence),
-                "num_lag_violations": self.num_lag_violations,
+                "lag": self.lag, "num_lag_violations": self.num_lag_violations,
                 "first_lag_violation": _finding_dict(self.first_lag_violation)}
 
     def format_text(self) -> str:
@@ -148,7 +147,8 @@ class ReplayReport:
                          f"decisions differ from the log; first: "
                          f"{self.first_divergence.describe()}")
         if self.first_lag_violation is None:
-            lines.append("lag respected: decisions of round n saw feedback of rounds <= n-2")
+            lines.append(f"lag respected: decisions of round n saw feedback of rounds <= "
+                         f"n-{self.lag}")
         else:
             plural = "" if self.num_lag_violations == 1 else "s"
             lines.append(f"LAG VIOLATED by {self.num_lag_violations} decision{plural}; first: "
@@ -202,8 +202,8 @@ class RecordedRun:
     costs: CostBundle | None  # the table the run installed (the header's)
     compatibility: Compatibility  # what a cost table must share with the run to price it
     known: tuple[str, ...]
-    """The compatibility fields the log tells: the model identities only when its header
-    carries a cost table (the header records no identities of its own)."""
+    """The compatibility fields the log tells: the model identities when its header records
+    them (``models``) or carries a cost table (a log written before headers recorded them)."""
 
 
 def check_recorded_run(header: Mapping[str, Any], events: Sequence[Event], path: str
@@ -214,14 +214,17 @@ def check_recorded_run(header: Mapping[str, Any], events: Sequence[Event], path:
     launch = _recorded_launch(header, path)
     lag = _recorded_lag(header, launch, path)
     costs = _header_costs(header, path)
-    run = RecordedRun(launch=launch, lag=lag, costs=costs, **_compatibility(launch, costs))
+    models = _recorded_models(header, path)
+    run = RecordedRun(launch=launch, lag=lag, costs=costs,
+                      **_compatibility(launch, costs, models))
     if costs is not None:
         try:
             check_table_for_run(costs, run, "the header")
         except IncompatibleCostTable as error:
+            where = "models" if error.field in ("target", "draft") else "config"
             raise EventLogError(path, 1, f"header cost_table disagrees with the header's "
-                                f"config: {error.field} is {show_value(error.saved)} in the "
-                                f"table but {show_value(error.launch)} in the config") from None
+                                f"{where}: {error.field} is {show_value(error.saved)} in the "
+                                f"table but {show_value(error.launch)} in the {where}") from None
     buckets = launch.prepared_request_buckets()
     check_run(events, RunShape(width=launch.num_speculative_tokens, lag=lag,
                                dp_size=launch.dp_size, request_buckets=buckets,
@@ -294,9 +297,20 @@ def _header_costs(header: Mapping[str, Any], path: str) -> CostBundle | None:
         raise EventLogError(path, 1, f"header {error}") from None
 
 
-def _compatibility(launch: LaunchConfig, costs: CostBundle | None) -> dict[str, Any]:
+def _recorded_models(header: Mapping[str, Any], path: str) -> dict[str, str]:
+    """The checkpoint identities the header records ({} for a log older than the field)."""
+    models = header.get("models", {})
+    if not (isinstance(models, dict) and set(models) <= {"target", "draft"}
+            and all(isinstance(value, str) for value in models.values())):
+        raise EventLogError(path, 1, f'header "models" must be {{"target": string, "draft": '
+                            f"string}}, got {_brief(models)}")
+    return models
+
+
+def _compatibility(launch: LaunchConfig, costs: CostBundle | None,
+                   models: Mapping[str, str]) -> dict[str, Any]:
     """The run's compatibility, as ``Runtime.compatibility`` makes it, and the fields known."""
-    told = costs.compatibility if costs is not None else {}
+    told = models or (costs.compatibility if costs is not None else {})
     identities = {name: str(told[name]) for name in ("target", "draft")
                   if isinstance(told.get(name), str)}
     buckets = launch.prepared_request_buckets()
@@ -401,7 +415,8 @@ class _Walk:
             num_observed=self.num_observed, num_divergences=len(self.divergences),
             first_divergence=self.divergences[0] if self.divergences else None,
             num_lag_violations=len(self.lag_violations),
-            first_lag_violation=self.lag_violations[0] if self.lag_violations else None)
+            first_lag_violation=self.lag_violations[0] if self.lag_violations else None,
+            lag=self.lag)
 
 
 def _entry(policy: DepthPolicy | BudgetPolicy) -> dict[str, Any]:
@@ -419,46 +434,8 @@ def _plain(name: object, settings: object) -> dict[str, Any]:
     return entry
 
 
-USAGE = """usage: adaspec replay LOG [--json]
-
-Re-runs the policies recorded in the event log LOG over its events and reports the first
-decision (draft depth d or verification budget G) they do not reproduce, and any decision that
-saw feedback newer than the lag allows (round n may use feedback of rounds <= n-2).
-Exit 0 when every decision matches and the lag holds, 1 otherwise, 2 for an unreadable log.
-
-  --json   print one JSON object instead of text"""
-
-
-def main(argv: Sequence[str]) -> int:
-    """``adaspec replay LOG [--json]``; returns the exit status."""
-    if any(arg in ("-h", "--help") for arg in argv):
-        print(USAGE)
-        return 0
-    try:
-        path, as_json = _arguments(argv)
-        report = _replay_file(path)
-    except AdaspecError as error:
-        print(f"adaspec replay: error: {error}", file=sys.stderr)
-        return 2
-    print(json.dumps(report.as_dict(), indent=2) if as_json else report.format_text())
-    return 0 if report.ok else 1
-
-
-def _arguments(argv: Sequence[str]) -> tuple[str, bool]:
-    paths: list[str] = []
-    for arg in argv:
-        if arg.startswith("-") and arg != "--json":
-            raise ConfigError(arg, MISSING, "unknown flag; expected --json")
-        if arg != "--json":
-            paths.append(arg)
-    if len(paths) != 1:
-        value = MISSING if not paths else " ".join(paths)
-        raise ConfigError("LOG", value, "expected exactly one event log path; "
-                          "usage: adaspec replay LOG [--json]")
-    return paths[0], "--json" in argv
-
-
-def _replay_file(path: str) -> ReplayReport:
+def replay_file(path: str) -> ReplayReport:
+    """Read, check and replay the event log at ``path`` with its recorded policies."""
     header, events = read_event_log(path)
     run = check_recorded_run(header, events, path)
     try:

@@ -1,0 +1,138 @@
+"""An output the run was asked to write (the state trace, an event log) that the system stops
+accepting ends that output, never the run: the decoded text is still printed, and the failure
+is one line naming the setting and the file. Paths that could never be created are refused
+before the models load.
+
+Two kinds of fault: an injected one (``FullDiskFile``, a file whose writes fail as a full disk
+does) for the writers alone, and a real one for whole commands, a file-size limit
+(``RLIMIT_FSIZE``) set on the child process, under which the kernel refuses writes past it.
+"""
+
+import errno
+import os
+import resource
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog
+
+from adaspec.config import load_config
+from adaspec.errors import ConfigError, EventLogError, OutputWriteError
+from adaspec.runtime.engine import TRACE_ENV, Runtime, RuntimeOptions
+from adaspec.runtime.events.clock import VirtualClock
+from adaspec.runtime.events.log import EventLogWriter
+from adaspec.runtime.events.types import RequestArrived
+from adaspec.runtime.states import RoundHooks, RoundState, RoundStates
+from adaspec.runtime.trace import StateTrace
+
+
+class FullDiskFile:
+    """Injected fault: a text file whose every write and flush fails with ENOSPC."""
+
+    def write(self, text: str) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def flush(self) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_trace_that_cannot_write_stops_tracing_and_says_so_at_close() -> None:
+    trace = StateTrace([structlog.processors.JSONRenderer()],
+                       structlog.PrintLogger(FullDiskFile()),  # type: ignore[arg-type]
+                       VirtualClock(), setting="ADASPEC_TRACE", path="-")
+    states = RoundStates(0, RoundHooks(), slot=0)
+    for _ in range(3):  # the round's move is never refused because of the trace
+        trace.hook(states, RoundState.DRAFT, RoundState.CONSENSUS, "drafted")
+    with pytest.raises(OutputWriteError) as raised:
+        trace.close()
+    assert str(raised.value) == (
+        "ADASPEC_TRACE=-: cannot write the state trace (No space left on device); what it "
+        "holds is incomplete, the run went on without it")
+    trace.close()  # said once
+
+
+def test_an_event_log_that_cannot_write_drops_later_events_and_says_so_at_close(
+        tmp_path: Path) -> None:
+    path = tmp_path / "run.jsonl"
+    writer = EventLogWriter(path, {"config": {}, "cost_table": None, "seeds": {},
+                                   "policies": {}})
+    writer._file.close()  # type: ignore[union-attr]
+    writer._file = FullDiskFile()  # type: ignore[assignment]
+    event = RequestArrived(time=0.0, request_id=0, num_prompt_tokens=1, sampling={})
+    writer.write(event)  # refused by the disk: no exception into the publisher
+    writer.write(event)
+    with pytest.raises(EventLogError, match=r"run.jsonl: cannot write it \(No space left on "
+                                            r"device\); the log is incomplete"):
+        writer.close()
+
+
+@pytest.mark.asyncio
+async def test_a_trace_path_from_the_environment_is_refused_before_any_model_loads(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(TRACE_ENV, str(tmp_path / "missing" / "trace.jsonl"))
+    runtime = Runtime(load_config({}))
+    with pytest.raises(ConfigError, match=r"^ADASPEC_TRACE=.*trace.jsonl: expected an existing "
+                                          r"directory; create .*missing first$"):
+        await runtime.start()
+
+
+@pytest.mark.asyncio
+async def test_an_event_log_that_exists_is_refused_before_any_model_loads(
+        tmp_path: Path) -> None:
+    existing = tmp_path / "run.jsonl"
+    existing.write_text("evidence of another run\n")
+    runtime = Runtime(load_config({}), options=RuntimeOptions(event_log=str(existing)))
+    with pytest.raises(ConfigError, match="^event_log=.*run.jsonl: expected a file that does "
+                                          "not exist yet"):
+        await runtime.start()
+    assert existing.read_text() == "evidence of another run\n"
+
+
+def _small_files() -> None:
+    # Runs in the child: writes past 2 KiB to any file fail with EFBIG instead of a signal.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2048, 2048))
+
+
+def _generate(tmp_path: Path, *flags: str, env: dict[str, str] | None = None,
+              **options: Any) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "adaspec", "generate", "--prompt", "ROMEO.",
+               "--max_tokens", "48", "--temperature", "0", "--speculative_algorithm=DSpark",
+               "--num_speculative_tokens=3", *flags]
+    streams = options or {"capture_output": True}
+    return subprocess.run(command, cwd=tmp_path, text=True, timeout=300, check=False,
+                          preexec_fn=_small_files, env={**os.environ, **(env or {})},
+                          **streams)
+
+
+@pytest.mark.parametrize(("flag", "message"), [
+    ("--event_log", "adaspec generate: error: event log {path}: cannot write it (File too "
+                    "large); the log is incomplete, the run went on without it"),
+    ("--trace", "adaspec generate: error: trace={path}: cannot write the state trace (File "
+                "too large); what it holds is incomplete, the run went on without it"),
+])
+def test_generate_prints_its_results_when_its_output_file_fills(
+        tmp_path: Path, flag: str, message: str) -> None:
+    path = tmp_path / "out.jsonl"
+    done = _generate(tmp_path, f"{flag}={path}")
+    assert done.returncode == 2
+    assert done.stderr.splitlines()[-1] == message.format(path=path)
+    assert "ROMEO." in done.stdout
+    assert "tokens/s" in done.stdout
+    assert path.stat().st_size <= 2048
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_trace_onto_a_full_standard_error_ends_the_trace_not_the_run(tmp_path: Path) -> None:
+    with open("/dev/full", "w") as full:  # every write to it fails with ENOSPC
+        done = _generate(tmp_path, env={TRACE_ENV: "1"}, stderr=full, stdout=subprocess.PIPE)
+    assert done.returncode == 2  # the failure could not be told, but its status is
+    assert "ROMEO." in done.stdout
+    assert "tokens/s" in done.stdout
