@@ -7,6 +7,7 @@ that cannot take the output ends quietly when its reader went away (``adaspec co
 device: exit status 2). Anything else is a bug in adaspec and keeps its traceback.
 """
 
+import contextlib
 import json
 import os
 import sys
@@ -269,7 +270,9 @@ def run_to_stdout(argv: Sequence[str]) -> int:
         if isinstance(failed.error, BrokenPipeError):
             return 141
         reason = failed.error.strerror or type(failed.error).__name__
-        print(f"{command}: error: stdout: cannot write the output ({reason})", file=sys.stderr)
+        with contextlib.suppress(OSError):  # a full standard error too: the status says it
+            print(f"{command}: error: stdout: cannot write the output ({reason})",
+                  file=sys.stderr)
         return 2
     finally:
         sys.stdout = stdout

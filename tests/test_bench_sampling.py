@@ -158,8 +158,8 @@ def test_the_plain_loop_is_skipped_with_its_reason_when_requests_sample(
     assert names == ["none", "fixed:3", "adaptive-depth"]  # the others run sampled requests
 
 
-EXPECTED = ("expected a number in 0..100 (0: greedy, above 0: sampled), or a "
-            "comma-separated mix of distinct ones such as 0,0.8")
+EXPECTED = ("expected 0 (greedy) or a number in 1e-05..100 (sampled), or a comma-separated "
+            "mix of distinct ones such as 0,0.8")
 
 
 @pytest.mark.parametrize(("flags", "message"), [
@@ -168,7 +168,8 @@ EXPECTED = ("expected a number in 0..100 (0: greedy, above 0: sampled), or a "
     (["--temperature=inf"], f"--temperature=inf: {EXPECTED}"),
     (["--temperature=1e999"], f"--temperature=1e999: {EXPECTED}"),
     (["--temperature=warm"], f"--temperature=warm: {EXPECTED}"),
-    (["--temperature="], f"--temperature='': {EXPECTED}"),
+    (["--temperature="], "--temperature='': expected a value (--temperature=T[,T...])"),
+    (["--temperature=1e-320"], f"--temperature=1e-320: {EXPECTED}"),
     (["--temperature=0,,0.8"], f"--temperature=0,,0.8: {EXPECTED}"),
     (["--temperature=0.8,0.80"], "--temperature=0.8,0.80: expected distinct values"),
     (["--temperature=101"], f"--temperature=101: {EXPECTED}"),

@@ -105,7 +105,7 @@ def test_coverage_gaps_have_no_price() -> None:
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    (lambda d: d.update(version=2), "version=2: expected 1"),
+    (lambda d: d.update(version=2), "version=2: expected the integer 1"),
     (lambda d: d["compatibility"].pop("device"), r"compatibility\.device=missing"),
     (lambda d: d["compatibility"].update(unified="no"),
      r"compatibility\.unified=no: expected true or false"),
@@ -138,7 +138,9 @@ def test_coverage_gaps_have_no_price() -> None:
      r"seconds in 1e-06\.\.3600"),
     # Settings that contradict the compatibility (or the profiles) they were saved with.
     (lambda d: d["settings"].update(draft_width=7),
-     r"settings\.draft_width=7: expected 5, the draft_width of the compatibility"),
+     r"settings\.draft_width=7: expected the integer 5, the draft_width of the compatibility$"),
+    (lambda d: d["settings"].update(draft_width="5"),
+     r"settings\.draft_width=5: expected the integer 5, .* got a string"),
     (lambda d: d["settings"].update(request_buckets=[1, 4]),
      r"settings\.request_buckets=\[1, 4\]: expected a list of values from "
      r"compatibility\.request_buckets \[1, 2\]"),

@@ -138,3 +138,21 @@ def test_config_checks_a_saved_tables_contents_and_launch_fields(
     good = tmp_path / "good.json"
     bundle().save(str(good))
     assert cli.run(["config", *ATV, f"--adaptive_target_verify_cost_table={good}"]) == 0
+
+
+@pytest.mark.parametrize(("buckets", "rows"), [
+    ([0, 2], [[1, 2, 4, 6], [2, 4, 6, 8, 12]]),
+    ([1, 1], [[1, 2, 4, 6], [2, 4, 6, 8, 12]]),
+    ([2, 1], [[1, 2, 4, 6], [2, 4, 6, 8, 12]]),
+    ([1, 2], [[6, 4, 2, 1], [2, 4, 6, 8, 12]]),
+    ([1, 2], [[1, 1, 2, 4], [2, 4, 6, 8, 12]]),
+])
+def test_a_saved_compatibility_with_buckets_or_tiers_no_launch_captures_is_refused(
+        tmp_path: Path, buckets: list[int], rows: list[list[int]]) -> None:
+    # Before, any list of integers passed: a table no launch could have saved was accepted.
+    data = json.loads(bundle().to_json())
+    data["compatibility"].update(request_buckets=buckets, target_rows=rows)
+    path, data = saved(tmp_path, data)
+    with pytest.raises(ConfigError, match=r"compatibility\.(request_buckets|target_rows)=.*: "
+                                          r"expected .*strictly increasing"):
+        load_bundle(path, data)

@@ -9,6 +9,7 @@ does) for the writers alone, and a real one for whole commands, a file-size limi
 """
 
 import errno
+import json
 import os
 import resource
 import signal
@@ -136,3 +137,26 @@ def test_a_trace_onto_a_full_standard_error_ends_the_trace_not_the_run(tmp_path:
     assert done.returncode == 2  # the failure could not be told, but its status is
     assert "ROMEO." in done.stdout
     assert "tokens/s" in done.stdout
+
+
+def test_bench_prints_its_report_when_an_event_log_fills(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    command = [sys.executable, "-m", "adaspec", "bench", "--arms=none", "--concurrency=1",
+               "--requests=1", "--max_tokens=200", "--passes=1", "--json",
+               f"--event_log_dir={logs}"]
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          check=False, preexec_fn=_small_files)
+    assert done.returncode == 2
+    assert json.loads(done.stdout)["arms"][0]["arm"] == "none"  # the report is not lost
+    assert done.stderr.splitlines()[-1] == (
+        f"adaspec bench: error: event log {logs / 'none.jsonl'}: cannot write it (File too "
+        "large); the log is incomplete, the run went on without it")
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_both_standard_streams_full_still_exit_2() -> None:
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "adaspec", "config"], stdout=full,
+                              stderr=full, timeout=120, check=False)
+    assert done.returncode == 2  # was 1: the one-line report itself failed with a traceback

@@ -56,9 +56,15 @@ def test_neutral_values_of_unsupported_features_are_accepted(field: str, value: 
 
 
 @pytest.mark.parametrize(("fields", "message"), [
-    ({"temperature": -0.1}, "request field temperature=-0.1: expected a number in 0..100"),
-    ({"temperature": float("nan")}, "request field temperature=nan: expected a number in 0..100"),
-    ({"temperature": "0.5"}, "request field temperature=0.5: expected a number in 0..100"),
+    ({"temperature": -0.1}, "request field temperature=-0.1: expected 0 (greedy) or a number in "
+                            "1e-05..100"),
+    ({"temperature": float("nan")}, "request field temperature=nan: expected 0 (greedy) or a "
+                                    "number in 1e-05..100"),
+    ({"temperature": "0.5"}, "request field temperature=0.5: expected 0 (greedy) or a number in "
+                             "1e-05..100"),
+    # Logits over 5e-324 overflow to inf: the sampler would draw from NaN probabilities.
+    ({"temperature": 5e-324}, "request field temperature=5e-324: expected 0 (greedy) or a "
+                              "number in 1e-05..100"),
     ({"top_k": -1}, "request field top_k=-1: expected an integer in 0..2147483647 (0: off)"),
     ({"top_p": 0.0}, "request field top_p=0.0: expected a number in (0, 1]"),
     ({"top_p": 1.5}, "request field top_p=1.5: expected a number in (0, 1]"),

@@ -10,7 +10,7 @@ from runtime_helpers import config, decode, lossless_prompts
 
 from adaspec.config import SamplingParams
 from adaspec.models import ReferenceModels, load_reference_models
-from adaspec.runtime.engine import Runtime
+from adaspec.runtime.engine import Runtime, RuntimeStopped
 from adaspec.runtime.events.types import Event, RequestFinished, RoundRetired
 from adaspec.runtime.requests import RequestFailed, RequestResult
 
@@ -173,3 +173,28 @@ def test_start_is_refused_while_running_or_shutting_down_and_a_restart_opens_fre
     assert [r.token_ids for r in results] == [*target_only, target_only[0]]
     assert runtime.hooks.empty  # the first run's trace hook went with it
     assert len(second.read_text().splitlines()) < len(first.read_text().splitlines())
+
+
+@pytest.mark.parametrize("yields", [0, 1, 2])
+def test_a_stop_during_a_start_abandons_it_and_no_request_is_left_waiting(
+        models: ReferenceModels, yields: int) -> None:
+    # Before, the start went on after the stop had closed the stream: submit was accepted
+    # and its request waited forever (or the start died on an AttributeError).
+    async def race() -> None:
+        runtime = Runtime(config("MTP", 3, 2), models=models)
+        starting = asyncio.ensure_future(runtime.start())
+        for _ in range(yields):
+            await asyncio.sleep(0)
+        started, stopped = await asyncio.gather(starting, runtime.stop(),
+                                                return_exceptions=True)
+        assert isinstance(started, RuntimeStopped)
+        assert str(started).startswith("stop() was called while the runtime was starting")
+        assert stopped is None
+        with pytest.raises(RuntimeStopped):
+            runtime.submit([1, 2], greedy(1)[0])
+        await runtime.start()  # a start after it works
+        result = await runtime.submit([1, 2], greedy(1)[0]).result()
+        await runtime.stop()
+        assert result.finish_reason == "length"
+
+    asyncio.run(race())

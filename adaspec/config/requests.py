@@ -14,6 +14,9 @@ from adaspec.config.launch import LaunchConfig
 from adaspec.errors import MISSING, InvalidRequest, UnsupportedRequest
 
 MAX_TEMPERATURE = 100.0
+MIN_TEMPERATURE = 1e-5
+"""The smallest positive temperature: logits divided by much less overflow the sampler's
+floats (to inf, then NaN probabilities), which would decode garbage rather than sample."""
 MAX_NEW_TOKENS = 1 << 20
 
 _STRUCTURED = "structured-output constraints are not supported"
@@ -75,10 +78,11 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         temperature = self.temperature
-        if temperature is not None and not (
-                _number(temperature) and 0.0 <= temperature <= MAX_TEMPERATURE):
+        if temperature is not None and not (_number(temperature) and (
+                temperature == 0.0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE)):
             raise InvalidRequest("temperature", temperature,
-                                 f"expected a number in 0..{MAX_TEMPERATURE:g}")
+                                 f"expected 0 (greedy) or a number in "
+                                 f"{MIN_TEMPERATURE:g}..{MAX_TEMPERATURE:g}")
         self._check_filters()
         if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_NEW_TOKENS:
             raise InvalidRequest("max_tokens", self.max_tokens,

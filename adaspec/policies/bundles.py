@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from adaspec.config.calibration import (
+    MAX_BATCH_ROWS,
     MAX_STEPS,
     MAX_TOKENS_IN_CONTEXT,
     ContextInterval,
@@ -278,8 +279,10 @@ def bundle_from_dict(data: Mapping[str, object], source: str) -> CostBundle:
         return _legacy(data, source)
     version = data["version"]
     if type(version) is not int or version != BUNDLE_VERSION:
-        raise ConfigError("version", version, f"expected {BUNDLE_VERSION} (the only bundle "
-                          "version; a table without a version is read as a legacy table)")
+        got = "" if type(version) is int else f", got {json_type(version)}"
+        raise ConfigError("version", version, f"expected the integer {BUNDLE_VERSION} (the "
+                          "only bundle version; a table without a version is read as a legacy "
+                          f"table){got}")
     _exact_keys("", data, {"version", "format", "compatibility", "settings", "profiles"})
     if data["format"] != BUNDLE_FORMAT:
         raise ConfigError("format", data["format"], f"expected {BUNDLE_FORMAT}")
@@ -374,9 +377,11 @@ def _check_settings(settings: Mapping[str, object], compatibility: Mapping[str, 
     claim measurements that its own launch could not have taken, so one of them is wrong.
     Keys the settings do not record are not checked (an embedding may record fewer)."""
     width = compatibility["draft_width"]
-    if "draft_width" in settings and settings["draft_width"] != width:
-        raise ConfigError("draft_width", settings["draft_width"],
-                          f"expected {width}, the draft_width of the compatibility")
+    given = settings.get("draft_width", width)
+    if type(given) is not int or given != width:
+        got = "" if type(given) is int else f", got {json_type(given)}"
+        raise ConfigError("draft_width", given, f"expected the integer {width}, the "
+                          f"draft_width of the compatibility{got}")
     captured = dict(zip(compatibility["request_buckets"], compatibility["target_rows"],
                         strict=True))
     if "request_buckets" in settings:
@@ -477,13 +482,20 @@ def _check_compatibility_types(data: Mapping[str, object]) -> None:
     if not isinstance(data["unified"], bool):
         raise ConfigError("unified", data["unified"], "expected true or false")
     buckets = data["request_buckets"]
-    if not isinstance(buckets, list) or not all(type(b) is int for b in buckets):
-        raise ConfigError("request_buckets", buckets, "expected a list of integers")
+    if not isinstance(buckets, list) or not _increasing(buckets):
+        raise ConfigError("request_buckets", buckets, f"expected a list of strictly increasing "
+                          f"integers in 1..{MAX_BATCH_ROWS}")
     rows = data["target_rows"]
     if (not isinstance(rows, list) or len(rows) != len(buckets)
-            or not all(isinstance(r, list) and all(type(g) is int for g in r) for r in rows)):
-        raise ConfigError("target_rows", rows, "expected one list of integer tiers per "
-                          "request bucket")
+            or not all(isinstance(r, list) and _increasing(r) for r in rows)):
+        raise ConfigError("target_rows", rows, f"expected one list of strictly increasing "
+                          f"integer tiers in 1..{MAX_BATCH_ROWS} per request bucket")
+
+
+def _increasing(values: list[object]) -> bool:
+    """A list of strictly increasing integers in 1..MAX_BATCH_ROWS (buckets, tiers)."""
+    return (all(type(v) is int and 1 <= v <= MAX_BATCH_ROWS for v in values)
+            and all(a < b for a, b in zip(values, values[1:], strict=False)))  # type: ignore[operator]
 
 
 def _exact_keys(where: str, data: Mapping[str, object], keys: set[str]) -> None:

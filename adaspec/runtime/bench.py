@@ -56,7 +56,13 @@ from scipy.special import stdtrit
 from adaspec.config import EffectiveConfig, SamplingParams, check_request, load_config
 from adaspec.config.flags import coerce
 from adaspec.config.launch import launch_field_types
-from adaspec.errors import ConfigError, UnsupportedRequest
+from adaspec.errors import (
+    AdaspecError,
+    ConfigError,
+    EventLogError,
+    OutputWriteError,
+    UnsupportedRequest,
+)
 from adaspec.models import ReferenceModels
 from adaspec.models.protocols import TargetModel
 from adaspec.runtime.calibration import Progress
@@ -444,12 +450,15 @@ RunProgress = Callable[[RunRecord, int, int], None]
 
 async def run_bench(plan: BenchPlan, models: Callable[[], ReferenceModels] | None = None,
                     run_progress: RunProgress | None = None,
-                    calibration_progress: Progress | None = None) -> list[RunRecord]:
+                    calibration_progress: Progress | None = None,
+                    output_failures: list[AdaspecError] | None = None) -> list[RunRecord]:
     """Start every arm, run every pass, stop every arm; the records in run order.
 
     ``models`` makes one set of models per arm (each runtime owns its KV caches, so arms
     never share one set); default: the built-in reference models. An arm that cannot run
-    the plan's temperatures is refused before any arm starts (``sampling_refusal``)."""
+    the plan's temperatures is refused before any arm starts (``sampling_refusal``). An
+    event log that could not be written whole is reported when its arm stops: into
+    ``output_failures`` when given (the records are returned all the same), else raised."""
     for arm in plan.arms:
         why = sampling_refusal(arm, plan.temperatures)
         if why is not None:
@@ -464,9 +473,20 @@ async def run_bench(plan: BenchPlan, models: Callable[[], ReferenceModels] | Non
             runtime = Runtime(arm.config, models=made,
                               options=_options(plan, arm, calibration_progress))
             await runtime.start()
-            stack.push_async_callback(runtime.stop)  # every started arm stops, whatever fails
+            # Every started arm stops, whatever fails.
+            stack.push_async_callback(_stop, runtime, output_failures)
             runtimes[arm.name] = runtime
         return await _passes(plan, runtimes, run_progress)
+
+
+async def _stop(runtime: Runtime, output_failures: list[AdaspecError] | None) -> None:
+    """Stop an arm; an output it could not write is kept in ``output_failures`` if given."""
+    try:
+        await runtime.stop()
+    except (EventLogError, OutputWriteError) as error:
+        if output_failures is None:
+            raise
+        output_failures.append(error)
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,8 +28,8 @@ import torch
 from adaspec.config.flags import coerce, parse_argv
 from adaspec.config.launch import BUILTIN_TARGET
 from adaspec.config.paths import existing_directory, new_file, path_status
-from adaspec.config.requests import MAX_TEMPERATURE
-from adaspec.errors import ConfigError
+from adaspec.config.requests import MAX_TEMPERATURE, MIN_TEMPERATURE
+from adaspec.errors import AdaspecError, ConfigError
 from adaspec.runtime.bench import (
     PLAIN,
     SAMPLED,
@@ -148,8 +148,9 @@ def _ints(name: str, raw: str, low: int, high: int) -> tuple[int, ...]:
     return values
 
 
-TEMPERATURES_EXPECTED = (f"expected a number in 0..{MAX_TEMPERATURE:g} (0: greedy, above 0: "
-                         "sampled), or a comma-separated mix of distinct ones such as 0,0.8")
+TEMPERATURES_EXPECTED = (f"expected 0 (greedy) or a number in {MIN_TEMPERATURE:g}.."
+                         f"{MAX_TEMPERATURE:g} (sampled), or a comma-separated mix of distinct "
+                         "ones such as 0,0.8")
 
 
 def read_temperatures(raw: str) -> tuple[float, ...]:
@@ -412,8 +413,10 @@ def run_bench_command(argv: Sequence[str]) -> int:
                          top_p=choices.top_p, min_p=choices.min_p)
         started, ticks, own = time.perf_counter(), cpu_times(), time.process_time()
         load_start = _load()
+        failures: list[AdaspecError] = []
         records = asyncio.run(run_bench(plan, run_progress=run_progress(sys.stderr),
-                                        calibration_progress=progress_reporter(sys.stderr)))
+                                        calibration_progress=progress_reporter(sys.stderr),
+                                        output_failures=failures))
     report = summarise(plan, records)
     report["seconds"] = round(time.perf_counter() - started, 1)
     report["machine"] = machine()
@@ -436,6 +439,8 @@ def run_bench_command(argv: Sequence[str]) -> int:
     sys.stdout.flush()
     if choices.plot is not None:  # after the report: a failed write loses the plot only
         write_plot(report, choices.plot)
+    if failures:  # an event log that could not be written, said after the report
+        raise failures[0]
     # No greedy request (None): no token-equality verdict applies, so none failed.
     return 1 if report["greedy_outputs_identical"] is False else 0
 

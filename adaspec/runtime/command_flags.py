@@ -168,6 +168,9 @@ class _Scan:
                 if has_value:
                     raise ConfigError(f"--{name}", value, "takes no value")
                 self._take(name, "", flag)
+            elif has_value and not value:  # "--name=": no flag takes nothing for a value
+                raise ConfigError(f"--{name}", value, f"expected a value (--{name}="
+                                  f"{flag.metavar})")
             else:
                 self._take(name, value if has_value else self._value_of(name, flag), flag)
         return ParsedFlags(given=tuple(self.given), positional=self._positional(),

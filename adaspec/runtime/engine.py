@@ -72,6 +72,9 @@ TRACE_ENV = "ADASPEC_TRACE"
 
 LOG = logging.getLogger("adaspec")
 
+ABANDONED = ("stop() was called while the runtime was starting; the start was abandoned: "
+             "start it again")
+
 
 @dataclass(frozen=True, slots=True)
 class RuntimeOptions:
@@ -170,10 +173,26 @@ class Runtime:
             raise RuntimeStopped("the runtime is starting, running or still shutting down: "
                                  "await stop() before starting it again")
         self._starting = True
+        self._stopping = None  # a stop() from now on abandons this start
         try:
             await self._start()
+        except Exception as error:
+            if self._stop_called() and not isinstance(error, RuntimeStopped):
+                # The stop closed the stream under a step of the start (a binding, a
+                # calibration window): that step's failure is the stop's doing.
+                raise RuntimeStopped(ABANDONED) from error
+            raise
         finally:
             self._starting = False
+
+    def _abandoned(self) -> None:
+        """Raise ``RuntimeStopped`` when a stop() came during the start: the start goes no
+        further, so no request can be queued to a runtime whose stream is closed."""
+        if self._stop_called():
+            raise RuntimeStopped(ABANDONED)
+
+    def _stop_called(self) -> bool:
+        return self._stopping is not None
 
     async def _start(self) -> None:
         launch = self.launch
@@ -214,6 +233,7 @@ class Runtime:
         elif plan is not None:
             self.costs = self._shared(await self._calibrate(ctx, geometry, registries, plan,
                                                              models))
+        self._abandoned()
         LOG.info(json.dumps(self.effective_log(geometry)))
         self._open_observers(models)
         self._pipeline = Pipeline(
@@ -222,7 +242,6 @@ class Runtime:
             budget_policy=self._budget_policy(), bus=self.bus, clock=self.clock,
             hooks=self.hooks, seed=self.options.seed)
         self._task = asyncio.get_running_loop().create_task(self._pipeline.run())
-        self._stopping = None
 
     def _device_context(self, models: ModelSet, device: torch.device) -> DeviceContext:
         launch = self.launch
@@ -258,6 +277,8 @@ class Runtime:
         make = binding_factory(models.target, launch.num_speculative_tokens, launch.device)
         registries = []
         for _ in range(2 if launch.enable_schedule_overlap else 1):
+            self._abandoned()
+            assert self._stream is not None  # a stop closes it only with _stopping set
             registry = BindingRegistry(geometry, make)
             await self._stream.enqueue(functools.partial(registry.prepare, pairs))
             registry.seal()

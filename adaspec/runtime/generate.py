@@ -11,6 +11,7 @@ prompt order. ``--speculative_algorithm=none`` runs the target alone, for compar
 
 import asyncio
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -19,7 +20,7 @@ from typing import Any
 
 from adaspec.config import SamplingParams, load_config
 from adaspec.config.flags import parse_argv
-from adaspec.config.launch import BUILTIN_TARGET
+from adaspec.config.launch import BUILTIN_TARGET, LaunchConfig
 from adaspec.config.paths import new_file, read_regular
 from adaspec.errors import (
     MISSING,
@@ -120,12 +121,21 @@ def _read_prompts_file(name: str) -> str:
         raise ConfigError("--prompts_file", name, "expected a UTF-8 text file") from None
 
 
-def check_outputs(values: dict[str, str]) -> None:
-    """The event log and the trace must be new files: refused before any model loads, not
-    after the startup that would come before the runtime opens them."""
-    for name in ("event_log", "trace"):
-        if name in values:
-            new_file(f"--{name}", values[name])
+def check_outputs(values: dict[str, str], launch: LaunchConfig) -> None:
+    """The event log and the trace must be new files, and no two outputs one file (the
+    launch's cost-table output included): refused before any model loads, not after the
+    startup that would come before the runtime opens them."""
+    outputs = {f"--{name}": values[name] for name in ("event_log", "trace") if name in values}
+    if launch.adaptive_target_verify_cost_table_output is not None:
+        outputs["--adaptive_target_verify_cost_table_output"] = \
+            launch.adaptive_target_verify_cost_table_output
+    for flag, path in outputs.items():
+        new_file(flag, path)
+    seen: dict[str, str] = {}
+    for flag, path in outputs.items():
+        same = seen.setdefault(os.path.realpath(path), flag)
+        if same != flag:
+            raise ConfigError(flag, path, f"expected a file of its own; {same} names it too")
 
 
 def _number(name: str, raw: str | None, default: int) -> int:
@@ -143,10 +153,15 @@ def sampling_params(values: dict[str, str]) -> SamplingParams:
     name; ``--temperature`` and ``--max_tokens`` are required by the parser."""
     filters = {name: sampling_flag(name, values[name])
                for name in ("top_k", "top_p", "min_p") if name in values}
+    temperature = sampling_flag("temperature", values["temperature"])
+    if filters and not temperature:  # greedy takes the argmax: a filter would do nothing
+        name = next(iter(filters))
+        raise ConfigError(f"--{name}", values[name], "filters sampled requests only; expected "
+                          "a positive --temperature with it")
     max_tokens = _number("max_tokens", values["max_tokens"], 0)
     try:
-        return SamplingParams(temperature=sampling_flag("temperature", values["temperature"]),
-                              max_tokens=max_tokens, **filters)  # type: ignore[arg-type]
+        return SamplingParams(temperature=temperature, max_tokens=max_tokens,
+                              **filters)  # type: ignore[arg-type]
     except InvalidRequest as error:
         raise ConfigError(f"--{error.field}", values[error.field], error.expected) from None
 
@@ -197,7 +212,7 @@ def run_generate(argv: Sequence[str]) -> int:
     seed = _number("seed", args.values.get("seed"), 0)
     if not 0 <= seed < MAX_SEED:
         raise ConfigError("--seed", seed, f"expected an integer in 0..{MAX_SEED - 1}")
-    check_outputs(args.values)
+    check_outputs(args.values, config.launch)
     check_runnable_here(config.launch)
     options = RuntimeOptions(seed=seed,
                              event_log=args.values.get("event_log"),
