@@ -4,6 +4,7 @@ integers past any float, counts of zero, cost-table samples at shapes their own 
 captured, files that read without end. A cost table that cannot be written whole leaves no
 truncated file behind."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -14,6 +15,9 @@ import pytest
 from cost_tables import SETTINGS, bundle, saved
 
 from adaspec import cli
+from adaspec.config import load_config
+from adaspec.config.builtin import builtin_checkpoints
+from adaspec.config.flags import parse_argv
 from adaspec.errors import ConfigError
 from adaspec.policies.bundles import load_bundle
 from adaspec.policies.workloads import synthetic
@@ -135,9 +139,30 @@ def test_config_checks_a_saved_tables_contents_and_launch_fields(
         f"adaspec config: error: --adaptive_target_verify_cost_table={other}: draft_width is 7 "
         "in the saved table but 5 in this launch; calibrate this launch (drop the flag) or "
         "give a table saved by a matching one\n")
+    # The built-in models' identities and context limit come from their model card.
+    launch = load_config(parse_argv(ATV)).launch
+    known = builtin_checkpoints(launch)
+    assert known is not None
+    identities, context_limit = known
     good = tmp_path / "good.json"
-    bundle().save(str(good))
+    dataclasses.replace(bundle(), compatibility={**bundle().compatibility,
+                                                 **identities}).save(str(good))
     assert cli.run(["config", *ATV, f"--adaptive_target_verify_cost_table={good}"]) == 0
+    capsys.readouterr()
+    assert cli.run(["config", *ATV, f"--adaptive_target_verify_cost_table={other}"]) == 2
+    foreign = tmp_path / "foreign.json"
+    bundle().save(str(foreign))  # measured on models whose identity is "target-id"
+    assert cli.run(["config", *ATV, f"--adaptive_target_verify_cost_table={foreign}"]) == 2
+    assert "target is target-id in the saved table but " in capsys.readouterr().err
+    beyond = tmp_path / "beyond.json"
+    data = json.loads(good.read_text())
+    data["profiles"][0]["context"]["max_kv_length"] = 4096
+    data["settings"]["contexts"][0]["max_kv_length"] = 4096
+    beyond.write_text(json.dumps(data))
+    assert cli.run(["config", *ATV, f"--adaptive_target_verify_cost_table={beyond}"]) == 2
+    assert capsys.readouterr().err.endswith(
+        f"profiles[0].context.max_kv_length=4096: expected at most the model's context limit "
+        f"{context_limit}\n")
 
 
 @pytest.mark.parametrize(("buckets", "rows"), [

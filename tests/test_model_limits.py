@@ -10,10 +10,16 @@ import pytest
 
 from adaspec import cli
 from adaspec.config import load_config
-from adaspec.config.builtin import BUILTIN_DSPARK_MAX_WIDTH, check_builtin_limits
+from adaspec.config.builtin import (
+    BUILTIN_DSPARK_MAX_WIDTH,
+    BUILTIN_FOLDERS,
+    builtin_checkpoints,
+    check_builtin_limits,
+)
 from adaspec.config.launch import BUILTIN_TARGETS
 from adaspec.errors import ConfigError
 from adaspec.models import load_reference_models
+from adaspec.models.families import FAMILIES
 from adaspec.models.limits import check_model_limits
 
 DSPARK_8 = ["--speculative_algorithm=DSpark", "--num_speculative_tokens=8"]
@@ -37,6 +43,14 @@ def test_the_builtin_limits_are_those_of_the_shipped_drafters(family: str) -> No
     assert set(BUILTIN_DSPARK_MAX_WIDTH) == set(BUILTIN_TARGETS.values())
     models = load_reference_models(name=family)
     assert BUILTIN_DSPARK_MAX_WIDTH[family] == models.dspark.max_width
+    assert BUILTIN_FOLDERS[family] == FAMILIES[family].folder
+    model = next(name for name, value in BUILTIN_TARGETS.items() if value == family)
+    for algorithm, drafter in (("MTP", models.mtp), ("DSpark", models.dspark)):
+        launch = load_config({"model": model, "speculative_algorithm": algorithm,
+                              "num_speculative_tokens": 3}).launch
+        assert builtin_checkpoints(launch) == ({"target": models.target.identity,
+                                                "draft": drafter.identity},
+                                               models.target.context_limit)
 
 
 @pytest.mark.parametrize("model", sorted(BUILTIN_TARGETS))

@@ -5,12 +5,39 @@ than they were trained to do; such a launch is refused here, before anything loa
 failing every request at its first round. Kept free of torch so ``adaspec config`` stays fast.
 """
 
+import json
+from pathlib import Path
+
 from adaspec.config.launch import BUILTIN_TARGETS, LaunchConfig
 from adaspec.errors import ConfigError
 
 BUILTIN_DSPARK_MAX_WIDTH: dict[str, int] = {"small": 7, "large": 7}
 """The widest block the DSpark drafter of each built-in family drafts (its ``max_width``: one
 learned query per position); a test pins these to the shipped weights."""
+
+
+BUILTIN_FOLDERS: dict[str, str] = {"small": ".", "large": "large"}
+"""The folder of each built-in family's checkpoints and model card under the weights package
+(``adaspec/models/families.py`` names the same; a test pins them together)."""
+
+WEIGHTS = Path(__file__).resolve().parents[1] / "models" / "weights"
+"""Found by path: importing the weights package would import torch."""
+
+
+def builtin_checkpoints(launch: LaunchConfig) -> tuple[dict[str, str], int] | None:
+    """The checkpoint identities of a launch of the built-in models (``target``, and
+    ``draft``: the drafter its algorithm uses, "none" without one) and the target's context
+    limit, read from the shipped model card without loading anything; None for other
+    models."""
+    if not uses_builtin_models(launch):
+        return None
+    folder = BUILTIN_FOLDERS[BUILTIN_TARGETS[launch.model]]
+    card = json.loads((WEIGHTS / folder / "model_card.json").read_text(encoding="utf-8"))
+    models = card["models"]
+    drafter = {"MTP": "mtp", "DSpark": "dspark"}.get(launch.speculative_algorithm)
+    identities = {"target": models["target"]["identity"],
+                  "draft": models[drafter]["identity"] if drafter else "none"}
+    return identities, int(models["target"]["config"]["context_limit"])
 
 
 def uses_builtin_models(launch: LaunchConfig) -> bool:

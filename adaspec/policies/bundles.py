@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from adaspec.config.builtin import builtin_checkpoints
 from adaspec.config.calibration import (
     MAX_BATCH_ROWS,
     MAX_STEPS,
@@ -225,6 +226,11 @@ class CostBundle:
         profile lies within the target's ``context_limit`` (calibration never measures
         beyond it, so such a profile was measured on another model)."""
         self.check_fields(launch.as_dict(), path)
+        self.check_context_limit(path, context_limit)
+
+    def check_context_limit(self, path: str, context_limit: int) -> None:
+        """Refuse a profile beyond the target's context limit: calibration never measures
+        past it, so such a profile was measured on another model."""
         for index, profile in enumerate(self.profiles):
             if profile.context.max_kv_length > context_limit:
                 raise ConfigError(f"--adaptive_target_verify_cost_table={path}: profiles"
@@ -254,13 +260,20 @@ def launch_fields(launch: LaunchConfig) -> dict[str, object]:
 
 def check_saved_table(launch: LaunchConfig) -> None:
     """A launch's saved cost table (when it names one): its contents checked as a load
-    checks them, and the fields the launch fixes compared, so ``adaspec config`` refuses
-    what the start would."""
+    checks them, and the fields the launch fixes compared (for the built-in models also
+    their identities and context limit, from the model card), so ``adaspec config`` refuses
+    what the start would; only the captured geometry is left to the start."""
     path = launch.adaptive_target_verify_cost_table
     if path is None or not launch.enable_adaptive_target_verify:
         return
     bundle = load_bundle(path, read_json_object("adaptive_target_verify_cost_table", path))
-    bundle.check_fields(launch_fields(launch), path)
+    known = builtin_checkpoints(launch)
+    if known is None:
+        bundle.check_fields(launch_fields(launch), path)
+        return
+    identities, context_limit = known
+    bundle.check_fields({**launch_fields(launch), **identities}, path)
+    bundle.check_context_limit(path, context_limit)
 
 
 def _priced(profile: CostProfile | None, num_reqs_bucket: int, second: int) -> float | None:
