@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 from cost_tables import depth_bundle
+from runtime_helpers import config, decode
 
 from adaspec import cli
+from adaspec.config import SamplingParams
 from adaspec.errors import ConfigError
 from adaspec.policies.base import BudgetContext, DepthContext, RoundFeedback
 from adaspec.policies.bundles import CostBundle
@@ -27,6 +29,7 @@ from adaspec.policies.simulate import (
 from adaspec.policies.verify import AdaptiveVerify
 from adaspec.policies.workloads import shaped_tables, synthetic
 from adaspec.runtime.devices.allocation import allocate_prefixes
+from adaspec.runtime.engine import RuntimeOptions
 
 KINDS = ("high", "low", "step", "drift", "alternating")
 CHANGING = ("step", "drift", "alternating")
@@ -262,3 +265,32 @@ def test_simulate_prices_depths_as_the_runtime_does(num_reqs: int, kv_length: in
                          costs).decisions[100:]
     depths = [depth for depth, _ in decisions]
     assert max(set(depths), key=depths.count) == settled
+
+
+@pytest.mark.parametrize(("policies", "message"), [
+    (["fixed:5", "fixed:5"], "--policy=fixed:5: given twice; name each policy once"),
+    (["fixed:05"], "--policy=fixed:05: expected fixed:K with K in 1..5"),
+])
+def test_cli_refuses_a_policy_named_twice_or_spelled_two_ways(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], policies: list[str],
+        message: str) -> None:
+    # Before, both printed figures: two identical rows, and a row named fixed:05.
+    workload, table = tmp_path / "w.jsonl", tmp_path / "costs.json"
+    workload.write_text("\n".join(synthetic("high", rounds=10).as_lines()))
+    TABLES["staircase"].save(str(table))
+    argv = ["simulate", "--workload", str(workload), "--cost_table", str(table)]
+    assert cli.run([*argv, *(f"--policy={policy}" for policy in policies)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == f"adaspec simulate: error: {message}\n"
+
+
+def test_cli_refuses_depth_policies_on_a_dspark_log(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    log = tmp_path / "run.jsonl"
+    decode(config("DSpark", 3, 2), [b"ROMEO."], [SamplingParams(temperature=0.0, max_tokens=8)],
+           options=RuntimeOptions(event_log=str(log)))
+    assert cli.run(["simulate", "--workload", str(log), "--policy=adaptive-depth"]) == 2
+    assert capsys.readouterr().err == ("adaspec simulate: error: --policy=adaptive-depth: "
+                                       "chooses MTP draft depths; the event log records a "
+                                       "DSpark run\n")

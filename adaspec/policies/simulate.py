@@ -325,7 +325,7 @@ def make_policies(spec: str, costs: CostBundle, width: int,
         value = spec.partition(":")[2]
         # ASCII and short first: int() refuses "²" and strings of thousands of digits.
         if not (value.isascii() and value.isdigit() and len(value) <= 4) \
-                or not 1 <= int(value) <= width:
+                or not 1 <= int(value) <= width or value != str(int(value)):
             raise ConfigError("--policy", spec, f"expected fixed:K with K in 1..{width}")
         return FixedAt(int(value)), FullBudget()
     if spec in ("adaptive-verify", "oracle") and any(p.over == "depth"

@@ -57,9 +57,10 @@ def run_simulate(argv: Sequence[str]) -> int:
         print(SIMULATE.help())
         return 0
     workload, run = read_workload(args["workload"])
+    policies = args.values("policy")
+    _check_policy_names(policies, run)
     table = args.get("cost_table")
     costs = _costs(table, run, workload.name)
-    policies = args.values("policy")
     for spec in policies:  # every name checked before any policy runs
         make_policies(spec, costs, workload.width)
     results = [simulate(spec, workload, costs, table or "log") for spec in policies]
@@ -71,6 +72,17 @@ def run_simulate(argv: Sequence[str]) -> int:
     else:
         print(_table(report))
     return 0
+
+
+def _check_policy_names(policies: Sequence[str], run: "RecordedRun | None") -> None:
+    """Each policy once, and no draft-depth policy on a recorded run that drafts no depths."""
+    for index, spec in enumerate(policies):
+        if spec in policies[:index]:
+            raise ConfigError("--policy", spec, "given twice; name each policy once")
+        algorithm = None if run is None else run.launch.speculative_algorithm
+        if algorithm not in (None, "MTP") and spec in ("adaptive-depth", "oracle-depth"):
+            raise ConfigError("--policy", spec, f"chooses MTP draft depths; the event log "
+                              f"records a {algorithm} run")
 
 
 def read_workload(path: str) -> tuple[Workload, "RecordedRun | None"]:
