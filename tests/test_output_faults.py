@@ -26,6 +26,7 @@ from adaspec.errors import ConfigError, EventLogError, OutputWriteError
 from adaspec.runtime.engine import TRACE_ENV, Runtime, RuntimeOptions
 from adaspec.runtime.events.clock import VirtualClock
 from adaspec.runtime.events.log import EventLogWriter
+from adaspec.runtime.events.outputs import ObserverFile
 from adaspec.runtime.events.types import RequestArrived
 from adaspec.runtime.states import RoundHooks, RoundState, RoundStates
 from adaspec.runtime.trace import StateTrace
@@ -46,7 +47,7 @@ class FullDiskFile:
 
 def test_a_trace_that_cannot_write_stops_tracing_and_says_so_at_close() -> None:
     trace = StateTrace([structlog.processors.JSONRenderer()],
-                       structlog.PrintLogger(FullDiskFile()),  # type: ignore[arg-type]
+                       ObserverFile(FullDiskFile()),  # type: ignore[arg-type]
                        VirtualClock(), setting="ADASPEC_TRACE", path="-")
     states = RoundStates(0, RoundHooks(), slot=0)
     for _ in range(3):  # the round's move is never refused because of the trace
@@ -64,8 +65,8 @@ def test_an_event_log_that_cannot_write_drops_later_events_and_says_so_at_close(
     path = tmp_path / "run.jsonl"
     writer = EventLogWriter(path, {"config": {}, "cost_table": None, "seeds": {},
                                    "policies": {}})
-    writer._file.close()  # type: ignore[union-attr]
-    writer._file = FullDiskFile()  # type: ignore[assignment]
+    writer._file.close()
+    writer._file = ObserverFile(FullDiskFile())  # type: ignore[arg-type]
     event = RequestArrived(time=0.0, request_id=0, num_prompt_tokens=1, sampling={})
     writer.write(event)  # refused by the disk: no exception into the publisher
     writer.write(event)

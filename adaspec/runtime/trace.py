@@ -10,12 +10,13 @@ import json
 import sys
 from collections.abc import Callable, Iterator, MutableMapping
 from contextlib import contextmanager
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 import structlog
 
 from adaspec.errors import ConfigError, OutputWriteError
 from adaspec.runtime.events.clock import Clock
+from adaspec.runtime.events.outputs import ObserverFile, reason
 from adaspec.runtime.events.types import (
     BudgetDecided,
     DepthDecided,
@@ -50,14 +51,16 @@ class StateTrace:
     ends the trace, never the round, and ``close`` then raises ``OutputWriteError``."""
 
     def __init__(self, processors: list[Callable[[Any, str, EventDict], Any]],
-                 logger: Any, clock: Clock, file: TextIO | None = None, *,
-                 setting: str = "trace", path: str = STDERR) -> None:
-        self._log = structlog.wrap_logger(logger, processors=processors)
+                 file: ObserverFile | None, clock: Clock, *, setting: str = "trace",
+                 path: str = STDERR) -> None:
+        # structlog's PrintLogger writes each line and flushes it; the ObserverFile keeps a
+        # failure of either for close.
+        self._log = structlog.wrap_logger(structlog.PrintLogger(cast(TextIO, file)),
+                                          processors=processors)
         self._clock = clock
         self._file = file
         self._rounds: dict[int, dict[str, Any]] = {}
         self._setting, self._path = setting, path
-        self._failure: OSError | None = None
 
     @classmethod
     def to_file(cls, path: str, clock: Clock, setting: str = "trace") -> "StateTrace":
@@ -67,14 +70,13 @@ class StateTrace:
         render: list[Callable[[Any, str, EventDict], Any]] = [
             structlog.processors.JSONRenderer()]
         if path == STDERR:
-            return cls(render, structlog.PrintLogger(sys.stderr), clock, setting=setting)
+            return cls(render, ObserverFile(sys.stderr, owned=False), clock, setting=setting)
         try:
             file = open(path, "x", encoding="utf-8")  # noqa: SIM115 - closed by close()
         except OSError as error:
             raise ConfigError(setting, path, f"cannot create the state trace file "
                               f"({error.strerror}); give a new path") from None
-        return cls(render, structlog.PrintLogger(file), clock, file, setting=setting,
-                   path=path)
+        return cls(render, ObserverFile(file), clock, setting=setting, path=path)
 
     @classmethod
     def to_list(cls, lines: list[dict[str, Any]], clock: Clock) -> "StateTrace":
@@ -82,7 +84,7 @@ class StateTrace:
         def keep(logger: Any, name: str, event: EventDict) -> Any:
             lines.append(dict(event))
             raise structlog.DropEvent
-        return cls([keep], structlog.PrintLogger(), clock)
+        return cls([keep], None, clock)
 
     def observe(self, event: Event) -> None:
         """Remember each round's start and decisions until its transitions are traced."""
@@ -98,15 +100,6 @@ class StateTrace:
 
     def hook(self, states: RoundStates, source: RoundState, target: RoundState,
              trigger: str) -> None:
-        if self._failure is not None:
-            return
-        try:
-            self._trace(states, source, target, trigger)
-        except OSError as error:
-            self._failure = error
-
-    def _trace(self, states: RoundStates, source: RoundState, target: RoundState,
-               trigger: str) -> None:
         info = self._rounds.get(states.round_index, {})
         decision: dict[str, Any] | None = None
         if source is RoundState.DRAFT and "depth" in info:
@@ -123,16 +116,9 @@ class StateTrace:
 
     def close(self) -> None:
         """Close the file; raises ``OutputWriteError`` when a write or the close failed."""
-        if self._file is not None:
-            file, self._file = self._file, None
-            try:
-                file.close()
-            except OSError as error:
-                self._failure = self._failure or error
-        if self._failure is not None:
-            failure, self._failure = self._failure, None
-            reason = failure.strerror or type(failure).__name__
-            raise OutputWriteError(self._setting, self._path, "state trace", reason)
+        failure = None if self._file is None else self._file.close()
+        if failure is not None:
+            raise OutputWriteError(self._setting, self._path, "state trace", reason(failure))
 
 
 @contextmanager

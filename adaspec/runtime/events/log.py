@@ -20,7 +20,7 @@ import json
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import IO, TYPE_CHECKING, Any, BinaryIO, NamedTuple, get_args, get_origin
+from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, get_args, get_origin
 
 from adaspec.config.paths import NotRegularFile, open_regular
 from adaspec.errors import EventLogError
@@ -31,6 +31,7 @@ from adaspec.policies.base import (
     DepthPolicy,
     RoundFeedback,
 )
+from adaspec.runtime.events.outputs import ObserverFile, reason
 from adaspec.runtime.events.types import (
     EVENT_TYPES,
     STAGES,
@@ -100,16 +101,15 @@ class EventLogWriter:
         first = _dumps({"format": FORMAT, "version": VERSION, **self._checked(header)})
         try:
             # Mode "x": creating fails when the file exists, with no window for a race.
-            self._file: IO[str] | None = open(
-                self.path, "x", encoding="utf-8", buffering=_BUFFER_BYTES)
+            self._file = ObserverFile(open(  # noqa: SIM115 - closed by close()
+                self.path, "x", encoding="utf-8", buffering=_BUFFER_BYTES))
         except FileExistsError:
             raise EventLogError(self.path, None, "already exists; an event log is never "
                                 "overwritten, choose a new path") from None
         except OSError as error:
-            reason = f"cannot create it: {_os_reason(error)}"
-            raise EventLogError(self.path, None, reason) from None
-        self._failure: OSError | None = None
-        self._write(first)
+            raise EventLogError(self.path, None, f"cannot create it: {reason(error)}") \
+                from None
+        self._file.write(first)
 
     def _checked(self, header: Mapping[str, Any]) -> Mapping[str, Any]:
         missing = [key for key in HEADER_KEYS if key not in header]
@@ -123,38 +123,20 @@ class EventLogWriter:
 
     def write(self, event: Event) -> None:
         """Append one event (a bus subscriber: runs synchronously inside ``publish``)."""
-        if self._file is None:
+        if self._file.closed:
             raise EventLogError(self.path, None, f"{event.kind} event written after close()")
-        self._write(_dumps(event))
-
-    def _write(self, line: str) -> None:
-        if self._failure is not None or self._file is None:
-            return
-        try:
-            self._file.write(line)
-        except OSError as error:
-            self._failure = error
+        self._file.write(_dumps(event))
 
     def flush(self) -> None:
         """Push buffered events to the operating system (say, before a risky operation)."""
-        if self._file is not None and self._failure is None:
-            try:
-                self._file.flush()
-            except OSError as error:
-                self._failure = error
+        self._file.flush()
 
     def close(self) -> None:
         """Write what is buffered and close; ``EventLogError`` when any write failed."""
-        if self._file is not None:
-            file, self._file = self._file, None
-            try:
-                file.close()
-            except OSError as error:
-                self._failure = self._failure or error
-            if self._failure is not None:
-                raise EventLogError(self.path, None, f"cannot write it "
-                                    f"({_os_reason(self._failure)}); the log is incomplete, "
-                                    "the run went on without it")
+        failure = self._file.close()
+        if failure is not None:
+            raise EventLogError(self.path, None, f"cannot write it ({reason(failure)}); "
+                                "the log is incomplete, the run went on without it")
 
     def __enter__(self) -> "EventLogWriter":
         return self
@@ -218,12 +200,12 @@ def read_event_log(path: str | os.PathLike[str]) -> EventLog:
         raise EventLogError(name, None, f"{error.strerror}; expected an event log "
                             "file") from None
     except OSError as error:
-        raise EventLogError(name, None, f"cannot open it: {_os_reason(error)}") from None
+        raise EventLogError(name, None, f"cannot open it: {reason(error)}") from None
     with file:
         try:
             return _read_lines(name, file)
         except OSError as error:  # a special file that passes for a regular one (/proc)
-            raise EventLogError(name, None, f"cannot read it: {_os_reason(error)}") from None
+            raise EventLogError(name, None, f"cannot read it: {reason(error)}") from None
 
 
 MAX_LINE_BYTES = 64 * 2**20
@@ -253,8 +235,6 @@ def _read_lines(name: str, file: BinaryIO) -> EventLog:
     return EventLog(header, events)
 
 
-def _os_reason(error: OSError) -> str:
-    return error.strerror or type(error).__name__
 
 
 # --- lines -------------------------------------------------------------------------------
