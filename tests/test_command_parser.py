@@ -225,9 +225,10 @@ def test_states_alone_prints_the_diagram(capsys: pytest.CaptureFixture[str]) -> 
 
 @pytest.mark.parametrize("argv", [["models", "--model="], ["generate", "--prompt=",
                                   "--max_tokens=2", "--temperature=0"],
-                                  ["simulate", "--workload=", "--policy=fixed:1"]])
+                                  ["simulate", "--workload=", "--policy=fixed:1"],
+                                  ["models", "--model", ""]])
 def test_an_empty_value_is_refused_not_read_as_the_default(
         argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     # Before, models --model= ran the default model and generate --prompt= a prompt of none.
     name = argv[1].split("=")[0]
-    assert refusal(argv, capsys).startswith(f"{name}='': expected a value ({name}=")
+    assert refusal(argv, capsys).startswith(f"{name}='': expected a value ({name}")

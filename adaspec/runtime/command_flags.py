@@ -184,7 +184,10 @@ class _Scan:
                               f"{flag.metavar}, or --{name}={flag.metavar} for a value that "
                               "starts with --)")
         self.index += 1
-        return self.argv[self.index - 1]
+        value = self.argv[self.index - 1]
+        if not value:  # --name "" means nothing, as --name= does
+            raise ConfigError(f"--{name}", value, f"expected a value (--{name} {flag.metavar})")
+        return value
 
     def _take(self, name: str, value: str, flag: Flag) -> None:
         first = next((v for given, v in self.given if given == name), None)
