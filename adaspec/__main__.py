@@ -1,5 +1,11 @@
 """``python -m adaspec`` runs the ``adaspec`` command."""
 
-from adaspec.cli import main
+import sys
+
+try:
+    from adaspec.cli import main
+except KeyboardInterrupt:  # Ctrl-C while the command's modules still load
+    print("adaspec: interrupted", file=sys.stderr)
+    sys.exit(130)
 
 main()

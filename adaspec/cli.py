@@ -4,7 +4,9 @@ User errors (an ``AdaspecError``) end with exit status 2 and exactly one line on
 names the flag or key, the value and what is expected; stdout stays empty. A standard output
 that cannot take the output ends quietly when its reader went away (``adaspec config | head
 -c1``: exit status 141, as a tool stopped by SIGPIPE) and with one line otherwise (a full
-device: exit status 2). Anything else is a bug in adaspec and keeps its traceback.
+device: exit status 2). Ctrl-C (SIGINT) stops a command with one line on stderr, ``adaspec
+COMMAND: interrupted``, and exit status 130 (128 + SIGINT, as a shell reports it). Anything
+else is a bug in adaspec and keeps its traceback.
 """
 
 import contextlib
@@ -23,7 +25,6 @@ from adaspec.config.flags import field_docs, parse_argv
 from adaspec.config.launch import BUILTIN_TARGET, BUILTIN_TARGETS, launch_field_types, metavar
 from adaspec.config.rules import CROSS_CHECKS
 from adaspec.errors import MISSING, AdaspecError, ConfigError, show_value
-from adaspec.policies.bundles import check_saved_table
 from adaspec.runtime.command_flags import CommandFlags, Flag, ParsedFlags
 
 USAGE = """usage: adaspec COMMAND [FLAGS]
@@ -88,7 +89,10 @@ def run_config(argv: Sequence[str]) -> int:
     # here runs; other models are checked against themselves when the runtime starts.
     check_builtin_limits(effective.launch)
     # The saved table's contents and the fields the launch fixes; the model identities and
-    # the captured geometry are compared when the runtime starts.
+    # the captured geometry are compared when the runtime starts. Imported here: it loads
+    # scipy, which would make every command start slower (and longer to interrupt cleanly).
+    from adaspec.policies.bundles import check_saved_table
+
     check_saved_table(effective.launch)
     document = {"adaspec_version": __version__, **effective.as_dict()}
     print(json.dumps(document, indent=2))
@@ -211,12 +215,24 @@ def run(argv: Sequence[str]) -> int:
     try:
         return command(argv[1:])
     except AdaspecError as error:
-        if sys.stderr is not None:  # None: started with descriptor 2 closed
-            try:
-                print(f"adaspec {argv[0]}: error: {error}", file=sys.stderr)
-            except OSError:  # a full standard error: the exit status still says it
-                pass
+        _say(f"adaspec {argv[0]}: error: {error}")
         return 2
+    except KeyboardInterrupt:  # Ctrl-C (SIGINT): the command has stopped what it ran
+        _say(f"adaspec {argv[0]}: interrupted")
+        return INTERRUPTED
+
+
+INTERRUPTED = 130
+"""The exit status of a command stopped by Ctrl-C: 128 + SIGINT, as a shell reports it."""
+
+
+def _say(line: str) -> None:
+    """One line on standard error, if there is one to take it."""
+    if sys.stderr is not None:  # None: started with descriptor 2 closed
+        try:
+            print(line, file=sys.stderr)
+        except OSError:  # a full standard error: the exit status still says it
+            pass
 
 
 class StdoutFailed(Exception):

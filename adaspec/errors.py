@@ -6,8 +6,37 @@ engine can map them to its own responses without parsing the message; ``str(erro
 one line that names the setting, the value given and what is expected.
 """
 
+import functools
+from collections.abc import Callable
+from typing import Any
+
+
 class AdaspecError(Exception):
-    """Base class of every error adaspec raises on purpose."""
+    """Base class of every error adaspec raises on purpose.
+
+    ``str()`` of every one, subclasses included, is one line: control characters that reach
+    a message (a newline in a model's own error text, an escape sequence in a name read from
+    a file) are shown escaped, as ``repr`` writes them, never written raw.
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__.get("__str__")
+        if own is not None and not getattr(own, "_one_line", False):
+            cls.__str__ = _one_line(own)  # type: ignore[method-assign]
+
+    def __str__(self) -> str:
+        return _printable(super().__str__())
+
+
+def _one_line(method: Callable[[Any], str]) -> Callable[[Any], str]:
+    """A subclass's own ``__str__``, its control characters escaped."""
+    @functools.wraps(method)
+    def __str__(self: Any) -> str:
+        return _printable(method(self))
+
+    __str__._one_line = True  # type: ignore[attr-defined]
+    return __str__
 
 
 class _Missing:

@@ -38,6 +38,7 @@ from adaspec.runtime.bench import (
 )
 from adaspec.runtime.bench_command import (
     CpuTicks,
+    _print_kinds,
     busy_warning,
     cpu_times,
     others_share,
@@ -200,6 +201,26 @@ def test_the_report_says_whether_the_best_fixed_width_changes_with_concurrency(
     steady = summary["fixed_within_noise_at_every_level"]
     assert summary["best_fixed_changes_with_concurrency"] == (not steady)
     assert all(arm in level["fixed_within_noise"] for arm in steady for level in levels)
+
+
+def test_the_rows_by_kind_show_no_tok_s_that_is_the_runs_own() -> None:
+    # Before, each kind's row showed its tokens over the run's whole time: with each prompt
+    # sent once at each temperature the kinds' tokens are equal, so every kind read the
+    # same figure, half the run's tok/s, as if it were the kind's speed.
+    def kind(tpot: float) -> dict[str, object]:
+        return {"requests": 2, "tokens": 48, "tokens_per_second": 141.7,
+                "tpot_ms": {"mean": tpot, "p50": tpot, "p90": tpot},
+                "mean_acceptance_length": 1.0, "acceptance_rate": None}
+
+    lines: list[str] = []
+    _print_kinds([{"arm": "none", "by_kind": {"greedy": kind(2.43), "sampled": kind(2.63)}}],
+                 lines.append)
+    header, rows = lines[1].split(), lines[2:]
+    assert "tok/s" not in header
+    assert "TPOT" in header
+    assert [row.split()[:4] for row in rows] == [["none", "greedy", "2", "2.43"],
+                                                 ["none", "sampled", "2", "2.63"]]
+    assert not any("141.7" in line for line in lines)
 
 
 def test_the_share_of_cpu_time_stolen_or_taken_by_others_is_reported() -> None:

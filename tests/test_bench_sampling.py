@@ -68,7 +68,6 @@ def test_a_mixed_run_splits_acceptance_and_speed_by_kind(mixed: dict[str, object
         for kind in kinds.values():
             assert kind["requests"] == 2
             assert kind["tokens"] == 2 * 8
-            assert kind["tokens_per_second"] > 0
             assert kind["tpot_ms"]["mean"] > 0
     assert by_arm["none"]["by_kind"][SAMPLED]["mean_acceptance_length"] == 1.0
     assert by_arm["none"]["by_kind"][SAMPLED]["acceptance_rate"] is None  # nothing drafted
@@ -135,7 +134,7 @@ def test_a_sampled_run_reports_each_arms_acceptance_for_sampled_requests(
         # One kind: its figures are the arm's own.
         assert sampled["mean_acceptance_length"] == entry["mean_acceptance_length"]
         assert sampled["acceptance_rate"] == entry["acceptance_rate"]
-        assert sampled["tokens_per_second"] == entry["tokens_per_second"]
+        assert "tokens_per_second" not in sampled  # the kinds share the run's time
     fixed = next(e for e in data["arms"] if e["arm"] == "fixed:3")
     assert 1.0 <= fixed["by_kind"][SAMPLED]["mean_acceptance_length"] <= 4.0
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from adaspec import cli
 from adaspec.cli import run
 from adaspec.config import RULES
 from adaspec.config.rules import CROSS_CHECKS
@@ -126,3 +127,16 @@ def test_a_value_that_starts_with_dashes_is_given_with_an_equals_sign(
     assert run(["generate", "--prompt=--max_tokens", "--max_tokens", "2",
                     "--temperature", "0"]) == 0
     assert "--max_tokens" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", sorted(cli.COMMANDS))
+def test_every_command_stops_on_ctrl_c_with_one_line_and_status_130(
+        command: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # adaspec generate is interrupted for real in test_generate_cli; here, the dispatch.
+    def interrupted(argv: object) -> int:
+        raise KeyboardInterrupt  # what Python raises on SIGINT, wherever the command is
+
+    monkeypatch.setitem(cli.COMMANDS, command, interrupted)
+    assert run([command]) == 130
+    assert capsys.readouterr() == ("", f"adaspec {command}: interrupted\n")

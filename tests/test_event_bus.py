@@ -39,6 +39,15 @@ def test_handlers_run_in_subscription_order_for_each_event() -> None:
                     ("hooks", 2.0)]
 
 
+def test_a_handler_subscribed_first_runs_before_those_subscribed_earlier() -> None:
+    bus = EventBus()
+    seen: list[str] = []
+    bus.subscribe(lambda event: seen.append("engine's"))
+    bus.subscribe(lambda event: seen.append("log"), first=True)
+    bus.publish(stage(0, time=1.0))
+    assert seen == ["log", "engine's"]
+
+
 def test_publish_without_subscribers_does_nothing() -> None:
     EventBus().publish(stage(0))
 

@@ -37,12 +37,15 @@ from adaspec.runtime.events.types import (
     StageCompleted,
 )
 
+MODELS = {"target": "target-id", "draft": "mtp-id"}  # checkpoint identities
+CONTEXT_LIMIT = 1024
 CONFIG = {"num_speculative_tokens": 3, "device": "cpu"}
 SEEDS = {"sampling": 7, "calibration": 11}
 
 
 def header() -> dict[str, Any]:
-    return log_header(config=CONFIG, cost_table=None, seeds=SEEDS,
+    return log_header(config=CONFIG, cost_table=None, models=MODELS,
+                      context_limit=CONTEXT_LIMIT, seeds=SEEDS, lag=2,
                       depth_policy=FixedDepth(), budget_policy=FullBudget(),
                       adaspec_version="0.1.0")
 
@@ -112,7 +115,7 @@ def test_header_comes_first_and_holds_what_replay_needs(tmp_path: Path) -> None:
     path = write_log(tmp_path / "run.jsonl")
     first = json.loads(lines_of(path)[0])
     assert list(first)[:2] == ["format", "version"]
-    assert (first["format"], first["version"]) == (FORMAT, VERSION) == ("adaspec-event-log", 1)
+    assert (first["format"], first["version"]) == (FORMAT, VERSION) == ("adaspec-event-log", 2)
     assert first["config"] == CONFIG
     assert first["cost_table"] is None
     assert first["seeds"] == SEEDS
@@ -162,7 +165,8 @@ def test_a_header_without_the_required_fields_is_refused_before_the_file_exists(
     tmp_path: Path,
 ) -> None:
     path = tmp_path / "run.jsonl"
-    with pytest.raises(EventLogError, match=r'line 1: header lacks "seeds", "policies"$'):
+    lacks = '"models", "context_limit", "seeds", "lag", "policies"'
+    with pytest.raises(EventLogError, match=rf"line 1: header lacks {lacks}$"):
         EventLogWriter(path, {"config": {}, "cost_table": None})
     assert not path.exists()
 
@@ -193,9 +197,9 @@ def test_an_unknown_format(tmp_path: Path) -> None:
 
 def test_another_version_names_both_versions(tmp_path: Path) -> None:
     def edit(lines: list[str]) -> None:
-        lines[0] = lines[0].replace('"version":1', '"version":2')
+        lines[0] = lines[0].replace("\"version\":2", "\"version\":1")
 
-    read_error(damaged(tmp_path, edit), 1, "log version 2, but this adaspec reads version 1 only")
+    read_error(damaged(tmp_path, edit), 1, "log version 1, but this adaspec reads version 2 only")
 
 
 def test_a_header_with_malformed_policies(tmp_path: Path) -> None:

@@ -1,9 +1,13 @@
 """`adaspec generate`, `adaspec states` and `adaspec replay` as scripts use them."""
 
+import contextlib
+import functools
 import json
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -118,6 +122,34 @@ def test_bad_generate_lines_exit_2_with_one_line(argv: list[str], message: str) 
     assert len(lines) == 1
     assert lines[0].startswith("adaspec generate: error: ")
     assert message in lines[0]
+
+
+def test_ctrl_c_stops_generate_with_one_line_and_status_130(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    # SIGINT as a terminal's Ctrl-C delivers it (a child started from a background job would
+    # otherwise inherit it ignored).
+    process = subprocess.Popen(
+        [sys.executable, "-m", "adaspec", "generate", "--prompt", "ROMEO.", "--max_tokens=1000",
+         "--temperature=0", f"--trace={trace}"], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+        preexec_fn=functools.partial(signal.signal, signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 300
+        while not (trace.exists() and trace.stat().st_size > 0):  # its first round is traced
+            assert time.monotonic() < deadline, "generate traced no round in 300 s"
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=0.05)
+            assert process.returncode is None, process.stderr.read()  # type: ignore[union-attr]
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=300)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert (process.returncode, out, err) == (130, "", "adaspec generate: interrupted\n")
+    # The request was ended, not decoded to its 1000 tokens (a round each) before the exit.
+    rounds = {event["round"] for event in map(json.loads, trace.read_text().splitlines())}
+    assert len(rounds) < 900
 
 
 def test_states_diagram_prints_the_declared_graph(capsys: pytest.CaptureFixture[str]) -> None:

@@ -163,6 +163,10 @@ def test_config_checks_a_saved_tables_contents_and_launch_fields(
     assert capsys.readouterr().err.endswith(
         f"profiles[0].context.max_kv_length=4096: expected at most the model's context limit "
         f"{context_limit}\n")
+    # A legacy table records no coverage: it prices every length, past no context limit.
+    legacy = tmp_path / "legacy.json"
+    legacy.write_text(json.dumps({**bundle().profiles[0].table.as_dict(), "draft_width": 5}))
+    assert cli.run(["config", *ATV, f"--adaptive_target_verify_cost_table={legacy}"]) == 0
 
 
 @pytest.mark.parametrize(("buckets", "rows"), [

@@ -63,8 +63,8 @@ def test_a_trace_that_cannot_write_stops_tracing_and_says_so_at_close() -> None:
 def test_an_event_log_that_cannot_write_drops_later_events_and_says_so_at_close(
         tmp_path: Path) -> None:
     path = tmp_path / "run.jsonl"
-    writer = EventLogWriter(path, {"config": {}, "cost_table": None, "seeds": {},
-                                   "policies": {}})
+    writer = EventLogWriter(path, {"config": {}, "cost_table": None, "models": {},
+                                   "context_limit": 2, "seeds": {}, "lag": 2, "policies": {}})
     writer._file.close()
     writer._file = ObserverFile(FullDiskFile())  # type: ignore[arg-type]
     event = RequestArrived(time=0.0, request_id=0, num_prompt_tokens=1, sampling={})

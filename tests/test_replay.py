@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from cost_tables import depth_bundle
+from logged_runs import with_requests
 
 from adaspec.config.calibration import DraftStepPolicyConfig
 from adaspec.config.effective import load_config
@@ -41,10 +42,11 @@ from adaspec.runtime.events.types import (
     RoundRetired,
     RoundSubmitted,
     StageCompleted,
-    event_from_record,
 )
 from adaspec.runtime.replay_command import main
 
+MODELS = {"target": "target-id", "draft": "dspark-id"}  # checkpoint identities
+CONTEXT_LIMIT = 4096  # the depth bundle prices contexts up to it
 WIDTH = 3  # w
 TIERS = (4, 8, 16)  # legal G; B * (w + 1) is 4, 8, 12 or 16, so every tier is chosen
 NUM_ROUNDS = 10
@@ -81,7 +83,7 @@ def round_events(round: int) -> list[Event]:
     """The events of one round, from its decisions to its last stage (retirement is later)."""
     slot = round % 2
     context = DepthContext(round=round, num_reqs=num_reqs(round), num_reqs_bucket=4,
-                           width=WIDTH, retired_through=max(round - 2, -1))
+                           width=WIDTH, retired_through=max(round - 2, -1), max_kv_length=64)
     rows = covering(round)
     return [DepthDecided(round=round, slot=slot, context=context, depth=WIDTH),
             BudgetDecided(round=round, slot=slot, context=budget_context(round), num_rows=rows,
@@ -103,12 +105,13 @@ def recorded_run() -> list[Event]:
             events.append(retired(round - 2))
         events += round_events(round)
     events += [retired(NUM_ROUNDS - 2), retired(NUM_ROUNDS - 1)]
-    return events
+    return with_requests(events, max(map(num_reqs, range(NUM_ROUNDS))))
 
 
 def write_run(path: Path, events: list[Event] | None = None) -> Path:
-    head = log_header(config=load_config(LAUNCH).as_dict(), cost_table=None,
-                      seeds={"sampling": 0}, depth_policy=FixedDepth(),
+    head = log_header(config=load_config(LAUNCH).as_dict(), cost_table=None, models=MODELS,
+                      context_limit=CONTEXT_LIMIT,
+                      seeds={"sampling": 0}, lag=2, depth_policy=FixedDepth(),
                       budget_policy=FullBudget())
     with EventLogWriter(path, head) as writer:
         for event in recorded_run() if events is None else events:
@@ -316,7 +319,7 @@ def test_cli_bad_log_exit_2_with_one_line_and_no_traceback(
     out, err = capsys.readouterr()
     assert out == ""
     assert err.count("\n") == 1
-    assert err.startswith(f"adaspec replay: error: event log {path}, line 51: invalid JSON")
+    assert err.startswith(f"adaspec replay: error: event log {path}, line 59: invalid JSON")
     assert "Traceback" not in err
 
 
@@ -407,8 +410,10 @@ def adaptive_depth_run(costs: CostBundle, policy: DepthPolicy
     retire(38)
     retire(39)
     return log_header(config=load_config(ADS_LAUNCH).as_dict(), cost_table=costs.as_dict(),
-                      seeds={"sampling": 0}, depth_policy=policy,
-                      budget_policy=FullBudget()), events
+                      models={role: costs.compatibility[role] for role in ("target", "draft")},
+                      context_limit=CONTEXT_LIMIT,
+                      seeds={"sampling": 0}, lag=2, depth_policy=policy,
+                      budget_policy=FullBudget()), with_requests(events, 4)
 
 
 def test_adaptive_depth_decisions_priced_by_kv_length_and_rows_replay_as_recorded(
@@ -429,24 +434,3 @@ def test_adaptive_depth_decisions_priced_by_kv_length_and_rows_replay_as_recorde
     first = AdaptiveDepth(ADS_POLICY, lambda context, depth:
                           costs.depth_cost_ms(context.num_reqs_bucket, depth))
     assert not replay(header, events, depth_policy=first).all_matched
-
-
-def test_a_depth_context_recorded_without_a_kv_length_is_priced_as_it_was_then() -> None:
-    # Before depth contexts recorded the KV length, tables had no rows profile and every
-    # depth was priced by the first depth profile whatever the context: replay prices a
-    # context without one (read as 0) so again.
-    costs = depth_bundle(rows=False)
-    header, recorded = adaptive_depth_run(costs, AdaptiveDepth(
-        ADS_POLICY,
-        lambda context, depth: costs.depth_cost_ms(context.num_reqs_bucket, depth)))
-    events = []
-    for event in recorded:
-        if isinstance(event, DepthDecided):
-            record = event.record()
-            del record["context"]["max_kv_length"]
-            event = event_from_record(record)
-            assert isinstance(event, DepthDecided)
-            assert event.context.max_kv_length == 0
-        events.append(event)
-    assert len({e.depth for e in events if isinstance(e, DepthDecided)}) > 1
-    replay(header, events).check()

@@ -2,8 +2,8 @@
 and its report must not claim the n-2 rule of an overlapped run) and its models (a cost table
 measured on other models is refused for it)."""
 
+import asyncio
 import dataclasses
-import json
 from pathlib import Path
 
 import pytest
@@ -13,10 +13,15 @@ from runtime_helpers import config, decode
 from adaspec.config import SamplingParams
 from adaspec.errors import IncompatibleCostTable
 from adaspec.models import load_reference_models
-from adaspec.runtime.engine import RuntimeOptions
+from adaspec.runtime.engine import Runtime, RuntimeOptions
 from adaspec.runtime.events.log import read_event_log
-from adaspec.runtime.events.replay import check_recorded_run, check_table_for_run, replay
-from adaspec.runtime.events.types import DepthDecided
+from adaspec.runtime.events.replay import (
+    check_recorded_run,
+    check_table_for_run,
+    replay,
+    replay_file,
+)
+from adaspec.runtime.events.types import Event, RequestArrived, RoundSubmitted
 
 
 @pytest.mark.parametrize(("overlap", "lag"), [("true", 2), ("false", 1)])
@@ -44,7 +49,6 @@ def test_a_log_records_its_models_and_a_table_of_other_models_is_refused(
     assert header["models"] == {"target": models.target.identity,
                                 "draft": models.dspark.identity}
     run = check_recorded_run(header, events, str(log))
-    assert {"target", "draft"} <= set(run.known)
     table = dataclasses.replace(bundle(), compatibility={**run.compatibility.as_dict(),
                                                          "target": "another-target"})
     with pytest.raises(IncompatibleCostTable, match="target is another-target in the saved "
@@ -52,19 +56,29 @@ def test_a_log_records_its_models_and_a_table_of_other_models_is_refused(
         check_table_for_run(table, run, "costs.json")
 
 
-def test_a_log_written_before_depth_contexts_recorded_their_kv_length_still_reads(
+def test_a_log_records_events_in_the_order_they_happened_whatever_handlers_do(
         tmp_path: Path) -> None:
+    # An engine's handler, subscribed before the start (so before the log's writer), cancels
+    # a request as its round is submitted and submits another as one arrives: the log must
+    # still hold each event before those it caused, and so replay.
     log = tmp_path / "run.jsonl"
-    decode(config("DSpark", 3, 2), [b"ROMEO."], [SamplingParams(temperature=0.0, max_tokens=8)],
-           options=RuntimeOptions(event_log=str(log)))
-    lines = log.read_text().splitlines()
-    old = [json.loads(line) for line in lines]
-    for record in old[1:]:
-        if record["kind"] == "depth_decided":
-            del record["context"]["max_kv_length"]  # as logs were written before the field
-    log.write_text("".join(json.dumps(record) + "\n" for record in old))
-    header, events = read_event_log(log)
-    depths = [event for event in events if isinstance(event, DepthDecided)]
-    assert depths
-    assert all(event.context.max_kv_length == 0 for event in depths)  # the default
-    assert replay(header, events, path=str(log)).ok
+    runtime = Runtime(config("MTP", 3, 4), options=RuntimeOptions(event_log=str(log)))
+    greedy = SamplingParams(temperature=0.0, max_tokens=12)
+    handles = []
+
+    def react(event: Event) -> None:
+        if isinstance(event, RequestArrived) and event.request_id == 0:
+            handles.append(runtime.submit(list(b"JULIET."), greedy))
+        if isinstance(event, RoundSubmitted) and event.round == 3:
+            handles[0].cancel()
+
+    async def run() -> list[str]:
+        runtime.bus.subscribe(react)
+        await runtime.start()
+        handles.insert(0, runtime.submit(list(b"ROMEO."), greedy))
+        reasons = [(await handle.result()).finish_reason for handle in handles]
+        await runtime.stop()
+        return reasons
+
+    assert asyncio.run(run()) == ["cancelled", "length"]
+    assert replay_file(str(log)).ok

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from logged_runs import with_requests
 
 from adaspec import cli
 from adaspec.config.effective import load_config
@@ -29,7 +30,7 @@ from adaspec.policies.bundles import Compatibility, CostBundle
 from adaspec.policies.fixed import FixedDepth, FullBudget
 from adaspec.policies.workloads import shaped_tables, synthetic
 from adaspec.runtime.events.log import EventLogWriter, log_header, read_event_log
-from adaspec.runtime.events.replay import replay
+from adaspec.runtime.events.replay import replay, replay_file
 from adaspec.runtime.events.types import (
     BudgetDecided,
     DepthDecided,
@@ -39,6 +40,8 @@ from adaspec.runtime.events.types import (
     StageCompleted,
 )
 
+MODELS = {"target": "target-id", "draft": "dspark-id"}  # checkpoint identities
+CONTEXT_LIMIT = 4096  # the staircase table prices contexts up to it
 WIDTH = 3
 LAUNCH = {"speculative_algorithm": "DSpark", "num_speculative_tokens": WIDTH,
           "max_seqs_per_batch": 4}
@@ -60,10 +63,10 @@ def legal_rows(round: int) -> tuple[int, ...]:
 def contexts(round: int) -> tuple[DepthContext, BudgetContext]:
     shared: dict[str, Any] = {"round": round, "num_reqs": num_reqs(round),
                               "num_reqs_bucket": bucket(round), "width": WIDTH,
-                              "retired_through": max(round - 2, -1)}
+                              "retired_through": max(round - 2, -1), "max_kv_length": 32}
     return DepthContext(**shared), BudgetContext(
         **shared, depth=WIDTH, tiers=legal_rows(round),
-        request_ids=tuple(range(num_reqs(round))), max_kv_length=32)
+        request_ids=tuple(range(num_reqs(round))))
 
 
 def decided(round: int) -> list[Event]:
@@ -95,7 +98,8 @@ def recorded_run() -> list[Event]:
         if round >= 2:
             events.append(retired(round - 2))
         events += decided(round)
-    return [*events, retired(NUM_ROUNDS - 2), retired(NUM_ROUNDS - 1)]
+    return with_requests([*events, retired(NUM_ROUNDS - 2), retired(NUM_ROUNDS - 1)],
+                         max(map(num_reqs, range(NUM_ROUNDS))))
 
 
 def compatibility(**changes: object) -> dict[str, object]:
@@ -117,7 +121,8 @@ def table(**changes: object) -> CostBundle:
 
 def write_run(path: Path, *, cost_table: CostBundle | None = None,
               launch: dict[str, object] | None = None) -> Path:
-    head = log_header(config=load_config(launch or LAUNCH).as_dict(),
+    head = log_header(config=load_config(launch or LAUNCH).as_dict(), models=MODELS,
+                      context_limit=CONTEXT_LIMIT,
                       cost_table=None if cost_table is None else cost_table.as_dict(),
                       seeds={"run": 0}, depth_policy=FixedDepth(), budget_policy=FullBudget(),
                       lag=2)
@@ -229,57 +234,124 @@ def header_unknown_setting(records: Records) -> None:
     settings_of(records)["num_draft_tokens"] = WIDTH
 
 
+def request_event(records: Records, kind: str, id: int) -> int:
+    """The index (file line - 1) of the ``kind`` event of request ``id``."""
+    return next(i for i, r in enumerate(records) if r.get("kind") == kind
+                and r.get("request_id") == id)
+
+
+def delete_arrival(records: Records) -> None:
+    del records[request_event(records, "request_arrived", 0)]
+
+
+def duplicate_arrival(records: Records) -> None:
+    index = request_event(records, "request_arrived", 1)
+    records.insert(index + 1, records[index])
+
+
+def finish_before_its_rounds(records: Records) -> None:
+    moved = records.pop(request_event(records, "request_finished", 0))
+    records.insert(request_event(records, "request_arrived", 2) + 1, moved)
+
+
+def delete_last_finish(records: Records) -> None:
+    del records[request_event(records, "request_finished", 2)]
+
+
+def top_p_above_1(records: Records) -> None:
+    records[request_event(records, "request_arrived", 0)]["sampling"]["top_p"] = 1.5
+
+
+def prompt_past_the_context(records: Records) -> None:
+    records[request_event(records, "request_arrived", 1)]["num_prompt_tokens"] = CONTEXT_LIMIT
+
+
+def more_tokens_than_asked(records: Records) -> None:
+    records[request_event(records, "request_finished", 1)]["num_tokens"] = 65
+
+
+def feedback_ids_reordered(records: Records) -> None:
+    feedback_of(records, 4)["request_ids"].reverse()
+
+
 # (edit, line of the error, the rest of the message after "line N: ")
 DAMAGE: dict[str, tuple[Callable[[Records], None], int, str]] = {
     "deleted retirement": (
-        delete_retirement, 25, "depth_decided event of round 5: decided before round 3 "
-        "(submitted at line 18) retired; rounds <= n-2 retire before round n is decided"),
+        delete_retirement, 28, "depth_decided event of round 5: decided before round 3 "
+        "(submitted at line 21) retired; rounds <= n-2 retire before round n is decided"),
     "deleted last retirement": (
-        delete_last_retirement, 38, "round 7 was submitted here but never retired nor failed "
+        delete_last_retirement, 41, "round 7 was submitted here but never retired nor failed "
         "(expected a round_retired or round_failed event for it; was the log cut short?)"),
     "duplicated retirement": (
-        duplicate_retirement, 26, "round_retired event of round 3: round 3 already retired or "
-        "failed at line 25; a round ends once"),
+        duplicate_retirement, 29, "round_retired event of round 3: round 3 already retired or "
+        "failed at line 28; a round ends once"),
     "decision for a round that never ran": (
-        decide_a_round_that_never_runs, 43, "the log ends before the round_submitted event "
+        decide_a_round_that_never_runs, 49, "the log ends before the round_submitted event "
         "of round 8"),
     "decision for a round already decided": (
-        decide_a_round_twice, 25, "depth_decided event of round 4: decided after round 4; "
+        decide_a_round_twice, 28, "depth_decided event of round 4: decided after round 4; "
         "expected rounds numbered in increasing order"),
     "submission without its decisions": (
-        submit_without_decisions, 21, "round_submitted event of round 4: no budget_decided "
+        submit_without_decisions, 24, "round_submitted event of round 4: no budget_decided "
         "event of its round just before it (a round's depth_decided, budget_decided and "
         "round_submitted follow each other)"),
     "bucket never prepared": (
-        bucket_never_prepared, 21, 'depth_decided event of round 4: field '
+        bucket_never_prepared, 24, 'depth_decided event of round 4: field '
         '"context.num_reqs_bucket" expected one of the prepared request buckets [1, 2, 4], '
         "got 8"),
     "retirement moved after a later decision": (
-        retire_after_a_later_decision, 25, "depth_decided event of round 5: decided before "
-        "round 3 (submitted at line 18) retired; rounds <= n-2 retire before round n is "
+        retire_after_a_later_decision, 28, "depth_decided event of round 5: decided before "
+        "round 3 (submitted at line 21) retired; rounds <= n-2 retire before round n is "
         "decided"),
     "confidence 1.5": (
-        confidence_above_1, 30, 'round_retired event of round 4: field '
+        confidence_above_1, 33, 'round_retired event of round 4: field '
         '"feedback.confidences[1][1]" expected a number in 0..1, got 1.5'),
     "accepted greater than the width": (
-        accepted_above_width, 30, 'round_retired event of round 4: field '
+        accepted_above_width, 33, 'round_retired event of round 4: field '
         '"feedback.num_accepted[0]" expected an integer in 0..3 (at most its verify '
         'length), got 5'),
     "short confidence list": (
-        short_confidences, 30, 'round_retired event of round 4: field '
+        short_confidences, 33, 'round_retired event of round 4: field '
         '"feedback.confidences[0]" expected 3 confidences (one per drafted position), '
         'got [0.9, 0.5]'),
     "feedback G other than the round's": (
-        feedback_rows_not_bound, 30, 'round_retired event of round 4: field '
+        feedback_rows_not_bound, 33, 'round_retired event of round 4: field '
         '"feedback.num_rows" expected 8 (its budget decision\'s bound_rows), got 4'),
     "context behind the retirements logged": (
-        context_behind_the_log, 27, 'budget_decided event of round 5: field '
+        context_behind_the_log, 30, 'budget_decided event of round 5: field '
         '"context.retired_through" expected 3, the newest round the log retired before this '
         "line, got 2"),
     "NaN confidence": (
-        nan_confidence, 30, "invalid JSON: NaN is not JSON; expected a finite number"),
+        nan_confidence, 33, "invalid JSON: NaN is not JSON; expected a finite number"),
+    "deleted arrival": (
+        delete_arrival, 6, "round_submitted event of round 0: request 0 never arrived (no "
+        "request_arrived event for it before this line)"),
+    "duplicated arrival": (
+        duplicate_arrival, 4, "request_arrived event of request 1: already arrived at line "
+        "3; a request arrives once"),
+    "request finished before its rounds": (
+        finish_before_its_rounds, 8, "round_submitted event of round 0: request 0 already "
+        "finished at line 5"),
+    "request that never finishes": (
+        delete_last_finish, 4, "request 2 arrived here but never finished (expected a "
+        "request_finished event for it; every request ends before the runtime stops; was "
+        "the log cut short?)"),
+    "top_p above 1": (
+        top_p_above_1, 2, "request_arrived event of request 0: sampling: request field "
+        "top_p=1.5: expected a number in (0, 1]"),
+    "prompt filling the context": (
+        prompt_past_the_context, 3, 'request_arrived event of request 1: field '
+        f'"num_prompt_tokens" expected an integer in 1..{CONTEXT_LIMIT - 1}, got '
+        f"{CONTEXT_LIMIT}"),
+    "more tokens than max_tokens": (
+        more_tokens_than_asked, 46, 'request_finished event of request 1: field "num_tokens" '
+        "expected an integer in 0..64, got 65"),
+    "feedback request ids reordered": (
+        feedback_ids_reordered, 33, 'round_retired event of round 4: field '
+        '"feedback.request_ids" expected ids of the round\'s live requests, in the order '
+        "submitted [0, 1], got [1, 0]"),
     "header width disagreeing with its events": (
-        header_width_4, 2, 'depth_decided event of round 0: field "context.width" expected '
+        header_width_4, 5, 'depth_decided event of round 0: field "context.width" expected '
         "4 (the header's num_speculative_tokens), got 3"),
     "header without schedule overlap but lag 2": (
         header_without_overlap, 1, 'header "lag" expected 1 (enable_schedule_overlap=false '
@@ -312,7 +384,6 @@ def test_the_synthetic_run_is_a_valid_log_that_replays_and_simulates(
                     "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["rounds"] == NUM_ROUNDS
-    assert report["unchecked_compatibility"] == []  # the run's own table
 
 
 def test_a_launch_without_graphs_replays(tmp_path: Path,
@@ -346,7 +417,7 @@ def test_simulate_reads_recorded_feedback_through_the_same_checks(
 
 def test_the_library_replay_checks_the_log_before_replaying(tmp_path: Path) -> None:
     header, events = read_event_log(damaged(tmp_path, duplicate_retirement))
-    with pytest.raises(EventLogError, match=r"^event log run\.jsonl, line 26: round_retired "
+    with pytest.raises(EventLogError, match=r"^event log run\.jsonl, line 29: round_retired "
                                             r"event of round 3: round 3 already retired"):
         replay(header, events, path="run.jsonl")
 
@@ -357,7 +428,7 @@ def test_a_header_cost_table_disagreeing_with_its_config_is_refused(
     assert cli.run(["replay", str(path)]) == 2
     assert one_error_line(capsys, "replay") == (
         f"event log {path}, line 1: header cost_table disagrees with the header's config: "
-        "draft_width is 5 in the table but 3 in the config")
+        "draft_width is 5 in the table but 3 in the header")
 
 
 @pytest.mark.parametrize(("field", "value", "shown", "recorded"), [
@@ -379,23 +450,45 @@ def test_simulate_refuses_a_table_incompatible_with_the_recorded_run(
         f"recorded run {log}; expected a table saved by a launch like the run's")
 
 
-def test_simulate_says_which_fields_a_log_without_a_table_cannot_check(
+def test_simulate_checks_a_table_against_the_models_the_log_records(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    log = write_run(tmp_path / "run.jsonl")  # no table: the header names no model identity
-    saved = tmp_path / "costs.json"
-    table(target="any-target").save(str(saved))
-    argv = ["simulate", "--workload", str(log), "--cost_table", str(saved),
-            "--policy", "fixed:3"]
-    assert cli.run([*argv, "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["unchecked_compatibility"] == ["target",
-                                                                              "draft"]
-    assert cli.run(argv) == 0
-    assert capsys.readouterr().out.endswith(
-        "not checked against the recorded run (the log or the table does not record them): "
-        "target, draft\n")
+    log = write_run(tmp_path / "run.jsonl")  # no table; the header still names the models
+    table(target="any-target").save(str(tmp_path / "other.json"))
+    assert cli.run(["simulate", "--workload", str(log), "--cost_table",
+                    str(tmp_path / "other.json"), "--policy", "fixed:3"]) == 2
+    assert "target is any-target in the table but target-id in the recorded run" in \
+        capsys.readouterr().err
     table(draft_width=5).save(str(tmp_path / "wide.json"))
-    assert cli.run([*argv[:4], str(tmp_path / "wide.json"), *argv[5:]]) == 2
+    assert cli.run(["simulate", "--workload", str(log), "--cost_table",
+                    str(tmp_path / "wide.json"), "--policy", "fixed:3"]) == 2
     assert "draft_width is 5 in the table but 3 in the recorded run" in capsys.readouterr().err
+
+
+def test_replay_refuses_a_header_table_measured_past_its_context_limit(
+        tmp_path: Path) -> None:
+    path = write_run(tmp_path / "run.jsonl", cost_table=table())
+    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    records[0]["context_limit"] = 16  # the staircase table prices contexts beyond it
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    with pytest.raises(EventLogError, match="header cost_table disagrees with the header's "
+                       "context_limit: the table prices contexts of 4096 tokens, past the "
+                       "context limit 16 of the header$"):
+        replay_file(str(path))
+
+
+def test_a_log_that_records_no_round_says_it_has_no_decision_to_check(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Requests that end at their prefill (max_tokens 1) run no round: nothing to compare.
+    path = write_run(tmp_path / "run.jsonl")
+    lines = path.read_text(encoding="utf-8").splitlines()
+    kept = [lines[0], *(line for line in lines[1:]
+                        if json.loads(line)["kind"] in ("request_arrived", "request_finished"))]
+    path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    assert cli.run(["replay", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "no decision to check: the log records no round" in out
+    assert "match" not in out
+
 
 
 # ---- files that are not plain logs --------------------------------------------------------

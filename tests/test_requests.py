@@ -1,5 +1,9 @@
 """Sampling parameters: ranges, refused features named by field, and launch-dependent rules."""
 
+import dataclasses
+import json
+
+import numpy as np
 import pytest
 
 from adaspec.config import SamplingParams, check_request
@@ -60,8 +64,15 @@ def test_neutral_values_of_unsupported_features_are_accepted(field: str, value: 
                             "1e-05..100"),
     ({"temperature": float("nan")}, "request field temperature=nan: expected 0 (greedy) or a "
                                     "number in 1e-05..100"),
+    # A str that reads as a number in range is named by its type.
     ({"temperature": "0.5"}, "request field temperature=0.5: expected 0 (greedy) or a number in "
-                             "1e-05..100"),
+                             "1e-05..100, not a str"),
+    ({"top_k": "5"}, "request field top_k=5: expected an integer in 0..2147483647 (0: off), "
+                     "not a str"),
+    ({"temperature": np.float32(-0.5)}, "request field temperature=-0.5: expected 0 (greedy) "
+                                        "or a number in 1e-05..100"),
+    ({"top_p": np.bool_(True)}, "request field top_p=True: expected a number in (0, 1], not a "
+                                f"numpy.{np.bool_.__qualname__}"),
     # Logits over 5e-324 overflow to inf: the sampler would draw from NaN probabilities.
     ({"temperature": 5e-324}, "request field temperature=5e-324: expected 0 (greedy) or a "
                               "number in 1e-05..100"),
@@ -112,3 +123,23 @@ def test_unified_graphs_refuse_positive_temperature_instead_of_decoding_greedily
 
 def test_temperature_is_optional_without_adaptive_target_verify() -> None:
     check_request(SamplingParams(), launch_config_from_settings({}))
+
+
+def test_numpy_numbers_are_taken_as_the_python_numbers_they_equal() -> None:
+    # Engines pass numpy scalars; the fields keep plain Python numbers (the event log writes
+    # them as JSON).
+    params = SamplingParams(temperature=np.float32(0.5), top_k=np.int64(40),
+                            top_p=np.float64(0.875), min_p=np.float16(0.25),
+                            max_tokens=np.int32(16), stop=(np.int64(10), np.uint8(2)))
+    plain = {"temperature": 0.5, "top_k": 40, "top_p": 0.875, "min_p": 0.25, "max_tokens": 16,
+             "stop": (10, 2)}
+    assert dataclasses.asdict(params) == plain
+    assert {name: type(value) for name, value in dataclasses.asdict(params).items()} == \
+        {name: type(value) for name, value in plain.items()}
+    assert all(type(token) is int for token in params.stop)
+    assert json.loads(json.dumps(dataclasses.asdict(params)))["temperature"] == 0.5
+    assert SamplingParams(temperature=np.int64(0)).greedy
+    # A numpy zero penalty is as neutral as a Python one.
+    assert SamplingParams.from_request({"presence_penalty": np.float32(0.0),
+                                        "max_tokens": np.int64(16)}) == \
+        SamplingParams(max_tokens=16)

@@ -2,15 +2,16 @@
 broken event subscriber neither fails requests nor stops serving."""
 
 import asyncio
+import json
 import logging
 from typing import Any
 
 import pytest
-from runtime_helpers import config, decode, lossless_prompts
+from runtime_helpers import TINY_CALIBRATION, config, decode, lossless_prompts
 
 from adaspec.config import SamplingParams
 from adaspec.models import ReferenceModels, load_reference_models
-from adaspec.runtime.engine import Runtime, RuntimeStopped
+from adaspec.runtime.engine import Runtime, RuntimeOptions, RuntimeStopped
 from adaspec.runtime.events.types import Event, RequestFinished, RoundRetired
 from adaspec.runtime.requests import RequestFailed, RequestResult
 
@@ -198,3 +199,87 @@ def test_a_stop_during_a_start_abandons_it_and_no_request_is_left_waiting(
         assert result.finish_reason == "length"
 
     asyncio.run(race())
+
+
+def test_a_stop_during_calibration_leaves_no_task_pending_and_a_restart_decodes_exactly(
+        models: ReferenceModels, target_only: list[tuple[int, ...]], tmp_path: Any) -> None:
+    # Before, a stop that closed the stream as the calibration pipeline admitted requests
+    # lost them (their prefill could not be enqueued, and the loop's fault found them
+    # nowhere): the start waited forever, and its wait tasks were destroyed pending at exit.
+    # A stop also returned while the abandoned start was still unwinding.
+    calibration = tmp_path / "tiny.json"
+    calibration.write_text(json.dumps(TINY_CALIBRATION))
+    measured = asyncio.Event()
+    runtime = Runtime(config("DSpark", 5, 2, enable_adaptive_target_verify=True,
+                             adaptive_target_verify_calibration=str(calibration)),
+                      models=models,
+                      options=RuntimeOptions(calibration_progress=lambda _: measured.set()))
+
+    async def abandon(yields: int | None) -> None:
+        starting = asyncio.ensure_future(runtime.start())
+        if yields is None:
+            await measured.wait()  # in the middle of calibrating: one window measured
+        for _ in range(yields or 0):
+            await asyncio.sleep(0)
+        await asyncio.wait_for(runtime.stop(), HANG)
+        pending = [t for t in asyncio.all_tasks()
+                   if t is not asyncio.current_task() and not t.done()]
+        assert not pending, (yields, pending)  # the start and its calibration ended with it
+        assert starting.done()
+        with pytest.raises(RuntimeStopped, match="^stop\\(\\) was called while"):
+            await starting
+
+    async def run() -> list[Any]:
+        for yields in [*range(8), None]:
+            await abandon(yields)
+        await runtime.start()  # the same runtime calibrates again and serves
+        results = await outcomes([runtime.submit(list(p), q)
+                                  for p, q in zip(PROMPTS[:2], greedy(2), strict=True)])
+        await runtime.stop()
+        return results
+
+    results = asyncio.run(run())
+    assert runtime.costs is not None
+    assert [r.token_ids for r in results] == target_only[:2]
+
+
+def test_a_prefill_that_cannot_be_enqueued_fails_its_requests_instead_of_losing_them(
+        models: ReferenceModels) -> None:
+    runtime = Runtime(config("DSpark", 3, 2), models=models)
+
+    async def run() -> list[Any]:
+        await runtime.start()
+        assert runtime._stream is not None
+        runtime._stream.close()  # the stream now refuses work, as a broken device would
+        results = await outcomes([runtime.submit(list(p), q)
+                                  for p, q in zip(PROMPTS[:3], greedy(3), strict=True)])
+        await runtime.stop()
+        return results
+
+    results = asyncio.run(run())
+    assert all(isinstance(r, RequestFailed) for r in results)
+    assert all("runtime fault: StreamClosed" in str(r) for r in results)
+
+
+def test_a_start_cancelled_during_calibration_leaves_no_task_pending(
+        models: ReferenceModels, tmp_path: Any) -> None:
+    # A caller's timeout (wait_for(start(), t)) cancels the start mid-window: the window's
+    # wake-up task was left pending, destroyed at exit with a warning.
+    calibration = tmp_path / "tiny.json"
+    calibration.write_text(json.dumps(TINY_CALIBRATION))
+    starting: list[asyncio.Future[None]] = []
+    runtime = Runtime(config("DSpark", 5, 2, enable_adaptive_target_verify=True,
+                             adaptive_target_verify_calibration=str(calibration)),
+                      models=models,
+                      options=RuntimeOptions(calibration_progress=lambda _: starting[0].cancel()))
+
+    async def run() -> None:
+        starting.append(asyncio.ensure_future(runtime.start()))
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(starting[0], HANG)
+        await asyncio.wait_for(runtime.stop(), HANG)
+        pending = [t for t in asyncio.all_tasks()
+                   if t is not asyncio.current_task() and not t.done()]
+        assert not pending
+
+    asyncio.run(run())

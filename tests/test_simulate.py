@@ -159,6 +159,32 @@ def test_cli_table_without_a_fixed_or_oracle_policy_shows_dashes_not_nan(
     assert "vs best fixed: - (no fixed:K policy given)" in text
 
 
+HOSTILE_NAME = "\x1b[31mred\nsecond line"
+
+
+def test_control_characters_in_a_workload_name_are_shown_escaped(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    workload, table = tmp_path / "w.jsonl", tmp_path / "costs.json"
+    named = dataclasses.replace(synthetic("high", rounds=10), name=HOSTILE_NAME)
+    workload.write_text("\n".join(named.as_lines()) + "\n")
+    TABLES["staircase"].save(str(table))
+    argv = ["simulate", "--workload", str(workload), "--cost_table", str(table)]
+    assert cli.run([*argv, "--policy", "fixed:5"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("workload '\\x1b[31mred\\nsecond line': 10 rounds, width 5;")
+    # In an error too, the name stays on the line, escaped.
+    narrow = dataclasses.replace(synthetic("high", rounds=10, width=4), name=HOSTILE_NAME)
+    workload.write_text("\n".join(narrow.as_lines()) + "\n")
+    assert cli.run([*argv, "--policy", "fixed:3"]) == 2
+    assert capsys.readouterr() == ("", "adaspec simulate: error: --workload='\\x1b[31mred\\n"
+                                       "second line': width 4 differs from the cost table's "
+                                       "draft_width 5\n")
+    with pytest.raises(ConfigError) as raised:
+        synthetic(HOSTILE_NAME)
+    assert str(raised.value) == ("workload='\\x1b[31mred\\nsecond line': expected one of "
+                                 "high, low, step, drift, alternating")
+
+
 def test_cli_refuses_an_unknown_policy_before_running_any(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     workload, table = tmp_path / "w.jsonl", tmp_path / "costs.json"

@@ -7,6 +7,7 @@ dropped silently.
 """
 
 import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
@@ -77,16 +78,24 @@ class SamplingParams:
     """Stop token ids: generation ends after emitting any of them (the token is kept)."""
 
     def __post_init__(self) -> None:
+        # An engine's numbers are often numpy scalars: kept as the Python int or float they
+        # equal, so the fields hold plain values (the event log writes them as JSON).
+        for name in ("temperature", "top_k", "top_p", "min_p", "max_tokens"):
+            object.__setattr__(self, name, plain_number(getattr(self, name)))
+        if isinstance(self.stop, tuple):
+            object.__setattr__(self, "stop", tuple(plain_number(i) for i in self.stop))
         temperature = self.temperature
         if temperature is not None and not (_number(temperature) and (
                 temperature == 0.0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE)):
             raise InvalidRequest("temperature", temperature,
                                  f"expected 0 (greedy) or a number in "
-                                 f"{MIN_TEMPERATURE:g}..{MAX_TEMPERATURE:g}")
+                                 f"{MIN_TEMPERATURE:g}..{MAX_TEMPERATURE:g}"
+                                 f"{_not_number(temperature)}")
         self._check_filters()
         if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_NEW_TOKENS:
             raise InvalidRequest("max_tokens", self.max_tokens,
-                                 f"expected an integer in 1..{MAX_NEW_TOKENS}")
+                                 f"expected an integer in 1..{MAX_NEW_TOKENS}"
+                                 f"{_not_number(self.max_tokens)}")
         ids = self.stop
         if not isinstance(ids, tuple) or not all(_is_int(i) and i >= 0 for i in ids):
             if isinstance(ids, tuple) and any(isinstance(i, str) for i in ids):
@@ -98,11 +107,14 @@ class SamplingParams:
     def _check_filters(self) -> None:
         if not _is_int(self.top_k) or not 0 <= self.top_k <= MAX_TOP_K:
             raise InvalidRequest("top_k", self.top_k,
-                                 f"expected an integer in 0..{MAX_TOP_K} (0: off)")
+                                 f"expected an integer in 0..{MAX_TOP_K} (0: off)"
+                                 f"{_not_number(self.top_k)}")
         if not _number(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequest("top_p", self.top_p, "expected a number in (0, 1]")
+            raise InvalidRequest("top_p", self.top_p, "expected a number in (0, 1]"
+                                 f"{_not_number(self.top_p)}")
         if not _number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
-            raise InvalidRequest("min_p", self.min_p, "expected a number in [0, 1]")
+            raise InvalidRequest("min_p", self.min_p, "expected a number in [0, 1]"
+                                 f"{_not_number(self.min_p)}")
 
     @property
     def greedy(self) -> bool:
@@ -117,6 +129,7 @@ class SamplingParams:
         for name, value in request.items():
             if name in UNSUPPORTED_FIELDS:
                 neutral, why = UNSUPPORTED_FIELDS[name]
+                value = plain_number(value)  # numpy 0.0 is as neutral as 0.0
                 if not any(value == n and type(value) is type(n) for n in neutral):
                     raise UnsupportedRequest(name, value, why)
             elif name in known:
@@ -136,6 +149,26 @@ sampler's integer tensors."""
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def plain_number(value: object) -> object:
+    """A real number of any type (``numpy.float32(0.5)``, ``numpy.int64(8)``, an int
+    subclass) as the Python int or float it equals; anything else (a bool, None, a str, a
+    tensor) as it is, for the field's check to refuse or keep."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    return float(value)
+
+
+def _not_number(value: object) -> str:
+    """What a refusal adds when the value is no number at all: its type, so that "0.5" (a
+    str) is not taken for a number out of range."""
+    if value is None or (isinstance(value, int | float) and not isinstance(value, bool)):
+        return ""
+    kind = type(value)
+    return f", not a {f'{kind.__module__}.{kind.__qualname__}'.removeprefix('builtins.')}"
 
 
 def check_request(params: SamplingParams, launch: LaunchConfig) -> None:

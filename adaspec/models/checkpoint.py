@@ -8,7 +8,8 @@ never reused for another.
 
 import hashlib
 import json
-from collections.abc import Mapping
+import re
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from adaspec.errors import ConfigError
 from adaspec.models.drafters import DSparkConfig, MtpConfig, ReferenceDSpark, ReferenceMtp
 from adaspec.models.families import DEFAULT_FAMILY, family
 from adaspec.models.target import ReferenceTarget, TargetConfig
@@ -37,10 +39,10 @@ def own_state(module: nn.Module) -> dict[str, torch.Tensor]:
 
 def checkpoint_identity(config: Mapping[str, object], weights: Mapping[str, torch.Tensor],
                         *, parent: str = "") -> str:
-    """The ``identity`` of a checkpoint: 32 hex digits of a SHA-256 over ``config`` (any
-    JSON-serialisable mapping, written with sorted keys), ``parent`` (the identity of the
-    checkpoint whose weights this one shares, e.g. a drafter's target; empty for none) and
-    every tensor of ``weights`` in name order: its name, dtype, shape and raw bytes.
+    """The ``identity`` of a checkpoint: 32 hex digits of a SHA-256 over ``config`` (a
+    mapping of JSON values with str keys, written with sorted keys), ``parent`` (the identity
+    of the checkpoint whose weights this one shares, e.g. a drafter's target; empty for none)
+    and every tensor of ``weights`` in name order: its name, dtype, shape and raw bytes.
 
     It depends on values alone: not on the mapping's order, the process, the machine, the
     device a tensor sits on, or its memory layout. It does depend on each tensor's dtype, so
@@ -48,16 +50,122 @@ def checkpoint_identity(config: Mapping[str, object], weights: Mapping[str, torc
     float16 tensors and keep that identity when loaded in float32 or onto a GPU). Any changed
     weight, name, shape or config value gives another identity. Reading a device tensor
     copies it to the host: compute it once, when the model is loaded, never while serving.
+
+    Different inputs never share an encoding (see ``_identity_stream``): inputs it could not
+    tell apart are refused with a ``ConfigError`` naming the argument, the key and what is
+    expected (a config key that is no str, as ``{1: ..}`` would hash as ``{"1": ..}``; a
+    value that is no JSON value; a weight that is no dense tensor; a tensor name with ``:``).
     """
     digest = hashlib.sha256()
-    digest.update(json.dumps(dict(config), sort_keys=True).encode())
-    digest.update(parent.encode())
-    for name in sorted(weights):
-        tensor = weights[name].detach()
-        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
-        flat = tensor.cpu().contiguous().reshape(-1)
-        digest.update(flat.view(torch.uint8).numpy().tobytes())
+    for chunk in _identity_stream(config, weights, parent):
+        digest.update(chunk)
     return digest.hexdigest()[:32]
+
+
+_IDENTITY = re.compile(r"[0-9a-f]{32}")
+"""What ``checkpoint_identity`` returns, and so what a ``parent`` usually is."""
+
+
+def _identity_stream(config: object, weights: object, parent: object) -> Iterator[bytes]:
+    """The bytes ``checkpoint_identity`` hashes, in an encoding no two different inputs share.
+
+    The encoding is the one identities have always had (so those of the shipped checkpoints,
+    recorded in their model cards and in saved cost tables, stay what they are), restricted
+    to inputs it reads back unambiguously:
+
+    * the config as sorted-key JSON text: a JSON object ends at its closing brace, and
+      refusing non-str keys (which JSON would turn into strings) makes the text name one
+      config only;
+    * the parent: an identity (32 lowercase hex digits) or "" is written as is; any other
+      parent (an engine's own identity scheme), and "" before a first tensor name that itself
+      starts with 32 hex digits, is written ``:<length>:<parent>``, which cannot be mistaken
+      for the rest, as tensor names never contain ``:``;
+    * each tensor as ``name:dtype:shape`` then its raw bytes: the name ends at its first
+      ``:`` (names with one are refused), the dtype and the shape (a tuple of ints) contain
+      none, and they fix how many bytes follow.
+    """
+    if not isinstance(config, Mapping):
+        raise ConfigError("checkpoint_identity(config=...)", type(config).__name__,
+                          "expected a mapping of JSON values with str keys")
+    plain = _plain_json("checkpoint_identity(config=...)", config, set())
+    if not isinstance(weights, Mapping):
+        raise ConfigError("checkpoint_identity(weights=...)", type(weights).__name__,
+                          "expected a mapping of tensor names to torch.Tensor")
+    for name in weights:
+        _check_name(name)
+    names = sorted(weights)
+    tensors = [_dense_tensor(name, weights[name]) for name in names]
+    if not isinstance(parent, str):
+        raise ConfigError("checkpoint_identity(parent=...)", type(parent).__name__,
+                          "expected a str: the identity of the checkpoint whose weights this "
+                          "one shares, or \"\" for none")
+    yield json.dumps(plain, sort_keys=True).encode()
+    first_hex = bool(names) and _IDENTITY.match(names[0]) is not None
+    if _IDENTITY.fullmatch(parent) or (parent == "" and not first_hex):
+        yield parent.encode()
+    else:
+        text = parent.encode("utf-8", "surrogatepass")
+        yield f":{len(text)}:".encode() + text
+    for name, tensor in zip(names, tensors, strict=True):
+        yield f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode("utf-8", "surrogatepass")
+        flat = tensor.cpu().contiguous().reshape(-1)
+        yield flat.view(torch.uint8).numpy().tobytes()
+
+
+def _check_name(name: object) -> None:
+    if not isinstance(name, str):
+        raise ConfigError("checkpoint_identity(weights=...)", repr(name),
+                          f"expected tensor names that are str, got a key of type "
+                          f"{type(name).__name__}")
+    if ":" in name:
+        raise ConfigError("checkpoint_identity(weights=...)", repr(name),
+                          "expected tensor names without ':' (the identity ends a name with "
+                          "it, so such a name could hash like another set of tensors)")
+
+
+def _dense_tensor(name: str, value: object) -> torch.Tensor:
+    """A weight as the dense host-readable tensor hashed, or the one-line refusal naming its
+    key and the type found."""
+    setting = f"checkpoint_identity(weights=...)[{name!r}]"
+    if not isinstance(value, torch.Tensor):
+        kind = type(value)
+        raise ConfigError(setting, f"{kind.__module__}.{kind.__qualname__}".removeprefix(
+            "builtins."), "expected a torch.Tensor")
+    if value.layout != torch.strided or value.is_meta or value.is_quantized:
+        raise ConfigError(setting, f"{value.layout} tensor on {value.device}".replace(
+            "torch.", ""), "expected a dense (strided) tensor with values (not meta, sparse "
+            "or quantized)")
+    return value.detach()
+
+
+_JSON_SCALARS = (str, int, float, bool, type(None))
+
+
+def _plain_json(path: str, value: object, seen: set[int]) -> object:
+    """``value`` as plain JSON data (dicts, lists, scalars), or the one-line refusal naming the
+    key path of its first part that JSON would not write, or would write like another value
+    (a non-str key: ``{1: x}`` as ``{"1": x}``). A tuple is written as the list it equals."""
+    if isinstance(value, _JSON_SCALARS):
+        return value
+    if not isinstance(value, Mapping | list | tuple):
+        kind = type(value)
+        raise ConfigError(path, f"{kind.__module__}.{kind.__qualname__}".removeprefix(
+            "builtins."), "expected a JSON value (str, int, float, bool, None, a list or a "
+            "mapping with str keys)")
+    if id(value) in seen:
+        raise ConfigError(path, type(value).__name__, "expected a JSON value, not one that "
+                          "contains itself")
+    seen = seen | {id(value)}
+    if isinstance(value, Mapping):
+        plain: dict[str, object] = {}
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ConfigError(path, repr(key), f"expected str keys (JSON object keys), got "
+                                  f"a key of type {type(key).__name__}, which would hash like "
+                                  f"the string {json.dumps(str(key))}")
+            plain[key] = _plain_json(f"{path}[{key!r}]", item, seen)
+        return plain
+    return [_plain_json(f"{path}[{index}]", item, seen) for index, item in enumerate(value)]
 
 
 def save_module(module: nn.Module, config: dict[str, int], path: Path) -> None:
@@ -77,10 +185,11 @@ def _read(path: Path) -> tuple[dict[str, int], dict[str, torch.Tensor]]:
 
 def _restore(module: nn.Module, state: dict[str, torch.Tensor], parent: str,
              config: dict[str, int]) -> None:
+    # Identity of the stored (float16) tensors, so it does not depend on the load dtype; taken
+    # first, so a state holding anything but tensors is refused naming the key.
+    identity = checkpoint_identity(config, state, parent=parent)
     module.load_state_dict({k: v.float() for k, v in state.items()})
-    # Identity of the stored (float16) tensors, so it does not depend on the load dtype.
-    module.identity = checkpoint_identity(config, state,  # type: ignore[assignment]
-                                          parent=parent)
+    module.identity = identity  # type: ignore[assignment]
 
 
 @dataclass(frozen=True, slots=True)

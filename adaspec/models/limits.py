@@ -2,11 +2,15 @@
 
 ``Runtime.start`` calls ``check_model_limits(launch, models)`` with the models it was given
 (``None`` for the built-in ones, checked without loading them): models that lack a method the
-runtime calls, or a DSpark launch wider than its drafter's ``max_width``, would otherwise fail
-every request at its first round.
+runtime calls, hold a value member of the wrong type or range (an ``identity`` that is no str,
+a ``vocab_size`` of 0), or a DSpark launch wider than its drafter's ``max_width``, would
+otherwise fail every request at its first round, or the run later.
 """
 
 import operator
+from collections.abc import Callable
+
+import torch
 
 from adaspec.config.builtin import check_builtin_limits
 from adaspec.config.launch import LaunchConfig
@@ -18,6 +22,7 @@ from adaspec.models.protocols import (
     MtpDrafter,
     TargetModel,
     missing_member,
+    protocol_members,
 )
 
 
@@ -47,10 +52,10 @@ DRAFTERS: dict[str, tuple[str, type]] = {"MTP": ("mtp", MtpDrafter),
 
 
 def check_conformance(launch: LaunchConfig, models: ModelSet) -> None:
-    """Refuse, naming the first missing member or the first method that cannot be called as
-    its protocol calls it, a model set whose target (or the drafter the launch's algorithm
-    uses) does not provide its protocol; a DSpark drafter that publishes must keep a whole
-    ``DrafterContext``."""
+    """Refuse, naming the first missing member, the first method that cannot be called as
+    its protocol calls it or the first value member out of type or range, a model set whose
+    target (or the drafter the launch's algorithm uses) does not provide its protocol; a
+    DSpark drafter that publishes must keep a whole ``DrafterContext``."""
     parts: list[tuple[str, type]] = [("target", TargetModel)]
     if launch.speculative_algorithm in DRAFTERS:
         parts.append(DRAFTERS[launch.speculative_algorithm])
@@ -65,6 +70,7 @@ def check_conformance(launch: LaunchConfig, models: ModelSet) -> None:
         if missing is not None:
             raise ConfigError(f"Runtime(models=...).{attribute}", type(model).__name__,
                               f"expected a {protocol.__name__}: it has {missing}")
+        check_member_values(f"Runtime(models=...).{attribute}", model, protocol)
     dspark = models.dspark if launch.speculative_algorithm == "DSpark" else None
     if callable(getattr(dspark, "publish", None)):
         # A DSpark drafter that keeps its own context gets it published, so all of it.
@@ -72,6 +78,51 @@ def check_conformance(launch: LaunchConfig, models: ModelSet) -> None:
         if missing is not None:
             raise ConfigError("Runtime(models=...).dspark", type(dspark).__name__,
                               f"expected a DrafterContext, as it has publish: it has {missing}")
+
+
+def _identity(value: object) -> bool:
+    return isinstance(value, str) and value != "" and value.isprintable()
+
+
+def _int_at_least(low: int) -> Callable[[object], bool]:
+    # Exactly an int (bool excluded): the runtime uses these as they are, and writes some to
+    # the event log's JSON, which a numpy integer would break.
+    return lambda value: type(value) is int and value >= low
+
+
+def _float_dtype(value: object) -> bool:
+    return isinstance(value, torch.dtype) and value.is_floating_point
+
+
+MEMBER_VALUES: dict[str, tuple[Callable[[object], bool], str]] = {
+    "identity": (_identity, "a non-empty printable str: the stable hash of the checkpoint "
+                            "(adaspec.models.checkpoint_identity) that cost tables record"),
+    "vocab_size": (_int_at_least(1), "a positive int: the number of logits per row"),
+    "hidden_size": (_int_at_least(1), "a positive int: the width of the hidden states"),
+    "context_limit": (_int_at_least(2), "an int >= 2: positions 0 .. context_limit-1 per "
+                                        "request, a prompt token and a generated one at least"),
+    "dtype": (_float_dtype, "a floating torch.dtype: that of the hidden states verify "
+                            "returns"),
+}
+"""What each value member of the protocols must hold (``max_width`` is read, as any integer
+type, by ``check_model_limits``); ``num_slots`` is left out, as it is only known once the
+runtime has called ``allocate``."""
+
+
+def check_member_values(setting: str, model: object, protocol: type) -> None:
+    """Refuse, naming ``setting.member``, the value and its type, the first value member of
+    ``protocol`` (``identity``, ``vocab_size``, ...) that ``model`` holds with a wrong type or
+    out of range: the runtime would otherwise fail later, mid-run or in the event log."""
+    for name in protocol_members(protocol):
+        if name not in MEMBER_VALUES:
+            continue
+        valid, expected = MEMBER_VALUES[name]
+        value = getattr(model, name)
+        if not valid(value):
+            kind = type(value)
+            found = f"{kind.__module__}.{kind.__qualname__}".removeprefix("builtins.")
+            raise ConfigError(f"{setting}.{name}", repr(value),
+                              f"expected {expected}; got type {found}")
 
 
 def _positive_integer(max_width: object) -> int:

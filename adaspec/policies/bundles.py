@@ -231,12 +231,21 @@ class CostBundle:
     def check_context_limit(self, path: str, context_limit: int) -> None:
         """Refuse a profile beyond the target's context limit: calibration never measures
         past it, so such a profile was measured on another model."""
-        for index, profile in enumerate(self.profiles):
-            if profile.context.max_kv_length > context_limit:
-                raise ConfigError(f"--adaptive_target_verify_cost_table={path}: profiles"
-                                  f"[{index}].context.max_kv_length",
-                                  profile.context.max_kv_length,
-                                  f"expected at most the model's context limit {context_limit}")
+        index = self.measured_past(context_limit)
+        if index is not None:
+            raise ConfigError(f"--adaptive_target_verify_cost_table={path}: profiles"
+                              f"[{index}].context.max_kv_length",
+                              self.profiles[index].context.max_kv_length,
+                              f"expected at most the model's context limit {context_limit}")
+
+    def measured_past(self, context_limit: int) -> int | None:
+        """The index of the first profile measured beyond ``context_limit``, or None. A legacy
+        table records no coverage (its one profile covers every length): it is measured past
+        no limit."""
+        if self.version is None:
+            return None
+        return next((index for index, profile in enumerate(self.profiles)
+                     if profile.context.max_kv_length > context_limit), None)
 
 
     def check_fields(self, wanted: Mapping[str, object], path: str) -> None:

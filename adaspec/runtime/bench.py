@@ -622,10 +622,8 @@ def summarise(plan: BenchPlan, records: Sequence[RunRecord]) -> dict[str, Any]:
                                    "share that accepted drafts 1..k",
             "mean_rows_per_round": "padded target rows G verified per round",
             "by_kind": "the arm's greedy (temperature 0) and sampled (above 0) requests apart, "
-                       "from their own results: AL, acceptance rate, TPOT, and tokens/s as the "
-                       "kind's output tokens over the run's wall time (in a mixed run the "
-                       "kinds share the batches, so that is the kind's share of the "
-                       "throughput)"},
+                       "from their own results: AL, acceptance rate and TPOT (no tokens/s: the "
+                       "kinds share the batches and the run's time)"},
     }
 
 
@@ -713,12 +711,10 @@ def _entry(arm: str, level: int, runs: Sequence[RunRecord], kinds: Sequence[str]
 def _kind_entry(runs: Sequence[RunRecord], kind: str) -> dict[str, Any]:
     """One kind of request's figures over an arm's runs at one level."""
     counts = [(r, r.kinds[kind]) for r in runs if kind in r.kinds]
-    rates = [c.tokens / r.seconds for r, c in counts if r.seconds and c.tokens]
     accepted = sum(c.accepted for _, c in counts)
     verified = sum(c.verified for _, c in counts)
     return {"requests": sum(c.requests for _, c in counts),
             "tokens": sum(c.tokens for _, c in counts),
-            "tokens_per_second": round(statistics.geometric_mean(rates), 2) if rates else 0.0,
             "tpot_ms": _tpot_ms([t for _, c in counts for t in c.tpot_s]),
             "mean_acceptance_length": _al(accepted, sum(c.rounds for _, c in counts)),
             "acceptance_rate": round(accepted / verified, 4) if verified else None}

@@ -553,15 +553,16 @@ def print_table(report: dict[str, Any], out: TextIO) -> None:
 
 def _print_kinds(entries: Sequence[dict[str, Any]], write: Callable[[str], Any]) -> None:
     """Each arm's greedy and sampled requests apart: random-target acceptance and speed are
-    not greedy ones (the figures above mix the kinds)."""
-    write("by kind of request (tok/s: the kind's tokens over the run's time; AL and accept "
-          "from the kind's own requests):")
-    write(f"  {'arm':16} {'kind':8} {'reqs':>5} {'tok/s':>8} {'TPOT ms':>8} {'p90':>7} "
+    not greedy ones (the figures above mix the kinds). No tok/s: the kinds share the batches
+    and the run's time, so a kind has no throughput of its own; TPOT is each kind's own."""
+    write("by kind of request (TPOT, AL and accept from the kind's own requests; tok/s is "
+          "the run's, above):")
+    write(f"  {'arm':16} {'kind':8} {'reqs':>5} {'TPOT ms':>8} {'p90':>7} "
           f"{'AL':>5} {'accept':>6}")
     for e in entries:
         for kind, k in e["by_kind"].items():
             tpot = k["tpot_ms"]
-            write(f"  {e['arm']:16} {kind:8} {k['requests']:5d} {k['tokens_per_second']:8.1f} "
+            write(f"  {e['arm']:16} {kind:8} {k['requests']:5d} "
                   f"{_fmt(tpot['mean'], '8.2f')} {_fmt(tpot['p90'], '7.2f')} "
                   f"{_fmt(k['mean_acceptance_length'], '5.2f')} "
                   f"{_fmt(k['acceptance_rate'], '6.2f')}")

@@ -6,7 +6,9 @@ stream and prepared bindings, with the budget forced to the point) decodes Bcap 
 synthetic greedy requests. A sample is one window of ``window_steps`` complete decode
 intervals (the time between consecutive round retirements, two rounds in flight) after
 ``warmup_steps``; only rounds whose batch is exactly the point's requests and whose binding
-is the point's own G count, so a transient request set never pollutes a sample.
+is the point's own G count, so a transient request set never pollutes a sample. A window is
+kept the moment its last round retires (``_Recorder``): with every draft accepted the
+requests end right after it.
 
 The ``windows_per_point`` windows of a point are taken in separate passes over the grid, each
 on fresh requests, and each pass starts a further ``1 / windows_per_point`` of the way along
@@ -272,17 +274,32 @@ class ForcedDepth:
 
 @dataclass(slots=True)
 class _Recorder:
-    """Retirement times of the rounds that ran exactly the point's shape."""
+    """Retirement times of the rounds that ran exactly the point's shape, until ``needed``
+    consecutive ones make the window.
+
+    The window is kept the moment it is complete: the rounds that retire after it, before
+    the measuring coroutine next runs (several may retire in one go), cannot undo it. When
+    every draft is accepted the point's requests reach their context end right after the
+    window (the context holds just the sampling progress), and the last rounds then retire
+    without them, which would otherwise break the run the window was measured on."""
 
     bucket: int
     rows: int
     depth: int
+    needed: int  # consecutive stable retirements a window takes
     bound: dict[int, int] = field(default_factory=dict)  # round -> bound G
     depths: dict[int, int] = field(default_factory=dict)  # round -> depth run
-    times: list[tuple[int, float, bool]] = field(default_factory=list)  # (round, t, stable)
+    run: list[float] = field(default_factory=list)  # times of the newest stable run
+    last: int | None = None  # the round retired last
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
+    @property
+    def complete(self) -> bool:
+        return len(self.run) >= self.needed
+
     def __call__(self, event: Event) -> None:
+        if self.complete:
+            return
         if isinstance(event, BudgetDecided):
             self.bound[event.round] = event.bound_rows
         elif isinstance(event, DepthDecided):
@@ -291,20 +308,12 @@ class _Recorder:
             stable = (event.feedback.num_reqs == self.bucket
                       and self.bound.get(event.round) == self.rows
                       and self.depths.get(event.round) == self.depth)
-            self.times.append((event.round, event.time, stable))
-            self.wake.set()
-
-    def stable_run(self) -> list[float]:
-        """Times of the newest run of consecutive stable rounds."""
-        run: list[float] = []
-        last = None
-        for number, time, stable in self.times:
-            if not stable or (last is not None and number != last + 1):
-                run = []
+            if not stable or (self.last is not None and event.round != self.last + 1):
+                self.run = []
             if stable:
-                run.append(time)
-            last = number
-        return run
+                self.run.append(event.time)
+            self.last = event.round
+            self.wake.set()
 
 
 @dataclass(frozen=True, slots=True)
@@ -368,9 +377,9 @@ async def measure_window(driver: CalibrationDriver, settings: CalibrationConfig,
     synthetic requests."""
     driver.forced.rows, driver.forced_depth.depth = rows, depth
     driver.forced.bucket = driver.forced_depth.bucket = bucket
-    recorder = _Recorder(bucket=bucket, rows=rows, depth=depth)
-    driver.bus.subscribe(recorder)
     needed = settings.warmup_steps + settings.window_steps + 1
+    recorder = _Recorder(bucket=bucket, rows=rows, depth=depth, needed=needed)
+    driver.bus.subscribe(recorder)
     params = SamplingParams(temperature=0.0, max_tokens=1 << 20)
     requests = [driver.submit(synthetic_prompt(settings.token_seed, first_id + i,
                                                context.prefill_tokens, driver.vocab_size),
@@ -379,11 +388,13 @@ async def measure_window(driver: CalibrationDriver, settings: CalibrationConfig,
     # rounds, so the wait also ends when they do.
     all_ended = asyncio.ensure_future(asyncio.gather(*(r.done.wait() for r in requests)))
     try:
-        while len(recorder.stable_run()) < needed and not all_ended.done():
+        while not recorder.complete and not all_ended.done():
             recorder.wake.clear()
             woke = asyncio.ensure_future(recorder.wake.wait())
-            await asyncio.wait((woke, all_ended), return_when=asyncio.FIRST_COMPLETED)
-            woke.cancel()
+            try:
+                await asyncio.wait((woke, all_ended), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                woke.cancel()  # also when the start is cancelled during the wait
     finally:
         for request in requests:
             driver.cancel(request)
@@ -392,8 +403,8 @@ async def measure_window(driver: CalibrationDriver, settings: CalibrationConfig,
     failed = next((r.error for r in requests if r.error is not None), None)
     if failed is not None:
         raise CalibrationError(bucket, rows, str(failed))
-    times = recorder.stable_run()
-    if len(times) < needed:
+    times = recorder.run
+    if not recorder.complete:
         raise CalibrationError(bucket, rows, "its requests ended before the point was "
                                "measured (is the G bound, and does the context hold the "
                                "sampling progress?)")

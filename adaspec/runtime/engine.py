@@ -159,6 +159,7 @@ class Runtime:
         self._closers: list[Any] = []
         self._detach: list[Callable[[], None]] = []  # undoes what _open_observers attached
         self._starting = False
+        self._start_ended: asyncio.Event | None = None  # set once the start has ended
         self.costs: CostBundle | None = None
         """The immutable cost table installed at start (adaptive target verify only)."""
 
@@ -173,6 +174,7 @@ class Runtime:
             raise RuntimeStopped("the runtime is starting, running or still shutting down: "
                                  "await stop() before starting it again")
         self._starting = True
+        ended = self._start_ended = asyncio.Event()
         self._stopping = None  # a stop() from now on abandons this start
         try:
             await self._start()
@@ -184,6 +186,7 @@ class Runtime:
             raise
         finally:
             self._starting = False
+            ended.set()
 
     def _abandoned(self) -> None:
         """Raise ``RuntimeStopped`` when a stop() came during the start: the start goes no
@@ -228,6 +231,7 @@ class Runtime:
         assert self._stream is not None
         ctx = self._device_context(models, device)
         registries = await self._prepare_bindings(models, geometry)
+        self._abandoned()  # a stop during the last binding: no calibration on a closed stream
         if saved is not None:
             self.costs = self._shared(saved)
         elif plan is not None:
@@ -317,6 +321,8 @@ class Runtime:
     def _draft_identity(self, models: ModelSet) -> str:
         """The identity of the drafter this launch drafts with ("none" without one)."""
         draft = models.mtp if self.launch.speculative_algorithm == "MTP" else models.dspark
+        if self.launch.speculative_algorithm not in ("MTP", "DSpark"):
+            return "none"  # a model set may hold a drafter that this launch does not use
         return "none" if draft is None else draft.identity
 
     async def _calibrate(self, ctx: DeviceContext, geometry: BucketGeometry,
@@ -379,7 +385,7 @@ class Runtime:
             from adaspec.runtime.events.log import EventLogWriter
 
             writer = EventLogWriter(self.options.event_log, self._log_header(models))
-            self.bus.subscribe(writer.write)
+            self.bus.subscribe(writer.write, first=True)
             self._closers.append(writer)
             self._detach.append(functools.partial(self.bus.unsubscribe, writer.write))
         trace_path, setting = self._trace_path()
@@ -424,15 +430,15 @@ class Runtime:
             raise failed
 
     def _log_header(self, models: ModelSet) -> dict[str, object]:
-        depth, budget = self._depth_policy(), self._budget_policy()
-        cost_table = None if self.costs is None else self.costs.as_dict()
-        return {"config": self.config.as_dict(), "cost_table": cost_table,
-                "models": {"target": models.target.identity,
-                           "draft": self._draft_identity(models)},
-                "seeds": {"run": self.options.seed},
-                "lag": 2 if self.launch.enable_schedule_overlap else 1,
-                "policies": {"depth": {"name": depth.name, "settings": depth.settings()},
-                             "budget": {"name": budget.name, "settings": budget.settings()}}}
+        from adaspec.runtime.events.log import log_header
+
+        return log_header(
+            config=self.config.as_dict(),
+            cost_table=None if self.costs is None else self.costs.as_dict(),
+            models={"target": models.target.identity, "draft": self._draft_identity(models)},
+            context_limit=models.target.context_limit, seeds={"run": self.options.seed},
+            depth_policy=self._depth_policy(), budget_policy=self._budget_policy(),
+            lag=2 if self.launch.enable_schedule_overlap else 1)
 
     def _depth_policy(self) -> DepthPolicy:
         if self.options.depth_policy is not None:
@@ -478,7 +484,13 @@ class Runtime:
         if self._stream is not None:
             self._stream.close()
             self._stream = None
-        self._close_observers()
+        try:
+            self._close_observers()
+        finally:
+            if self._starting and self._start_ended is not None:
+                # The closed stream abandons the start (its calibration's requests fail):
+                # wait for it to unwind, so nothing of it runs once stop() returns.
+                await self._start_ended.wait()
 
     # --- requests ------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], params: SamplingParams) -> RequestHandle:

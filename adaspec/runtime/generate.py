@@ -33,7 +33,7 @@ from adaspec.errors import (
 from adaspec.runtime.calibrate_command import progress_reporter
 from adaspec.runtime.command_flags import CommandFlags, Flag, check_runnable_here, sampling_flag
 from adaspec.runtime.engine import MAX_SEED, Runtime, RuntimeOptions, require_builtin
-from adaspec.runtime.requests import RequestResult
+from adaspec.runtime.requests import RequestHandle, RequestResult
 
 GENERATE = CommandFlags(
     command="generate",
@@ -172,12 +172,18 @@ async def decode(runtime: Runtime, prompts: list[str], params: SamplingParams
     preparation and calibration left out), and the error of an output (event log, trace)
     that could not be written: the results are still there to print."""
     await runtime.start()
+    handles: list[RequestHandle] = []
     try:
         started = time.perf_counter()
-        handles = [runtime.submit(list(p.encode("utf-8")), params) for p in prompts]
+        for prompt in prompts:
+            handles.append(runtime.submit(list(prompt.encode("utf-8")), params))
         results = [await handle.result() for handle in handles]
         seconds = time.perf_counter() - started
     except BaseException:
+        # Interrupted (Ctrl-C cancels this task) or failed: nothing will be printed, so end
+        # the requests between rounds instead of decoding them to the end in ``stop``.
+        for handle in handles:
+            handle.cancel()
         await runtime.stop()
         raise
     try:

@@ -313,9 +313,11 @@ class Pipeline:
             admitted.append(request)
             room -= 1
         if admitted:
-            self._enqueue_prefill(admitted)
+            # Active before the prefill is enqueued: an enqueue that raises (a closed stream)
+            # faults the loop, whose fail_all must still find them.
             self.active.extend(admitted)
             self._composition += 1
+            self._enqueue_prefill(admitted)
 
     def _enqueue_prefill(self, admitted: list[Request]) -> None:
         device = self.ctx.device

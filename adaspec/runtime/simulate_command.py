@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from adaspec.config.files import read_json_object
 from adaspec.config.paths import read_regular
-from adaspec.errors import MISSING, ConfigError, IncompatibleCostTable, show_value
-from adaspec.policies.bundles import COMPATIBILITY_FIELDS, CostBundle, load_bundle
+from adaspec.errors import MISSING, ConfigError, IncompatibleCostTable
+from adaspec.policies.bundles import CostBundle, load_bundle
 from adaspec.policies.simulate import (
     WORKLOAD_FORMAT,
     SimulationResult,
@@ -65,8 +65,6 @@ def run_simulate(argv: Sequence[str]) -> int:
         make_policies(spec, costs, workload.width)
     results = [simulate(spec, workload, costs, table or "log") for spec in policies]
     report = _report(workload, costs, results)
-    if run is not None:
-        report["unchecked_compatibility"] = _unchecked(costs, run)
     if "json" in args:
         print(json.dumps(report, indent=2))
     else:
@@ -167,24 +165,13 @@ def _costs(path: str | None, run: "RecordedRun | None", log: str) -> CostBundle:
 def _check_for_run(costs: CostBundle, run: "RecordedRun", path: str, log: str) -> None:
     """Refuse a table the recorded run's launch would have refused: its prices are another
     launch's (algorithm, width, parallel layout, graphs, device, geometry or models)."""
-    from adaspec.runtime.events.replay import check_table_for_run
+    from adaspec.runtime.events.replay import check_table_for_run, table_difference
 
     try:
         check_table_for_run(costs, run, path)
     except IncompatibleCostTable as error:
-        raise ConfigError("--cost_table", path, f"{error.field} is "
-                          f"{show_value(error.saved)} in the table but "
-                          f"{show_value(error.launch)} in the recorded run {log}; expected a "
-                          "table saved by a launch like the run's") from None
-
-
-def _unchecked(costs: CostBundle, run: "RecordedRun") -> list[str]:
-    """Compatibility fields no check covered: the table or the log does not record them (none
-    for the log's own table, which the run installed)."""
-    if costs is run.costs:
-        return []
-    return [name for name in COMPATIBILITY_FIELDS
-            if name not in run.known or name not in costs.compatibility]
+        raise ConfigError("--cost_table", path, f"{table_difference(error, 'the recorded run')} "
+                          f"{log}; expected a table saved by a launch like the run's") from None
 
 
 def _report(workload: Workload, costs: CostBundle, results: list[SimulationResult]
@@ -215,9 +202,16 @@ def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
+def _shown(text: str) -> str:
+    """A name read from a file (the workload's, a path) as the table shows it: itself when
+    printable, else quoted with its control characters escaped, so no escape sequence
+    reaches the terminal and the header stays one line."""
+    return text if text.isprintable() else repr(text)
+
+
 def _table(report: dict[str, Any]) -> str:
-    lines = [f"workload {report['workload']}: {report['rounds']} rounds, width "
-             f"{report['width']}; costs from {report['cost_table']}",
+    lines = [f"workload {_shown(report['workload'])}: {report['rounds']} rounds, width "
+             f"{report['width']}; costs from {_shown(report['cost_table'])}",
              f"{'policy':16} {'tokens/round':>12} {'AL':>6} {'ms/round':>9} {'tokens/s':>10} "
              f"{'vs best fixed':>13} {'vs oracle':>9}"]
     for row in report["policies"]:
@@ -232,7 +226,4 @@ def _table(report: dict[str, Any]) -> str:
         lines.append("vs best fixed: - (no fixed:K policy given)")
     if "vs_oracle" not in report["policies"][0]:
         lines.append("vs oracle: - (the oracle policy not given)")
-    if report.get("unchecked_compatibility"):
-        lines.append("not checked against the recorded run (the log or the table does not "
-                     f"record them): {', '.join(report['unchecked_compatibility'])}")
     return "\n".join(lines)

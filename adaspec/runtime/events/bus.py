@@ -55,15 +55,17 @@ class EventBus:
         events nobody receives (the hot path does)."""
         return bool(self._handlers or self._waiters)
 
-    def subscribe(self, handler: Handler) -> None:
-        """Deliver every later event to ``handler``, after the handlers subscribed before it
-        (a handler dropped after raising may subscribe again, and is dropped again if it
-        raises again)."""
+    def subscribe(self, handler: Handler, *, first: bool = False) -> None:
+        """Deliver every later event to ``handler``, after the handlers subscribed before it,
+        or with ``first`` before them: a record of the events (the event log) sees each one
+        before a handler can react to it with another (a cancel, a submit), so it records
+        them in the order they happened. A handler dropped after raising may subscribe
+        again, and is dropped again if it raises again."""
         if not callable(handler):
             raise TypeError(f"an event subscriber must be callable, got {handler!r}")
         if handler in self._dropped:
             self._dropped.remove(handler)
-        self._handlers = (*self._handlers, handler)
+        self._handlers = (handler, *self._handlers) if first else (*self._handlers, handler)
 
     def unsubscribe(self, handler: Handler) -> None:
         """Stop delivering to ``handler`` (its first subscription, if subscribed twice); a

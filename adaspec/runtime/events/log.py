@@ -4,8 +4,9 @@ back by ``adaspec replay``.
 Line 1 is the header: ``format`` and ``version`` first, then what a replay needs to rebuild
 the run's decisions (the effective configuration, the cost table's identity, the seeds and the
 policies by name and settings) and, from the runtime, the checkpoint identities of the models
-(``models``), so a cost table can be checked against the run that a log records. Every later
-line is one event's ``record()``, in publish order.
+(``models``) and the target's ``context_limit``, so a cost table and the requests can be
+checked against the run that a log records. Every later line is one event's ``record()``, in
+publish order.
 
 The reader trusts nothing: a log may be truncated by a crash, edited by hand or come from
 another version, and each such problem is one ``EventLogError`` line naming the file, the line
@@ -23,7 +24,8 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, get_args, get_origin
 
 from adaspec.config.paths import NotRegularFile, open_regular
-from adaspec.errors import EventLogError
+from adaspec.config.requests import SamplingParams
+from adaspec.errors import EventLogError, RequestError
 from adaspec.policies.base import (
     BudgetContext,
     BudgetPolicy,
@@ -51,16 +53,11 @@ if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
 FORMAT = "adaspec-event-log"
-VERSION = 1
+VERSION = 2
 """Bumped whenever a line's meaning changes; a reader accepts exactly its own version."""
 
-HEADER_KEYS = ("config", "cost_table", "seeds", "policies")
+HEADER_KEYS = ("config", "cost_table", "models", "context_limit", "seeds", "lag", "policies")
 """What every header holds besides ``format`` and ``version`` (``cost_table`` may be null)."""
-
-ADDED_FIELDS: dict[type, frozenset[str]] = {DepthContext: frozenset({"max_kv_length"})}
-"""Fields added to version-1 records after logs of that version were written: an older log
-lacks them, and its records read back with the field's default (0: not recorded), as the run
-that wrote it behaved. Every other field is required."""
 
 _BUFFER_BYTES = 1 << 16  # a few hundred events per write(2); close() flushes the rest
 
@@ -69,14 +66,20 @@ def log_header(
     *,
     config: Mapping[str, Any],
     cost_table: Mapping[str, Any] | None,
+    models: Mapping[str, str],
+    context_limit: int,
     seeds: Mapping[str, int],
+    lag: int,
     depth_policy: DepthPolicy,
     budget_policy: BudgetPolicy,
     **extra: Any,
 ) -> dict[str, Any]:
-    """The header fields of a run, with the policies as replay rebuilds them (name and
-    ``settings()``). ``extra`` adds fields such as the adaspec version or the geometry."""
-    return {"config": dict(config), "cost_table": cost_table, "seeds": dict(seeds),
+    """The header fields of a run: the checkpoint identities of its models (``target``, and
+    ``draft``: "none" without a drafter) and the target's context limit, so that a cost table
+    and the requests can be checked against the run; the policies as replay rebuilds them
+    (name and ``settings()``). ``extra`` adds fields such as the adaspec version."""
+    return {"config": dict(config), "cost_table": cost_table, "models": dict(models),
+            "context_limit": context_limit, "seeds": dict(seeds), "lag": lag,
             "policies": {"depth": _policy_entry(depth_policy),
                          "budget": _policy_entry(budget_policy)},
             **extra}
@@ -306,6 +309,16 @@ def _header_problem(data: Mapping[str, Any]) -> str | None:
                          ("seeds", (dict,)), ("policies", (dict,))):
         if not isinstance(data[key], allowed):
             return f'header "{key}" must be an object, got {_show(data[key])}'
+    models = data["models"]
+    if not (isinstance(models, dict) and set(models) == {"target", "draft"}
+            and all(isinstance(value, str) and value for value in models.values())):
+        return (f'header "models" must be {{"target": string, "draft": string}} (the '
+                "checkpoint identities; draft \"none\" without a drafter), got "
+                f"{_show(models)}")
+    limit = data["context_limit"]
+    if type(limit) is not int or limit < 2:
+        return (f'header "context_limit" must be an integer >= 2 (the target\'s context '
+                f"limit), got {_show(limit)}")
     for role in ("depth", "budget"):
         entry = data["policies"].get(role)
         if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)
@@ -344,8 +357,7 @@ def _record_problem(
     if not isinstance(data, dict):
         return f'field "{prefix[:-1]}" expected an object, got {_show(data)}'
     declared = _declared(cls)
-    missing = [prefix + key for key in declared if key not in data and key not in
-               ADDED_FIELDS.get(cls, ())]
+    missing = [prefix + key for key in declared if key not in data]
     if missing:
         return f"missing field {_names(missing)}"
     unexpected = [prefix + key for key in data if key not in declared and key not in extra]
@@ -424,6 +436,8 @@ class RunShape:
     request_buckets: tuple[int, ...]  # prepared Bcap, ascending; () when shapes are unpadded
     target_rows: tuple[int, ...]  # prepared G, ascending; () when shapes are unpadded
     max_bucket: int  # most requests one shard's round holds
+    context_limit: int  # the target's: every prompt leaves room for one generated token
+    check_request: Callable[[SamplingParams], None]  # RequestError for what it cannot run
 
     def legal_rows(self, bucket: int) -> Sequence[int]:
         """The G a round of bucket Bcap may verify (``BucketGeometry.legal_rows``): every
@@ -444,7 +458,10 @@ def check_run(events: Sequence[Event], shape: RunShape, path: str) -> None:
 
     Each round is decided (depth, then budget) and submitted in three consecutive events,
     round numbers increasing; every submitted round then retires or fails exactly once, in
-    submission order, and rounds <= n - lag retire before round n is decided. A decision
+    submission order, and rounds <= n - lag retire before round n is decided. Requests
+    arrive once, in increasing id order, with sampling parameters a request may have; a round
+    holds only requests that arrived and have not finished; each finishes once, with at most
+    its max_tokens. A decision
     that saw more feedback than the lag allows is not refused here: that is a finding of the
     replay (its lag check), not damage to the log.
     """
@@ -452,6 +469,15 @@ def check_run(events: Sequence[Event], shape: RunShape, path: str) -> None:
     for index, event in enumerate(events):
         walk.step(index + 2, event)
     walk.finish(len(events) + 1)  # the last event's line
+
+
+@dataclasses.dataclass(slots=True)
+class _Request:
+    """A request that arrived, as the checks of its rounds and its end need it."""
+
+    line: int  # of its request_arrived event
+    max_tokens: int
+    finished: int | None = None  # line of its request_finished event
 
 
 @dataclasses.dataclass(slots=True)
@@ -477,6 +503,7 @@ class _RunWalk:
         self.newest_ended = -1
         self.last_round = -1  # the newest round decided
         self.deciding: DepthDecided | BudgetDecided | None = None  # a round not yet submitted
+        self.requests: dict[int, _Request] = {}  # by id, in arrival order
         self.handlers: dict[type[Event], Callable[[int, Any], None]] = {
             DepthDecided: self._depth, BudgetDecided: self._budget,
             RoundSubmitted: self._submitted, StageCompleted: self._stage,
@@ -486,6 +513,8 @@ class _RunWalk:
     def fail(self, line: int, event: Event, reason: str) -> EventLogError:
         number = getattr(event, "round", None)
         subject = event.kind if number is None else f"{event.kind} event of round {number}"
+        if isinstance(event, RequestArrived | RequestFinished):
+            subject = f"{event.kind} event of request {event.request_id}"
         return EventLogError(self.path, line, f"{subject}: {reason}")
 
     def step(self, line: int, event: Event) -> None:
@@ -502,6 +531,14 @@ class _RunWalk:
             raise EventLogError(self.path, entry.line, f"round {round} was submitted here but "
                                 "never retired nor failed (expected a round_retired or "
                                 "round_failed event for it; was the log cut short?)")
+        running = [(id, request) for id, request in self.requests.items()
+                   if request.finished is None]
+        if running:
+            id, request = running[0]
+            raise EventLogError(self.path, request.line, f"request {id} arrived here but never "
+                                "finished (expected a request_finished event for it; every "
+                                "request ends before the runtime stops; was the log cut "
+                                "short?)")
 
     def _check_sequence(self, line: int, event: Event) -> None:
         """A round's two decisions and its submission are logged together."""
@@ -528,8 +565,8 @@ class _RunWalk:
         self._check_context(line, event)
         self._check_value(line, event, "depth", event.depth, self.shape.min_depth,
                           self.shape.width)
-        # 0: a log written before depth contexts recorded it
-        self._check_value(line, event, "context.max_kv_length", event.context.max_kv_length, 0)
+        self._check_value(line, event, "context.max_kv_length", event.context.max_kv_length, 1,
+                          self.shape.context_limit)
         self._check_retired(line, event)
         self.last_round, self.deciding = event.round, event
 
@@ -541,13 +578,11 @@ class _RunWalk:
         for name in ("num_reqs", "num_reqs_bucket"):  # one batch, both decisions
             self._expect(line, event, f"context.{name}", getattr(context, name),
                          getattr(self.deciding.context, name), "as in its depth context")
-        if self.deciding.context.max_kv_length:  # one bound for both decisions of a round
-            self._expect(line, event, "context.max_kv_length", context.max_kv_length,
-                         self.deciding.context.max_kv_length, "as in its depth context")
+        self._expect(line, event, "context.max_kv_length", context.max_kv_length,
+                     self.deciding.context.max_kv_length, "as in its depth context")
         self._check_retired(line, event)
         self._check_value(line, event, "context.depth", context.depth, self.shape.min_depth,
                           self.shape.width)
-        self._check_value(line, event, "context.max_kv_length", context.max_kv_length, 1)
         self._check_tiers(line, event)
         self._check_batch_ids(line, event, context)
         self.deciding = event
@@ -566,6 +601,8 @@ class _RunWalk:
             raise self.fail(line, event, _field("request_ids", list(event.request_ids),
                                                 f"{context.num_reqs} distinct ids (B of its "
                                                 "decisions)"))
+        for id in event.request_ids:
+            self._check_running(line, event, id)
         self.in_flight[event.round] = _Round(
             line, event.slot, context.num_reqs, event.num_reqs_bucket, event.request_ids,
             depth=context.depth, num_rows=self.deciding.bound_rows)
@@ -686,14 +723,42 @@ class _RunWalk:
     # --- requests -----------------------------------------------------------------------
 
     def _arrived(self, line: int, event: RequestArrived) -> None:
-        self._check_value(line, event, "request_id", event.request_id, 0)
-        self._check_value(line, event, "num_prompt_tokens", event.num_prompt_tokens, 0)
+        id = event.request_id
+        if id in self.requests:
+            raise self.fail(line, event, "already arrived at line "
+                            f"{self.requests[id].line}; a request arrives once")
+        newest = next(reversed(self.requests), -1)
+        if id <= newest:
+            raise self.fail(line, event, _field("request_id", id, f"an integer > {newest} "
+                                                "(requests arrive in increasing id order)"))
+        self._check_value(line, event, "num_prompt_tokens", event.num_prompt_tokens, 1,
+                          self.shape.context_limit - 1)
+        params = _sampling(event.sampling)
+        if isinstance(params, str):
+            raise self.fail(line, event, params)
+        try:
+            self.shape.check_request(params)  # what this launch refuses to decode
+        except RequestError as error:
+            raise self.fail(line, event, f"sampling: {error}") from None
+        self.requests[id] = _Request(line, params.max_tokens)
 
     def _finished(self, line: int, event: RequestFinished) -> None:
-        self._check_value(line, event, "request_id", event.request_id, 0)
-        self._check_value(line, event, "num_tokens", event.num_tokens, 0)
+        entry = self._check_running(line, event, event.request_id)
+        self._check_value(line, event, "num_tokens", event.num_tokens, 0, entry.max_tokens)
         if event.reason not in _REASONS:
             raise self.fail(line, event, _field("reason", event.reason, ", ".join(_REASONS)))
+        entry.finished = line
+
+    def _check_running(self, line: int, event: Event, id: int) -> _Request:
+        """The request ``id`` arrived and has not finished before this line."""
+        who = "" if isinstance(event, RequestFinished) else f"request {id} "  # else the subject
+        entry = self.requests.get(id)
+        if entry is None:
+            raise self.fail(line, event, f"{who}never arrived (no request_arrived event for "
+                            "it before this line)")
+        if entry.finished is not None:
+            raise self.fail(line, event, f"{who}already finished at line {entry.finished}")
+        return entry
 
     # --- helpers ------------------------------------------------------------------------
 
@@ -715,6 +780,18 @@ _PREVIOUS: dict[type[Event], str] = {BudgetDecided: DepthDecided.kind,
                                      RoundSubmitted: BudgetDecided.kind}
 
 _REASONS = ("stop", "length", "cancelled", "failed")
+
+
+def _sampling(fields: Mapping[str, Any]) -> SamplingParams | str:
+    """A request's recorded sampling parameters, or what is wrong with them: every field of
+    ``SamplingParams``, each within the range a request may have."""
+    names = [item.name for item in dataclasses.fields(SamplingParams)]
+    if sorted(fields) != sorted(names):
+        return _field("sampling", dict(fields), f"an object with exactly {_names(names)}")
+    try:
+        return SamplingParams.from_request(fields)
+    except RequestError as error:
+        return f"sampling: {error}"
 
 
 def _feedback_problem(feedback: RoundFeedback, shape: RunShape, entry: _Round) -> str | None:
@@ -754,10 +831,11 @@ def _entries_problem(feedback: RoundFeedback, request_ids: tuple[int, ...]) -> s
     if sum(feedback.verify_lengths) + count > feedback.num_rows:  # each also has its anchor
         return _field("feedback.verify_lengths", list(feedback.verify_lengths), "at most "
                       f"G - B = {feedback.num_rows - count} verified drafts in all")
-    if not set(feedback.request_ids) <= set(request_ids) or \
-            len(set(feedback.request_ids)) != len(feedback.request_ids):
+    submitted = iter(request_ids)
+    if not all(id in submitted for id in feedback.request_ids):  # consumes: in order, once
         return _field("feedback.request_ids", list(feedback.request_ids),
-                      f"distinct ids among those submitted, {list(request_ids)}")
+                      f"ids of the round's live requests, in the order submitted "
+                      f"{list(request_ids)}")
     return _confidences_problem(feedback.confidences, feedback.width)
 
 

@@ -16,7 +16,7 @@ one run of that launch (``log.check_run``). ``adaspec simulate`` reads a recorde
 the same checks.
 """
 
-import dataclasses
+import functools
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -25,6 +25,7 @@ from typing import Any, Literal
 from adaspec.config.calibration import key_prefix
 from adaspec.config.effective import effective_value
 from adaspec.config.launch import LaunchConfig, launch_field_types
+from adaspec.config.requests import check_request
 from adaspec.errors import (
     ConfigError,
     EventLogError,
@@ -34,7 +35,6 @@ from adaspec.errors import (
 )
 from adaspec.policies.base import BudgetPolicy, DepthPolicy
 from adaspec.policies.bundles import (
-    COMPATIBILITY_FIELDS,
     Compatibility,
     CostBundle,
     bundle_from_dict,
@@ -138,7 +138,10 @@ class ReplayReport:
         lines = [f"replayed {self.num_decisions} decisions of {self.num_rounds} rounds with "
                  f"{self.num_observed} retired rounds observed ({role} policies: depth "
                  f"{_policy_text(self.depth_policy)}, budget {_policy_text(self.budget_policy)})"]
-        if self.first_divergence is None:
+        if self.num_decisions == 0:
+            lines.append("no decision to check: the log records no round (its requests, if "
+                         "any, ended at their prefill)")
+        elif self.first_divergence is None:
             lines.append(f"all {self.num_decisions} decisions match the log")
         else:
             # A counterfactual policy is expected to differ; a recorded one never should.
@@ -201,9 +204,7 @@ class RecordedRun:
     lag: int  # 2 with schedule overlap, 1 without
     costs: CostBundle | None  # the table the run installed (the header's)
     compatibility: Compatibility  # what a cost table must share with the run to price it
-    known: tuple[str, ...]
-    """The compatibility fields the log tells: the model identities when its header records
-    them (``models``) or carries a cost table (a log written before headers recorded them)."""
+    context_limit: int  # the target's, from the header
 
 
 def check_recorded_run(header: Mapping[str, Any], events: Sequence[Event], path: str
@@ -214,32 +215,48 @@ def check_recorded_run(header: Mapping[str, Any], events: Sequence[Event], path:
     launch = _recorded_launch(header, path)
     lag = _recorded_lag(header, launch, path)
     costs = _header_costs(header, path)
-    models = _recorded_models(header, path)
     run = RecordedRun(launch=launch, lag=lag, costs=costs,
-                      **_compatibility(launch, costs, models))
+                      compatibility=_compatibility(launch, header["models"]),
+                      context_limit=header["context_limit"])
     if costs is not None:
         try:
             check_table_for_run(costs, run, "the header")
         except IncompatibleCostTable as error:
-            where = "models" if error.field in ("target", "draft") else "config"
+            where = {"target": "models", "draft": "models",
+                     "context_limit": "context_limit"}.get(error.field, "config")
             raise EventLogError(path, 1, f"header cost_table disagrees with the header's "
-                                f"{where}: {error.field} is {show_value(error.saved)} in the "
-                                f"table but {show_value(error.launch)} in the {where}") from None
+                                f"{where}: {table_difference(error, 'the header')}") from None
     buckets = launch.prepared_request_buckets()
     check_run(events, RunShape(width=launch.num_speculative_tokens, lag=lag,
                                dp_size=launch.dp_size, request_buckets=buckets,
                                target_rows=launch.prepared_target_rows(),
-                               max_bucket=launch.seqs_per_shard), path)
+                               max_bucket=launch.seqs_per_shard,
+                               context_limit=run.context_limit,
+                               check_request=functools.partial(check_request, launch=launch)),
+              path)
     return run
+
+
+def table_difference(error: IncompatibleCostTable, run: str) -> str:
+    """What ``check_table_for_run`` found, said of the table and ``run`` (its name in the
+    message): a compatibility field that differs, or a profile past the context limit."""
+    if error.field == "context_limit":
+        return (f"the table prices contexts of {error.saved} tokens, past the context limit "
+                f"{error.launch} of {run}")
+    return (f"{error.field} is {show_value(error.saved)} in the table but "
+            f"{show_value(error.launch)} in {run}")
 
 
 def check_table_for_run(table: CostBundle, run: RecordedRun, path: str) -> None:
     """``IncompatibleCostTable`` unless the table was saved by a launch like the run's, as a
-    launch checks a saved table (``CostBundle.check_compatible``)."""
-    # Fields the log does not tell (the model identities of a run without a table) are left
-    # out rather than compared with a guess, which would refuse every table or none.
-    told = {name: value for name, value in table.compatibility.items() if name in run.known}
-    dataclasses.replace(table, compatibility=told).check_compatible(run.compatibility, path)
+    launch checks a saved table (``CostBundle.check_compatible``); a profile measured past
+    the run's context limit is named as field ``context_limit``."""
+    table.check_fields(run.compatibility.as_dict(), path)
+    index = table.measured_past(run.context_limit)
+    if index is not None:  # calibration never measures past the model's limit
+        raise IncompatibleCostTable(path, "context_limit",
+                                    table.profiles[index].context.max_kv_length,
+                                    run.context_limit)
 
 
 def _recorded_launch(header: Mapping[str, Any], path: str) -> LaunchConfig:
@@ -282,7 +299,7 @@ def _launch_section(config: Mapping[str, Any], path: str
 
 def _recorded_lag(header: Mapping[str, Any], launch: LaunchConfig, path: str) -> int:
     lag = 2 if launch.enable_schedule_overlap else 1
-    given = header.get("lag", lag)  # a log written before logs recorded it follows its config
+    given = header["lag"]
     if type(given) is not int or given != lag:
         raise EventLogError(path, 1, f'header "lag" expected {lag} (enable_schedule_overlap='
                             f"{show_value(launch.enable_schedule_overlap)} in its config), "
@@ -297,32 +314,15 @@ def _header_costs(header: Mapping[str, Any], path: str) -> CostBundle | None:
         raise EventLogError(path, 1, f"header {error}") from None
 
 
-def _recorded_models(header: Mapping[str, Any], path: str) -> dict[str, str]:
-    """The checkpoint identities the header records ({} for a log older than the field)."""
-    models = header.get("models", {})
-    if not (isinstance(models, dict) and set(models) <= {"target", "draft"}
-            and all(isinstance(value, str) for value in models.values())):
-        raise EventLogError(path, 1, f'header "models" must be {{"target": string, "draft": '
-                            f"string}}, got {_brief(models)}")
-    return models
-
-
-def _compatibility(launch: LaunchConfig, costs: CostBundle | None,
-                   models: Mapping[str, str]) -> dict[str, Any]:
-    """The run's compatibility, as ``Runtime.compatibility`` makes it, and the fields known."""
-    told = models or (costs.compatibility if costs is not None else {})
-    identities = {name: str(told[name]) for name in ("target", "draft")
-                  if isinstance(told.get(name), str)}
+def _compatibility(launch: LaunchConfig, models: Mapping[str, str]) -> Compatibility:
+    """The run's compatibility, as ``Runtime.compatibility`` makes it."""
     buckets = launch.prepared_request_buckets()
-    compatibility = Compatibility(
+    return Compatibility(
         algorithm=launch.speculative_algorithm, draft_width=launch.num_speculative_tokens,
         dp_size=launch.dp_size, tp_size=launch.resolved.tp_size,
         unified=launch.enable_unified_mtp_graph, device=launch.device,
-        target=identities.get("target", ""), draft=identities.get("draft", ""),
-        request_buckets=buckets, target_rows=tuple(map(launch.legal_target_rows, buckets)))
-    known = tuple(name for name in COMPATIBILITY_FIELDS
-                  if name not in ("target", "draft") or name in identities)
-    return {"compatibility": compatibility, "known": known}
+        target=models["target"], draft=models["draft"], request_buckets=buckets,
+        target_rows=tuple(map(launch.legal_target_rows, buckets)))
 
 
 def _brief(value: object) -> str:

@@ -1,0 +1,254 @@
+"""What an embedding engine hands adaspec is checked where it is handed over, and refused in one
+line naming it: weights and configs given to ``checkpoint_identity`` (which never lets two
+different checkpoints share an identity), the value members of the models passed to
+``Runtime(models=...)``, numbers of numpy types in ``SamplingParams``, and the text of a
+model's own error reaching a request's error."""
+
+import asyncio
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from runtime_helpers import config
+
+from adaspec.config import SamplingParams
+from adaspec.errors import ConfigError
+from adaspec.models import ReferenceModels, checkpoint_identity, load_reference_models
+from adaspec.runtime.engine import Runtime, RuntimeOptions
+from adaspec.runtime.requests import RequestFailed
+
+
+@pytest.fixture(scope="module")
+def models() -> ReferenceModels:
+    return load_reference_models()
+
+
+# --- checkpoint_identity ---------------------------------------------------------------------
+
+T = torch.arange(6, dtype=torch.float32)
+IDENTITY = "db7f66bc428cd6387035008c06c8008c"  # the shipped small target's, as a parent
+
+
+def test_the_encoding_of_plain_checkpoints_is_the_one_identities_always_had() -> None:
+    # Pinned: identities recorded in model cards and saved cost tables must keep matching.
+    weights = {"b": torch.arange(12, dtype=torch.float32).view(3, 4) / 7,
+               "a": torch.tensor([1, 2, 3], dtype=torch.int64), "scalar": torch.tensor(0.5)}
+    settings = {"hidden_size": 4, "window": 16, "name": "tiny", "eps": 1e-6}
+    assert checkpoint_identity(settings, weights) == "e2635f2fe809d18af7184e36978f990a"
+    assert checkpoint_identity({}, {}, parent=IDENTITY) == "64f93b0e1eb1a06fa6eec3fbfa60e2d0"
+
+
+@pytest.mark.parametrize(("first", "second"), [
+    # The parent and the first tensor name used to run together.
+    (({}, {"ab": T}, "x"), ({}, {"b": T}, "xa")),
+    (({}, {"ab": T}, ""), ({}, {"b": T}, "a")),
+    (({}, {IDENTITY + "w": T}, ""), ({}, {"w": T}, IDENTITY)),
+    (({}, {IDENTITY: T}, ""), ({}, {"": T}, IDENTITY)),
+    # A key with a dot and the same key nested are different configs.
+    (({"a.b": 1}, {"w": T}, ""), ({"a": {"b": 1}}, {"w": T}, "")),
+])
+def test_different_checkpoints_never_share_an_identity(first: tuple[Any, ...],
+                                                        second: tuple[Any, ...]) -> None:
+    assert checkpoint_identity(first[0], first[1], parent=first[2]) != \
+        checkpoint_identity(second[0], second[1], parent=second[2])
+
+
+def test_any_parent_string_is_taken_and_told_apart() -> None:
+    parents = ["", IDENTITY, IDENTITY.upper(), "engine-target@v2", ":4:", "é"]
+    assert len({checkpoint_identity({}, {"w": T}, parent=p) for p in parents}) == len(parents)
+
+
+BYTES = torch.tensor(list(b"b:torch.uint8:(0,)"), dtype=torch.uint8)
+
+
+@pytest.mark.parametrize(("settings", "weights", "message"), [
+    # {1: x} would hash as {"1": x}.
+    ({1: 2}, {}, r"^checkpoint_identity\(config=\.\.\.\)=1: expected str keys \(JSON object "
+                 r"keys\), got a key of type int, which would hash like the string \"1\"$"),
+    ({"a": {2: 3}}, {}, r"^checkpoint_identity\(config=\.\.\.\)\['a'\]=2: expected str keys"),
+    ({}, {1: T}, r"^checkpoint_identity\(weights=\.\.\.\)=1: expected tensor names that are "
+                 r"str, got a key of type int$"),
+    # A name with the separator could spell another name, its dtype, shape and bytes:
+    # {"a": BYTES} would otherwise hash like {"a:torch.uint8:(18,)b": an empty tensor}.
+    ({}, {"a:torch.uint8:(18,)b": torch.zeros(0, dtype=torch.uint8)},
+     r"^checkpoint_identity\(weights=\.\.\.\)='a:torch\.uint8:\(18,\)b': expected tensor names "
+     r"without ':'"),
+    ({"a": np.int64(3)}, {}, r"^checkpoint_identity\(config=\.\.\.\)\['a'\]=numpy\.int64: "
+                             r"expected a JSON value"),
+])
+def test_inputs_the_encoding_cannot_tell_apart_are_refused_in_one_line(
+        settings: Any, weights: Any, message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as raised:
+        checkpoint_identity(settings, weights)
+    assert "\n" not in str(raised.value)
+    # The tensors the refused name could be confused with hash without trouble.
+    assert len(checkpoint_identity({}, {"a": BYTES})) == 32
+
+
+@pytest.mark.parametrize(("value", "found"), [
+    (np.ones(3, dtype=np.float32), "numpy.ndarray"),
+    ([1.0, 2.0], "list"),
+    ({"b": T}, "dict"),  # nested weights: "a" -> "b" is no tensor named "a.b"
+    (None, "NoneType"),
+])
+def test_a_weight_that_is_no_tensor_is_refused_naming_its_key_and_type(
+        value: object, found: str) -> None:
+    with pytest.raises(ConfigError) as raised:
+        checkpoint_identity({}, {"embed.weight": T, "a": value})
+    assert str(raised.value) == (f"checkpoint_identity(weights=...)['a']={found}: expected a "
+                                 "torch.Tensor")
+
+
+@pytest.mark.parametrize("tensor", [torch.ones(2, device="meta"), torch.ones(2).to_sparse()])
+def test_a_tensor_without_dense_values_is_refused_naming_its_key(tensor: torch.Tensor) -> None:
+    with pytest.raises(ConfigError, match=r"^checkpoint_identity\(weights=\.\.\.\)\['w'\]=.*: "
+                                          r"expected a dense \(strided\) tensor"):
+        checkpoint_identity({}, {"w": tensor})
+
+
+def test_a_parent_that_is_no_str_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"^checkpoint_identity\(parent=\.\.\.\)=NoneType: "
+                                          r"expected a str"):
+        checkpoint_identity({}, {"w": T}, parent=None)  # type: ignore[arg-type]
+
+
+# --- the value members of Runtime(models=...) --------------------------------------------------
+
+class Changed:
+    """A model of the engine's that is the reference one with some members changed."""
+
+    def __init__(self, model: object, **changed: object) -> None:
+        self._model = model
+        self._changed = changed
+
+    def __getattr__(self, name: str) -> object:
+        if name in self._changed:
+            return self._changed[name]
+        return getattr(self._model, name)
+
+
+@pytest.mark.parametrize(("part", "member", "value", "expected"), [
+    ("target", "identity", None, "expected a non-empty printable str"),
+    ("target", "identity", "", "expected a non-empty printable str"),
+    ("target", "identity", "a\nb", "expected a non-empty printable str"),
+    ("target", "vocab_size", 0, "expected a positive int"),
+    ("target", "vocab_size", -96, "expected a positive int"),
+    ("target", "vocab_size", "96", "expected a positive int"),
+    ("target", "vocab_size", 96.0, "expected a positive int"),
+    ("target", "vocab_size", True, "expected a positive int"),
+    # The event log writes it as JSON, which a numpy integer would break mid-run.
+    ("target", "context_limit", np.int64(1024), "expected an int >= 2"),
+    ("target", "context_limit", 1, "expected an int >= 2"),
+    ("target", "hidden_size", 0, "expected a positive int"),
+    ("target", "dtype", "float32", "expected a floating torch.dtype"),
+    ("target", "dtype", torch.int64, "expected a floating torch.dtype"),
+    ("mtp", "identity", 7, "expected a non-empty printable str"),
+    ("dspark", "identity", b"id", "expected a non-empty printable str"),
+])
+def test_runtime_start_refuses_a_model_member_of_the_wrong_type_or_range(
+        part: str, member: str, value: object, expected: str, models: ReferenceModels,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from adaspec.runtime import engine
+
+    def no_stream(*args: object) -> None:
+        raise AssertionError("a stream was opened before the models were checked")
+
+    monkeypatch.setattr(engine, "open_stream", no_stream)
+    algorithm = {"target": "MTP", "mtp": "MTP", "dspark": "DSpark"}[part]
+    given = {"target": models.target, "mtp": models.mtp, "dspark": models.dspark}
+    given[part] = Changed(given[part], **{member: value})
+    runtime = Runtime(config(algorithm, 3, 2), models=SimpleNamespace(**given))
+    with pytest.raises(ConfigError) as raised:
+        asyncio.run(runtime.start())
+    message = str(raised.value)
+    assert message.startswith(f"Runtime(models=...).{part}.{member}={value!r}: {expected}")
+    kind = type(value)
+    assert message.endswith(
+        f"; got type {kind.__module__}.{kind.__qualname__}".replace("builtins.", ""))
+    assert "\n" not in message
+
+
+def test_a_model_set_of_plain_engine_values_starts_and_decodes(models: ReferenceModels) -> None:
+    target = Changed(models.target, identity="engine-target@v2")
+    runtime = Runtime(config("MTP", 2, 2),
+                      models=SimpleNamespace(target=target, mtp=models.mtp, dspark=None))
+
+    async def run() -> int:
+        await runtime.start()
+        try:
+            result = await runtime.submit(list(b"ROMEO."), SamplingParams(
+                temperature=0.0, max_tokens=6)).result()
+        finally:
+            await runtime.stop()
+        return len(result.token_ids)
+
+    assert asyncio.run(run()) == 6
+
+
+# --- a model's own error text ------------------------------------------------------------------
+
+class FailingVerify(Changed):
+    """A target whose verify fails, once the runtime has started (and prepared its shapes),
+    with the kind of report a device error gives: an escape sequence, several lines."""
+
+    failing = False
+
+    def verify(self, rows: Any) -> Any:
+        if self.failing:
+            raise RuntimeError("\x1b[2Jdevice lost\r\nsecond line of the report")
+        return self._model.verify(rows)  # type: ignore[attr-defined]
+
+
+def test_a_models_error_text_reaches_the_request_error_on_one_line_escaped(
+        models: ReferenceModels) -> None:
+    target = FailingVerify(models.target)
+    runtime = Runtime(config("MTP", 2, 2),
+                      models=SimpleNamespace(target=target, mtp=models.mtp, dspark=None))
+
+    async def run() -> BaseException:
+        await runtime.start()
+        target.failing = True
+        try:
+            handle = runtime.submit(list(b"ROMEO."), SamplingParams(temperature=0.0,
+                                                                    max_tokens=6))
+            with pytest.raises(RequestFailed) as raised:
+                await handle.result()
+        finally:
+            await runtime.stop()
+        return raised.value
+
+    message = str(asyncio.run(run()))
+    assert message.isprintable()
+    assert "\\x1b[2Jdevice lost" in message
+
+
+# --- numpy numbers in SamplingParams -------------------------------------------------------------
+
+def test_numpy_sampling_values_decode_and_are_logged_as_plain_numbers(
+        models: ReferenceModels, tmp_path: Path) -> None:
+    params = SamplingParams(temperature=np.float32(0.5), top_k=np.int64(20),
+                            top_p=np.float64(0.9), min_p=np.float16(0.0),
+                            max_tokens=np.int32(5), stop=(np.int64(255),))
+    log = tmp_path / "events.jsonl"
+    runtime = Runtime(config("MTP", 2, 2), models=models,
+                      options=RuntimeOptions(seed=3, event_log=str(log)))
+
+    async def run() -> int:
+        await runtime.start()
+        try:
+            result = await runtime.submit(list(b"ROMEO."), params).result()
+        finally:
+            await runtime.stop()
+        return len(result.token_ids)
+
+    assert asyncio.run(run()) >= 1
+    arrived = [event for event in map(json.loads, log.read_text().splitlines())
+               if event.get("kind") == "request_arrived"]
+    assert len(arrived) == 1
+    assert arrived[0]["sampling"] == {"temperature": 0.5, "top_k": 20, "top_p": 0.9,
+                                      "min_p": 0.0, "max_tokens": 5, "stop": [255]}
+
