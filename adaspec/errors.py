@@ -132,6 +132,22 @@ class DeviceLayerError(AdaspecError):
     """A failure of device work, a collective or a graph binding while the runtime runs."""
 
 
+class ModelOutputError(DeviceLayerError):
+    """A model method returned a tensor of another shape (or dtype) than its protocol states:
+    decoding from it would give garbage, so the prefill or round it belongs to fails instead.
+    ``method`` names the call (``target.verify``), ``field`` the output (``logits``)."""
+
+    def __init__(self, method: str, field: str, expected: str, got: str) -> None:
+        super().__init__(method, field, expected, got)
+        self.method = method
+        self.field = field
+        self.expected = expected
+        self.got = got
+
+    def __str__(self) -> str:
+        return (f"{self.method} returned {self.field} {self.got}: expected {self.expected}")
+
+
 class CollectiveError(DeviceLayerError):
     """A collective failed or timed out: a peer died, hung, or the transport broke.
 

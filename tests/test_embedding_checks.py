@@ -6,6 +6,9 @@ model's own error reaching a request's error."""
 
 import asyncio
 import json
+import re
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -103,11 +106,77 @@ def test_a_weight_that_is_no_tensor_is_refused_naming_its_key_and_type(
                                  "torch.Tensor")
 
 
-@pytest.mark.parametrize("tensor", [torch.ones(2, device="meta"), torch.ones(2).to_sparse()])
-def test_a_tensor_without_dense_values_is_refused_naming_its_key(tensor: torch.Tensor) -> None:
-    with pytest.raises(ConfigError, match=r"^checkpoint_identity\(weights=\.\.\.\)\['w'\]=.*: "
-                                          r"expected a dense \(strided\) tensor"):
-        checkpoint_identity({}, {"w": tensor})
+def _quantized() -> torch.Tensor:
+    with warnings.catch_warnings():  # quantized tensors are deprecated, not gone
+        warnings.simplefilter("ignore")
+        return torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8)
+
+
+def _nested() -> torch.Tensor:
+    with warnings.catch_warnings():  # nested tensors are a prototype
+        warnings.simplefilter("ignore")
+        return torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])
+
+
+@pytest.mark.parametrize(("tensor", "kind"), [
+    (lambda: torch.ones(2, device="meta"), "meta tensor"),
+    (lambda: torch.ones(2).to_sparse(), "sparse_coo tensor on cpu"),
+    # Quantized tensors are strided: the refusal says what they are all the same.
+    (_quantized, "quantized tensor on cpu"),
+    (_nested, "nested tensor on cpu"),
+])
+def test_a_tensor_without_dense_values_is_refused_naming_its_key_and_kind(
+        tensor: Callable[[], torch.Tensor], kind: str) -> None:
+    with pytest.raises(ConfigError) as raised:
+        checkpoint_identity({}, {"w": tensor()})
+    assert str(raised.value) == (f"checkpoint_identity(weights=...)['w']={kind}: expected a "
+                                 "dense (strided) tensor with values (not meta, sparse, "
+                                 "quantized or nested)")
+
+
+def test_conjugate_and_negative_views_hash_as_the_values_they_hold() -> None:
+    # A view's bit is resolved, as a layout is: equal values, equal identities.
+    z = torch.tensor([1 + 2j, 3 - 4j])
+    assert checkpoint_identity({}, {"w": z.conj()}) == \
+        checkpoint_identity({}, {"w": torch.tensor([1 - 2j, 3 + 4j])})
+    assert checkpoint_identity({}, {"w": z.conj()}) != checkpoint_identity({}, {"w": z})
+    y = torch.tensor([1.0, -2.0])
+    negative = torch._neg_view(y)
+    assert negative.is_neg()
+    assert checkpoint_identity({}, {"w": negative}) == \
+        checkpoint_identity({}, {"w": torch.tensor([-1.0, 2.0])})
+
+
+def _deep(levels: int) -> dict[str, object]:
+    config: dict[str, object] = {}
+    inner = config
+    for _ in range(levels):
+        inner["a"] = {}
+        inner = inner["a"]  # type: ignore[assignment]
+    return config
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"eps": float("nan")}, r"^checkpoint_identity\(config=\.\.\.\)\['eps'\]=nan: expected a "
+                            r"JSON value: a finite number \(JSON has no NaN or infinity\)$"),
+    ({"a": [1.0, float("-inf")]}, r"^checkpoint_identity\(config=\.\.\.\)\['a'\]\[1\]=-inf: "
+                                  r"expected a JSON value: a finite number"),
+    ({"a": np.float64("inf")}, r"^checkpoint_identity\(config=\.\.\.\)\['a'\]=inf: "),
+    ({"a": 10**5000}, r"^checkpoint_identity\(config=\.\.\.\)\['a'\]=an int of 16610 bits: "
+                      r"expected an int of at most \d+ decimal digits"),
+    (_deep(5000), r"^checkpoint_identity\(config=\.\.\.\)\['a'\].*\.\.\..*\['a'\]=dict: "
+                  r"expected a JSON value nested at most 100 levels deep$"),
+])
+def test_a_config_json_cannot_write_as_itself_is_refused_naming_the_key_path(
+        settings: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as raised:
+        checkpoint_identity(settings, {})
+    assert "\n" not in str(raised.value)
+    assert len(str(raised.value)) < 400
+
+
+def test_a_config_nested_as_deep_as_allowed_hashes() -> None:
+    assert len(checkpoint_identity(_deep(100), {})) == 32
 
 
 def test_a_parent_that_is_no_str_is_refused() -> None:
@@ -252,3 +321,169 @@ def test_numpy_sampling_values_decode_and_are_logged_as_plain_numbers(
     assert arrived[0]["sampling"] == {"temperature": 0.5, "top_k": 20, "top_p": 0.9,
                                       "min_p": 0.0, "max_tokens": 5, "stop": [255]}
 
+
+
+# --- members that raise, num_slots after allocate -------------------------------------------------
+
+class RaisingIdentity(Changed):
+    """A model whose identity property fails when read."""
+
+    @property
+    def identity(self) -> str:
+        raise RuntimeError("checkpoint hash not computed\nsecond line")
+
+
+@pytest.mark.parametrize("part", ["target", "mtp"])
+def test_a_model_member_that_raises_is_refused_naming_it_and_the_error(
+        part: str, models: ReferenceModels, monkeypatch: pytest.MonkeyPatch) -> None:
+    from adaspec.runtime import engine
+
+    def no_stream(*args: object) -> None:
+        raise AssertionError("a stream was opened before the models were checked")
+
+    monkeypatch.setattr(engine, "open_stream", no_stream)
+    given: dict[str, Any] = {"target": models.target, "mtp": models.mtp, "dspark": None}
+    given[part] = RaisingIdentity(given[part])
+    runtime = Runtime(config("MTP", 2, 2), models=SimpleNamespace(**given))
+    with pytest.raises(ConfigError) as raised:
+        asyncio.run(runtime.start())
+    assert str(raised.value) == (f"Runtime(models=...).{part}.identity: reading it raised "
+                                 "RuntimeError: checkpoint hash not computed\\nsecond line; "
+                                 "expected a member that can be read")
+
+
+def _start_refusal(given: SimpleNamespace, batch: int = 2) -> str:
+    runtime = Runtime(config("MTP", 2, batch), models=given)
+    with pytest.raises(ConfigError) as raised:
+        asyncio.run(runtime.start())
+    message = str(raised.value)
+    assert "\n" not in message
+    return message
+
+
+SLOTS_4 = ("expected 4 after allocate(4): 4 + 1 KV slots, 0 .. 3 for requests and 4 the "
+           "scratch slot")
+
+
+@pytest.mark.parametrize(("num_slots", "tail"), [
+    # One short: the scratch slot, that padding writes, would be a request's slot.
+    (3, " (with fewer, the scratch slot would be a request's); allocate left it unchanged"),
+    (5, "; allocate left it unchanged"),
+    (10**6, "; allocate left it unchanged"),
+    ("many", "; got type str"),
+    (np.int64(4), "; got type numpy.int64"),
+])
+def test_a_target_num_slots_other_than_allocate_asked_for_is_refused(
+        num_slots: object, tail: str, models: ReferenceModels) -> None:
+    target = Changed(models.target, num_slots=num_slots)
+    message = _start_refusal(SimpleNamespace(target=target, mtp=models.mtp, dspark=None))
+    assert message == f"Runtime(models=...).target.num_slots={num_slots!r}: {SLOTS_4}{tail}"
+
+
+def test_an_allocate_that_does_nothing_is_refused() -> None:
+    fresh = load_reference_models()  # never allocated: num_slots is 0
+    target = Changed(fresh.target, allocate=lambda num_slots: None)
+    message = _start_refusal(SimpleNamespace(target=target, mtp=fresh.mtp, dspark=None))
+    assert message == (f"Runtime(models=...).target.num_slots=0: {SLOTS_4} (with fewer, the "
+                       "scratch slot would be a request's); allocate left it unchanged")
+
+
+def test_a_drafter_that_tells_another_num_slots_is_refused(models: ReferenceModels) -> None:
+    drafter = Changed(models.mtp, num_slots=2)
+    message = _start_refusal(SimpleNamespace(target=models.target, mtp=drafter, dspark=None))
+    assert message == (f"Runtime(models=...).mtp.num_slots=2: {SLOTS_4} (with fewer, the "
+                       "scratch slot would be a request's); allocate left it unchanged")
+
+
+# --- outputs of the wrong shape -------------------------------------------------------------------
+
+class Rewired(Changed):
+    """A model whose ``method`` output goes through ``change`` once the runtime has started
+    (so the shapes the start prepares are the model's own)."""
+
+    def __init__(self, model: object, method: str, change: Callable[[Any], Any]) -> None:
+        super().__init__(model)
+        self._method = method
+        self._change = change
+        self.active = False
+
+    def __getattr__(self, name: str) -> object:
+        real = getattr(self._model, name)
+        if name != self._method:
+            return real
+
+        def call(*args: Any) -> Any:
+            out = real(*args)
+            return self._change(out) if self.active else out
+
+        return call
+
+
+def _failure(given: SimpleNamespace, algorithm: str, rewired: Rewired) -> str:
+    runtime = Runtime(config(algorithm, 3, 2), models=given)
+
+    async def run() -> str:
+        await runtime.start()
+        rewired.active = True
+        try:
+            handle = runtime.submit(list(b"ROMEO."), SamplingParams(temperature=0.0,
+                                                                    max_tokens=6))
+            with pytest.raises(RequestFailed) as raised:
+                await handle.result()
+        finally:
+            await runtime.stop()
+        return str(raised.value)
+
+    return asyncio.run(run())
+
+
+def test_verify_logits_of_the_wrong_shape_fail_the_round_naming_both_shapes(
+        models: ReferenceModels) -> None:
+    target = Rewired(models.target, "verify", lambda out: type(out)(
+        logits=out.logits[:, :10], hidden=out.hidden))
+    message = _failure(SimpleNamespace(target=target, mtp=models.mtp, dspark=None), "MTP",
+                       target)
+    vocab = models.target.vocab_size
+    assert re.search(r"round \d+ failed in verify: ModelOutputError: target\.verify returned "
+                     rf"logits of shape \[(\d+), 10\]: expected \[\1, {vocab}\] "
+                     r"\(\[G, vocab_size\]\)$", message), message
+
+
+def test_verify_with_too_few_rows_fails_the_round(models: ReferenceModels) -> None:
+    target = Rewired(models.target, "verify", lambda out: type(out)(
+        logits=out.logits[:1], hidden=out.hidden[:1]))
+    message = _failure(SimpleNamespace(target=target, mtp=models.mtp, dspark=None), "MTP",
+                       target)
+    assert re.search(r"target\.verify returned logits of shape \[1, \d+\]: expected "
+                     r"\[\d+, \d+\] \(\[G, vocab_size\]\)$", message), message
+
+
+def test_prefill_hidden_of_the_wrong_shape_fails_the_prefill(models: ReferenceModels) -> None:
+    target = Rewired(models.target, "prefill", lambda out: type(out)(
+        last=out.last, hidden=out.hidden[:, :1], lengths=out.lengths))
+    message = _failure(SimpleNamespace(target=target, mtp=models.mtp, dspark=None), "MTP",
+                       target)
+    hidden = models.target.hidden_size
+    assert message.endswith(f"prefill failed: ModelOutputError: target.prefill returned hidden "
+                            f"of shape [1, 1, {hidden}]: expected [1, 6, {hidden}] ([B, T, "
+                            "hidden_size], T the longest prompt)"), message
+
+
+def test_mtp_draft_tokens_of_the_wrong_shape_fail_the_round(models: ReferenceModels) -> None:
+    drafter = Rewired(models.mtp, "step", lambda out: type(out)(
+        hidden=out.hidden, token_ids=out.token_ids[:, None], probs=out.probs,
+        logits=out.logits))
+    message = _failure(SimpleNamespace(target=models.target, mtp=drafter, dspark=None), "MTP",
+                       drafter)
+    assert re.search(r"failed in draft: ModelOutputError: mtp\.step returned token_ids of shape "
+                     r"\[(\d+), 1\]: expected \[\1\] \(\[N\]\) of dtype torch\.int64$", message), \
+        message
+
+
+def test_a_dspark_block_of_the_wrong_width_fails_the_round(models: ReferenceModels) -> None:
+    drafter = Rewired(models.dspark, "draft", lambda out: type(out)(
+        token_ids=out.token_ids, confidences=out.confidences[:, :1], logits=out.logits))
+    message = _failure(SimpleNamespace(target=models.target, mtp=None, dspark=drafter),
+                       "DSpark", drafter)
+    assert re.search(r"failed in draft: ModelOutputError: dspark\.draft returned confidences of "
+                     r"shape \[(\d+), 1\]: expected \[\1, 3\] \(\[N, width\]\)$", message), message

@@ -195,6 +195,14 @@ def test_an_unknown_format(tmp_path: Path) -> None:
                re.escape('unknown format "other-log"; expected "adaspec-event-log"'))
 
 
+def test_a_number_beyond_a_double_is_refused(tmp_path: Path) -> None:
+    def edit(lines: list[str]) -> None:
+        lines[1] = lines[1].replace('"time":0.5', '"time":1e400')
+
+    read_error(damaged(tmp_path, edit), 2, "invalid JSON: 1e400 is beyond a double; expected "
+                                           "a finite number")
+
+
 def test_another_version_names_both_versions(tmp_path: Path) -> None:
     def edit(lines: list[str]) -> None:
         lines[0] = lines[0].replace("\"version\":2", "\"version\":1")

@@ -110,3 +110,28 @@ def test_dataclasses_replace_re_derives_unset_settings() -> None:
     dspark = dataclasses.replace(config, speculative_algorithm="DSpark")
     assert dspark.resolved.draft_model == "builtin:dspark"
     assert config.draft_model is None
+
+
+HOST = ("expected a hostname (letters, digits, '-', '_' and '.'-separated labels of at most 63 "
+        "characters) or an IP address, without spaces or control characters")
+
+
+@pytest.mark.parametrize(("host", "shown"), [
+    ("a\nb", "'a\\nb'"), ("a b", "a b"), ("\x00", "'\\x00'"), ("-lead", "-lead"),
+    ("a..b", "a..b"), ("[::1]", "[::1]"), ("x" * 64, None),
+])
+def test_a_host_that_is_no_hostname_or_ip_address_is_refused(host: str, shown: str | None
+                                                              ) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config_from_argv([f"--host={host}"])
+    message = str(info.value)
+    assert message.endswith(f": {HOST}")
+    if shown is not None:
+        assert message == f"--host={shown}: {HOST}"
+    assert message.isprintable()
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0", "::", "::1", "localhost",
+                                  "node-1.cluster.local", "host_1", "node.", "x" * 63])
+def test_hostnames_and_ip_addresses_are_taken_as_host(host: str) -> None:
+    assert load_config_from_argv([f"--host={host}"]).launch.host == host

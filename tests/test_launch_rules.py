@@ -168,6 +168,14 @@ CROSS_CASES = [
      "--master_node_addr=localhost: expected host:port with a port in 1..65535"),
     ("--master_node_addr=10.0.0.1:0",
      "--master_node_addr=10.0.0.1:0: expected host:port with a port in 1..65535"),
+    ("--master_node_addr='a b:29500'",
+     "--master_node_addr=a b:29500: expected host:port whose host is a hostname (letters, "
+     "digits, '-', '_' and '.'-separated labels of at most 63 characters) or an IP address, "
+     "without spaces or control characters (an IPv6 address in brackets)"),
+    ("--master_node_addr=::1:29500",
+     "--master_node_addr=::1:29500: expected host:port whose host is a hostname (letters, "
+     "digits, '-', '_' and '.'-separated labels of at most 63 characters) or an IP address, "
+     "without spaces or control characters (an IPv6 address in brackets)"),
     ("--model=builtin:gpt",
      "--model=builtin:gpt: expected a path or one of builtin:target, builtin:target-large"),
     ("--speculative_algorithm=DSpark --num_speculative_tokens=7 --draft_model=builtin:mtp",
@@ -249,3 +257,9 @@ def test_graph_limit_defaults_to_max_seqs_and_sets_prepared_buckets() -> None:
     config = launch("--max_seqs_per_batch=12")
     assert config.launch.resolved.acl_graph_decode_batch_size_limit == 12
     assert config.launch.prepared_request_buckets() == (1, 2, 4, 8, 12)
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:27000", "[::1]:27000", "node-0.cluster:29500",
+                                     "localhost:1"])
+def test_a_rendezvous_address_with_a_hostname_or_ip_address_is_taken(address: str) -> None:
+    assert launch(f"--master_node_addr={address}").launch.master_node_addr == address

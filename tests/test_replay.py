@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from cost_tables import depth_bundle
-from logged_runs import with_requests
+from logged_runs import stages, with_requests
 
 from adaspec.config.calibration import DraftStepPolicyConfig
 from adaspec.config.effective import load_config
@@ -41,7 +41,6 @@ from adaspec.runtime.events.types import (
     Event,
     RoundRetired,
     RoundSubmitted,
-    StageCompleted,
 )
 from adaspec.runtime.replay_command import main
 
@@ -62,7 +61,8 @@ def feedback(round: int) -> RoundFeedback:
     batch = num_reqs(round)
     return RoundFeedback(round=round, num_reqs=batch, num_reqs_bucket=4, width=WIDTH,
                          depth=WIDTH, num_rows=covering(round), verify_lengths=(WIDTH,) * batch,
-                         num_accepted=tuple((round + i) % (WIDTH + 1) for i in range(batch)))
+                         num_accepted=tuple((round + i) % (WIDTH + 1) for i in range(batch)),
+                         request_ids=request_ids(round))
 
 
 def budget_context(round: int) -> BudgetContext:
@@ -89,8 +89,7 @@ def round_events(round: int) -> list[Event]:
             BudgetDecided(round=round, slot=slot, context=budget_context(round), num_rows=rows,
                           bound_rows=rows),
             RoundSubmitted(round=round, slot=slot, request_ids=request_ids(round),
-                           num_reqs_bucket=4),
-            StageCompleted(round=round, slot=slot, stage="commit")]
+                           num_reqs_bucket=4), *stages(round)]
 
 
 def retired(round: int) -> RoundRetired:
@@ -319,7 +318,7 @@ def test_cli_bad_log_exit_2_with_one_line_and_no_traceback(
     out, err = capsys.readouterr()
     assert out == ""
     assert err.count("\n") == 1
-    assert err.startswith(f"adaspec replay: error: event log {path}, line 59: invalid JSON")
+    assert err.startswith(f"adaspec replay: error: event log {path}, line 119: invalid JSON")
     assert "Traceback" not in err
 
 
@@ -385,7 +384,7 @@ def adaptive_depth_run(costs: CostBundle, policy: DepthPolicy
         accepted = tuple(min(depth, (number + i) % (depth + 2)) for i in range(batch))
         feedback = RoundFeedback(round=number, num_reqs=batch, num_reqs_bucket=4, width=WIDTH,
                                  depth=depth, num_rows=rows, verify_lengths=(depth,) * batch,
-                                 num_accepted=accepted)
+                                 num_accepted=accepted, request_ids=tuple(range(batch)))
         policy.observe(feedback)
         events.append(RoundRetired(round=number, slot=number % 2, feedback=feedback))
 
@@ -406,7 +405,8 @@ def adaptive_depth_run(costs: CostBundle, policy: DepthPolicy
                    BudgetDecided(round=number, slot=number % 2, context=budget, num_rows=rows,
                                  bound_rows=rows),
                    RoundSubmitted(round=number, slot=number % 2,
-                                  request_ids=tuple(range(batch)), num_reqs_bucket=4)]
+                                  request_ids=tuple(range(batch)), num_reqs_bucket=4),
+                   *stages(number)]
     retire(38)
     retire(39)
     return log_header(config=load_config(ADS_LAUNCH).as_dict(), cost_table=costs.as_dict(),

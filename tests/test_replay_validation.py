@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from logged_runs import with_requests
+from logged_runs import stages, with_requests
 
 from adaspec import cli
 from adaspec.config.effective import load_config
@@ -37,7 +37,6 @@ from adaspec.runtime.events.types import (
     Event,
     RoundRetired,
     RoundSubmitted,
-    StageCompleted,
 )
 
 MODELS = {"target": "target-id", "draft": "dspark-id"}  # checkpoint identities
@@ -78,8 +77,7 @@ def decided(round: int) -> list[Event]:
             BudgetDecided(round=round, slot=slot, context=budget, num_rows=rows,
                           bound_rows=rows),
             RoundSubmitted(round=round, slot=slot, request_ids=budget.request_ids,
-                           num_reqs_bucket=bucket(round)),
-            StageCompleted(round=round, slot=slot, stage="retire")]
+                           num_reqs_bucket=bucket(round)), *stages(round)]
 
 
 def retired(round: int) -> RoundRetired:
@@ -219,15 +217,23 @@ def context_behind_the_log(records: Records) -> None:
 
 
 def header_width_4(records: Records) -> None:
-    settings_of(records)["num_speculative_tokens"] = WIDTH + 1
+    records[0]["config"] = load_config({**LAUNCH, "num_speculative_tokens": WIDTH + 1}).as_dict()
 
 
 def header_without_overlap(records: Records) -> None:
-    settings_of(records)["enable_schedule_overlap"] = False
+    records[0]["config"] = load_config({**LAUNCH, "enable_schedule_overlap": False}).as_dict()
 
 
 def header_derived_setting_changed(records: Records) -> None:
     settings_of(records)["tp_size"] = 2  # derived: nnodes / (dp_size * cp_size) = 1
+
+
+def header_execution_edited(records: Records) -> None:
+    records[0]["config"]["execution"]["world_size"] = 2
+
+
+def header_verify_section_enabled(records: Records) -> None:
+    records[0]["config"]["adaptive_target_verify"] = {"enabled": True}
 
 
 def header_unknown_setting(records: Records) -> None:
@@ -274,55 +280,109 @@ def feedback_ids_reordered(records: Records) -> None:
     feedback_of(records, 4)["request_ids"].reverse()
 
 
+def skip_a_stage(records: Records) -> None:
+    del records[next(i for i, r in enumerate(records) if r.get("kind") == "stage_completed"
+                     and r["round"] == 4 and r["stage"] == "verify")]
+
+
+def stages_reversed(records: Records) -> None:
+    first = at(records, "stage_completed", 4)
+    records[first:first + 7] = records[first:first + 7][::-1]
+
+
+def first_round_numbered_3(records: Records) -> None:
+    records[at(records, "depth_decided", 0)]["round"] = 3
+
+
+def time_going_back(records: Records) -> None:
+    records[at(records, "round_submitted", 4)]["time"] = -1.0
+
+
+def finished_by_length_early(records: Records) -> None:
+    finish = records[request_event(records, "request_finished", 0)]
+    finish["reason"], finish["num_tokens"] = "length", 1
+
+
+def stopped_without_stop_tokens(records: Records) -> None:
+    records[request_event(records, "request_finished", 0)]["reason"] = "stop"
+
+
+def fed_back_after_it_stopped(records: Records) -> None:
+    # Request 2 (in rounds 2 and 5 only) stops decoding before round 4 retires; round 5,
+    # submitted before that, must then leave it out of its feedback.
+    records[request_event(records, "request_arrived", 2)]["sampling"]["stop"] = [10]
+    finish = records.pop(request_event(records, "request_finished", 2))
+    finish["reason"] = "stop"
+    records.insert(at(records, "round_retired", 4), finish)
+
+
+def running_request_left_out(records: Records) -> None:
+    feedback = feedback_of(records, 4)
+    for key in ("verify_lengths", "num_accepted", "confidences", "request_ids"):
+        feedback[key] = feedback[key][:1]
+    feedback["num_reqs"] = 1
+
+
+def prompt_longer_than_priced(records: Records) -> None:
+    records[request_event(records, "request_arrived", 0)]["num_prompt_tokens"] = 32
+
+
+def more_tokens_than_fed_back(records: Records) -> None:
+    records[request_event(records, "request_finished", 2)]["num_tokens"] = 64
+
+
+IN_ORDER = ("(a round's stages complete once each, in the order draft, consensus, pack, "
+            "verify, sample, commit, retire)")
+
 # (edit, line of the error, the rest of the message after "line N: ")
 DAMAGE: dict[str, tuple[Callable[[Records], None], int, str]] = {
     "deleted retirement": (
-        delete_retirement, 28, "depth_decided event of round 5: decided before round 3 "
-        "(submitted at line 21) retired; rounds <= n-2 retire before round n is decided"),
+        delete_retirement, 58, "depth_decided event of round 5: decided before round 3 "
+        "(submitted at line 39) retired; rounds <= n-2 retire before round n is decided"),
     "deleted last retirement": (
-        delete_last_retirement, 41, "round 7 was submitted here but never retired nor failed "
+        delete_last_retirement, 83, "round 7 was submitted here but never retired nor failed "
         "(expected a round_retired or round_failed event for it; was the log cut short?)"),
     "duplicated retirement": (
-        duplicate_retirement, 29, "round_retired event of round 3: round 3 already retired or "
-        "failed at line 28; a round ends once"),
+        duplicate_retirement, 59, "round_retired event of round 3: round 3 already retired or "
+        "failed at line 58; a round ends once"),
     "decision for a round that never ran": (
-        decide_a_round_that_never_runs, 49, "the log ends before the round_submitted event "
+        decide_a_round_that_never_runs, 97, "the log ends before the round_submitted event "
         "of round 8"),
     "decision for a round already decided": (
-        decide_a_round_twice, 28, "depth_decided event of round 4: decided after round 4; "
+        decide_a_round_twice, 52, "depth_decided event of round 4: decided after round 4; "
         "expected rounds numbered in increasing order"),
     "submission without its decisions": (
-        submit_without_decisions, 24, "round_submitted event of round 4: no budget_decided "
+        submit_without_decisions, 48, "round_submitted event of round 4: no budget_decided "
         "event of its round just before it (a round's depth_decided, budget_decided and "
         "round_submitted follow each other)"),
     "bucket never prepared": (
-        bucket_never_prepared, 24, 'depth_decided event of round 4: field '
+        bucket_never_prepared, 48, 'depth_decided event of round 4: field '
         '"context.num_reqs_bucket" expected one of the prepared request buckets [1, 2, 4], '
         "got 8"),
     "retirement moved after a later decision": (
-        retire_after_a_later_decision, 28, "depth_decided event of round 5: decided before "
-        "round 3 (submitted at line 21) retired; rounds <= n-2 retire before round n is "
+        retire_after_a_later_decision, 58, "depth_decided event of round 5: decided before "
+        "round 3 (submitted at line 39) retired; rounds <= n-2 retire before round n is "
         "decided"),
     "confidence 1.5": (
-        confidence_above_1, 33, 'round_retired event of round 4: field '
+        confidence_above_1, 69, 'round_retired event of round 4: field '
         '"feedback.confidences[1][1]" expected a number in 0..1, got 1.5'),
     "accepted greater than the width": (
-        accepted_above_width, 33, 'round_retired event of round 4: field '
+        accepted_above_width, 69, 'round_retired event of round 4: field '
         '"feedback.num_accepted[0]" expected an integer in 0..3 (at most its verify '
         'length), got 5'),
     "short confidence list": (
-        short_confidences, 33, 'round_retired event of round 4: field '
+        short_confidences, 69, 'round_retired event of round 4: field '
         '"feedback.confidences[0]" expected 3 confidences (one per drafted position), '
         'got [0.9, 0.5]'),
     "feedback G other than the round's": (
-        feedback_rows_not_bound, 33, 'round_retired event of round 4: field '
+        feedback_rows_not_bound, 69, 'round_retired event of round 4: field '
         '"feedback.num_rows" expected 8 (its budget decision\'s bound_rows), got 4'),
     "context behind the retirements logged": (
-        context_behind_the_log, 30, 'budget_decided event of round 5: field '
+        context_behind_the_log, 60, 'budget_decided event of round 5: field '
         '"context.retired_through" expected 3, the newest round the log retired before this '
         "line, got 2"),
     "NaN confidence": (
-        nan_confidence, 33, "invalid JSON: NaN is not JSON; expected a finite number"),
+        nan_confidence, 69, "invalid JSON: NaN is not JSON; expected a finite number"),
     "deleted arrival": (
         delete_arrival, 6, "round_submitted event of round 0: request 0 never arrived (no "
         "request_arrived event for it before this line)"),
@@ -344,12 +404,48 @@ DAMAGE: dict[str, tuple[Callable[[Records], None], int, str]] = {
         f'"num_prompt_tokens" expected an integer in 1..{CONTEXT_LIMIT - 1}, got '
         f"{CONTEXT_LIMIT}"),
     "more tokens than max_tokens": (
-        more_tokens_than_asked, 46, 'request_finished event of request 1: field "num_tokens" '
+        more_tokens_than_asked, 94, 'request_finished event of request 1: field "num_tokens" '
         "expected an integer in 0..64, got 65"),
     "feedback request ids reordered": (
-        feedback_ids_reordered, 33, 'round_retired event of round 4: field '
+        feedback_ids_reordered, 69, 'round_retired event of round 4: field '
         '"feedback.request_ids" expected ids of the round\'s live requests, in the order '
         "submitted [0, 1], got [1, 0]"),
+    "a stage skipped": (
+        skip_a_stage, 54, 'stage_completed event of round 4: field "stage" expected verify '
+        f'{IN_ORDER}, got "sample"'),
+    "stages in reverse": (
+        stages_reversed, 51, 'stage_completed event of round 4: field "stage" expected draft '
+        f'{IN_ORDER}, got "retire"'),
+    "first round not numbered 0": (
+        first_round_numbered_3, 5, "depth_decided event of round 3: the first round decided; "
+        "expected round 0"),
+    "time going back": (
+        time_going_back, 50, 'round_submitted event of round 4: field "time" expected a '
+        "number >= 0.0 (the runtime's clock, which never goes back), got -1.0"),
+    "length finish short of max_tokens": (
+        finished_by_length_early, 93, 'request_finished event of request 0: field '
+        '"num_tokens" expected 64 (max_tokens) or 4088 (the context\'s end) for reason '
+        "length, got 1"),
+    "stop finish without stop tokens": (
+        stopped_without_stop_tokens, 93, 'request_finished event of request 0: field '
+        '"reason" expected a reason other than stop: the request has no stop tokens, got '
+        '"stop"'),
+    "feedback for a request that stopped": (
+        fed_back_after_it_stopped, 81, "round_retired event of round 5: feedback.request_ids "
+        "holds request 2, which stopped decoding at line 69, before the retirement of an "
+        "earlier round"),
+    "running request left out of the feedback": (
+        running_request_left_out, 69, 'round_retired event of round 4: field '
+        '"feedback.request_ids" expected every request of the round still running (request 1 '
+        "is), got [0]"),
+    "prompt longer than the context priced": (
+        prompt_longer_than_priced, 7, "round_submitted event of round 0: request 0 has a "
+        "prompt of 32 tokens, but its decisions priced at most 32 (context.max_kv_length "
+        "bounds every context of the round)"),
+    "more tokens than the rounds fed back": (
+        more_tokens_than_fed_back, 95, 'request_finished event of request 2: field '
+        '"num_tokens" expected at most 6: the prefill\'s token and accepted + 1 of each round '
+        "that fed it back, got 64"),
     "header width disagreeing with its events": (
         header_width_4, 5, 'depth_decided event of round 0: field "context.width" expected '
         "4 (the header's num_speculative_tokens), got 3"),
@@ -359,6 +455,12 @@ DAMAGE: dict[str, tuple[Callable[[Records], None], int, str]] = {
     "header with a derived setting the others do not derive": (
         header_derived_setting_changed, 1, 'header "config.launch.settings.tp_size" expected '
         "1 (what the other settings make it), got 2"),
+    "header whose execution section its launch does not make": (
+        header_execution_edited, 1, 'header "config.execution.world_size" expected 1 (what '
+        "the launch settings make it), got 2"),
+    "header enabling adaptive target verify that its launch leaves off": (
+        header_verify_section_enabled, 1, 'header "config.adaptive_target_verify.enabled" '
+        "expected false (what the launch settings make it), got true"),
     "header with an unknown launch setting": (
         header_unknown_setting, 1, 'header "config.launch.settings" has unknown setting '
         '"num_draft_tokens"; expected every launch setting of this adaspec'),
@@ -417,7 +519,7 @@ def test_simulate_reads_recorded_feedback_through_the_same_checks(
 
 def test_the_library_replay_checks_the_log_before_replaying(tmp_path: Path) -> None:
     header, events = read_event_log(damaged(tmp_path, duplicate_retirement))
-    with pytest.raises(EventLogError, match=r"^event log run\.jsonl, line 29: round_retired "
+    with pytest.raises(EventLogError, match=r"^event log run\.jsonl, line 59: round_retired "
                                             r"event of round 3: round 3 already retired"):
         replay(header, events, path="run.jsonl")
 
@@ -564,3 +666,25 @@ def test_a_deeply_nested_line_in_a_workload_is_one_line(
     assert one_error_line(capsys, "simulate") == (
         f"--workload={path}:2: expected one JSON object per line (this one is nested too "
         "deeply)")
+
+
+def test_simulate_names_its_own_flag_for_a_damaged_table(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    log = write_run(tmp_path / "run.jsonl")
+    saved = tmp_path / "costs.json"
+    data = table().as_dict()
+    data["profiles"][0]["table"]["bias"] = -1.0  # type: ignore[index]
+    saved.write_text(json.dumps(data), encoding="utf-8")
+    assert cli.run(["simulate", "--workload", str(log), "--cost_table", str(saved),
+                    "--policy", "fixed:3"]) == 2
+    assert one_error_line(capsys, "simulate").startswith(f"--cost_table={saved}: profiles[0]")
+
+
+def test_a_header_policy_with_a_setting_it_does_not_have_is_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write_run(tmp_path / "run.jsonl")
+    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    records[0]["policies"]["budget"]["settings"] = {"bogus": 1}  # dropped silently before
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    assert cli.run(["replay", str(path)]) == 2
+    assert "bogus is not a setting of full; expected none" in one_error_line(capsys, "replay")

@@ -81,7 +81,7 @@ def test_neutral_values_of_unsupported_features_are_accepted(field: str, value: 
     ({"top_p": 1.5}, "request field top_p=1.5: expected a number in (0, 1]"),
     ({"min_p": 2}, "request field min_p=2: expected a number in [0, 1]"),
     ({"max_tokens": 0}, "request field max_tokens=0: expected an integer in 1..1048576"),
-    ({"stop": [-1]}, "request field stop=(-1,): expected a list of non-negative token ids"),
+    ({"stop": [-1]}, "request field stop=[-1]: expected a list of non-negative token ids"),
     ({"stop": 5}, "request field stop=5: expected a list of non-negative token ids"),
     ({"stop_token_ids": [2]}, "request field stop_token_ids=[2]: give stop token ids as the "
                               "field stop"),
@@ -92,6 +92,36 @@ def test_invalid_values_are_refused(fields: dict[str, object], message: str) -> 
     with pytest.raises(InvalidRequest) as info:
         SamplingParams.from_request(fields)
     assert str(info.value) == message
+
+
+@pytest.mark.parametrize("stop", [[10, 3], (10, 3), np.array([10, 3]), range(10, 2, -7),
+                                  np.array([10, 3], dtype=np.uint8)])
+def test_stop_ids_of_any_sequence_or_array_are_kept_as_a_tuple_of_plain_ints(
+        stop: object) -> None:
+    params = SamplingParams(temperature=0, stop=stop)  # type: ignore[arg-type]
+    assert params.stop == (10, 3)
+    assert all(type(token) is int for token in params.stop)
+    assert json.dumps(params.stop) == "[10, 3]"
+
+
+@pytest.mark.parametrize(("stop", "message"), [
+    ({1, 2}, "request field stop={1, 2}: expected a list of non-negative token ids, not a set"),
+    (np.array([[10]]), "request field stop=[[10]]: expected a list of non-negative token ids, "
+                       "not a numpy.ndarray"),
+    ([1.5], "request field stop=[1.5]: expected a list of non-negative token ids"),
+    ([True], "request field stop=[True]: expected a list of non-negative token ids"),
+])
+def test_stop_that_is_no_sequence_of_token_ids_is_refused(stop: object, message: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        SamplingParams(temperature=0, stop=stop)  # type: ignore[arg-type]
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize("stop", ["\n\n", ["\n\n"]])
+def test_a_stop_string_given_directly_is_refused_as_unsupported(stop: object) -> None:
+    with pytest.raises(UnsupportedRequest, match="stop strings are matched by the engine's "
+                                                  "tokenizer; give the stop token ids$"):
+        SamplingParams(temperature=0, stop=stop)  # type: ignore[arg-type]
 
 
 def test_stop_strings_are_refused_as_unsupported() -> None:

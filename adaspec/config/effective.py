@@ -79,6 +79,12 @@ class EffectiveConfig:
         }
 
 
+def launch_sections(launch: LaunchConfig) -> dict[str, object]:
+    """The sections of ``as_dict`` that the launch settings alone make (a reader of a saved
+    config, an event log's header, compares them)."""
+    return {"execution": _execution(launch), "requests": _requests(launch)}
+
+
 def _execution(launch: LaunchConfig) -> dict[str, object]:
     backend = launch.resolved.python_graph_backend
     if launch.enable_adaptive_draft_step:

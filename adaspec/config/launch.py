@@ -8,6 +8,8 @@ combination rules of the specification in ``adaspec.config.rules``. Settings lef
 """
 
 import functools
+import ipaddress
+import re
 import typing
 from dataclasses import dataclass, field, fields
 from typing import Literal
@@ -184,6 +186,8 @@ class LaunchConfig:
         for name in ("model", "host"):
             if not getattr(self, name).strip():
                 raise ConfigError(f"--{name}", getattr(self, name), "expected a non-empty value")
+        if not valid_host(self.host):
+            raise ConfigError("--host", self.host, f"expected {HOST_EXPECTED}")
         parse_host_port("master_node_addr", self.master_node_addr)
         group = self.dp_size * self.cp_size
         if self.nnodes % group:
@@ -323,8 +327,29 @@ def check_field_type(name: str, value: object, hint: object) -> None:
 
 
 def parse_host_port(name: str, text: str) -> tuple[str, int]:
-    """Split ``host:port`` (IPv6 hosts in brackets) and check the port."""
+    """Split ``host:port`` (IPv6 hosts in brackets) and check the port and the host."""
     host, sep, port = text.rpartition(":")
     if not sep or not host.strip() or not port.isdigit() or not 1 <= int(port) <= 65535:
         raise ConfigError(f"--{name}", text, "expected host:port with a port in 1..65535")
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not valid_host(bare) or (bare is host and ":" in host):
+        raise ConfigError(f"--{name}", text, f"expected host:port whose host is "
+                          f"{HOST_EXPECTED} (an IPv6 address in brackets)")
     return host, int(port)
+
+
+HOST_EXPECTED = ("a hostname (letters, digits, '-', '_' and '.'-separated labels of at most "
+                 "63 characters) or an IP address, without spaces or control characters")
+_LABEL = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
+
+
+def valid_host(text: str) -> bool:
+    """Whether ``text`` is an IP address literal or a hostname (RFC 1123 labels, '_' also
+    taken; a final '.' allowed), at most 253 characters."""
+    try:
+        ipaddress.ip_address(text)
+        return True
+    except ValueError:
+        pass
+    name = text[:-1] if text.endswith(".") else text
+    return 0 < len(name) <= 253 and all(_LABEL.fullmatch(label) for label in name.split("."))

@@ -8,7 +8,7 @@ dropped silently.
 
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
 from adaspec.config.launch import LaunchConfig
@@ -75,15 +75,15 @@ class SamplingParams:
     """Most tokens to generate."""
 
     stop: tuple[int, ...] = ()
-    """Stop token ids: generation ends after emitting any of them (the token is kept)."""
+    """Stop token ids: generation ends after emitting any of them (the token is kept). Any
+    sequence or one-dimensional array of ints is taken and kept as a tuple of plain ints."""
 
     def __post_init__(self) -> None:
         # An engine's numbers are often numpy scalars: kept as the Python int or float they
         # equal, so the fields hold plain values (the event log writes them as JSON).
         for name in ("temperature", "top_k", "top_p", "min_p", "max_tokens"):
             object.__setattr__(self, name, plain_number(getattr(self, name)))
-        if isinstance(self.stop, tuple):
-            object.__setattr__(self, "stop", tuple(plain_number(i) for i in self.stop))
+        object.__setattr__(self, "stop", _stop_ids(self.stop))
         temperature = self.temperature
         if temperature is not None and not (_number(temperature) and (
                 temperature == 0.0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE)):
@@ -96,13 +96,16 @@ class SamplingParams:
             raise InvalidRequest("max_tokens", self.max_tokens,
                                  f"expected an integer in 1..{MAX_NEW_TOKENS}"
                                  f"{_not_number(self.max_tokens)}")
-        ids = self.stop
+        ids: object = self.stop  # any value an engine passed, until checked
         if not isinstance(ids, tuple) or not all(_is_int(i) and i >= 0 for i in ids):
-            if isinstance(ids, tuple) and any(isinstance(i, str) for i in ids):
-                raise UnsupportedRequest("stop", list(ids),
+            if isinstance(ids, str) or (isinstance(ids, tuple) and any(
+                    isinstance(i, str) for i in ids)):
+                raise UnsupportedRequest("stop", ids if isinstance(ids, str) else list(ids),
                                          "stop strings are matched by the engine's tokenizer; "
                                          "give the stop token ids")
-            raise InvalidRequest("stop", ids, "expected a list of non-negative token ids")
+            raise InvalidRequest("stop", list(ids) if isinstance(ids, tuple) else ids,
+                                 "expected a list of non-negative token ids"
+                                 f"{'' if isinstance(ids, tuple) else _not_number(ids)}")
 
     def _check_filters(self) -> None:
         if not _is_int(self.top_k) or not 0 <= self.top_k <= MAX_TOP_K:
@@ -145,6 +148,21 @@ class SamplingParams:
 MAX_TOP_K = 2**31 - 1
 """Any k at or above the vocabulary keeps every token; larger values would not fit the
 sampler's integer tensors."""
+
+
+def _stop_ids(value: object) -> object:
+    """Stop token ids given as any sequence (a list, a tuple, a range) or one-dimensional
+    array (numpy, torch) as the tuple of plain ints the field holds; anything else (a str,
+    a set, a number, a 2-D array) as it is, for the check to refuse."""
+    if isinstance(value, str | bytes | bytearray):
+        return value
+    if isinstance(value, tuple | Sequence):
+        items: object = value
+    elif getattr(value, "ndim", None) == 1 and callable(getattr(value, "tolist", None)):
+        items = value.tolist()  # type: ignore[attr-defined]  # numpy or torch: plain values
+    else:
+        return value
+    return tuple(plain_number(i) for i in items)  # type: ignore[attr-defined]
 
 
 def _is_int(value: object) -> bool:

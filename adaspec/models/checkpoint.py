@@ -8,7 +8,9 @@ never reused for another.
 
 import hashlib
 import json
+import math
 import re
+import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from importlib import resources
@@ -54,7 +56,10 @@ def checkpoint_identity(config: Mapping[str, object], weights: Mapping[str, torc
     Different inputs never share an encoding (see ``_identity_stream``): inputs it could not
     tell apart are refused with a ``ConfigError`` naming the argument, the key and what is
     expected (a config key that is no str, as ``{1: ..}`` would hash as ``{"1": ..}``; a
-    value that is no JSON value; a weight that is no dense tensor; a tensor name with ``:``).
+    value that is no JSON value: NaN, an infinity, an int too long to write as text, nesting
+    deeper than 100 levels; a weight that is no dense tensor: sparse, meta, quantized or
+    nested; a tensor name with ``:``). A conjugate or negative view (``x.conj()``) is hashed
+    as the tensor of its values, as a memory layout is.
     """
     digest = hashlib.sha256()
     for chunk in _identity_stream(config, weights, parent):
@@ -131,22 +136,63 @@ def _dense_tensor(name: str, value: object) -> torch.Tensor:
         kind = type(value)
         raise ConfigError(setting, f"{kind.__module__}.{kind.__qualname__}".removeprefix(
             "builtins."), "expected a torch.Tensor")
-    if value.layout != torch.strided or value.is_meta or value.is_quantized:
-        raise ConfigError(setting, f"{value.layout} tensor on {value.device}".replace(
-            "torch.", ""), "expected a dense (strided) tensor with values (not meta, sparse "
-            "or quantized)")
-    return value.detach()
+    what = _not_dense(value)
+    if what is not None:
+        where = "" if what == "meta" else f" on {value.device}"
+        raise ConfigError(setting, f"{what} tensor{where}", "expected a dense "
+                          "(strided) tensor with values (not meta, sparse, quantized or "
+                          "nested)")
+    # A conjugate or negative view holds its values behind a bit that the byte view below
+    # cannot read: resolving it gives the tensor of the same values, so equal values keep
+    # equal identities whichever way they are held (as a layout does not count either).
+    return value.detach().resolve_conj().resolve_neg()
+
+
+def _not_dense(value: torch.Tensor) -> str | None:
+    """What makes ``value`` no dense tensor with readable values ("quantized", "meta",
+    "nested", "sparse_coo", ...), or None."""
+    if value.is_nested:  # first: a nested tensor has no sizes to ask the rest about
+        return "nested"
+    if value.is_quantized:
+        return "quantized"
+    if value.is_meta:
+        return "meta"
+    if value.layout != torch.strided:
+        return str(value.layout).removeprefix("torch.")
+    return None
 
 
 _JSON_SCALARS = (str, int, float, bool, type(None))
+_MAX_DEPTH = 100
+"""How deeply a config may nest lists and mappings: far beyond any model configuration, and
+far below the recursion limit of this walk and of ``json.dumps``."""
 
 
-def _plain_json(path: str, value: object, seen: set[int]) -> object:
+def _check_number(path: str, value: object) -> None:
+    """Refuse a number JSON has no text for: NaN, an infinity, an int too long to write."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(path, repr(float(value)), "expected a JSON value: a finite number "
+                          "(JSON has no NaN or infinity)")
+    if isinstance(value, int) and not isinstance(value, bool):
+        try:
+            int.__repr__(value)  # what json.dumps writes; very long ints cannot be written
+        except ValueError:
+            raise ConfigError(path, f"an int of {value.bit_length()} bits",
+                              f"expected an int of at most {sys.get_int_max_str_digits()} "
+                              "decimal digits (Python writes no longer one as text)") from None
+
+
+def _plain_json(path: str, value: object, seen: set[int], depth: int = 0) -> object:
     """``value`` as plain JSON data (dicts, lists, scalars), or the one-line refusal naming the
     key path of its first part that JSON would not write, or would write like another value
     (a non-str key: ``{1: x}`` as ``{"1": x}``). A tuple is written as the list it equals."""
     if isinstance(value, _JSON_SCALARS):
+        _check_number(path, value)
         return value
+    if depth > _MAX_DEPTH:
+        shown = path if len(path) <= 120 else f"{path[:100]}...{path[-15:]}"
+        raise ConfigError(shown, type(value).__name__, f"expected a JSON value nested at "
+                          f"most {_MAX_DEPTH} levels deep")
     if not isinstance(value, Mapping | list | tuple):
         kind = type(value)
         raise ConfigError(path, f"{kind.__module__}.{kind.__qualname__}".removeprefix(
@@ -163,9 +209,10 @@ def _plain_json(path: str, value: object, seen: set[int]) -> object:
                 raise ConfigError(path, repr(key), f"expected str keys (JSON object keys), got "
                                   f"a key of type {type(key).__name__}, which would hash like "
                                   f"the string {json.dumps(str(key))}")
-            plain[key] = _plain_json(f"{path}[{key!r}]", item, seen)
+            plain[key] = _plain_json(f"{path}[{key!r}]", item, seen, depth + 1)
         return plain
-    return [_plain_json(f"{path}[{index}]", item, seen) for index, item in enumerate(value)]
+    return [_plain_json(f"{path}[{index}]", item, seen, depth + 1)
+            for index, item in enumerate(value)]
 
 
 def save_module(module: nn.Module, config: dict[str, int], path: Path) -> None:

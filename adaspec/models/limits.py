@@ -14,13 +14,14 @@ import torch
 
 from adaspec.config.builtin import check_builtin_limits
 from adaspec.config.launch import LaunchConfig
-from adaspec.errors import ConfigError
+from adaspec.errors import MISSING, ConfigError
 from adaspec.models.protocols import (
     DrafterContext,
     DSparkDrafter,
     ModelSet,
     MtpDrafter,
     TargetModel,
+    has_member,
     missing_member,
     protocol_members,
 )
@@ -66,6 +67,7 @@ def check_conformance(launch: LaunchConfig, models: ModelSet) -> None:
                               f"expected a model set with {attribute} (a "
                               f"{protocol.__name__}) for --speculative_algorithm="
                               f"{launch.speculative_algorithm}")
+        read_members(f"Runtime(models=...).{attribute}", model, protocol)
         missing = missing_member(model, protocol)
         if missing is not None:
             raise ConfigError(f"Runtime(models=...).{attribute}", type(model).__name__,
@@ -78,6 +80,59 @@ def check_conformance(launch: LaunchConfig, models: ModelSet) -> None:
         if missing is not None:
             raise ConfigError("Runtime(models=...).dspark", type(dspark).__name__,
                               f"expected a DrafterContext, as it has publish: it has {missing}")
+
+
+def read_members(setting: str, model: object, protocol: type) -> None:
+    """Read every member of ``protocol`` that ``model`` has (``num_slots`` aside: it is read
+    once ``allocate`` has run, by ``check_num_slots``) and refuse, naming ``setting.member``
+    and what it raised, the first whose reading raises: a property that fails would otherwise
+    fail the start, or a request, with the model's raw exception. A member it lacks is left
+    to ``missing_member`` to name."""
+    for name in protocol_members(protocol):
+        if name == "num_slots":
+            continue
+        try:
+            getattr(model, name)
+        except AttributeError as error:
+            if has_member(model, name):  # a property that raised AttributeError itself
+                raise _raised(f"{setting}.{name}", error) from error
+        except Exception as error:
+            raise _raised(f"{setting}.{name}", error) from error
+
+
+def _raised(setting: str, error: BaseException, what: str = "reading it") -> ConfigError:
+    text = str(error)
+    if len(text) > 200:
+        text = text[:197] + "..."
+    return ConfigError(setting, MISSING, f"{what} raised {type(error).__name__}"
+                       f"{': ' + text if text else ''}; expected a member that can be read")
+
+
+def check_num_slots(setting: str, model: object, requested: int, before: object) -> None:
+    """Refuse, naming ``setting.num_slots``, a model whose ``num_slots`` after
+    ``allocate(requested)`` is not ``requested`` (``before`` is what it read before the call):
+    the runtime gives requests slots 0 .. requested - 1 and pads with slot ``requested``, the
+    scratch slot, so a smaller count would make the scratch slot a request's and a larger one
+    (or a value that is no int) is no cache ``allocate`` made."""
+    member = f"{setting}.num_slots"
+    try:
+        value = model.num_slots  # type: ignore[attr-defined]
+    except Exception as error:
+        raise _raised(member, error, f"reading it after allocate({requested})") from error
+    if type(value) is int and value == requested:
+        return
+    kind = type(value)
+    found = f"{kind.__module__}.{kind.__qualname__}".removeprefix("builtins.")
+    expected = (f"expected {requested} after allocate({requested}): {requested} + 1 KV slots, "
+                f"0 .. {requested - 1} for requests and {requested} the scratch slot")
+    if type(value) is not int:
+        expected += f"; got type {found}"
+    else:
+        if value < requested:
+            expected += " (with fewer, the scratch slot would be a request's)"
+        if value == before:
+            expected += "; allocate left it unchanged"
+    raise ConfigError(member, repr(value), expected)
 
 
 def _identity(value: object) -> bool:
@@ -106,7 +161,7 @@ MEMBER_VALUES: dict[str, tuple[Callable[[object], bool], str]] = {
 }
 """What each value member of the protocols must hold (``max_width`` is read, as any integer
 type, by ``check_model_limits``); ``num_slots`` is left out, as it is only known once the
-runtime has called ``allocate``."""
+runtime has called ``allocate`` (``check_num_slots`` reads it then)."""
 
 
 def check_member_values(setting: str, model: object, protocol: type) -> None:

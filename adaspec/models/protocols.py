@@ -40,6 +40,8 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from adaspec.errors import ModelOutputError
+
 
 @dataclass(frozen=True, slots=True)
 class VerifyRows:
@@ -176,6 +178,29 @@ class DSparkBlock:
     token_ids: Tensor  # [N, width] int64 greedy draft tokens, each given the previous one
     confidences: Tensor  # [N, width] conditional acceptance estimate of each position
     logits: Tensor  # [N, width, vocab] each position's draft logits
+
+
+def check_output(method: str, field: str, value: object, shape: tuple[int, ...],
+                 meaning: str, dtype: torch.dtype | None = None) -> None:
+    """Refuse (``ModelOutputError``) an output that is no tensor of ``shape`` (and ``dtype``
+    where given); ``meaning`` spells the shape as the protocol does (``[G, vocab_size]``).
+    Shape metadata only: nothing is read from the device."""
+    if isinstance(value, Tensor) and value.shape == shape and (
+            dtype is None or value.dtype == dtype):
+        return
+    wanted = f"{_dims(shape)} ({meaning})" + ("" if dtype is None else f" of dtype {dtype}")
+    if not isinstance(value, Tensor):
+        kind = type(value)
+        got = f"of type {kind.__module__}.{kind.__qualname__}".replace("builtins.", "")
+    elif value.shape != shape:
+        got = f"of shape {_dims(tuple(value.shape))}"
+    else:
+        got = f"of dtype {value.dtype}"
+    raise ModelOutputError(method, field, wanted, got)
+
+
+def _dims(shape: tuple[int, ...]) -> str:
+    return "[" + ", ".join(map(str, shape)) + "]"
 
 
 @runtime_checkable
@@ -320,7 +345,7 @@ def missing_member(model: object, protocol: type) -> str | None:
     cannot be called as draft(hidden, ...)": a drafter written to another version of the
     protocol, say), or None when it provides it all."""
     for name in protocol_members(protocol):
-        if not hasattr(model, name):
+        if not has_member(model, name):
             return f"no {name}"
         required = getattr(protocol, name, None)
         if not callable(required):
@@ -332,6 +357,25 @@ def missing_member(model: object, protocol: type) -> str | None:
             return (f"a {name} that cannot be called as "
                     f"{name}({', '.join(_parameters(required))})")
     return None
+
+
+def has_member(model: object, name: str) -> bool:
+    """Whether ``model`` has ``name``, found without running a property where it can be (a
+    ``num_slots`` that only works once ``allocate`` ran, an ``identity`` that raises: those
+    are read, and their errors named, elsewhere); a member only ``__getattr__`` provides is
+    read, and one whose reading raises anything but AttributeError counts as present."""
+    try:
+        inspect.getattr_static(model, name)
+        return True
+    except AttributeError:
+        pass
+    try:
+        getattr(model, name)
+    except AttributeError:
+        return False
+    except Exception:
+        return True
+    return True
 
 
 def _parameters(function: object) -> list[str]:

@@ -542,9 +542,11 @@ def _list(name: str, value: object) -> list[Any]:
     return value
 
 
-def load_bundle(path: str, data: Mapping[str, object]) -> CostBundle:
-    """The bundle saved at ``path`` (already read as ``data``), errors prefixed with the flag."""
-    with key_prefix(f"--adaptive_target_verify_cost_table={path}: "):
+def load_bundle(path: str, data: Mapping[str, object], *,
+                flag: str = "--adaptive_target_verify_cost_table") -> CostBundle:
+    """The bundle saved at ``path`` (already read as ``data``), errors prefixed with the flag
+    that named it."""
+    with key_prefix(f"{flag}={path}: "):
         return bundle_from_dict(data, source=f"saved table {path}")
 
 

@@ -45,7 +45,13 @@ def _make(role: str, table: Mapping[str, Callable[[Mapping[str, object], CostBun
     if name in NEEDS_COSTS and costs is None:
         raise ConfigError(role, name, "needs a cost table (calibrated at start, or the one an "
                           "event log's header carries)")
-    return table[name](settings, costs)
+    policy = table[name](settings, costs)
+    unknown = sorted(set(settings) - set(policy.settings()))
+    if unknown:  # a setting the policy does not have would be dropped silently
+        raise ConfigError(f"{role} {name} settings", dict(settings),
+                          f"{unknown[0]} is not a setting of {name}; expected "
+                          + (", ".join(sorted(policy.settings())) or "none"))
+    return policy
 
 
 def make_depth_policy(name: str, settings: Mapping[str, object],

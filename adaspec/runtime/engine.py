@@ -26,8 +26,8 @@ from adaspec.config.paths import new_file
 from adaspec.config.requests import SamplingParams, check_request
 from adaspec.errors import ConfigError, InvalidRequest
 from adaspec.models.checkpoint import ReferenceModels, load_reference_models
-from adaspec.models.limits import check_model_limits
-from adaspec.models.protocols import ModelSet
+from adaspec.models.limits import check_model_limits, check_num_slots
+from adaspec.models.protocols import ModelSet, has_member
 from adaspec.policies.base import BudgetPolicy, DepthPolicy
 from adaspec.policies.bundles import (
     Compatibility,
@@ -59,7 +59,7 @@ from adaspec.runtime.events.clock import Clock, MonotonicClock
 from adaspec.runtime.events.types import RequestArrived
 from adaspec.runtime.pipeline import Pipeline, RuntimeStatistics
 from adaspec.runtime.requests import Request, RequestHandle, check_prompt
-from adaspec.runtime.rounds import DeviceContext, StageHook
+from adaspec.runtime.rounds import CheckedDrafter, DeviceContext, StageHook
 from adaspec.runtime.slots import MAX_STOP_TOKENS, SlotSampling, SlotStates
 from adaspec.runtime.states import RoundHooks
 from adaspec.runtime.trace import STDERR, StateTrace, trace_destination
@@ -252,21 +252,34 @@ class Runtime:
         # A finished request's KV slot is reused only after the rounds in flight retire.
         num_slots = 2 * launch.max_seqs_per_batch
         target = models.target
+        before = _num_slots(target)
         target.allocate(num_slots)
+        check_num_slots("Runtime(models=...).target", target, num_slots, before)
         drafting: Drafting = NoDrafting()
         # check_model_limits refused a set without the drafter the algorithm uses.
         # A drafter's own context is allocated with the same KV slots by its Drafting.
+        drafter: CheckedDrafter | None = None
         if launch.speculative_algorithm == "MTP" and models.mtp is not None:
-            drafting = MtpDrafting(models.mtp, launch.num_speculative_tokens,
+            drafter = CheckedDrafter("mtp", models.mtp, target.vocab_size)
+            before = _num_slots(models.mtp)
+            drafting = MtpDrafting(drafter, launch.num_speculative_tokens,
                                    target.context_limit, num_slots)
         elif launch.speculative_algorithm == "DSpark" and models.dspark is not None:
-            drafting = DSparkDrafting(models.dspark, launch.num_speculative_tokens,
+            drafter = CheckedDrafter("dspark", models.dspark, target.vocab_size)
+            before = _num_slots(models.dspark)
+            drafting = DSparkDrafting(drafter, launch.num_speculative_tokens,
                                       target.context_limit, num_slots)
+        if drafter is not None and getattr(drafting, "context", None) is not None and \
+                has_member(drafter.model, "num_slots"):
+            # A drafter that keeps a context was allocated with the target's slots: one that
+            # tells its count must tell the same (the protocol does not require it to).
+            check_num_slots(drafter.setting, drafter.model, num_slots, before)
         hidden_size = target.hidden_size if drafting.keeps_hidden else 0
         states = SlotStates.allocate(num_slots, hidden_size, target.dtype, device)
         return DeviceContext(target=target, drafting=drafting, collectives=self._collectives,
                              states=states, sampling=SlotSampling.allocate(num_slots, device),
-                             device=device, seed=self.options.seed,
+                             device=device, vocab_size=target.vocab_size,
+                             hidden_size=target.hidden_size, seed=self.options.seed,
                              stage_hook=self.options.stage_hook)
 
     async def _prepare_bindings(self, models: ModelSet, geometry: BucketGeometry
@@ -567,6 +580,15 @@ class Runtime:
     def unsubscribe(self, handler: Any) -> None:
         """Stop delivering events to ``handler``."""
         self.bus.unsubscribe(handler)
+
+
+def _num_slots(model: object) -> object:
+    """A model's ``num_slots`` before ``allocate`` (None where it has none yet, or raises):
+    a refusal after it says when ``allocate`` left the count unchanged."""
+    try:
+        return model.num_slots  # type: ignore[attr-defined]
+    except Exception:
+        return None
 
 
 def adaptive_budget(launch: LaunchConfig) -> bool:

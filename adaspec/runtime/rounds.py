@@ -10,12 +10,19 @@ device work fails leaves every request's state as the previous round left it.
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 
-from adaspec.models.protocols import TargetModel, TargetOutput, VerifyRows
+from adaspec.models.protocols import (
+    DSparkBlock,
+    MtpStep,
+    TargetModel,
+    TargetOutput,
+    VerifyRows,
+    check_output,
+)
 from adaspec.runtime.devices.allocation import allocate_prefixes, emit_budget, verify_caps
 from adaspec.runtime.devices.collectives import Collectives
 from adaspec.runtime.devices.commit import RUNNING, CommitResult, commit_rows
@@ -59,6 +66,8 @@ class DeviceContext:
     states: SlotStates
     sampling: SlotSampling
     device: torch.device
+    vocab_size: int  # the target's, read once: every output is checked against them
+    hidden_size: int
     seed: int = 0
     stage_hook: StageHook | None = None
 
@@ -139,7 +148,9 @@ class RoundWork:
 
     def verify(self) -> None:
         self._enter("verify")
-        self.out = self.inputs.verify(_have(self.packed, "packed rows").rows)
+        out = self.inputs.verify(_have(self.packed, "packed rows").rows)
+        self.out = check_target_output("target.verify", out, self.inputs.num_rows, "G",
+                                       self.ctx)
 
     def sample(self) -> None:
         self._enter("sample")
@@ -232,6 +243,7 @@ def prefill(ctx: DeviceContext, inputs: PrefillInputs) -> dict[str, Tensor]:
     stop token, it may generate more, and the context has room after it."""
     out = ctx.target.prefill(inputs.prompts, inputs.slots)
     num = len(inputs.prompts)
+    check_prefill_output(out, num, max(len(prompt) for prompt in inputs.prompts), ctx)
     if inputs.sampling.all_greedy:
         first = out.last.logits.argmax(-1)
     else:
@@ -250,6 +262,71 @@ def prefill(ctx: DeviceContext, inputs: PrefillInputs) -> dict[str, Tensor]:
     ctx.sampling.write(inputs.slots, inputs.sampling, inputs.stop_token_ids)
     ctx.drafting.after_prefill(out, inputs.prompts, inputs.slots, first)
     return retire_copy({"first": first, "live": live, "stopped": stopped})
+
+
+def check_target_output(method: str, out: object, num_rows: int, rows: str,
+                        ctx: DeviceContext) -> TargetOutput:
+    """``out`` when it holds ``logits [rows, vocab_size]`` and ``hidden [rows, hidden_size]``
+    (shapes only: no device read); else the ``ModelOutputError`` naming ``method``."""
+    check_output(method, "logits", getattr(out, "logits", None), (num_rows, ctx.vocab_size),
+                 f"[{rows}, vocab_size]")
+    check_output(method, "hidden", getattr(out, "hidden", None), (num_rows, ctx.hidden_size),
+                 f"[{rows}, hidden_size]")
+    return out  # type: ignore[return-value]
+
+
+def check_prefill_output(out: object, num: int, longest: int, ctx: DeviceContext) -> None:
+    """Refuse a ``PrefillOutput`` of other shapes than the protocol's for ``num`` prompts of
+    at most ``longest`` tokens."""
+    check_target_output("target.prefill (last)", getattr(out, "last", None), num, "B", ctx)
+    check_output("target.prefill", "hidden", getattr(out, "hidden", None),
+                 (num, longest, ctx.hidden_size), "[B, T, hidden_size], T the longest prompt")
+    check_output("target.prefill", "lengths", getattr(out, "lengths", None), (num,), "[B]",
+                 torch.int64)
+
+
+class CheckedDrafter:
+    """A drafter whose ``step``/``draft`` outputs are checked against the protocol's shapes
+    (shape metadata only, a few tuple compares a call); every other member is the drafter's
+    own. ``model`` is the drafter, ``setting`` how refusals name it."""
+
+    def __init__(self, name: str, model: object, vocab_size: int) -> None:
+        self.model = model
+        self.name = name
+        self.setting = f"Runtime(models=...).{name}"
+        self.vocab_size = vocab_size
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "model":  # not set yet (a copy being made): never recurse
+            raise AttributeError(name)
+        return getattr(self.model, name)
+
+    def step(self, hidden: Tensor, token_ids: Tensor, positions: Tensor,
+             slots: Tensor) -> MtpStep:
+        out: MtpStep = self.model.step(hidden, token_ids, positions,  # type: ignore[attr-defined]
+                                       slots)
+        n, method = token_ids.shape[0], "mtp.step"
+        check_output(method, "token_ids", getattr(out, "token_ids", None), (n,), "[N]",
+                     torch.int64)
+        check_output(method, "probs", getattr(out, "probs", None), (n,), "[N]")
+        check_output(method, "hidden", getattr(out, "hidden", None), tuple(hidden.shape),
+                     "[N, hidden_size], the shape of the hidden it was given")
+        check_output(method, "logits", getattr(out, "logits", None), (n, self.vocab_size),
+                     "[N, vocab_size]")
+        return out
+
+    def draft(self, hidden: Tensor, token_ids: Tensor, positions: Tensor, slots: Tensor,
+              width: int) -> DSparkBlock:
+        out: DSparkBlock = self.model.draft(  # type: ignore[attr-defined]
+            hidden, token_ids, positions, slots, width)
+        n, method = token_ids.shape[0], "dspark.draft"
+        check_output(method, "token_ids", getattr(out, "token_ids", None), (n, width),
+                     "[N, width]", torch.int64)
+        check_output(method, "confidences", getattr(out, "confidences", None), (n, width),
+                     "[N, width]")
+        check_output(method, "logits", getattr(out, "logits", None),
+                     (n, width, self.vocab_size), "[N, width, vocab_size]")
+        return out
 
 
 def stop_tensor(stops: list[tuple[int, ...]], device: torch.device) -> Tensor:

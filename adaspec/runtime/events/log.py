@@ -18,6 +18,7 @@ ranges of their values, against what the header's launch fixes (``RunShape``).
 import dataclasses
 import functools
 import json
+import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import TracebackType
@@ -251,7 +252,8 @@ def _json_line(name: str, number: int, raw: bytes) -> object:
     if not text.strip():
         raise EventLogError(name, number, "blank line; expected one JSON object per line")
     try:
-        return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+        return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant,
+                          parse_float=_finite)
     except json.JSONDecodeError as error:
         hint = "" if raw.endswith(b"\n") else (
             "; the last line is cut short (did the run stop before closing the log?)")
@@ -274,6 +276,13 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         repeated = next(key for key in keys if keys.count(key) > 1)
         raise ValueError(f"key {_show(repeated)} appears twice in one object")
     return data
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400: JSON, but beyond a double
+        raise ValueError(f"{text} is beyond a double; expected a finite number")
+    return value
 
 
 def _no_constant(name: str) -> object:
@@ -315,6 +324,9 @@ def _header_problem(data: Mapping[str, Any]) -> str | None:
         return (f'header "models" must be {{"target": string, "draft": string}} (the '
                 "checkpoint identities; draft \"none\" without a drafter), got "
                 f"{_show(models)}")
+    seeds = data["seeds"]
+    if not all(isinstance(key, str) and type(value) is int for key, value in seeds.items()):
+        return f'header "seeds" must map names to integer seeds, got {_show(seeds)}'
     limit = data["context_limit"]
     if type(limit) is not int or limit < 2:
         return (f'header "context_limit" must be an integer >= 2 (the target\'s context '
@@ -457,11 +469,13 @@ def check_run(events: Sequence[Event], shape: RunShape, path: str) -> None:
     ``EventLogError`` naming the line (event ``i`` is on line ``i + 2``).
 
     Each round is decided (depth, then budget) and submitted in three consecutive events,
-    round numbers increasing; every submitted round then retires or fails exactly once, in
-    submission order, and rounds <= n - lag retire before round n is decided. Requests
-    arrive once, in increasing id order, with sampling parameters a request may have; a round
-    holds only requests that arrived and have not finished; each finishes once, with at most
-    its max_tokens. A decision
+    rounds numbered from 0, increasing; its stages then complete in order, and every submitted
+    round retires (after its last stage) or fails exactly once, in submission order; rounds
+    <= n - lag retire before round n is decided. Requests arrive once, in increasing id
+    order, with sampling parameters the launch accepts; a round holds only requests that
+    arrived and have not finished, and feeds back every one still running; each finishes
+    once, with a reason its tokens bear out and no more tokens than its rounds fed back. The
+    clock never goes back. A decision
     that saw more feedback than the lag allows is not refused here: that is a finding of the
     replay (its lag check), not damage to the log.
     """
@@ -476,8 +490,12 @@ class _Request:
     """A request that arrived, as the checks of its rounds and its end need it."""
 
     line: int  # of its request_arrived event
-    max_tokens: int
+    prompt: int  # tokens
+    params: SamplingParams
     finished: int | None = None  # line of its request_finished event
+    event: RequestFinished | None = None
+    retired_before: int = 0  # rounds retired before it finished
+    most_tokens: int = 1  # the prefill's token, and accepted + 1 of each round it was fed back
 
 
 @dataclasses.dataclass(slots=True)
@@ -491,6 +509,7 @@ class _Round:
     request_ids: tuple[int, ...]
     depth: int  # d its budget context says it runs
     num_rows: int  # G it was bound to (bound_rows)
+    stages: int = 0  # how many of STAGES completed so far, in their order
 
 
 class _RunWalk:
@@ -504,6 +523,8 @@ class _RunWalk:
         self.last_round = -1  # the newest round decided
         self.deciding: DepthDecided | BudgetDecided | None = None  # a round not yet submitted
         self.requests: dict[int, _Request] = {}  # by id, in arrival order
+        self.retirements = 0  # round_retired events so far
+        self.last_time = -math.inf
         self.handlers: dict[type[Event], Callable[[int, Any], None]] = {
             DepthDecided: self._depth, BudgetDecided: self._budget,
             RoundSubmitted: self._submitted, StageCompleted: self._stage,
@@ -518,6 +539,11 @@ class _RunWalk:
         return EventLogError(self.path, line, f"{subject}: {reason}")
 
     def step(self, line: int, event: Event) -> None:
+        if not math.isfinite(event.time) or event.time < self.last_time:
+            raise self.fail(line, event, _field("time", event.time, f"a number >= "
+                                                f"{self.last_time} (the runtime's clock, "
+                                                "which never goes back)"))
+        self.last_time = event.time
         self._check_sequence(line, event)
         self.handlers[type(event)](line, event)
 
@@ -531,6 +557,13 @@ class _RunWalk:
             raise EventLogError(self.path, entry.line, f"round {round} was submitted here but "
                                 "never retired nor failed (expected a round_retired or "
                                 "round_failed event for it; was the log cut short?)")
+        for id, request in self.requests.items():
+            if request.event is not None and request.event.num_tokens > request.most_tokens:
+                raise EventLogError(self.path, request.finished, f"request_finished event of "
+                                    f"request {id}: " + _field(
+                                        "num_tokens", request.event.num_tokens,
+                                        f"at most {request.most_tokens}: the prefill's token "
+                                        "and accepted + 1 of each round that fed it back"))
         running = [(id, request) for id, request in self.requests.items()
                    if request.finished is None]
         if running:
@@ -558,9 +591,13 @@ class _RunWalk:
     # --- decisions and submission -------------------------------------------------------
 
     def _depth(self, line: int, event: DepthDecided) -> None:
+        if self.last_round < 0 and event.round != 0:
+            raise self.fail(line, event, "the first round decided; expected round 0")
         if event.round <= self.last_round:
+            # Numbers may skip: an idle loop retires rounds early and numbers the next past
+            # them, so that no decision ever sees feedback newer than the lag allows.
             raise self.fail(line, event, f"decided after round {self.last_round}; expected "
-                            f"rounds numbered in increasing order")
+                            "rounds numbered in increasing order")
         self._check_slot(line, event)
         self._check_context(line, event)
         self._check_value(line, event, "depth", event.depth, self.shape.min_depth,
@@ -602,7 +639,11 @@ class _RunWalk:
                                                 f"{context.num_reqs} distinct ids (B of its "
                                                 "decisions)"))
         for id in event.request_ids:
-            self._check_running(line, event, id)
+            prompt = self._check_running(line, event, id).prompt
+            if context.max_kv_length <= prompt:
+                raise self.fail(line, event, f"request {id} has a prompt of {prompt} tokens, "
+                                f"but its decisions priced at most {context.max_kv_length} "
+                                "(context.max_kv_length bounds every context of the round)")
         self.in_flight[event.round] = _Round(
             line, event.slot, context.num_reqs, event.num_reqs_bucket, event.request_ids,
             depth=context.depth, num_rows=self.deciding.bound_rows)
@@ -677,9 +718,13 @@ class _RunWalk:
 
     def _stage(self, line: int, event: StageCompleted) -> None:
         entry = self._submission(line, event)
-        if event.stage not in STAGES:
-            raise self.fail(line, event, _field("stage", event.stage, ", ".join(STAGES)))
         self._expect(line, event, "slot", event.slot, entry.slot, "the slot it was submitted on")
+        following = STAGES[entry.stages] if entry.stages < len(STAGES) else "none"
+        if event.stage != following:
+            raise self.fail(line, event, _field("stage", event.stage, f"{following} (a round's "
+                                                f"stages complete once each, in the order "
+                                                f"{', '.join(STAGES)})"))
+        entry.stages += 1
 
     def _submission(self, line: int, event: StageCompleted | RoundRetired | RoundFailed
                     ) -> _Round:
@@ -706,19 +751,48 @@ class _RunWalk:
 
     def _failed(self, line: int, event: RoundFailed) -> None:
         entry = self._end(line, event)
-        if event.stage not in (*STAGES, "round"):
-            raise self.fail(line, event, _field("stage", event.stage,
-                                                ", ".join((*STAGES, "round"))))
+        unfinished = (*STAGES[entry.stages:], "round")  # "round": a unified round's unit
+        if event.stage not in unfinished:
+            raise self.fail(line, event, _field("stage", event.stage, f"one of the stages "
+                                                f"that had not completed: "
+                                                f"{', '.join(unfinished)}"))
         self._expect(line, event, "request_ids", list(event.request_ids),
                      list(entry.request_ids), "the request ids it was submitted with")
 
     def _retired(self, line: int, event: RoundRetired) -> None:
         entry = self._end(line, event)
+        if entry.stages != len(STAGES):
+            raise self.fail(line, event, f"retired before its {STAGES[entry.stages]} stage "
+                            "completed (a round retires after its last stage, "
+                            f"{STAGES[-1]})")
         problem = _feedback_problem(event.feedback, self.shape, entry)
         if problem is not None:
             raise self.fail(line, event, problem)
         self._expect(line, event, "feedback.round", event.feedback.round, event.round,
                      "the event's round")
+        self._check_fed_back(line, event, entry)
+        self.retirements += 1
+
+    def _check_fed_back(self, line: int, event: RoundRetired, entry: _Round) -> None:
+        """The feedback holds every request of the round still running, and none that
+        stopped decoding (by length or a stop token) before an earlier retirement: the
+        device no longer decodes those. A cancelled or failed request may still be in it."""
+        ids = event.feedback.request_ids
+        for id in ids:
+            request = self.requests[id]
+            if request.event is not None and request.event.reason in ("length", "stop") \
+                    and request.retired_before < self.retirements:
+                raise self.fail(line, event, f"feedback.request_ids holds request {id}, which "
+                                f"stopped decoding at line {request.finished}, before the "
+                                "retirement of an earlier round")
+        running = [id for id in entry.request_ids
+                   if self.requests[id].finished is None and id not in ids]
+        if running:
+            raise self.fail(line, event, _field("feedback.request_ids", list(ids),
+                                                f"every request of the round still running "
+                                                f"(request {running[0]} is)"))
+        for id, accepted in zip(ids, event.feedback.num_accepted, strict=True):
+            self.requests[id].most_tokens += accepted + 1
 
     # --- requests -----------------------------------------------------------------------
 
@@ -740,14 +814,18 @@ class _RunWalk:
             self.shape.check_request(params)  # what this launch refuses to decode
         except RequestError as error:
             raise self.fail(line, event, f"sampling: {error}") from None
-        self.requests[id] = _Request(line, params.max_tokens)
+        self.requests[id] = _Request(line, event.num_prompt_tokens, params)
 
     def _finished(self, line: int, event: RequestFinished) -> None:
         entry = self._check_running(line, event, event.request_id)
-        self._check_value(line, event, "num_tokens", event.num_tokens, 0, entry.max_tokens)
+        self._check_value(line, event, "num_tokens", event.num_tokens, 0,
+                          entry.params.max_tokens)
         if event.reason not in _REASONS:
             raise self.fail(line, event, _field("reason", event.reason, ", ".join(_REASONS)))
-        entry.finished = line
+        problem = _reason_problem(event, entry, self.shape.context_limit)
+        if problem is not None:
+            raise self.fail(line, event, problem)
+        entry.finished, entry.event, entry.retired_before = line, event, self.retirements
 
     def _check_running(self, line: int, event: Event, id: int) -> _Request:
         """The request ``id`` arrived and has not finished before this line."""
@@ -780,6 +858,21 @@ _PREVIOUS: dict[type[Event], str] = {BudgetDecided: DepthDecided.kind,
                                      RoundSubmitted: BudgetDecided.kind}
 
 _REASONS = ("stop", "length", "cancelled", "failed")
+
+
+def _reason_problem(event: RequestFinished, request: _Request, context_limit: int
+                    ) -> str | None:
+    """What is wrong with a finish reason given the request's tokens: "length" ends at
+    max_tokens or at the context's end, "stop" needs a stop token to have been emitted."""
+    tokens, params = event.num_tokens, request.params
+    if event.reason == "length" and tokens != params.max_tokens \
+            and request.prompt + tokens != context_limit:
+        return _field("num_tokens", tokens, f"{params.max_tokens} (max_tokens) or "
+                      f"{context_limit - request.prompt} (the context's end) for reason length")
+    if event.reason == "stop" and (not params.stop or tokens < 1):
+        return _field("reason", "stop", "a reason other than stop: the request "
+                      + ("has no stop tokens" if not params.stop else "emitted no token"))
+    return None
 
 
 def _sampling(fields: Mapping[str, Any]) -> SamplingParams | str:
@@ -816,7 +909,7 @@ def _entries_problem(feedback: RoundFeedback, request_ids: tuple[int, ...]) -> s
     for where, column, optional in (("verify_lengths", feedback.verify_lengths, False),
                                     ("num_accepted", feedback.num_accepted, False),
                                     ("confidences", feedback.confidences, True),
-                                    ("request_ids", feedback.request_ids, True)):
+                                    ("request_ids", feedback.request_ids, False)):
         if len(column) != count and not (optional and not column):
             return _field(f"feedback.{where}", list(column), f"{count} entries (num_reqs)"
                           + (" or none" if optional else ""))

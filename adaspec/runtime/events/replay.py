@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from adaspec.config.calibration import key_prefix
-from adaspec.config.effective import effective_value
+from adaspec.config.effective import effective_value, launch_sections
 from adaspec.config.launch import LaunchConfig, launch_field_types
 from adaspec.config.requests import check_request
 from adaspec.errors import (
@@ -274,7 +274,41 @@ def _recorded_launch(header: Mapping[str, Any], path: str) -> LaunchConfig:
             raise EventLogError(path, 1, f'header "config.launch.settings.{name}" expected '
                                 f"{_brief(derived)} (what the other settings make it), got "
                                 f"{_brief(value)}")
+    _check_sections(header["config"], launch, path)
     return launch
+
+
+def _check_sections(config: Mapping[str, Any], launch: LaunchConfig, path: str) -> None:
+    """The config's other sections as the launch makes them: those it alone derives equal,
+    and the adaptive ones enabled as its flags say (their settings come from files the
+    replay does not read)."""
+    expected: dict[str, object] = json.loads(json.dumps(launch_sections(launch)))
+    for name, flag in (("adaptive_draft_step", launch.enable_adaptive_draft_step),
+                       ("adaptive_target_verify", launch.enable_adaptive_target_verify)):
+        section = config.get(name)
+        expected[name] = section if isinstance(section, dict) and \
+            section.get("enabled") is flag else {"enabled": flag}
+    unknown = sorted(set(config) - {"launch", *expected})
+    if unknown:
+        raise EventLogError(path, 1, f'header "config" has unknown section "{unknown[0]}"')
+    for name, value in expected.items():
+        where, want, got = _first_difference(f"config.{name}", value, config.get(name))
+        if where:
+            raise EventLogError(path, 1, f'header "{where}" expected {_brief(want)} (what the '
+                                f"launch settings make it), got {_brief(got)}")
+
+
+def _first_difference(where: str, expected: object, got: object
+                      ) -> tuple[str | None, object, object]:
+    """The key path of the first value that differs, with both values (None: equal)."""
+    if expected == got:
+        return None, None, None
+    if isinstance(expected, dict) and isinstance(got, dict):
+        for key in (*expected, *(key for key in got if key not in expected)):
+            if expected.get(key, _ABSENT) != got.get(key, _ABSENT):
+                return _first_difference(f"{where}.{key}", expected.get(key, _ABSENT),
+                                         got.get(key, _ABSENT))
+    return where, expected, got
 
 
 def _launch_section(config: Mapping[str, Any], path: str
@@ -325,7 +359,12 @@ def _compatibility(launch: LaunchConfig, models: Mapping[str, str]) -> Compatibi
         target_rows=tuple(map(launch.legal_target_rows, buckets)))
 
 
+_ABSENT = object()  # a key a section lacks
+
+
 def _brief(value: object) -> str:
+    if value is _ABSENT:
+        return "no such key"
     text = json.dumps(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
