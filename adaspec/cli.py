@@ -205,6 +205,10 @@ def run(argv: Sequence[str]) -> int:
         print(USAGE)
         return 0
     if argv[0] == "--version":
+        if len(argv) > 1:
+            print(f"adaspec --version: error: argument={show_value(argv[1])}: expected "
+                  "nothing after --version", file=sys.stderr)
+            return 2
         print(f"adaspec {__version__}")
         return 0
     command = COMMANDS.get(argv[0])

@@ -9,10 +9,11 @@ from adaspec.runtime.events.types import (
     Event,
     RequestArrived,
     RequestFinished,
+    RoundRetired,
     StageCompleted,
 )
 
-MAX_TOKENS = 64
+MAX_TOKENS = 1024  # more than any synthetic run delivers
 SAMPLING = dataclasses.asdict(SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
 
 
@@ -23,10 +24,15 @@ def stages(round: int) -> list[Event]:
 
 def with_requests(events: list[Event], count: int) -> list[Event]:
     """``events`` between the arrival of requests 0..count-1 and their end: cancelled after
-    the rounds, as a synthetic run's feedback need not add up to the tokens of a request
-    that decoded to its max_tokens."""
+    the rounds, holding the prefill's token and accepted + 1 of each round fed back."""
     arrived = [RequestArrived(request_id=id, num_prompt_tokens=8, sampling=SAMPLING)
                for id in range(count)]
-    finished = [RequestFinished(request_id=id, reason="cancelled", num_tokens=1)
+    tokens = dict.fromkeys(range(count), 1)
+    for event in events:
+        if isinstance(event, RoundRetired):
+            for id, accepted in zip(event.feedback.request_ids, event.feedback.num_accepted,
+                                    strict=True):
+                tokens[id] += accepted + 1
+    finished = [RequestFinished(request_id=id, reason="cancelled", num_tokens=tokens[id])
                 for id in range(count)]
     return [*arrived, *events, *finished]

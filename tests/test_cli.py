@@ -80,6 +80,16 @@ def test_version_and_usage(capsys: pytest.CaptureFixture[str]) -> None:
     assert "config" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("extra", ["extra", "--bogus"])
+def test_version_refuses_extra_arguments(extra: str,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(["--version", extra]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (f"adaspec --version: error: argument={extra}: expected nothing "
+                            "after --version\n")
+
+
 def test_installed_console_script_runs_config() -> None:
     script = shutil.which("adaspec")
     if script is None:

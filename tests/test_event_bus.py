@@ -197,6 +197,52 @@ async def test_a_cancelled_waiter_is_forgotten() -> None:
     assert bus._waiters == []
 
 
+def test_unsubscribing_a_handler_never_subscribed_names_it() -> None:
+    bus = EventBus()
+    seen: list[Event] = []
+
+    def never(event: Event) -> None:
+        """Not subscribed."""
+
+    with pytest.raises(ValueError, match=r"^unsubscribe\(test_unsubscribing_a_handler_never_"
+                                         r"subscribed_names_it\.<locals>\.never\): that handler "
+                                         r"was not subscribed"):
+        bus.unsubscribe(never)
+    bus.subscribe(seen.append)
+    bus.unsubscribe(seen.append)
+    with pytest.raises(ValueError, match="was not subscribed"):  # twice: the caller's bug
+        bus.unsubscribe(seen.append)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("match", "error", "message"), [
+    (123, TypeError, r"^next\(123\): expected an event kind \(str\), an Event subclass or a "
+                     r"predicate \(a callable\); got int$"),
+    (int, TypeError, r"^next\(int\): expected an Event subclass, an event kind or a predicate"),
+    ("no_such_kind", ValueError, r"^next\('no_such_kind'\): no event has that kind; expected "
+                                 r"one of request_arrived, .*round_retired"),
+])
+async def test_next_refuses_what_no_event_could_ever_match_at_the_call(
+        match: object, error: type[Exception], message: str) -> None:
+    bus = EventBus()
+    with pytest.raises(error, match=message):
+        bus.next(match)  # type: ignore[call-overload]
+    assert bus._waiters == []
+    bus.publish(stage(0))  # nothing was registered that could fail a later publish
+
+
+def test_publish_refuses_what_is_not_an_event_and_subscribe_a_non_bool_first() -> None:
+    bus = EventBus()
+    seen: list[object] = []
+    bus.subscribe(seen.append)
+    with pytest.raises(TypeError, match=r"^publish\('hello'\): expected an Event "
+                                        r"\(adaspec\.runtime\.events\.types\); got str$"):
+        bus.publish("hello")  # type: ignore[arg-type]
+    assert seen == []
+    with pytest.raises(TypeError, match=r"^subscribe\(first='no'\): expected True or False$"):
+        bus.subscribe(seen.append, first="no")  # type: ignore[arg-type]
+
+
 def test_the_virtual_clock_moves_only_when_advanced() -> None:
     clock: Clock = VirtualClock(start=10.0)
     assert clock.now() == clock.now() == 10.0

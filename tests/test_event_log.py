@@ -46,8 +46,7 @@ SEEDS = {"sampling": 7, "calibration": 11}
 def header() -> dict[str, Any]:
     return log_header(config=CONFIG, cost_table=None, models=MODELS,
                       context_limit=CONTEXT_LIMIT, seeds=SEEDS, lag=2,
-                      depth_policy=FixedDepth(), budget_policy=FullBudget(),
-                      adaspec_version="0.1.0")
+                      depth_policy=FixedDepth(), budget_policy=FullBudget())
 
 
 def one_of_each() -> list[Event]:
@@ -121,7 +120,7 @@ def test_header_comes_first_and_holds_what_replay_needs(tmp_path: Path) -> None:
     assert first["seeds"] == SEEDS
     assert first["policies"] == {"depth": {"name": "fixed", "settings": {}},
                                  "budget": {"name": "full", "settings": {}}}
-    assert first["adaspec_version"] == "0.1.0"
+    assert (first["models"], first["context_limit"], first["lag"]) == (MODELS, CONTEXT_LIMIT, 2)
     assert read_event_log(path).header == first
 
 

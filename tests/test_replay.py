@@ -295,7 +295,7 @@ def test_cli_exit_1_names_the_round_and_both_values(
 
 def test_cli_json_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = write_run(tmp_path / "run.jsonl")
-    edit_record(path, "depth_decided", 7, depth=2)
+    edit_record(path, "budget_decided", 7, num_rows=8)  # round 7 holds 4 requests: G 16
     assert main([str(path), "--json"]) == 1
     document = json.loads(capsys.readouterr().out)
     assert (document["ok"], document["all_matched"], document["counterfactual"]) == (
@@ -304,8 +304,8 @@ def test_cli_json_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert document["policies"]["depth"] == {"name": "fixed", "settings": {}}
     first = document["first_divergence"]
     assert {key: first[key] for key in ("round", "decision", "recorded", "replayed")} == {
-        "round": 7, "decision": "depth", "recorded": 2, "replayed": 3}
-    assert "recorded d=2, replayed d=3" in first["message"]
+        "round": 7, "decision": "budget", "recorded": 8, "replayed": 16}
+    assert "recorded G=8, replayed G=16" in first["message"]
     assert document["first_lag_violation"] is None
 
 

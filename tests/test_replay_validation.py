@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from logged_runs import stages, with_requests
+from logged_runs import MAX_TOKENS, stages, with_requests
 
 from adaspec import cli
 from adaspec.config.effective import load_config
@@ -273,7 +273,7 @@ def prompt_past_the_context(records: Records) -> None:
 
 
 def more_tokens_than_asked(records: Records) -> None:
-    records[request_event(records, "request_finished", 1)]["num_tokens"] = 65
+    records[request_event(records, "request_finished", 1)]["num_tokens"] = MAX_TOKENS + 1
 
 
 def feedback_ids_reordered(records: Records) -> None:
@@ -288,6 +288,35 @@ def skip_a_stage(records: Records) -> None:
 def stages_reversed(records: Records) -> None:
     first = at(records, "stage_completed", 4)
     records[first:first + 7] = records[first:first + 7][::-1]
+
+
+def tiers_cut_to_the_choice(records: Records) -> None:
+    budget = records[at(records, "budget_decided", 4)]
+    budget["context"]["tiers"] = [budget["num_rows"]]
+
+
+def budget_depth_other_than_decided(records: Records) -> None:
+    records[at(records, "budget_decided", 4)]["context"]["depth"] = WIDTH - 1
+
+
+def cancelled_with_fewer_tokens_than_delivered(records: Records) -> None:
+    records[request_event(records, "request_finished", 0)]["num_tokens"] = 1
+
+
+def failure_message_on_two_lines(records: Records) -> None:
+    index = at(records, "round_retired", NUM_ROUNDS - 1)
+    records[index] = {"kind": "round_failed", "time": 0.0, "round": NUM_ROUNDS - 1,
+                      "slot": (NUM_ROUNDS - 1) % 2, "stage": "round", "error": "RuntimeError",
+                      "message": "device lost\nat step 3",
+                      "request_ids": list(range(num_reqs(NUM_ROUNDS - 1)))}
+
+
+def unknown_header_field(records: Records) -> None:
+    records[0]["adaspec_version"] = "0.1.0"
+
+
+def seventeen_stop_tokens(records: Records) -> None:
+    records[request_event(records, "request_arrived", 0)]["sampling"]["stop"] = [1] * 17
 
 
 def first_round_numbered_3(records: Records) -> None:
@@ -324,7 +353,8 @@ def running_request_left_out(records: Records) -> None:
 
 
 def prompt_longer_than_priced(records: Records) -> None:
-    records[request_event(records, "request_arrived", 0)]["num_prompt_tokens"] = 32
+    # 24 + the prefill's token + two rounds of w + 1 = 33 positions, one past the 32 priced
+    records[request_event(records, "request_arrived", 0)]["num_prompt_tokens"] = 24
 
 
 def more_tokens_than_fed_back(records: Records) -> None:
@@ -405,7 +435,7 @@ DAMAGE: dict[str, tuple[Callable[[Records], None], int, str]] = {
         f"{CONTEXT_LIMIT}"),
     "more tokens than max_tokens": (
         more_tokens_than_asked, 94, 'request_finished event of request 1: field "num_tokens" '
-        "expected an integer in 0..64, got 65"),
+        f"expected an integer in 0..{MAX_TOKENS}, got {MAX_TOKENS + 1}"),
     "feedback request ids reordered": (
         feedback_ids_reordered, 69, 'round_retired event of round 4: field '
         '"feedback.request_ids" expected ids of the round\'s live requests, in the order '
@@ -416,6 +446,26 @@ DAMAGE: dict[str, tuple[Callable[[Records], None], int, str]] = {
     "stages in reverse": (
         stages_reversed, 51, 'stage_completed event of round 4: field "stage" expected draft '
         f'{IN_ORDER}, got "retire"'),
+    "tiers cut to the G chosen": (
+        tiers_cut_to_the_choice, 49, 'budget_decided event of round 4: field "context.tiers" '
+        "expected the legal rows [2, 4, 8] of bucket 2, got [8]"),
+    "budget depth other than the depth decided": (
+        budget_depth_other_than_decided, 49, 'budget_decided event of round 4: field '
+        '"context.depth" expected 3 (the depth decided for the round), got 2'),
+    "cancelled with fewer tokens than its rounds delivered": (
+        cancelled_with_fewer_tokens_than_delivered, 93, 'request_finished event of request 0: '
+        'field "num_tokens" expected at least 21: the prefill\'s token and accepted + 1 of each '
+        "round fed back before it finished, got 1"),
+    "failure message on two lines": (
+        failure_message_on_two_lines, 92, 'round_failed event of round 7: field "message" '
+        "expected one line: the first of the exception's message, got \"device lost\\nat "
+        'step 3"'),
+    "unknown header field": (
+        unknown_header_field, 1, 'header has unknown field "adaspec_version"; expected '
+        '"config", "cost_table", "models", "context_limit", "seeds", "lag", "policies"'),
+    "seventeen stop tokens": (
+        seventeen_stop_tokens, 2, "request_arrived event of request 0: sampling: request "
+        "field stop=17 token ids: expected at most 16 stop token ids"),
     "first round not numbered 0": (
         first_round_numbered_3, 5, "depth_decided event of round 3: the first round decided; "
         "expected round 0"),
@@ -424,8 +474,8 @@ DAMAGE: dict[str, tuple[Callable[[Records], None], int, str]] = {
         "number >= 0.0 (the runtime's clock, which never goes back), got -1.0"),
     "length finish short of max_tokens": (
         finished_by_length_early, 93, 'request_finished event of request 0: field '
-        '"num_tokens" expected 64 (max_tokens) or 4088 (the context\'s end) for reason '
-        "length, got 1"),
+        f'"num_tokens" expected {MAX_TOKENS} (max_tokens) or 4088 (the context\'s end) for '
+        "reason length, got 1"),
     "stop finish without stop tokens": (
         stopped_without_stop_tokens, 93, 'request_finished event of request 0: field '
         '"reason" expected a reason other than stop: the request has no stop tokens, got '
@@ -440,8 +490,8 @@ DAMAGE: dict[str, tuple[Callable[[Records], None], int, str]] = {
         "is), got [0]"),
     "prompt longer than the context priced": (
         prompt_longer_than_priced, 7, "round_submitted event of round 0: request 0 has a "
-        "prompt of 32 tokens, but its decisions priced at most 32 (context.max_kv_length "
-        "bounds every context of the round)"),
+        "prompt of 24 tokens, so its decisions price a KV length of at least 33, not 32 "
+        "(context.max_kv_length)"),
     "more tokens than the rounds fed back": (
         more_tokens_than_fed_back, 95, 'request_finished event of request 2: field '
         '"num_tokens" expected at most 6: the prefill\'s token and accepted + 1 of each round '
@@ -488,10 +538,15 @@ def test_the_synthetic_run_is_a_valid_log_that_replays_and_simulates(
     assert report["rounds"] == NUM_ROUNDS
 
 
-def test_a_launch_without_graphs_replays(tmp_path: Path,
-                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_launch_without_graphs_replays(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
     # Its effective config derives a graph batch limit that the launch itself may not be
     # given: the header is rebuilt from the settings given, the derived ones then compared.
+    # Its shapes are unpadded: a round's bucket is its B, and every G up to B(w + 1) legal.
+    module = sys.modules[__name__]
+    monkeypatch.setattr(module, "bucket", num_reqs)
+    monkeypatch.setattr(module, "legal_rows", lambda round: tuple(
+        range(num_reqs(round), num_reqs(round) * (WIDTH + 1) + 1)))
     path = write_run(tmp_path / "run.jsonl", launch={**LAUNCH, "enable_graph": False})
     assert cli.run(["replay", str(path)]) == 0
     assert "all 16 decisions match the log" in capsys.readouterr().out
@@ -583,9 +638,13 @@ def test_a_log_that_records_no_round_says_it_has_no_decision_to_check(
     # Requests that end at their prefill (max_tokens 1) run no round: nothing to compare.
     path = write_run(tmp_path / "run.jsonl")
     lines = path.read_text(encoding="utf-8").splitlines()
-    kept = [lines[0], *(line for line in lines[1:]
-                        if json.loads(line)["kind"] in ("request_arrived", "request_finished"))]
-    path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    records = [json.loads(line) for line in lines]
+    kept = [records[0], *(r for r in records[1:]
+                          if r["kind"] in ("request_arrived", "request_finished"))]
+    for record in kept[1:]:
+        if record["kind"] == "request_finished":
+            record["num_tokens"] = 1  # the prefill's token alone
+    path.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
     assert cli.run(["replay", str(path)]) == 0
     out = capsys.readouterr().out
     assert "no decision to check: the log records no round" in out

@@ -94,6 +94,15 @@ def test_invalid_values_are_refused(fields: dict[str, object], message: str) -> 
     assert str(info.value) == message
 
 
+@pytest.mark.parametrize("request_", [None, [("temperature", 0)], "temperature=0", 3])
+def test_a_request_that_is_no_mapping_is_refused_naming_request(request_: object) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        SamplingParams.from_request(request_)  # type: ignore[arg-type]
+    assert info.value.field == "request"
+    assert str(info.value).endswith(": expected a mapping of request fields (a dict such as "
+                                    '{"temperature": 0, "max_tokens": 64})')
+
+
 @pytest.mark.parametrize("stop", [[10, 3], (10, 3), np.array([10, 3]), range(10, 2, -7),
                                   np.array([10, 3], dtype=np.uint8)])
 def test_stop_ids_of_any_sequence_or_array_are_kept_as_a_tuple_of_plain_ints(

@@ -127,6 +127,20 @@ def test_a_workload_file_round_trips_and_bad_lines_name_file_line_and_field(
         parse_workload(lines[1:], "w.jsonl")
 
 
+@pytest.mark.parametrize(("change", "message"), [
+    ({"widht": 5}, "widht: not a header field; expected dp_size, format, name, version, width"),
+    ({"version": True}, "version=true: expected 1"),
+    ({"name": 5}, "name=5: expected a string"),
+])
+def test_a_bad_workload_header_key_is_refused_naming_it(change: dict[str, object],
+                                                        message: str) -> None:
+    lines = synthetic("drift", rounds=2).as_lines()
+    header = {**json.loads(lines[0]), **change}
+    with pytest.raises(ConfigError) as raised:
+        parse_workload([json.dumps(header), *lines[1:]], "w.jsonl")
+    assert str(raised.value) == f"--workload=w.jsonl:1: {message}"
+
+
 def test_cli_table_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     workload, table = tmp_path / "step.jsonl", tmp_path / "costs.json"
     workload.write_text("\n".join(synthetic("step", rounds=200).as_lines()) + "\n")

@@ -19,6 +19,8 @@ MIN_TEMPERATURE = 1e-5
 """The smallest positive temperature: logits divided by much less overflow the sampler's
 floats (to inf, then NaN probabilities), which would decode garbage rather than sample."""
 MAX_NEW_TOKENS = 1 << 20
+MAX_STOP_TOKENS = 16
+"""Most stop token ids one request may give (the sampler keeps them in a fixed-width row)."""
 
 _STRUCTURED = "structured-output constraints are not supported"
 _PENALTY = "non-neutral penalties are not supported (the verifier samples the plain target " \
@@ -126,7 +128,12 @@ class SamplingParams:
 
     @classmethod
     def from_request(cls, request: Mapping[str, object]) -> "SamplingParams":
-        """Read an engine's request fields; refuse unsupported features by name."""
+        """Read an engine's request fields (a mapping of field name to value); refuse
+        unsupported features by name."""
+        if not isinstance(request, Mapping):
+            raise InvalidRequest("request", request,
+                                 "expected a mapping of request fields (a dict such as "
+                                 "{\"temperature\": 0, \"max_tokens\": 64})")
         known = {f.name for f in fields(cls)}
         values: dict[str, object] = {}
         for name, value in request.items():
@@ -200,3 +207,6 @@ def check_request(params: SamplingParams, launch: LaunchConfig) -> None:
                                  "expected 0: --enable_unified_mtp_graph=true captures greedy "
                                  "rounds only; use --enable_unified_mtp_graph=false for "
                                  "positive temperatures")
+    if len(params.stop) > MAX_STOP_TOKENS:
+        raise InvalidRequest("stop", f"{len(params.stop)} token ids",
+                             f"expected at most {MAX_STOP_TOKENS} stop token ids")

@@ -35,7 +35,7 @@ from typing import Any
 
 from adaspec.config.calibration import DraftStepPolicyConfig, json_type
 from adaspec.config.launch import MAX_PARALLEL_SIZE
-from adaspec.errors import ConfigError
+from adaspec.errors import ConfigError, show_value
 from adaspec.policies.base import (
     BudgetContext,
     BudgetPolicy,
@@ -110,9 +110,18 @@ def parse_workload(lines: Iterable[str], source: str) -> Workload:
         raise ConfigError("--workload", f"{source}:1",
                           f'expected a first line {{"format": "{WORKLOAD_FORMAT}", '
                           '"version": 1, "width": W}')
-    if header.get("version") != WORKLOAD_VERSION:
-        raise ConfigError("--workload", f"{source}:1", f"version={header.get('version')}: "
+    version = header.get("version")
+    if type(version) is not int or version != WORKLOAD_VERSION:  # true is no version
+        raise ConfigError("--workload", f"{source}:1", f"version={show_value(version)}: "
                           f"expected {WORKLOAD_VERSION}")
+    unknown = sorted(set(header) - _HEADER_FIELDS)
+    if unknown:
+        raise ConfigError("--workload", f"{source}:1", f"{show_value(unknown[0])}: not a "
+                          f"header field; expected {', '.join(sorted(_HEADER_FIELDS))}")
+    name = header.get("name", "")
+    if not isinstance(name, str):
+        raise ConfigError("--workload", f"{source}:1", f"name={show_value(name)}: expected a "
+                          "string")
     width = header.get("width")
     if type(width) is not int or not 1 <= width <= 64:
         raise ConfigError("--workload", f"{source}:1", f"width={width}: expected an integer "
@@ -125,8 +134,11 @@ def parse_workload(lines: Iterable[str], source: str) -> Workload:
               for number, text in rows if text.strip()]
     if not rounds:
         raise ConfigError("--workload", source, "expected at least one round line")
-    return Workload(width=width, rounds=tuple(rounds), name=str(header.get("name", "")),
+    return Workload(width=width, rounds=tuple(rounds), name=name,
                     dp_size=dp_size)
+
+
+_HEADER_FIELDS = frozenset({"format", "version", "width", "name", "dp_size"})
 
 
 def _json(source: str, number: int, text: str) -> Any:

@@ -12,7 +12,9 @@ import functools
 import itertools
 import json
 import logging
+import numbers
 import os
+import reprlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -60,7 +62,7 @@ from adaspec.runtime.events.types import RequestArrived
 from adaspec.runtime.pipeline import Pipeline, RuntimeStatistics
 from adaspec.runtime.requests import Request, RequestHandle, check_prompt
 from adaspec.runtime.rounds import CheckedDrafter, DeviceContext, StageHook
-from adaspec.runtime.slots import MAX_STOP_TOKENS, SlotSampling, SlotStates
+from adaspec.runtime.slots import SlotSampling, SlotStates
 from adaspec.runtime.states import RoundHooks
 from adaspec.runtime.trace import STDERR, StateTrace, trace_destination
 
@@ -83,7 +85,8 @@ class RuntimeOptions:
     seed: int = 0
     """Seeds every random draw (per round and per prefill), so a run replays exactly."""
     event_log: str | None = None
-    """Write the event log (JSON lines) here; the file must not exist."""
+    """Write the event log (JSON lines) here; the file must not exist. An ``os.PathLike``
+    is kept as its str."""
     trace: str | None = None
     """Write the state trace (one JSON line per transition) here; off when None and
     ``ADASPEC_TRACE`` is unset."""
@@ -103,6 +106,56 @@ class RuntimeOptions:
         seed = self.seed
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < MAX_SEED:
             raise ConfigError("seed", seed, f"expected an integer in 0..{MAX_SEED - 1}")
+        for name in ("event_log", "trace"):  # a path-like is kept as its str
+            object.__setattr__(self, name, _option_path(name, getattr(self, name)))
+        _check_members("RuntimeOptions.clock", self.clock, ("now()",),
+                       "a Clock (adaspec.runtime.events.clock: now() returns seconds) or None")
+        for name, called in (("stage_hook", "(round, stage)"),
+                             ("calibration_progress", "(measured point)")):
+            value = getattr(self, name)
+            if value is not None and not callable(value):
+                raise ConfigError(f"RuntimeOptions.{name}", value,
+                                  f"expected a callable, called with {called}, or None")
+        for name, protocol in (("depth_policy", "DepthPolicy"),
+                               ("budget_policy", "BudgetPolicy")):
+            _check_members(f"RuntimeOptions.{name}", getattr(self, name), _POLICY_MEMBERS,
+                           f"a {protocol} (adaspec.policies.base) or None")
+
+
+_POLICY_MEMBERS = ("name", "decide()", "observe()", "statistics()", "settings()")
+_COLLECTIVES_MEMBERS = ("tp_rank", "tp_size", "dp_rank", "dp_size", "tp_broadcast()",
+                        "dp_agree_rows()", "share_from_first_rank()", "close()")
+
+
+def _option_path(name: str, value: object) -> str | None:
+    """A file-path option as a str: a str, an ``os.PathLike`` of a str, or None."""
+    if value is None or isinstance(value, str):
+        return value
+    path = os.fspath(value) if isinstance(value, os.PathLike) else None
+    if not isinstance(path, str):
+        raise ConfigError(f"RuntimeOptions.{name}", value,
+                          "expected a file path (a str or os.PathLike) or None")
+    return path
+
+
+def _check_members(setting: str, value: object, members: Sequence[str], what: str) -> None:
+    """Refuse ``value`` (None passes) unless it has every member (``name()``: a callable)."""
+    if value is None:
+        return
+    if isinstance(value, type):
+        raise ConfigError(setting, value, f"expected {what}; got a class: pass an instance")
+    for member in members:
+        try:
+            found = getattr(value, member.removesuffix("()"))
+        except AttributeError:
+            found = _ABSENT
+        except Exception:  # present, but reading it raised: its own use will say so
+            continue
+        if found is _ABSENT or (member.endswith("()") and not callable(found)):
+            raise ConfigError(setting, value, f"expected {what}; it has no {member}")
+
+
+_ABSENT = object()
 
 
 def builtin_models(launch: LaunchConfig, device: torch.device) -> ReferenceModels:
@@ -143,6 +196,16 @@ class Runtime:
     def __init__(self, config: EffectiveConfig, *, models: ModelSet | None = None,
                  options: RuntimeOptions | None = None,
                  collectives: Collectives | None = None) -> None:
+        if not isinstance(config, EffectiveConfig):
+            raise ConfigError("Runtime(config)", config,
+                              "expected an EffectiveConfig; build one with "
+                              "adaspec.config.load_config(flags)")
+        if options is not None and not isinstance(options, RuntimeOptions):
+            raise ConfigError("Runtime(options)", options,
+                              "expected a RuntimeOptions or None; build one with "
+                              "RuntimeOptions(seed=..., event_log=..., ...)")
+        _check_members("Runtime(collectives)", collectives, _COLLECTIVES_MEMBERS,
+                       "a Collectives (adaspec.runtime.devices.collectives) or None")
         self.config = config
         self.launch = config.launch
         self.options = options or RuntimeOptions()
@@ -509,11 +572,12 @@ class Runtime:
     def submit(self, prompt: Sequence[int], params: SamplingParams) -> RequestHandle:
         """Queue a request. Refused before execution, with a one-line error naming the field,
         when the launch cannot decode it exactly or the prompt does not fit."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequest("params", params,
+                                 "expected a SamplingParams; build one with SamplingParams(...) "
+                                 "or SamplingParams.from_request(fields)")
         pipeline = self._running()
         check_request(params, self.launch)
-        if len(params.stop) > MAX_STOP_TOKENS:
-            raise InvalidRequest("stop", f"{len(params.stop)} token ids",
-                                 f"expected at most {MAX_STOP_TOKENS} stop token ids")
         check_prompt(pipeline.ctx.target, prompt)
         vocab = pipeline.ctx.target.vocab_size
         unknown = next((token for token in params.stop if token >= vocab), None)
@@ -539,9 +603,14 @@ class Runtime:
 
     def cancel(self, request_id: int) -> None:
         """End a request between rounds (see ``RequestHandle.cancel``); an unknown or ended
-        request is left alone."""
+        request id is left alone. ``request_id`` is an int (``RequestHandle.request_id``)."""
+        given: object = request_id  # whatever the caller passed, until checked
+        if isinstance(given, bool) or not isinstance(given, numbers.Integral):
+            raise TypeError(f"cancel(request_id={reprlib.repr(given)}): expected an int "
+                            f"request id (RequestHandle.request_id); got "
+                            f"{type(given).__name__}")
         if self._pipeline is not None:
-            request = self._pipeline.find(request_id)
+            request = self._pipeline.find(int(given))  # a numpy integer as the int it equals
             if request is not None:
                 self._cancel(request)
 
@@ -578,7 +647,8 @@ class Runtime:
         self.bus.subscribe(handler)
 
     def unsubscribe(self, handler: Any) -> None:
-        """Stop delivering events to ``handler``."""
+        """Stop delivering events to ``handler``; ``ValueError`` if it was not subscribed
+        (one the bus dropped after it raised is already unsubscribed)."""
         self.bus.unsubscribe(handler)
 
 

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
+from adaspec.config.requests import MAX_STOP_TOKENS
 from adaspec.models.protocols import (
     DSparkBlock,
     MtpStep,
@@ -30,7 +31,7 @@ from adaspec.runtime.devices.packing import PackedRows, pack_rows
 from adaspec.runtime.devices.retire import retire_copy
 from adaspec.runtime.devices.sampling import SamplingTensors, sample_rows
 from adaspec.runtime.drafting import Drafting
-from adaspec.runtime.slots import MAX_STOP_TOKENS, SlotSampling, SlotStates
+from adaspec.runtime.slots import SlotSampling, SlotStates
 
 T = TypeVar("T")
 

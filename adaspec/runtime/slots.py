@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from adaspec.config.requests import MAX_STOP_TOKENS
 from adaspec.runtime.devices.sampling import SamplingTensors
 
 
@@ -68,8 +69,6 @@ class SlotStates:
         self.live.index_copy_(0, slots, rows.live)
 
 
-MAX_STOP_TOKENS = 16
-"""Stop token ids a request may give; slot storage is sized for this many."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,10 +10,11 @@ depends on scheduling. Waiting code uses ``next``, a loop future resolved by ``p
 
 import asyncio
 import logging
+import reprlib
 from collections.abc import Callable
 from typing import Any, TypeVar, overload
 
-from adaspec.runtime.events.types import Event
+from adaspec.runtime.events.types import EVENT_TYPES, Event
 
 E = TypeVar("E", bound=Event)
 
@@ -62,17 +63,24 @@ class EventBus:
         them in the order they happened. A handler dropped after raising may subscribe
         again, and is dropped again if it raises again."""
         if not callable(handler):
-            raise TypeError(f"an event subscriber must be callable, got {handler!r}")
+            raise TypeError(f"an event subscriber must be callable, got {_shown(handler)}")
+        if not isinstance(first, bool):
+            raise TypeError(f"subscribe(first={_shown(first)}): expected True or False")
         if handler in self._dropped:
             self._dropped.remove(handler)
         self._handlers = (handler, *self._handlers) if first else (*self._handlers, handler)
 
     def unsubscribe(self, handler: Handler) -> None:
         """Stop delivering to ``handler`` (its first subscription, if subscribed twice); a
-        handler the bus dropped after it raised is already unsubscribed."""
+        handler the bus dropped after it raised is already unsubscribed. A handler that was
+        never subscribed (or is already unsubscribed) raises ``ValueError``: unsubscribing
+        it twice, or another object than the one subscribed, is the caller's bug."""
         handlers = list(self._handlers)
-        if handler not in handlers and handler in self._dropped:
-            return
+        if handler not in handlers:
+            if handler in self._dropped:
+                return
+            raise ValueError(f"unsubscribe({_name(handler)}): that handler was not subscribed "
+                             "(unsubscribe the same object that was passed to subscribe)")
         handlers.remove(handler)
         self._handlers = tuple(handlers)
 
@@ -83,7 +91,10 @@ class EventBus:
 
     def publish(self, event: Event) -> None:
         """Hand ``event`` to every handler in subscription order, then resolve the waiters
-        it matches (in the order they called ``next``)."""
+        it matches (in the order they called ``next``). ``event`` must be an ``Event``."""
+        if not isinstance(event, Event):
+            raise TypeError(f"publish({_shown(event)}): expected an Event "
+                            f"(adaspec.runtime.events.types); got {type(event).__name__}")
         dropped: list[Handler] | None = None  # in this publish: not called again for it
         for handler in self._handlers:
             if dropped is not None and handler in dropped:
@@ -101,7 +112,7 @@ class EventBus:
             return
         self._handlers = tuple(h for h in self._handlers if h != handler)
         self._dropped.append(handler)
-        name = getattr(handler, "__qualname__", None) or repr(handler)
+        name = _name(handler)
         message = str(error).splitlines()[0] if str(error) else ""
         LOG.error("event subscriber %s raised %s: %s on a %s event; it is unsubscribed and "
                   "gets no further events", name, type(error).__name__, message, event.kind)
@@ -119,9 +130,14 @@ class EventBus:
         the await is not missed, and one published before the call is never returned. A
         predicate that raises fails this future, not the publisher. Call it from the loop's
         thread; awaiting it is the only way the runtime waits for an event.
+
+        ``match`` is an event ``kind`` named in ``EVENT_TYPES``, an ``Event`` subclass, or a
+        predicate called with each event; anything else (an unknown kind, which no event
+        would ever match) raises ``TypeError`` or ``ValueError`` now.
         """
+        predicate = _predicate(match)
         future: asyncio.Future[Event] = asyncio.get_running_loop().create_future()
-        self._waiters.append((_predicate(match), future))
+        self._waiters.append((predicate, future))
         return future
 
     def _resolve(self, event: Event) -> None:
@@ -143,8 +159,28 @@ class EventBus:
 
 def _predicate(match: Match) -> Callable[[Event], bool]:
     if isinstance(match, str):
+        if match not in EVENT_TYPES:
+            raise ValueError(f"next({_shown(match)}): no event has that kind; expected one of "
+                             + ", ".join(EVENT_TYPES))
         return lambda event: event.kind == match
     if isinstance(match, type):
+        if not issubclass(match, Event):
+            raise TypeError(f"next({_name(match)}): expected an Event subclass, an event kind "
+                            "or a predicate; no event is an instance of that class")
         cls = match
         return lambda event: isinstance(event, cls)
+    if not callable(match):
+        raise TypeError(f"next({_shown(match)}): expected an event kind (str), an Event "
+                        f"subclass or a predicate (a callable); got {type(match).__name__}")
     return match
+
+
+def _name(handler: object) -> str:
+    """A callable as its qualified name (its repr when it has none), on one line."""
+    name = getattr(handler, "__qualname__", None)
+    return name if isinstance(name, str) and name.isprintable() else _shown(handler)
+
+
+def _shown(value: object) -> str:
+    """``repr(value)``, short and on one line (repr escapes control characters)."""
+    return reprlib.repr(value)

@@ -73,17 +73,15 @@ def log_header(
     lag: int,
     depth_policy: DepthPolicy,
     budget_policy: BudgetPolicy,
-    **extra: Any,
 ) -> dict[str, Any]:
     """The header fields of a run: the checkpoint identities of its models (``target``, and
     ``draft``: "none" without a drafter) and the target's context limit, so that a cost table
     and the requests can be checked against the run; the policies as replay rebuilds them
-    (name and ``settings()``). ``extra`` adds fields such as the adaspec version."""
+    (name and ``settings()``)."""
     return {"config": dict(config), "cost_table": cost_table, "models": dict(models),
             "context_limit": context_limit, "seeds": dict(seeds), "lag": lag,
             "policies": {"depth": _policy_entry(depth_policy),
-                         "budget": _policy_entry(budget_policy)},
-            **extra}
+                         "budget": _policy_entry(budget_policy)}}
 
 
 def _policy_entry(policy: DepthPolicy | BudgetPolicy) -> dict[str, Any]:
@@ -314,6 +312,10 @@ def _header_problem(data: Mapping[str, Any]) -> str | None:
     missing = [key for key in HEADER_KEYS if key not in data]
     if missing:
         return f"header lacks {_names(missing)}"
+    unknown = [key for key in data if key not in ("format", "version", *HEADER_KEYS)]
+    if unknown:
+        return (f"header has unknown field {_names(unknown[:1])}; expected "
+                f"{_names(list(HEADER_KEYS))}")
     for key, allowed in (("config", (dict,)), ("cost_table", (dict, type(None))),
                          ("seeds", (dict,)), ("policies", (dict,))):
         if not isinstance(data[key], allowed):
@@ -496,6 +498,7 @@ class _Request:
     event: RequestFinished | None = None
     retired_before: int = 0  # rounds retired before it finished
     most_tokens: int = 1  # the prefill's token, and accepted + 1 of each round it was fed back
+    least_tokens: int = 0  # what the rounds fed back before it finished delivered in full
 
 
 @dataclasses.dataclass(slots=True)
@@ -617,6 +620,8 @@ class _RunWalk:
                          getattr(self.deciding.context, name), "as in its depth context")
         self._expect(line, event, "context.max_kv_length", context.max_kv_length,
                      self.deciding.context.max_kv_length, "as in its depth context")
+        self._expect(line, event, "context.depth", context.depth, self.deciding.depth,
+                     "the depth decided for the round")
         self._check_retired(line, event)
         self._check_value(line, event, "context.depth", context.depth, self.shape.min_depth,
                           self.shape.width)
@@ -640,10 +645,14 @@ class _RunWalk:
                                                 "decisions)"))
         for id in event.request_ids:
             prompt = self._check_running(line, event, id).prompt
-            if context.max_kv_length <= prompt:
+            # The runtime's bound: the longest context, plus the prefill's token and what
+            # the rounds in flight and this one write, within the context limit.
+            low = min(prompt + 1 + self.shape.lag * (self.shape.width + 1),
+                      self.shape.context_limit)
+            if context.max_kv_length < low:
                 raise self.fail(line, event, f"request {id} has a prompt of {prompt} tokens, "
-                                f"but its decisions priced at most {context.max_kv_length} "
-                                "(context.max_kv_length bounds every context of the round)")
+                                f"so its decisions price a KV length of at least {low}, not "
+                                f"{context.max_kv_length} (context.max_kv_length)")
         self.in_flight[event.round] = _Round(
             line, event.slot, context.num_reqs, event.num_reqs_bucket, event.request_ids,
             depth=context.depth, num_rows=self.deciding.bound_rows)
@@ -691,10 +700,9 @@ class _RunWalk:
     def _check_tiers(self, line: int, event: BudgetDecided) -> None:
         context, legal = event.context, self.shape.legal_rows(event.context.num_reqs_bucket)
         tiers = list(context.tiers)
-        if not tiers or tiers != sorted(set(tiers)) or not all(g in legal for g in tiers):
-            raise self.fail(line, event, _field("context.tiers", tiers, "ascending distinct "
-                            f"G among the legal rows {_rows(legal)} of bucket "
-                            f"{context.num_reqs_bucket}"))
+        if tiers != list(legal):  # the runtime offers the policy every legal G
+            raise self.fail(line, event, _field("context.tiers", tiers, f"the legal rows "
+                            f"{_rows(legal)} of bucket {context.num_reqs_bucket}"))
         if event.num_rows not in tiers:
             raise self.fail(line, event, _field("num_rows", event.num_rows,
                                                 f"one of the tiers {tiers}"))
@@ -758,6 +766,12 @@ class _RunWalk:
                                                 f"{', '.join(unfinished)}"))
         self._expect(line, event, "request_ids", list(event.request_ids),
                      list(entry.request_ids), "the request ids it was submitted with")
+        if not event.error.isidentifier():
+            raise self.fail(line, event, _field("error", event.error, "an exception's type "
+                                                "name"))
+        if len(event.message.splitlines()) > 1:
+            raise self.fail(line, event, _field("message", event.message, "one line: the "
+                                                "first of the exception's message"))
 
     def _retired(self, line: int, event: RoundRetired) -> None:
         entry = self._end(line, event)
@@ -792,7 +806,10 @@ class _RunWalk:
                                                 f"every request of the round still running "
                                                 f"(request {running[0]} is)"))
         for id, accepted in zip(ids, event.feedback.num_accepted, strict=True):
-            self.requests[id].most_tokens += accepted + 1
+            request = self.requests[id]
+            request.most_tokens += accepted + 1
+            if request.finished is None:  # a round that did not end it emitted every token
+                request.least_tokens = max(request.least_tokens, 1) + accepted + 1
 
     # --- requests -----------------------------------------------------------------------
 
@@ -825,6 +842,10 @@ class _RunWalk:
         problem = _reason_problem(event, entry, self.shape.context_limit)
         if problem is not None:
             raise self.fail(line, event, problem)
+        if event.num_tokens < entry.least_tokens:
+            raise self.fail(line, event, _field(
+                "num_tokens", event.num_tokens, f"at least {entry.least_tokens}: the prefill's "
+                "token and accepted + 1 of each round fed back before it finished"))
         entry.finished, entry.event, entry.retired_before = line, event, self.retirements
 
     def _check_running(self, line: int, event: Event, id: int) -> _Request:

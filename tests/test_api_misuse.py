@@ -1,0 +1,123 @@
+"""Misuse of the embedding API is refused at the call, in one line naming the argument or the
+option, the value and what is expected: never a raw AttributeError from deep inside, never an
+option accepted only to fail every request later."""
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from runtime_helpers import config
+
+from adaspec.config import SamplingParams
+from adaspec.errors import ConfigError, InvalidRequest
+from adaspec.models import load_reference_models
+from adaspec.policies.fixed import FixedDepth, FullBudget
+from adaspec.runtime.engine import Runtime, RuntimeOptions
+from adaspec.runtime.events.clock import VirtualClock
+
+
+class Policy:
+    """A policy with the protocol's members and nothing else."""
+
+    name = "minimal"
+
+    def decide(self, context: Any) -> int:
+        return 1
+
+    def observe(self, feedback: Any) -> None:
+        """Nothing to learn."""
+
+    def statistics(self) -> Any:
+        return None
+
+    def settings(self) -> dict[str, object]:
+        return {}
+
+
+class NoObserve:
+    name = "half"
+
+    def decide(self, context: Any) -> int:
+        return 1
+
+
+@pytest.mark.parametrize(("option", "value", "expected"), [
+    ("event_log", 7, "expected a file path (a str or os.PathLike) or None"),
+    ("event_log", b"/tmp/log.jsonl", "expected a file path (a str or os.PathLike) or None"),
+    ("trace", ["/tmp/t.jsonl"], "expected a file path (a str or os.PathLike) or None"),
+    ("clock", "x", "expected a Clock (adaspec.runtime.events.clock: now() returns seconds) "
+                   "or None; it has no now()"),
+    ("clock", VirtualClock, "got a class: pass an instance"),
+    ("stage_hook", 5, "expected a callable, called with (round, stage), or None"),
+    ("calibration_progress", 3, "expected a callable, called with (measured point), or None"),
+    ("depth_policy", "fixed", "expected a DepthPolicy (adaspec.policies.base) or None; it has "
+                              "no name"),
+    ("depth_policy", NoObserve(), "it has no observe()"),
+    ("budget_policy", 3, "expected a BudgetPolicy (adaspec.policies.base) or None"),
+    ("budget_policy", FullBudget, "got a class: pass an instance"),
+])
+def test_runtime_options_of_the_wrong_kind_are_refused_naming_the_option(
+        option: str, value: object, expected: str) -> None:
+    with pytest.raises(ConfigError) as raised:
+        RuntimeOptions(**{option: value})  # type: ignore[arg-type]
+    message = str(raised.value)
+    assert message.startswith(f"RuntimeOptions.{option}=")
+    assert expected in message
+    assert "\n" not in message
+
+
+def test_runtime_options_take_path_likes_and_protocol_objects(tmp_path: Path) -> None:
+    options = RuntimeOptions(event_log=tmp_path / "run.jsonl",  # type: ignore[arg-type]
+                             trace=tmp_path / "trace.jsonl",  # type: ignore[arg-type]
+                             clock=VirtualClock(), stage_hook=lambda _round, _stage: None,
+                             depth_policy=FixedDepth(), budget_policy=Policy(),
+                             calibration_progress=print)
+    assert options.event_log == os.fspath(tmp_path / "run.jsonl")
+    assert options.trace == os.fspath(tmp_path / "trace.jsonl")
+
+
+def test_a_runtime_is_built_from_an_effective_config_and_options_not_dicts() -> None:
+    with pytest.raises(ConfigError, match=r"^Runtime\(config\)=.*: expected an EffectiveConfig; "
+                                          r"build one with adaspec\.config\.load_config"):
+        Runtime({"speculative_algorithm": "MTP"})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"^Runtime\(options\)=\{'seed': 1\}: expected a "
+                                          r"RuntimeOptions or None; build one with "
+                                          r"RuntimeOptions\("):
+        Runtime(config("MTP", 2, 2), options={"seed": 1})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"^Runtime\(collectives\)=x: expected a Collectives "
+                                          r".*; it has no tp_rank$"):
+        Runtime(config("MTP", 2, 2), collectives="x")  # type: ignore[arg-type]
+
+
+def test_misused_requests_cancels_and_unsubscribes_are_refused_in_one_line() -> None:
+    runtime = Runtime(config("MTP", 2, 2), models=load_reference_models())
+
+    async def run() -> None:
+        await runtime.start()
+        try:
+            for params in (None, {"max_tokens": 2}, "greedy"):
+                with pytest.raises(InvalidRequest) as raised:
+                    runtime.submit([1, 2], params)  # type: ignore[arg-type]
+                assert str(raised.value).startswith("request field params=")
+                assert str(raised.value).endswith(
+                    ": expected a SamplingParams; build one with SamplingParams(...) or "
+                    "SamplingParams.from_request(fields)")
+            for request_id in ("x", None, 1.5, True):
+                with pytest.raises(TypeError, match=r"^cancel\(request_id=.*\): expected an "
+                                                    r"int request id"):
+                    runtime.cancel(request_id)  # type: ignore[arg-type]
+            runtime.cancel(12345)  # an unknown id is left alone, as documented
+            runtime.cancel(-1)
+            runtime.cancel(np.int64(7))  # type: ignore[arg-type]  # numpy ints are ids too
+            with pytest.raises(ValueError, match=r"^unsubscribe\(.*\): that handler was not "
+                                                 r"subscribed"):
+                runtime.unsubscribe(lambda event: None)
+            handle = runtime.submit([1, 2], SamplingParams(temperature=0, max_tokens=2))
+            assert len((await asyncio.wait_for(handle.result(), 60)).token_ids) == 2
+        finally:
+            await runtime.stop()
+
+    asyncio.run(run())
