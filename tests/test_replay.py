@@ -62,7 +62,7 @@ def feedback(round: int) -> RoundFeedback:
     return RoundFeedback(round=round, num_reqs=batch, num_reqs_bucket=4, width=WIDTH,
                          depth=WIDTH, num_rows=covering(round), verify_lengths=(WIDTH,) * batch,
                          num_accepted=tuple((round + i) % (WIDTH + 1) for i in range(batch)),
-                         request_ids=request_ids(round))
+                         confidences=((0.9, 0.5, 0.25),) * batch, request_ids=request_ids(round))
 
 
 def budget_context(round: int) -> BudgetContext:
@@ -384,7 +384,8 @@ def adaptive_depth_run(costs: CostBundle, policy: DepthPolicy
         accepted = tuple(min(depth, (number + i) % (depth + 2)) for i in range(batch))
         feedback = RoundFeedback(round=number, num_reqs=batch, num_reqs_bucket=4, width=WIDTH,
                                  depth=depth, num_rows=rows, verify_lengths=(depth,) * batch,
-                                 num_accepted=accepted, request_ids=tuple(range(batch)))
+                                 num_accepted=accepted, confidences=((0.9, 0.5, 0.25),) * batch,
+                                 request_ids=tuple(range(batch)))
         policy.observe(feedback)
         events.append(RoundRetired(round=number, slot=number % 2, feedback=feedback))
 

@@ -203,6 +203,10 @@ def short_confidences(records: Records) -> None:
     feedback_of(records, 4)["confidences"][0] = [0.9, 0.5]
 
 
+def confidences_dropped(records: Records) -> None:
+    feedback_of(records, 4)["confidences"] = []
+
+
 def nan_confidence(records: Records) -> None:
     feedback_of(records, 4)["confidences"][0] = [0.9, float("nan"), 0.25]
 
@@ -466,6 +470,9 @@ DAMAGE: dict[str, tuple[Callable[[Records], None], int, str]] = {
     "seventeen stop tokens": (
         seventeen_stop_tokens, 2, "request_arrived event of request 0: sampling: request "
         "field stop=17 token ids: expected at most 16 stop token ids"),
+    "confidences dropped": (
+        confidences_dropped, 69, 'round_retired event of round 4: field "feedback.confidences" '
+        "expected 2 entries (num_reqs), got []"),
     "first round not numbered 0": (
         first_round_numbered_3, 5, "depth_decided event of round 3: the first round decided; "
         "expected round 0"),

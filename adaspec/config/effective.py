@@ -79,10 +79,15 @@ class EffectiveConfig:
         }
 
 
-def launch_sections(launch: LaunchConfig) -> dict[str, object]:
-    """The sections of ``as_dict`` that the launch settings alone make (a reader of a saved
-    config, an event log's header, compares them)."""
-    return {"execution": _execution(launch), "requests": _requests(launch)}
+EXECUTION_SHAPE = ("world_size", "tp_size", "seqs_per_shard", "prepared_request_buckets",
+                   "prepared_target_rows")
+"""The execution section's numbers, which the launch settings alone make (a reader of an
+event log's header compares them); its other entries are descriptions in words."""
+
+
+def execution_shape(launch: LaunchConfig) -> dict[str, object]:
+    execution = _execution(launch)
+    return {name: execution[name] for name in EXECUTION_SHAPE}
 
 
 def _execution(launch: LaunchConfig) -> dict[str, object]:

@@ -7,6 +7,7 @@ a ``vocab_size`` of 0), or a DSpark launch wider than its drafter's ``max_width`
 otherwise fail every request at its first round, or the run later.
 """
 
+import numbers
 import operator
 from collections.abc import Callable
 
@@ -119,13 +120,13 @@ def check_num_slots(setting: str, model: object, requested: int, before: object)
         value = model.num_slots  # type: ignore[attr-defined]
     except Exception as error:
         raise _raised(member, error, f"reading it after allocate({requested})") from error
-    if type(value) is int and value == requested:
+    if _integer(value) and value == requested:
         return
     kind = type(value)
     found = f"{kind.__module__}.{kind.__qualname__}".removeprefix("builtins.")
     expected = (f"expected {requested} after allocate({requested}): {requested} + 1 KV slots, "
                 f"0 .. {requested - 1} for requests and {requested} the scratch slot")
-    if type(value) is not int:
+    if not _integer(value):
         expected += f"; got type {found}"
     else:
         if value < requested:
@@ -137,6 +138,11 @@ def check_num_slots(setting: str, model: object, requested: int, before: object)
 
 def _identity(value: object) -> bool:
     return isinstance(value, str) and value != "" and value.isprintable()
+
+
+def _integer(value: object) -> bool:
+    """Any integer type (a numpy integer included), never a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _int_at_least(low: int) -> Callable[[object], bool]:

@@ -180,15 +180,19 @@ class DSparkBlock:
     logits: Tensor  # [N, width, vocab] each position's draft logits
 
 
+def _integral(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
 def check_output(method: str, field: str, value: object, shape: tuple[int, ...],
-                 meaning: str, dtype: torch.dtype | None = None) -> None:
-    """Refuse (``ModelOutputError``) an output that is no tensor of ``shape`` (and ``dtype``
-    where given); ``meaning`` spells the shape as the protocol does (``[G, vocab_size]``).
-    Shape metadata only: nothing is read from the device."""
+                 meaning: str, *, integer: bool = False) -> None:
+    """Refuse (``ModelOutputError``) an output that is no tensor of ``shape`` (of an integer
+    dtype where ``integer``: token ids, lengths); ``meaning`` spells the shape as the protocol
+    does (``[G, vocab_size]``). Shape metadata only: nothing is read from the device."""
     if isinstance(value, Tensor) and value.shape == shape and (
-            dtype is None or value.dtype == dtype):
+            not integer or _integral(value.dtype)):
         return
-    wanted = f"{_dims(shape)} ({meaning})" + ("" if dtype is None else f" of dtype {dtype}")
+    wanted = f"{_dims(shape)} ({meaning})" + (" of an integer dtype" if integer else "")
     if not isinstance(value, Tensor):
         kind = type(value)
         got = f"of type {kind.__module__}.{kind.__qualname__}".replace("builtins.", "")

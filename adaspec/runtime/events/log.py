@@ -929,7 +929,9 @@ def _entries_problem(feedback: RoundFeedback, request_ids: tuple[int, ...]) -> s
     count = feedback.num_reqs
     for where, column, optional in (("verify_lengths", feedback.verify_lengths, False),
                                     ("num_accepted", feedback.num_accepted, False),
-                                    ("confidences", feedback.confidences, True),
+                                    # a round that drafts reports each draft's confidence
+                                    ("confidences", feedback.confidences,
+                                     feedback.width == 0),
                                     ("request_ids", feedback.request_ids, False)):
         if len(column) != count and not (optional and not column):
             return _field(f"feedback.{where}", list(column), f"{count} entries (num_reqs)"

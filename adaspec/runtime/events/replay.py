@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from adaspec.config.calibration import key_prefix
-from adaspec.config.effective import effective_value, launch_sections
+from adaspec.config.effective import effective_value, execution_shape
 from adaspec.config.launch import LaunchConfig, launch_field_types
 from adaspec.config.requests import check_request
 from adaspec.errors import (
@@ -279,18 +279,21 @@ def _recorded_launch(header: Mapping[str, Any], path: str) -> LaunchConfig:
 
 
 def _check_sections(config: Mapping[str, Any], launch: LaunchConfig, path: str) -> None:
-    """The config's other sections as the launch makes them: those it alone derives equal,
-    and the adaptive ones enabled as its flags say (their settings come from files the
-    replay does not read)."""
-    expected: dict[str, object] = json.loads(json.dumps(launch_sections(launch)))
+    """The config's other sections as the launch makes them: the execution section's numbers
+    equal (its words may be reworded by later versions), and the adaptive sections enabled
+    as the launch's flags say (their settings come from files the replay does not read)."""
+    unknown = sorted(set(config) - {"launch", "execution", "adaptive_draft_step",
+                                    "adaptive_target_verify", "requests"})
+    if unknown:
+        raise EventLogError(path, 1, f'header "config" has unknown section "{unknown[0]}"')
+    execution = config.get("execution")
+    expected: dict[str, object] = {"execution": {
+        **(execution if isinstance(execution, dict) else {}),
+        **json.loads(json.dumps(execution_shape(launch)))}}
     for name, flag in (("adaptive_draft_step", launch.enable_adaptive_draft_step),
                        ("adaptive_target_verify", launch.enable_adaptive_target_verify)):
         section = config.get(name)
-        expected[name] = section if isinstance(section, dict) and \
-            section.get("enabled") is flag else {"enabled": flag}
-    unknown = sorted(set(config) - {"launch", *expected})
-    if unknown:
-        raise EventLogError(path, 1, f'header "config" has unknown section "{unknown[0]}"')
+        expected[name] = {**(section if isinstance(section, dict) else {}), "enabled": flag}
     for name, value in expected.items():
         where, want, got = _first_difference(f"config.{name}", value, config.get(name))
         if where:
