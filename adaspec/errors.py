@@ -71,8 +71,6 @@ def _printable(text: str) -> str:
 
 
 def _describe(setting: str, value: object, expected: str) -> str:
-    setting = _printable(setting)
-    expected = _printable(expected)
     if value is MISSING:
         return f"{setting}: {expected}"
     return f"{setting}={show_value(value)}: {expected}"
@@ -163,7 +161,7 @@ class CollectiveError(DeviceLayerError):
 
     def __str__(self) -> str:
         ranks = ",".join(map(str, self.group))
-        return _printable(f"collective {self.op} over ranks [{ranks}] failed: {self.reason}")
+        return (f"collective {self.op} over ranks [{ranks}] failed: {self.reason}")
 
 
 class ConsensusMismatch(DeviceLayerError):
@@ -227,7 +225,7 @@ class EventLogError(AdaspecError):
         where = f"event log {self.path}"
         if self.line is not None:
             where += f", line {self.line}"
-        return _printable(f"{where}: {self.reason}")
+        return (f"{where}: {self.reason}")
 
 
 class OutputWriteError(AdaspecError):
@@ -266,7 +264,7 @@ class ReplayMismatch(AdaspecError):
         self.reason = reason
 
     def __str__(self) -> str:
-        return _printable(f"replay of round {self.round} ({self.decision} decision): "
+        return (f"replay of round {self.round} ({self.decision} decision): "
                           f"{self.reason}")
 
 
@@ -286,7 +284,7 @@ class IncompatibleCostTable(AdaspecError):
         self.launch = launch
 
     def __str__(self) -> str:
-        return _printable(f"--adaptive_target_verify_cost_table={self.path}: {self.field} is "
+        return (f"--adaptive_target_verify_cost_table={self.path}: {self.field} is "
                           f"{show_value(self.saved)} in the saved table but "
                           f"{show_value(self.launch)} in this launch; calibrate this launch "
                           "(drop the flag) or give a table saved by a matching one")

@@ -49,13 +49,13 @@ class NoObserve:
     ("event_log", b"/tmp/log.jsonl", "expected a file path (a str or os.PathLike) or None"),
     ("trace", ["/tmp/t.jsonl"], "expected a file path (a str or os.PathLike) or None"),
     ("clock", "x", "expected a Clock (adaspec.runtime.events.clock: now() returns seconds) "
-                   "or None; it has no now()"),
+                   "or None; it has no now"),
     ("clock", VirtualClock, "got a class: pass an instance"),
     ("stage_hook", 5, "expected a callable, called with (round, stage), or None"),
     ("calibration_progress", 3, "expected a callable, called with (measured point), or None"),
     ("depth_policy", "fixed", "expected a DepthPolicy (adaspec.policies.base) or None; it has "
                               "no name"),
-    ("depth_policy", NoObserve(), "it has no observe()"),
+    ("depth_policy", NoObserve(), "it has no observe"),
     ("budget_policy", 3, "expected a BudgetPolicy (adaspec.policies.base) or None"),
     ("budget_policy", FullBudget, "got a class: pass an instance"),
 ])

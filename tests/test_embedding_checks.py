@@ -264,10 +264,10 @@ class FailingVerify(Changed):
     """A target whose verify fails, once the runtime has started (and prepared its shapes),
     with the kind of report a device error gives: an escape sequence, several lines."""
 
-    failing = False
+    active = False
 
     def verify(self, rows: Any) -> Any:
-        if self.failing:
+        if self.active:
             raise RuntimeError("\x1b[2Jdevice lost\r\nsecond line of the report")
         return self._model.verify(rows)  # type: ignore[attr-defined]
 
@@ -275,22 +275,8 @@ class FailingVerify(Changed):
 def test_a_models_error_text_reaches_the_request_error_on_one_line_escaped(
         models: ReferenceModels) -> None:
     target = FailingVerify(models.target)
-    runtime = Runtime(config("MTP", 2, 2),
-                      models=SimpleNamespace(target=target, mtp=models.mtp, dspark=None))
-
-    async def run() -> BaseException:
-        await runtime.start()
-        target.failing = True
-        try:
-            handle = runtime.submit(list(b"ROMEO."), SamplingParams(temperature=0.0,
-                                                                    max_tokens=6))
-            with pytest.raises(RequestFailed) as raised:
-                await handle.result()
-        finally:
-            await runtime.stop()
-        return raised.value
-
-    message = str(asyncio.run(run()))
+    message = _failure(SimpleNamespace(target=target, mtp=models.mtp, dspark=None), "MTP",
+                       target)
     assert message.isprintable()
     assert "\\x1b[2Jdevice lost" in message
 
@@ -419,7 +405,9 @@ class Rewired(Changed):
         return call
 
 
-def _failure(given: SimpleNamespace, algorithm: str, rewired: Rewired) -> str:
+def _failure(given: SimpleNamespace, algorithm: str, rewired: "Rewired | FailingVerify"
+             ) -> str:
+    """The one-line reason the first request fails for, once ``rewired`` is switched on."""
     runtime = Runtime(config(algorithm, 3, 2), models=given)
 
     async def run() -> str:
@@ -438,10 +426,11 @@ def _failure(given: SimpleNamespace, algorithm: str, rewired: Rewired) -> str:
 
 
 def test_outputs_the_protocol_allows_decode_as_the_models_own(models: ReferenceModels) -> None:
-    # A prefill padded past the longest prompt, int32 draft ids and drafter logits over
-    # another vocabulary (never read) are all the protocol's: they decode as before.
+    # A prefill padded past the longest prompt with int32 lengths, int32 draft ids and
+    # drafter logits over another vocabulary (never read) are all the protocol's: they
+    # decode as before.
     target = Rewired(models.target, "prefill", lambda out: type(out)(
-        last=out.last, lengths=out.lengths,
+        last=out.last, lengths=out.lengths.to(torch.int32),
         hidden=torch.nn.functional.pad(out.hidden, (0, 0, 0, 3))))
     drafter = Rewired(models.mtp, "step", lambda out: type(out)(
         hidden=out.hidden, token_ids=out.token_ids.to(torch.int32), probs=out.probs,

@@ -21,7 +21,7 @@ from adaspec.runtime.events.replay import (
     replay,
     replay_file,
 )
-from adaspec.runtime.events.types import Event, RequestArrived, RoundSubmitted
+from adaspec.runtime.events.types import BudgetDecided, Event, RequestArrived, RoundSubmitted
 
 
 @pytest.mark.parametrize(("overlap", "lag"), [("true", 2), ("false", 1)])
@@ -56,8 +56,9 @@ def test_a_log_records_its_models_and_a_table_of_other_models_is_refused(
         check_table_for_run(table, run, "costs.json")
 
 
+@pytest.mark.parametrize("cancel_on", [RoundSubmitted, BudgetDecided])
 def test_a_log_records_events_in_the_order_they_happened_whatever_handlers_do(
-        tmp_path: Path) -> None:
+        tmp_path: Path, cancel_on: type[Event]) -> None:
     # An engine's handler, subscribed before the start (so before the log's writer), cancels
     # a request as its round is submitted and submits another as one arrives: the log must
     # still hold each event before those it caused, and so replay.
@@ -69,7 +70,7 @@ def test_a_log_records_events_in_the_order_they_happened_whatever_handlers_do(
     def react(event: Event) -> None:
         if isinstance(event, RequestArrived) and event.request_id == 0:
             handles.append(runtime.submit(list(b"JULIET."), greedy))
-        if isinstance(event, RoundSubmitted) and event.round == 3:
+        if isinstance(event, cancel_on) and getattr(event, "round", None) == 3:
             handles[0].cancel()
 
     async def run() -> list[str]:

@@ -29,7 +29,7 @@ from adaspec.config.requests import SamplingParams, check_request
 from adaspec.errors import ConfigError, InvalidRequest
 from adaspec.models.checkpoint import ReferenceModels, load_reference_models
 from adaspec.models.limits import check_model_limits, check_num_slots
-from adaspec.models.protocols import ModelSet, has_member
+from adaspec.models.protocols import ModelSet, has_member, missing_member
 from adaspec.policies.base import BudgetPolicy, DepthPolicy
 from adaspec.policies.bundles import (
     Compatibility,
@@ -108,23 +108,18 @@ class RuntimeOptions:
             raise ConfigError("seed", seed, f"expected an integer in 0..{MAX_SEED - 1}")
         for name in ("event_log", "trace"):  # a path-like is kept as its str
             object.__setattr__(self, name, _option_path(name, getattr(self, name)))
-        _check_members("RuntimeOptions.clock", self.clock, ("now()",),
-                       "a Clock (adaspec.runtime.events.clock: now() returns seconds) or None")
+        _check_protocol("RuntimeOptions.clock", self.clock, Clock,
+                        "a Clock (adaspec.runtime.events.clock: now() returns seconds) or None")
         for name, called in (("stage_hook", "(round, stage)"),
                              ("calibration_progress", "(measured point)")):
             value = getattr(self, name)
             if value is not None and not callable(value):
                 raise ConfigError(f"RuntimeOptions.{name}", value,
                                   f"expected a callable, called with {called}, or None")
-        for name, protocol in (("depth_policy", "DepthPolicy"),
-                               ("budget_policy", "BudgetPolicy")):
-            _check_members(f"RuntimeOptions.{name}", getattr(self, name), _POLICY_MEMBERS,
-                           f"a {protocol} (adaspec.policies.base) or None")
-
-
-_POLICY_MEMBERS = ("name", "decide()", "observe()", "statistics()", "settings()")
-_COLLECTIVES_MEMBERS = ("tp_rank", "tp_size", "dp_rank", "dp_size", "tp_broadcast()",
-                        "dp_agree_rows()", "share_from_first_rank()", "close()")
+        for name, protocol in (("depth_policy", DepthPolicy),
+                               ("budget_policy", BudgetPolicy)):
+            _check_protocol(f"RuntimeOptions.{name}", getattr(self, name), protocol,
+                            f"a {protocol.__name__} (adaspec.policies.base) or None")
 
 
 def _option_path(name: str, value: object) -> str | None:
@@ -138,24 +133,16 @@ def _option_path(name: str, value: object) -> str | None:
     return path
 
 
-def _check_members(setting: str, value: object, members: Sequence[str], what: str) -> None:
-    """Refuse ``value`` (None passes) unless it has every member (``name()``: a callable)."""
+def _check_protocol(setting: str, value: object, protocol: type, what: str) -> None:
+    """Refuse ``value`` (None passes) unless it provides ``protocol``: a class instead of an
+    instance, or the first member it lacks or cannot be called as, named."""
     if value is None:
         return
     if isinstance(value, type):
         raise ConfigError(setting, value, f"expected {what}; got a class: pass an instance")
-    for member in members:
-        try:
-            found = getattr(value, member.removesuffix("()"))
-        except AttributeError:
-            found = _ABSENT
-        except Exception:  # present, but reading it raised: its own use will say so
-            continue
-        if found is _ABSENT or (member.endswith("()") and not callable(found)):
-            raise ConfigError(setting, value, f"expected {what}; it has no {member}")
-
-
-_ABSENT = object()
+    missing = missing_member(value, protocol)
+    if missing is not None:
+        raise ConfigError(setting, value, f"expected {what}; it has {missing}")
 
 
 def builtin_models(launch: LaunchConfig, device: torch.device) -> ReferenceModels:
@@ -204,8 +191,8 @@ class Runtime:
             raise ConfigError("Runtime(options)", options,
                               "expected a RuntimeOptions or None; build one with "
                               "RuntimeOptions(seed=..., event_log=..., ...)")
-        _check_members("Runtime(collectives)", collectives, _COLLECTIVES_MEMBERS,
-                       "a Collectives (adaspec.runtime.devices.collectives) or None")
+        _check_protocol("Runtime(collectives)", collectives, Collectives,
+                        "a Collectives (adaspec.runtime.devices.collectives) or None")
         self.config = config
         self.launch = config.launch
         self.options = options or RuntimeOptions()

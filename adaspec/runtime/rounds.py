@@ -258,7 +258,9 @@ def prefill(ctx: DeviceContext, inputs: PrefillInputs) -> dict[str, Tensor]:
     live = ~stopped & (remaining > 0) & room
     hidden = out.last.hidden if ctx.states.keeps_hidden else out.last.hidden[:, :0]
     ctx.states.scatter(inputs.slots, SlotStates(
-        anchor_ids=first, anchor_positions=out.lengths.clone(), hidden=hidden,
+        # A copy, as int64 whatever integer dtype the model gave (the slots hold int64).
+        anchor_ids=first, anchor_positions=out.lengths.to(torch.int64, copy=True),
+        hidden=hidden,
         remaining=remaining, live=live))
     ctx.sampling.write(inputs.slots, inputs.sampling, inputs.stop_token_ids)
     ctx.drafting.after_prefill(out, inputs.prompts, inputs.slots, first)
@@ -269,11 +271,16 @@ def check_target_output(method: str, out: object, num_rows: int, rows: str,
                         ctx: DeviceContext) -> TargetOutput:
     """``out`` when it holds ``logits [rows, vocab_size]`` and ``hidden [rows, hidden_size]``
     (shapes only: no device read); else the ``ModelOutputError`` naming ``method``."""
+    logits, hidden = _ROW_SHAPES[rows]
     check_output(method, "logits", getattr(out, "logits", None), (num_rows, ctx.vocab_size),
-                 f"[{rows}, vocab_size]")
+                 logits)
     check_output(method, "hidden", getattr(out, "hidden", None), (num_rows, ctx.hidden_size),
-                 f"[{rows}, hidden_size]")
+                 hidden)
     return out  # type: ignore[return-value]
+
+
+_ROW_SHAPES = {rows: (f"[{rows}, vocab_size]", f"[{rows}, hidden_size]") for rows in "GB"}
+"""How a refusal spells the verify (G rows) and prefill (B rows) shapes, made once."""
 
 
 def check_prefill_output(out: object, num: int, longest: int, ctx: DeviceContext) -> None:

@@ -527,6 +527,7 @@ class _RunWalk:
         self.deciding: DepthDecided | BudgetDecided | None = None  # a round not yet submitted
         self.requests: dict[int, _Request] = {}  # by id, in arrival order
         self.retirements = 0  # round_retired events so far
+        self.decided_at = 0  # line of the newest depth_decided event
         self.last_time = -math.inf
         self.handlers: dict[type[Event], Callable[[int, Any], None]] = {
             DepthDecided: self._depth, BudgetDecided: self._budget,
@@ -543,9 +544,10 @@ class _RunWalk:
 
     def step(self, line: int, event: Event) -> None:
         if not math.isfinite(event.time) or event.time < self.last_time:
-            raise self.fail(line, event, _field("time", event.time, f"a number >= "
-                                                f"{self.last_time} (the runtime's clock, "
-                                                "which never goes back)"))
+            low = "a finite number" if self.last_time == -math.inf else \
+                f"a number >= {self.last_time}"
+            raise self.fail(line, event, _field("time", event.time, f"{low} (the runtime's "
+                                                "clock, which never goes back)"))
         self.last_time = event.time
         self._check_sequence(line, event)
         self.handlers[type(event)](line, event)
@@ -580,6 +582,8 @@ class _RunWalk:
         """A round's two decisions and its submission are logged together."""
         together = ("(a round's depth_decided, budget_decided and round_submitted follow "
                     "each other)")
+        if isinstance(event, RequestArrived | RequestFinished):
+            return  # a handler may submit or cancel while a round is being decided
         if self.deciding is None:
             if type(event) in _PREVIOUS:
                 raise self.fail(line, event, f"no {_PREVIOUS[type(event)]} event of its round "
@@ -608,7 +612,7 @@ class _RunWalk:
         self._check_value(line, event, "context.max_kv_length", event.context.max_kv_length, 1,
                           self.shape.context_limit)
         self._check_retired(line, event)
-        self.last_round, self.deciding = event.round, event
+        self.last_round, self.deciding, self.decided_at = event.round, event, line
 
     def _budget(self, line: int, event: BudgetDecided) -> None:
         context = event.context
@@ -644,7 +648,9 @@ class _RunWalk:
                                                 f"{context.num_reqs} distinct ids (B of its "
                                                 "decisions)"))
         for id in event.request_ids:
-            prompt = self._check_running(line, event, id).prompt
+            # A request cancelled (or failed) while its round was being decided is still
+            # submitted with it; the round then drops its tokens.
+            prompt = self._check_running(line, event, id, ended_after=self.decided_at).prompt
             # The runtime's bound: the longest context, plus the prefill's token and what
             # the rounds in flight and this one write, within the context limit.
             low = min(prompt + 1 + self.shape.lag * (self.shape.width + 1),
@@ -785,6 +791,7 @@ class _RunWalk:
         self._expect(line, event, "feedback.round", event.feedback.round, event.round,
                      "the event's round")
         self._check_fed_back(line, event, entry)
+        self._count_tokens(event.feedback)
         self.retirements += 1
 
     def _check_fed_back(self, line: int, event: RoundRetired, entry: _Round) -> None:
@@ -805,10 +812,15 @@ class _RunWalk:
             raise self.fail(line, event, _field("feedback.request_ids", list(ids),
                                                 f"every request of the round still running "
                                                 f"(request {running[0]} is)"))
-        for id, accepted in zip(ids, event.feedback.num_accepted, strict=True):
+
+    def _count_tokens(self, feedback: RoundFeedback) -> None:
+        """Bound each fed-back request's tokens: a round emits at most accepted + 1, and
+        exactly that when it did not end the request (it finished after this retirement);
+        being fed back at all means its prefill's token was delivered."""
+        for id, accepted in zip(feedback.request_ids, feedback.num_accepted, strict=True):
             request = self.requests[id]
             request.most_tokens += accepted + 1
-            if request.finished is None:  # a round that did not end it emitted every token
+            if request.finished is None:
                 request.least_tokens = max(request.least_tokens, 1) + accepted + 1
 
     # --- requests -----------------------------------------------------------------------
@@ -848,14 +860,19 @@ class _RunWalk:
                 "token and accepted + 1 of each round fed back before it finished"))
         entry.finished, entry.event, entry.retired_before = line, event, self.retirements
 
-    def _check_running(self, line: int, event: Event, id: int) -> _Request:
-        """The request ``id`` arrived and has not finished before this line."""
+    def _check_running(self, line: int, event: Event, id: int, *,
+                       ended_after: int | None = None) -> _Request:
+        """The request ``id`` arrived and has not finished before this line (or, given
+        ``ended_after``, was cancelled or failed after that line)."""
         who = "" if isinstance(event, RequestFinished) else f"request {id} "  # else the subject
         entry = self.requests.get(id)
         if entry is None:
             raise self.fail(line, event, f"{who}never arrived (no request_arrived event for "
                             "it before this line)")
-        if entry.finished is not None:
+        ended_since = ended_after is not None and entry.finished is not None and \
+            entry.finished > ended_after and entry.event is not None and \
+            entry.event.reason in ("cancelled", "failed")
+        if entry.finished is not None and not ended_since:
             raise self.fail(line, event, f"{who}already finished at line {entry.finished}")
         return entry
 
