@@ -5,13 +5,15 @@ names the flag or key, the value and what is expected; stdout stays empty. A sta
 that cannot take the output ends quietly when its reader went away (``adaspec config | head
 -c1``: exit status 141, as a tool stopped by SIGPIPE) and with one line otherwise (a full
 device: exit status 2). Ctrl-C (SIGINT) stops a command with one line on stderr, ``adaspec
-COMMAND: interrupted``, and exit status 130 (128 + SIGINT, as a shell reports it). Anything
+COMMAND: interrupted``, and exit status 130 (128 + SIGINT, as a shell reports it); a Ctrl-C
+while adaspec exits ends it at once, with the status it was exiting with. Anything
 else is a bug in adaspec and keeps its traceback.
 """
 
 import contextlib
 import json
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import MISSING as NO_DEFAULT
@@ -222,12 +224,22 @@ def run(argv: Sequence[str]) -> int:
         _say(f"adaspec {argv[0]}: error: {error}")
         return 2
     except KeyboardInterrupt:  # Ctrl-C (SIGINT): the command has stopped what it ran
-        _say(f"adaspec {argv[0]}: interrupted")
+        _interrupted(f"adaspec {argv[0]}")
         return INTERRUPTED
 
 
 INTERRUPTED = 130
 """The exit status of a command stopped by Ctrl-C: 128 + SIGINT, as a shell reports it."""
+
+_process_exits_at_interrupt = False
+"""Set by ``main``: the process then ends at once at the next Ctrl-C after the first (a
+``run`` inside another program leaves that program's signal handling alone)."""
+
+
+def _interrupted(command: str) -> None:
+    if _process_exits_at_interrupt:
+        _exit_at_interrupt(INTERRUPTED)
+    _say(f"{command}: interrupted")
 
 
 def _say(line: str) -> None:
@@ -270,10 +282,14 @@ class _CheckedStdout:
         return getattr(self._stream, name)
 
 
+def _command(argv: Sequence[str]) -> str:
+    return f"adaspec {argv[0]}" if argv and argv[0] in COMMANDS else "adaspec"
+
+
 def run_to_stdout(argv: Sequence[str]) -> int:
     """``run`` with a standard output that may fail: exit status 141 and no message when its
     reader went away, one line and exit status 2 when it is closed or cannot be written."""
-    command = f"adaspec {argv[0]}" if argv and argv[0] in COMMANDS else "adaspec"
+    command = _command(argv)
     stdout = sys.stdout
     if stdout is None:  # started with descriptor 1 closed: refused before anything runs
         print(f"{command}: error: stdout: closed; expected an open standard output "
@@ -299,7 +315,22 @@ def run_to_stdout(argv: Sequence[str]) -> int:
 
 
 def main() -> None:
-    sys.exit(run_to_stdout(sys.argv[1:]))
+    global _process_exits_at_interrupt
+    _process_exits_at_interrupt = True
+    argv = sys.argv[1:]
+    try:
+        status = run_to_stdout(argv)
+        # All is said; a Ctrl-C while the interpreter winds down (its threads, torch's
+        # teardown) only hurries the exit, with the status already decided.
+        _exit_at_interrupt(status)
+    except KeyboardInterrupt:  # outside the command: while its output was flushed
+        status = INTERRUPTED
+        _interrupted(_command(argv))
+    sys.exit(status)
+
+
+def _exit_at_interrupt(status: int) -> None:
+    signal.signal(signal.SIGINT, lambda number, frame: os._exit(status))
 
 
 if __name__ == "__main__":

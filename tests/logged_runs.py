@@ -2,6 +2,7 @@
 request a round holds arrives before the first round and finishes after the last."""
 
 import dataclasses
+from collections.abc import Callable
 
 from adaspec.config import SamplingParams
 from adaspec.runtime.events.types import (
@@ -22,10 +23,12 @@ def stages(round: int) -> list[Event]:
     return [StageCompleted(round=round, slot=round % 2, stage=stage) for stage in STAGES]
 
 
-def with_requests(events: list[Event], count: int) -> list[Event]:
-    """``events`` between the arrival of requests 0..count-1 and their end: cancelled after
-    the rounds, holding the prefill's token and accepted + 1 of each round fed back."""
-    arrived = [RequestArrived(request_id=id, num_prompt_tokens=8, sampling=SAMPLING)
+def with_requests(events: list[Event], count: int,
+                  prompts: Callable[[int], int] = lambda id: 8) -> list[Event]:
+    """``events`` between the arrival of requests 0..count-1 (request ``id`` with
+    ``prompts(id)`` prompt tokens) and their end: cancelled after the rounds, holding the
+    prefill's token and accepted + 1 of each round fed back."""
+    arrived = [RequestArrived(request_id=id, num_prompt_tokens=prompts(id), sampling=SAMPLING)
                for id in range(count)]
     tokens = dict.fromkeys(range(count), 1)
     for event in events:

@@ -338,6 +338,55 @@ def test_a_model_member_that_raises_is_refused_naming_it_and_the_error(
                                  "expected a member that can be read")
 
 
+class Flaky(Changed):
+    """A model whose value members hold only on their first read: later reads raise (its
+    vocab_size) or change (its identity, its context limit)."""
+
+    def __init__(self, model: object) -> None:
+        super().__init__(model)
+        self.reads: dict[str, int] = {}
+
+    def _read(self, name: str) -> int:
+        self.reads[name] = self.reads.get(name, 0) + 1
+        return self.reads[name]
+
+    @property
+    def vocab_size(self) -> int:
+        if self._read("vocab_size") > 1:
+            raise RuntimeError("vocab_size read twice")
+        return self._model.vocab_size  # type: ignore[attr-defined, no-any-return]
+
+    @property
+    def identity(self) -> str:
+        return f"engine-target@v{self._read('identity')}"
+
+    @property
+    def context_limit(self) -> int:
+        return 1024 if self._read("context_limit") == 1 else 3
+
+
+def test_a_runtime_runs_on_the_model_values_it_checked_reading_each_once(
+        models: ReferenceModels, tmp_path: Path) -> None:
+    target = Flaky(models.target)
+    log = tmp_path / "run.jsonl"
+    runtime = Runtime(config("MTP", 2, 2), options=RuntimeOptions(event_log=str(log)),
+                      models=SimpleNamespace(target=target, mtp=models.mtp, dspark=None))
+
+    async def run() -> list[int]:
+        await runtime.start()
+        try:
+            handle = runtime.submit(list(b"ROMEO."), SamplingParams(temperature=0.0,
+                                                                   max_tokens=6))
+            return (await handle.result()).token_ids
+        finally:
+            await runtime.stop()
+
+    assert len(asyncio.run(run())) == 6
+    assert target.reads == {"vocab_size": 1, "identity": 1, "context_limit": 1}
+    header = json.loads(log.read_text().splitlines()[0])
+    assert (header["models"]["target"], header["context_limit"]) == ("engine-target@v1", 1024)
+
+
 def _start_refusal(given: SimpleNamespace, batch: int = 2) -> str:
     runtime = Runtime(config("MTP", 2, batch), models=given)
     with pytest.raises(ConfigError) as raised:

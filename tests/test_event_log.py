@@ -40,12 +40,12 @@ from adaspec.runtime.events.types import (
 MODELS = {"target": "target-id", "draft": "mtp-id"}  # checkpoint identities
 CONTEXT_LIMIT = 1024
 CONFIG = {"num_speculative_tokens": 3, "device": "cpu"}
-SEEDS = {"sampling": 7, "calibration": 11}
+SEED = 7
 
 
 def header() -> dict[str, Any]:
     return log_header(config=CONFIG, cost_table=None, models=MODELS,
-                      context_limit=CONTEXT_LIMIT, seeds=SEEDS, lag=2,
+                      context_limit=CONTEXT_LIMIT, seed=SEED, lag=2,
                       depth_policy=FixedDepth(), budget_policy=FullBudget())
 
 
@@ -117,7 +117,7 @@ def test_header_comes_first_and_holds_what_replay_needs(tmp_path: Path) -> None:
     assert (first["format"], first["version"]) == (FORMAT, VERSION) == ("adaspec-event-log", 2)
     assert first["config"] == CONFIG
     assert first["cost_table"] is None
-    assert first["seeds"] == SEEDS
+    assert first["seeds"] == {"run": SEED}
     assert first["policies"] == {"depth": {"name": "fixed", "settings": {}},
                                  "budget": {"name": "full", "settings": {}}}
     assert (first["models"], first["context_limit"], first["lag"]) == (MODELS, CONTEXT_LIMIT, 2)

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -124,16 +125,27 @@ def test_bad_generate_lines_exit_2_with_one_line(argv: list[str], message: str) 
     assert message in lines[0]
 
 
-def test_ctrl_c_stops_generate_with_one_line_and_status_130(tmp_path: Path) -> None:
-    trace = tmp_path / "trace.jsonl"
-    # SIGINT as a terminal's Ctrl-C delivers it (a child started from a background job would
-    # otherwise inherit it ignored).
+@contextlib.contextmanager
+def long_generate(trace: str) -> Iterator[subprocess.Popen[str]]:
+    """``adaspec generate`` of 1000 tokens, tracing to ``trace``, taking SIGINT as a
+    terminal's Ctrl-C delivers it (a child started from a background job would otherwise
+    inherit it ignored); killed if the test leaves it running."""
     process = subprocess.Popen(
         [sys.executable, "-m", "adaspec", "generate", "--prompt", "ROMEO.", "--max_tokens=1000",
          "--temperature=0", f"--trace={trace}"], stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True,
         preexec_fn=functools.partial(signal.signal, signal.SIGINT, signal.SIG_DFL))
     try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+
+
+def test_ctrl_c_stops_generate_with_one_line_and_status_130(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    with long_generate(str(trace)) as process:
         deadline = time.monotonic() + 300
         while not (trace.exists() and trace.stat().st_size > 0):  # its first round is traced
             assert time.monotonic() < deadline, "generate traced no round in 300 s"
@@ -142,14 +154,25 @@ def test_ctrl_c_stops_generate_with_one_line_and_status_130(tmp_path: Path) -> N
             assert process.returncode is None, process.stderr.read()  # type: ignore[union-attr]
         process.send_signal(signal.SIGINT)
         out, err = process.communicate(timeout=300)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
     assert (process.returncode, out, err) == (130, "", "adaspec generate: interrupted\n")
     # The request was ended, not decoded to its 1000 tokens (a round each) before the exit.
     rounds = {event["round"] for event in map(json.loads, trace.read_text().splitlines())}
     assert len(rounds) < 900
+
+
+def test_a_second_ctrl_c_while_generate_exits_keeps_one_line_and_status_130() -> None:
+    with long_generate("-") as process:  # the trace on stderr
+        assert process.stderr is not None
+        first = process.stderr.readline()  # the trace's first line: it decodes
+        assert first.startswith("{"), first
+        process.send_signal(signal.SIGINT)
+        for line in process.stderr:  # the rest of the trace, then the one line it ends with
+            if not line.startswith("{"):
+                break
+        assert line == "adaspec generate: interrupted\n"
+        process.send_signal(signal.SIGINT)  # while the interpreter exits
+        out, rest = process.communicate(timeout=300)
+    assert (process.returncode, out, rest) == (130, "", "")
 
 
 def test_states_diagram_prints_the_declared_graph(capsys: pytest.CaptureFixture[str]) -> None:

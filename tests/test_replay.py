@@ -104,13 +104,15 @@ def recorded_run() -> list[Event]:
             events.append(retired(round - 2))
         events += round_events(round)
     events += [retired(NUM_ROUNDS - 2), retired(NUM_ROUNDS - 1)]
-    return with_requests(events, max(map(num_reqs, range(NUM_ROUNDS))))
+    # Prompts of 55 tokens: with the prefill's token and two rounds in flight of w + 1
+    # positions, the 64 every round prices (a bound the delivered tokens only raise).
+    return with_requests(events, max(map(num_reqs, range(NUM_ROUNDS))), lambda id: 55)
 
 
 def write_run(path: Path, events: list[Event] | None = None) -> Path:
     head = log_header(config=load_config(LAUNCH).as_dict(), cost_table=None, models=MODELS,
                       context_limit=CONTEXT_LIMIT,
-                      seeds={"sampling": 0}, lag=2, depth_policy=FixedDepth(),
+                      seed=0, lag=2, depth_policy=FixedDepth(),
                       budget_policy=FullBudget())
     with EventLogWriter(path, head) as writer:
         for event in recorded_run() if events is None else events:
@@ -381,40 +383,46 @@ def adaptive_depth_run(costs: CostBundle, policy: DepthPolicy
 
     def retire(number: int) -> None:
         batch, depth, rows = depths[number]
+        first = 0 if number < 20 else 4
         accepted = tuple(min(depth, (number + i) % (depth + 2)) for i in range(batch))
         feedback = RoundFeedback(round=number, num_reqs=batch, num_reqs_bucket=4, width=WIDTH,
                                  depth=depth, num_rows=rows, verify_lengths=(depth,) * batch,
                                  num_accepted=accepted, confidences=((0.9, 0.5, 0.25),) * batch,
-                                 request_ids=tuple(range(batch)))
+                                 request_ids=tuple(range(first, first + batch)))
         policy.observe(feedback)
         events.append(RoundRetired(round=number, slot=number % 2, feedback=feedback))
 
     for number in range(40):
         if number >= 2:
             retire(number - 2)
-        batch, kv = 3 + (number // 5) % 2, 100 + number if number < 20 else 3000 + number
+        # Requests 0..3 (prompts of 91 tokens) then 4..7 (2991): the KV bound the runtime
+        # prices grows a token a round, as request 0 (then 4) delivers at least that.
+        first, batch = 0 if number < 20 else 4, 3 + (number // 5) % 2
+        kv = 100 + number if number < 20 else 2980 + number
+        ids = tuple(range(first, first + batch))
         context = DepthContext(round=number, num_reqs=batch, num_reqs_bucket=4, width=WIDTH,
                                retired_through=max(number - 2, -1), max_kv_length=kv)
         depth = policy.decide(context)
         budget = BudgetContext(round=number, num_reqs=batch, num_reqs_bucket=4, width=WIDTH,
                                depth=depth, tiers=ADS_TIERS,
                                retired_through=context.retired_through,
-                               request_ids=tuple(range(batch)), max_kv_length=kv)
+                               request_ids=ids, max_kv_length=kv)
         rows = covering_rows(budget, depth)
         depths[number] = (batch, depth, rows)
         events += [DepthDecided(round=number, slot=number % 2, context=context, depth=depth),
                    BudgetDecided(round=number, slot=number % 2, context=budget, num_rows=rows,
                                  bound_rows=rows),
                    RoundSubmitted(round=number, slot=number % 2,
-                                  request_ids=tuple(range(batch)), num_reqs_bucket=4),
+                                  request_ids=ids, num_reqs_bucket=4),
                    *stages(number)]
     retire(38)
     retire(39)
     return log_header(config=load_config(ADS_LAUNCH).as_dict(), cost_table=costs.as_dict(),
                       models={role: costs.compatibility[role] for role in ("target", "draft")},
                       context_limit=CONTEXT_LIMIT,
-                      seeds={"sampling": 0}, lag=2, depth_policy=policy,
-                      budget_policy=FullBudget()), with_requests(events, 4)
+                      seed=0, lag=2, depth_policy=policy,
+                      budget_policy=FullBudget()), with_requests(
+                          events, 8, lambda id: 91 if id < 4 else 2991)
 
 
 def test_adaptive_depth_decisions_priced_by_kv_length_and_rows_replay_as_recorded(

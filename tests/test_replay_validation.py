@@ -45,6 +45,9 @@ WIDTH = 3
 LAUNCH = {"speculative_algorithm": "DSpark", "num_speculative_tokens": WIDTH,
           "max_seqs_per_batch": 4}
 NUM_ROUNDS = 8
+PROMPT = 23
+"""Prompt tokens of every request: with the prefill's token and two rounds in flight of
+w + 1 positions, the 32 every round prices (a bound the delivered tokens only raise)."""
 
 
 def num_reqs(round: int) -> int:
@@ -97,7 +100,7 @@ def recorded_run() -> list[Event]:
             events.append(retired(round - 2))
         events += decided(round)
     return with_requests([*events, retired(NUM_ROUNDS - 2), retired(NUM_ROUNDS - 1)],
-                         max(map(num_reqs, range(NUM_ROUNDS))))
+                         max(map(num_reqs, range(NUM_ROUNDS))), lambda id: PROMPT)
 
 
 def compatibility(**changes: object) -> dict[str, object]:
@@ -122,7 +125,7 @@ def write_run(path: Path, *, cost_table: CostBundle | None = None,
     head = log_header(config=load_config(launch or LAUNCH).as_dict(), models=MODELS,
                       context_limit=CONTEXT_LIMIT,
                       cost_table=None if cost_table is None else cost_table.as_dict(),
-                      seeds={"run": 0}, depth_policy=FixedDepth(), budget_policy=FullBudget(),
+                      seed=0, depth_policy=FixedDepth(), budget_policy=FullBudget(),
                       lag=2)
     with EventLogWriter(path, head) as writer:
         for event in recorded_run():
@@ -365,6 +368,35 @@ def more_tokens_than_fed_back(records: Records) -> None:
     records[request_event(records, "request_finished", 2)]["num_tokens"] = 64
 
 
+def kv_bound_raised(records: Records) -> None:
+    # Round 0 knows each prompt and its prefill's token only: 23 + 1 + 1 + 2 * 4 = 33 at most.
+    for kind in ("depth_decided", "budget_decided"):
+        records[at(records, kind, 0)]["context"]["max_kv_length"] = 34
+
+
+def seeds_renamed(records: Records) -> None:
+    records[0]["seeds"] = {"sampling": 0}
+
+
+def seeds_added(records: Records) -> None:
+    records[0]["seeds"]["calibration"] = 3
+
+
+def seed_too_large(records: Records) -> None:
+    records[0]["seeds"]["run"] = 1 << 40
+
+
+def request_id_past_int64(records: Records) -> None:
+    for record in records:
+        if record.get("request_id") == 2:
+            record["request_id"] = 2**63
+    for record in records:
+        for ids in (record.get("request_ids"), record.get("context", {}).get("request_ids"),
+                    record.get("feedback", {}).get("request_ids")):
+            if ids is not None:
+                ids[:] = [2**63 if id == 2 else id for id in ids]
+
+
 IN_ORDER = ("(a round's stages complete once each, in the order draft, consensus, pack, "
             "verify, sample, commit, retire)")
 
@@ -481,7 +513,7 @@ DAMAGE: dict[str, tuple[Callable[[Records], None], int, str]] = {
         "number >= 0.0 (the runtime's clock, which never goes back), got -1.0"),
     "length finish short of max_tokens": (
         finished_by_length_early, 93, 'request_finished event of request 0: field '
-        f'"num_tokens" expected {MAX_TOKENS} (max_tokens) or 4088 (the context\'s end) for '
+        f'"num_tokens" expected {MAX_TOKENS} (max_tokens) or 4073 (the context\'s end) for '
         "reason length, got 1"),
     "stop finish without stop tokens": (
         stopped_without_stop_tokens, 93, 'request_finished event of request 0: field '
@@ -518,6 +550,24 @@ DAMAGE: dict[str, tuple[Callable[[Records], None], int, str]] = {
     "header enabling adaptive target verify that its launch leaves off": (
         header_verify_section_enabled, 1, 'header "config.adaptive_target_verify.enabled" '
         "expected false (what the launch settings make it), got true"),
+    "KV bound raised past what the tokens give": (
+        kv_bound_raised, 7, 'round_submitted event of round 0: field "context.max_kv_length" '
+        "expected at most 33: the longest prompt and the tokens fed back so far, plus the "
+        "prefill's token and the positions the rounds in flight and this one write (lag 2, "
+        "w + 1 = 4 each), got 34"),
+    "seeds under another name": (
+        seeds_renamed, 1, 'header "seeds" must be {"run": integer in 0..1099511627775} (the '
+        'run seed), got {"sampling": 0}'),
+    "seeds with an extra name": (
+        seeds_added, 1, 'header "seeds" must be {"run": integer in 0..1099511627775} (the '
+        'run seed), got {"run": 0, "calibration": 3}'),
+    "seed past the launch's range": (
+        seed_too_large, 1, 'header "seeds" must be {"run": integer in 0..1099511627775} (the '
+        'run seed), got {"run": 1099511627776}'),
+    "request id past a signed 64-bit integer": (
+        request_id_past_int64, 4, 'request_arrived event of request 9223372036854775808: '
+        'field "request_id" expected an integer in 2..9223372036854775807 (requests arrive in '
+        "increasing id order), got 9223372036854775808"),
     "header with an unknown launch setting": (
         header_unknown_setting, 1, 'header "config.launch.settings" has unknown setting '
         '"num_draft_tokens"; expected every launch setting of this adaspec'),

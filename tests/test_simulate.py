@@ -127,6 +127,49 @@ def test_a_workload_file_round_trips_and_bad_lines_name_file_line_and_field(
         parse_workload(lines[1:], "w.jsonl")
 
 
+@pytest.mark.parametrize(("line", "field", "value", "message"), [
+    (2, "kv_length", 10**30, "--workload=w.jsonl:2: kv_length=1000000000000000000000000000000: "
+     f"expected an integer in 1..{1 << 24}"),
+    (2, "kv_length", 0, f"--workload=w.jsonl:2: kv_length=0: expected an integer in 1..{1 << 24}"),
+    (3, "id", 10**30, "--workload=w.jsonl:3, requests[0]: id=1000000000000000000000000000000: "
+     f"expected an integer in 0..{2**63 - 1}"),
+])
+def test_workload_lengths_and_ids_past_their_range_are_refused(
+        line: int, field: str, value: int, message: str) -> None:
+    lines = synthetic("drift", rounds=3).as_lines()
+    bad = json.loads(lines[line - 1])
+    if field == "id":
+        bad["requests"][0]["id"] = value
+    else:
+        bad[field] = value
+    lines[line - 1] = json.dumps(bad)
+    with pytest.raises(ConfigError) as raised:
+        parse_workload(lines, "w.jsonl")
+    assert str(raised.value) == message
+
+
+def test_rounds_past_the_tables_kv_intervals_are_counted_and_said(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = synthetic("step", rounds=20)
+    # The staircase table covers KV 1..4096: five rounds lie past it.
+    rounds = tuple(dataclasses.replace(rnd, kv_length=5000 if n % 4 == 0 else 100)
+                   for n, rnd in enumerate(base.rounds))
+    workload, table = tmp_path / "long.jsonl", tmp_path / "costs.json"
+    workload.write_text("\n".join(dataclasses.replace(base, rounds=rounds).as_lines()) + "\n")
+    TABLES["staircase"].save(str(table))
+    argv = ["simulate", "--workload", str(workload), f"--cost_table={table}",
+            "--policy", "fixed:5"]
+    assert cli.run(argv) == 0
+    assert ("5 of 20 rounds have a KV length outside the cost table's intervals (1..4096); "
+            "their time is predicted from the nearest interval") in capsys.readouterr().out
+    assert cli.run([*argv, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["rounds_outside_kv_intervals"], report["kv_intervals"]) == (5, "1..4096")
+    workload.write_text("\n".join(base.as_lines()) + "\n")  # no kv_length: the table's own
+    assert cli.run(argv) == 0
+    assert "outside the cost table's intervals" not in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(("change", "message"), [
     ({"widht": 5}, "widht: not a header field; expected dp_size, format, name, version, width"),
     ({"version": True}, "version=true: expected 1"),

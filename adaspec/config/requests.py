@@ -21,6 +21,11 @@ floats (to inf, then NaN probabilities), which would decode garbage rather than 
 MAX_NEW_TOKENS = 1 << 20
 MAX_STOP_TOKENS = 16
 """Most stop token ids one request may give (the sampler keeps them in a fixed-width row)."""
+MAX_SEED = 1 << 40
+"""Run seeds stay small enough that every generator seed derived from one fits torch's 64
+bits."""
+MAX_REQUEST_ID = 2**63 - 1
+"""Request ids are numbered from 0 and fit a signed 64-bit integer."""
 
 _STRUCTURED = "structured-output constraints are not supported"
 _PENALTY = "non-neutral penalties are not supported (the verifier samples the plain target " \

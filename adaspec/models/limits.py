@@ -4,12 +4,16 @@
 (``None`` for the built-in ones, checked without loading them): models that lack a method the
 runtime calls, hold a value member of the wrong type or range (an ``identity`` that is no str,
 a ``vocab_size`` of 0), or a DSpark launch wider than its drafter's ``max_width``, would
-otherwise fail every request at its first round, or the run later.
+otherwise fail every request at its first round, or the run later. Each value member is read
+once: the runtime then runs on the values checked (``ReadOnce``), so a property that fails or
+changes on a later read cannot reach a round.
 """
 
+import dataclasses
 import numbers
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -28,24 +32,51 @@ from adaspec.models.protocols import (
 )
 
 
-def check_model_limits(launch: LaunchConfig, models: ModelSet | None) -> None:
+def check_model_limits(launch: LaunchConfig, models: ModelSet | None) -> ModelSet | None:
     """Refuse models that do not provide what the launch uses (naming the missing member)
     and a DSpark width the drafter cannot draft (naming ``--num_speculative_tokens``);
-    ``models=None`` means the built-in models of ``launch.model``."""
+    ``models=None`` means the built-in models of ``launch.model``. Returns the models as the
+    runtime runs them: the target and the launch's drafter with the values checked
+    (``ReadOnce``); None for the built-in models."""
     if models is None:
         check_builtin_limits(launch)
-        return
-    check_conformance(launch, models)
-    if launch.speculative_algorithm != "DSpark":
-        return
-    dspark = models.dspark
-    assert dspark is not None  # check_conformance refused a missing one
-    limit = _positive_integer(dspark.max_width)
-    if launch.num_speculative_tokens > limit:
-        raise ConfigError("--num_speculative_tokens", launch.num_speculative_tokens,
-                          f"expected 1..{limit}: the DSpark drafter passed to the runtime "
-                          f"(identity {dspark.identity}) drafts at most {limit} tokens "
-                          "per block")
+        return None
+    checked = check_conformance(launch, models)
+    if launch.speculative_algorithm == "DSpark":
+        dspark = checked.dspark
+        assert dspark is not None  # check_conformance refused a missing one
+        limit = _positive_integer(dspark.max_width)
+        if launch.num_speculative_tokens > limit:
+            raise ConfigError("--num_speculative_tokens", launch.num_speculative_tokens,
+                              f"expected 1..{limit}: the DSpark drafter passed to the runtime "
+                              f"(identity {dspark.identity}) drafts at most {limit} tokens "
+                              "per block")
+    return checked
+
+
+class ReadOnce:
+    """A model whose value members (``identity``, ``vocab_size``, ``max_width``, ...) are
+    those read and checked at the start; its methods and ``num_slots`` (known only once
+    ``allocate`` ran) are the model's own. ``model`` is the model itself."""
+
+    def __init__(self, model: object, values: Mapping[str, object]) -> None:
+        self.model = model
+        for name, value in values.items():
+            setattr(self, name, value)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "model":  # not set yet (a copy being made): never recurse
+            raise AttributeError(name)
+        return getattr(self.model, name)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CheckedModels:
+    """The model set a runtime runs: what ``check_conformance`` passed, read once."""
+
+    target: Any
+    mtp: Any
+    dspark: Any
 
 
 DRAFTERS: dict[str, tuple[str, type]] = {"MTP": ("mtp", MtpDrafter),
@@ -53,11 +84,13 @@ DRAFTERS: dict[str, tuple[str, type]] = {"MTP": ("mtp", MtpDrafter),
 """The ``ModelSet`` attribute and protocol of each algorithm's drafter."""
 
 
-def check_conformance(launch: LaunchConfig, models: ModelSet) -> None:
+def check_conformance(launch: LaunchConfig, models: ModelSet) -> CheckedModels:
     """Refuse, naming the first missing member, the first method that cannot be called as
     its protocol calls it or the first value member out of type or range, a model set whose
     target (or the drafter the launch's algorithm uses) does not provide its protocol; a
-    DSpark drafter that publishes must keep a whole ``DrafterContext``."""
+    DSpark drafter that publishes must keep a whole ``DrafterContext``. Returns the set with
+    those models' value members as read (a drafter the launch does not use is left out)."""
+    checked: dict[str, object] = {"target": None, "mtp": None, "dspark": None}
     parts: list[tuple[str, type]] = [("target", TargetModel)]
     if launch.speculative_algorithm in DRAFTERS:
         parts.append(DRAFTERS[launch.speculative_algorithm])
@@ -68,12 +101,14 @@ def check_conformance(launch: LaunchConfig, models: ModelSet) -> None:
                               f"expected a model set with {attribute} (a "
                               f"{protocol.__name__}) for --speculative_algorithm="
                               f"{launch.speculative_algorithm}")
-        read_members(f"Runtime(models=...).{attribute}", model, protocol)
+        values = read_members(f"Runtime(models=...).{attribute}", model, protocol)
         missing = missing_member(model, protocol)
         if missing is not None:
             raise ConfigError(f"Runtime(models=...).{attribute}", type(model).__name__,
                               f"expected a {protocol.__name__}: it has {missing}")
-        check_member_values(f"Runtime(models=...).{attribute}", model, protocol)
+        check_member_values(f"Runtime(models=...).{attribute}", values)
+        checked[attribute] = ReadOnce(model, {name: values[name] for name in VALUE_MEMBERS
+                                              if name in values})
     dspark = models.dspark if launch.speculative_algorithm == "DSpark" else None
     if callable(getattr(dspark, "publish", None)):
         # A DSpark drafter that keeps its own context gets it published, so all of it.
@@ -81,24 +116,27 @@ def check_conformance(launch: LaunchConfig, models: ModelSet) -> None:
         if missing is not None:
             raise ConfigError("Runtime(models=...).dspark", type(dspark).__name__,
                               f"expected a DrafterContext, as it has publish: it has {missing}")
+    return CheckedModels(**checked)
 
 
-def read_members(setting: str, model: object, protocol: type) -> None:
+def read_members(setting: str, model: object, protocol: type) -> dict[str, object]:
     """Read every member of ``protocol`` that ``model`` has (``num_slots`` aside: it is read
     once ``allocate`` has run, by ``check_num_slots``) and refuse, naming ``setting.member``
     and what it raised, the first whose reading raises: a property that fails would otherwise
     fail the start, or a request, with the model's raw exception. A member it lacks is left
-    to ``missing_member`` to name."""
+    to ``missing_member`` to name. Returns what was read, by name."""
+    values: dict[str, object] = {}
     for name in protocol_members(protocol):
         if name == "num_slots":
             continue
         try:
-            getattr(model, name)
+            values[name] = getattr(model, name)
         except AttributeError as error:
             if has_member(model, name):  # a property that raised AttributeError itself
                 raise _raised(f"{setting}.{name}", error) from error
         except Exception as error:
             raise _raised(f"{setting}.{name}", error) from error
+    return values
 
 
 def _raised(setting: str, error: BaseException, what: str = "reading it") -> ConfigError:
@@ -170,15 +208,19 @@ type, by ``check_model_limits``); ``num_slots`` is left out, as it is only known
 runtime has called ``allocate`` (``check_num_slots`` reads it then)."""
 
 
-def check_member_values(setting: str, model: object, protocol: type) -> None:
-    """Refuse, naming ``setting.member``, the value and its type, the first value member of
-    ``protocol`` (``identity``, ``vocab_size``, ...) that ``model`` holds with a wrong type or
-    out of range: the runtime would otherwise fail later, mid-run or in the event log."""
-    for name in protocol_members(protocol):
+VALUE_MEMBERS = (*MEMBER_VALUES, "max_width")
+"""The members a model holds as values: read once at the start (``ReadOnce``)."""
+
+
+def check_member_values(setting: str, values: Mapping[str, object]) -> None:
+    """Refuse, naming ``setting.member``, the value and its type, the first value member
+    (``identity``, ``vocab_size``, ...) of the members ``read_members`` read that has a wrong
+    type or is out of range: the runtime would otherwise fail later, mid-run or in the event
+    log."""
+    for name, value in values.items():
         if name not in MEMBER_VALUES:
             continue
         valid, expected = MEMBER_VALUES[name]
-        value = getattr(model, name)
         if not valid(value):
             kind = type(value)
             found = f"{kind.__module__}.{kind.__qualname__}".removeprefix("builtins.")

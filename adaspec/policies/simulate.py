@@ -33,8 +33,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from adaspec.config.calibration import DraftStepPolicyConfig, json_type
+from adaspec.config.calibration import MAX_TOKENS_IN_CONTEXT, DraftStepPolicyConfig, json_type
 from adaspec.config.launch import MAX_PARALLEL_SIZE
+from adaspec.config.requests import MAX_REQUEST_ID
 from adaspec.errors import ConfigError, show_value
 from adaspec.policies.base import (
     BudgetContext,
@@ -176,8 +177,9 @@ def _round(data: Any, width: int, dp_size: int, where: str) -> WorkloadRound:
         raise ConfigError("--workload", where, f"{unknown[0]}: not a round field; expected "
                           "requests, kv_length")
     kv = data.get("kv_length")
-    if kv is not None and (type(kv) is not int or kv < 1):
-        raise ConfigError("--workload", where, f"kv_length={kv}: expected a positive integer")
+    if kv is not None and (type(kv) is not int or not 1 <= kv <= MAX_TOKENS_IN_CONTEXT):
+        raise ConfigError("--workload", where, f"kv_length={show_value(kv)}: expected an "
+                          f"integer in 1..{MAX_TOKENS_IN_CONTEXT}")
     requests = tuple(_request(r, width, dp_size, f"{where}, requests[{i}]")
                      for i, r in enumerate(data["requests"]))
     if len({(r.shard, r.id) for r in requests}) != len(requests):
@@ -192,8 +194,9 @@ def _request(data: Any, width: int, dp_size: int, where: str) -> WorkloadRequest
     if unknown:
         raise ConfigError("--workload", where, f"{unknown[0]}: not a request field")
     rid, confidences, accepted = data.get("id"), data.get("confidences"), data.get("accepted")
-    if type(rid) is not int or rid < 0:
-        raise ConfigError("--workload", where, f"id={rid}: expected an integer >= 0")
+    if type(rid) is not int or not 0 <= rid <= MAX_REQUEST_ID:
+        raise ConfigError("--workload", where, f"id={show_value(rid)}: expected an integer in "
+                          f"0..{MAX_REQUEST_ID}")
     if (not isinstance(confidences, list) or len(confidences) != width
             or not all(type(c) in (int, float) and 0.0 <= c <= 1.0 for c in confidences)):
         raise ConfigError("--workload", where, f"confidences: expected {width} numbers in "
@@ -443,6 +446,23 @@ def simulate(spec: str, workload: Workload, costs: CostBundle, path: str = "cost
     result.depth_switches = switches if isinstance(switches, int) else result.depth_changes
     result.probes = probes if isinstance(probes, int) else 0
     return result
+
+
+def rounds_outside_contexts(workload: Workload, costs: CostBundle) -> int:
+    """How many rounds have a KV length that no interval of the table covers: ``simulate``
+    prices those with the nearest interval (a policy deciding in the runtime finds no price
+    there, as in the simulation)."""
+    default_kv = costs.profiles[0].context.max_kv_length
+    return sum(not any(p.context.min_kv_length <= kv <= p.context.max_kv_length
+                       for p in costs.profiles)
+               for kv in (default_kv if r.kv_length is None else r.kv_length
+                          for r in workload.rounds))
+
+
+def covered_contexts(costs: CostBundle) -> str:
+    """The table's KV intervals, as the simulate report names them."""
+    spans = sorted({(p.context.min_kv_length, p.context.max_kv_length) for p in costs.profiles})
+    return ", ".join(f"{low}..{high}" for low, high in spans)
 
 
 def _price(costs: CostBundle, bucket: int, rows: int, kv: int, path: str,

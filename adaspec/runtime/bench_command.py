@@ -28,7 +28,7 @@ import torch
 from adaspec.config.flags import coerce, parse_argv
 from adaspec.config.launch import BUILTIN_TARGET
 from adaspec.config.paths import existing_directory, new_file, path_status
-from adaspec.config.requests import MAX_TEMPERATURE, MIN_TEMPERATURE
+from adaspec.config.requests import MAX_SEED, MAX_TEMPERATURE, MIN_TEMPERATURE
 from adaspec.errors import AdaspecError, ConfigError
 from adaspec.runtime.bench import (
     PLAIN,
@@ -51,7 +51,7 @@ from adaspec.runtime.command_flags import (
     sampling_flag,
 )
 from adaspec.runtime.devices.streams import cpu_threads
-from adaspec.runtime.engine import MAX_SEED, require_builtin
+from adaspec.runtime.engine import require_builtin
 
 ABOUT = (
     "Runs the target alone in a plain loop (no runtime), no speculation, every fixed width and "

@@ -25,7 +25,7 @@ from adaspec.config.effective import EffectiveConfig
 from adaspec.config.files import read_json_object
 from adaspec.config.launch import BUILTIN_DRAFTS, BUILTIN_TARGETS, LaunchConfig
 from adaspec.config.paths import new_file
-from adaspec.config.requests import SamplingParams, check_request
+from adaspec.config.requests import MAX_SEED, SamplingParams, check_request
 from adaspec.errors import ConfigError, InvalidRequest
 from adaspec.models.checkpoint import ReferenceModels, load_reference_models
 from adaspec.models.limits import check_model_limits, check_num_slots
@@ -65,9 +65,6 @@ from adaspec.runtime.rounds import CheckedDrafter, DeviceContext, StageHook
 from adaspec.runtime.slots import SlotSampling, SlotStates
 from adaspec.runtime.states import RoundHooks
 from adaspec.runtime.trace import STDERR, StateTrace, trace_destination
-
-MAX_SEED = 1 << 40
-"""Seeds stay small enough that every derived generator seed fits torch's 64 bits."""
 
 TRACE_ENV = "ADASPEC_TRACE"
 """Environment variable naming a state-trace file when ``RuntimeOptions.trace`` is unset."""
@@ -257,9 +254,10 @@ class Runtime:
             cpu_threads()  # a bad ADASPEC_CPU_STREAM or _THREADS is refused before any loading
         require_device(launch.device)  # torch cannot even name "npu" without torch_npu
         self._check_observer_paths()
-        check_model_limits(launch, self._models)  # the built-in models checked unloaded
+        # The built-in models are checked unloaded; given ones run as checked, read once.
+        checked = check_model_limits(launch, self._models)
         device = torch.device(launch.device)
-        models = self._models or builtin_models(launch, device)
+        models = checked or builtin_models(launch, device)
         geometry = BucketGeometry.of(launch)
         # Everything refusable about the costs is refused before any device work.
         plan, saved = self._cost_source(models, geometry)
@@ -499,7 +497,7 @@ class Runtime:
             config=self.config.as_dict(),
             cost_table=None if self.costs is None else self.costs.as_dict(),
             models={"target": models.target.identity, "draft": self._draft_identity(models)},
-            context_limit=models.target.context_limit, seeds={"run": self.options.seed},
+            context_limit=models.target.context_limit, seed=self.options.seed,
             depth_policy=self._depth_policy(), budget_policy=self._budget_policy(),
             lag=2 if self.launch.enable_schedule_overlap else 1)
 

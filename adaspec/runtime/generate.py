@@ -22,6 +22,7 @@ from adaspec.config import SamplingParams, load_config
 from adaspec.config.flags import parse_argv
 from adaspec.config.launch import BUILTIN_TARGET, LaunchConfig
 from adaspec.config.paths import new_file, read_regular
+from adaspec.config.requests import MAX_SEED
 from adaspec.errors import (
     MISSING,
     AdaspecError,
@@ -32,7 +33,7 @@ from adaspec.errors import (
 )
 from adaspec.runtime.calibrate_command import progress_reporter
 from adaspec.runtime.command_flags import CommandFlags, Flag, check_runnable_here, sampling_flag
-from adaspec.runtime.engine import MAX_SEED, Runtime, RuntimeOptions, require_builtin
+from adaspec.runtime.engine import Runtime, RuntimeOptions, require_builtin
 from adaspec.runtime.requests import RequestHandle, RequestResult
 
 GENERATE = CommandFlags(

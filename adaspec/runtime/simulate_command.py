@@ -22,8 +22,10 @@ from adaspec.policies.simulate import (
     Workload,
     WorkloadRequest,
     WorkloadRound,
+    covered_contexts,
     make_policies,
     parse_workload,
+    rounds_outside_contexts,
     simulate,
 )
 from adaspec.runtime.command_flags import CommandFlags, Flag
@@ -193,6 +195,8 @@ def _report(workload: Workload, costs: CostBundle, results: list[SimulationResul
         rows.append(row)
     return {"workload": workload.name, "rounds": len(workload.rounds),
             "width": workload.width, "cost_table": costs.source,
+            "kv_intervals": covered_contexts(costs),
+            "rounds_outside_kv_intervals": rounds_outside_contexts(workload, costs),
             "best_fixed": best.policy if best else None, "policies": rows,
             "acceptance_length": "accepted + 1 (counts the residual or bonus token)"}
 
@@ -222,6 +226,11 @@ def _table(report: dict[str, Any]) -> str:
                      f"{_ratio(row.get('vs_best_fixed')):>13} {_ratio(row.get('vs_oracle')):>9}")
     lines.append("AL = accepted + 1 (counts the residual or bonus token); ms/round and tokens/s "
                  "are predicted from the cost table, not measured")
+    outside = report["rounds_outside_kv_intervals"]
+    if outside:
+        lines.append(f"{outside} of {report['rounds']} rounds have a KV length outside the cost "
+                     f"table's intervals ({report['kv_intervals']}); their time is predicted "
+                     "from the nearest interval")
     if "vs_best_fixed" not in report["policies"][0]:
         lines.append("vs best fixed: - (no fixed:K policy given)")
     if "vs_oracle" not in report["policies"][0]:

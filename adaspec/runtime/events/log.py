@@ -25,7 +25,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, get_args, get_origin
 
 from adaspec.config.paths import NotRegularFile, open_regular
-from adaspec.config.requests import SamplingParams
+from adaspec.config.requests import MAX_REQUEST_ID, MAX_SEED, SamplingParams
 from adaspec.errors import EventLogError, RequestError
 from adaspec.policies.base import (
     BudgetContext,
@@ -59,6 +59,8 @@ VERSION = 2
 
 HEADER_KEYS = ("config", "cost_table", "models", "context_limit", "seeds", "lag", "policies")
 """What every header holds besides ``format`` and ``version`` (``cost_table`` may be null)."""
+SEED_NAME = "run"
+"""The one entry of the header's ``seeds``: the run seed every draw derives from."""
 
 _BUFFER_BYTES = 1 << 16  # a few hundred events per write(2); close() flushes the rest
 
@@ -69,7 +71,7 @@ def log_header(
     cost_table: Mapping[str, Any] | None,
     models: Mapping[str, str],
     context_limit: int,
-    seeds: Mapping[str, int],
+    seed: int,
     lag: int,
     depth_policy: DepthPolicy,
     budget_policy: BudgetPolicy,
@@ -79,7 +81,7 @@ def log_header(
     and the requests can be checked against the run; the policies as replay rebuilds them
     (name and ``settings()``)."""
     return {"config": dict(config), "cost_table": cost_table, "models": dict(models),
-            "context_limit": context_limit, "seeds": dict(seeds), "lag": lag,
+            "context_limit": context_limit, "seeds": {SEED_NAME: seed}, "lag": lag,
             "policies": {"depth": _policy_entry(depth_policy),
                          "budget": _policy_entry(budget_policy)}}
 
@@ -327,8 +329,10 @@ def _header_problem(data: Mapping[str, Any]) -> str | None:
                 "checkpoint identities; draft \"none\" without a drafter), got "
                 f"{_show(models)}")
     seeds = data["seeds"]
-    if not all(isinstance(key, str) and type(value) is int for key, value in seeds.items()):
-        return f'header "seeds" must map names to integer seeds, got {_show(seeds)}'
+    if set(seeds) != {SEED_NAME} or type(seeds[SEED_NAME]) is not int \
+            or not 0 <= seeds[SEED_NAME] < MAX_SEED:
+        return (f'header "seeds" must be {{"{SEED_NAME}": integer in 0..{MAX_SEED - 1}}} (the '
+                f"run seed), got {_show(seeds)}")
     limit = data["context_limit"]
     if type(limit) is not int or limit < 2:
         return (f'header "context_limit" must be an integer >= 2 (the target\'s context '
@@ -650,19 +654,36 @@ class _RunWalk:
         for id in event.request_ids:
             # A request cancelled (or failed) while its round was being decided is still
             # submitted with it; the round then drops its tokens.
-            prompt = self._check_running(line, event, id, ended_after=self.decided_at).prompt
-            # The runtime's bound: the longest context, plus the prefill's token and what
-            # the rounds in flight and this one write, within the context limit.
-            low = min(prompt + 1 + self.shape.lag * (self.shape.width + 1),
-                      self.shape.context_limit)
-            if context.max_kv_length < low:
-                raise self.fail(line, event, f"request {id} has a prompt of {prompt} tokens, "
-                                f"so its decisions price a KV length of at least {low}, not "
-                                f"{context.max_kv_length} (context.max_kv_length)")
+            self._check_running(line, event, id, ended_after=self.decided_at)
+        self._check_kv_bound(line, event, context)
         self.in_flight[event.round] = _Round(
             line, event.slot, context.num_reqs, event.num_reqs_bucket, event.request_ids,
             depth=context.depth, num_rows=self.deciding.bound_rows)
         self.deciding = None
+
+    def _check_kv_bound(self, line: int, event: RoundSubmitted, context: BudgetContext
+                        ) -> None:
+        """The runtime prices with the longest context the host knows of, plus the prefill's
+        token and what the rounds in flight and this one write, within the context limit.
+        The host knows each prompt and at most the tokens fed back so far, so the bound lies
+        between what the prompts alone give and what the delivered tokens can give."""
+        ahead = 1 + self.shape.lag * (self.shape.width + 1)
+        limit, bound = self.shape.context_limit, context.max_kv_length
+        for id in event.request_ids:
+            prompt = self.requests[id].prompt
+            low = min(prompt + ahead, limit)
+            if bound < low:
+                raise self.fail(line, event, f"request {id} has a prompt of {prompt} tokens, "
+                                f"so its decisions price a KV length of at least {low}, not "
+                                f"{bound} (context.max_kv_length)")
+        high = max(min(self.requests[id].prompt + self.requests[id].most_tokens + ahead, limit)
+                   for id in event.request_ids)
+        if bound > high:
+            raise self.fail(line, event, _field(
+                "context.max_kv_length", bound, f"at most {high}: the longest prompt and the "
+                "tokens fed back so far, plus the prefill's token and the positions the "
+                f"rounds in flight and this one write (lag {self.shape.lag}, "
+                f"w + 1 = {self.shape.width + 1} each)"))
 
     def _check_slot(self, line: int, event: DepthDecided | BudgetDecided | RoundSubmitted
                     ) -> None:
@@ -831,9 +852,10 @@ class _RunWalk:
             raise self.fail(line, event, "already arrived at line "
                             f"{self.requests[id].line}; a request arrives once")
         newest = next(reversed(self.requests), -1)
-        if id <= newest:
-            raise self.fail(line, event, _field("request_id", id, f"an integer > {newest} "
-                                                "(requests arrive in increasing id order)"))
+        if not newest < id <= MAX_REQUEST_ID:
+            raise self.fail(line, event, _field("request_id", id, f"an integer in {newest + 1}"
+                                                f"..{MAX_REQUEST_ID} (requests arrive in "
+                                                "increasing id order)"))
         self._check_value(line, event, "num_prompt_tokens", event.num_prompt_tokens, 1,
                           self.shape.context_limit - 1)
         params = _sampling(event.sampling)
