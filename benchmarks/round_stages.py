@@ -25,13 +25,13 @@ from typing import Any
 
 import torch
 
+from adaspec.bench.plain import plain_loop
+from adaspec.bench.run import shipped_prompts
 from adaspec.config import SamplingParams, load_config
 from adaspec.models import load_reference_models
-from adaspec.runtime.bench import shipped_prompts
 from adaspec.runtime.devices import streams
 from adaspec.runtime.engine import Runtime
 from adaspec.runtime.events.types import STAGES
-from adaspec.runtime.plain import plain_loop
 from adaspec.runtime.rounds import RoundWork
 
 TOKENS = 96

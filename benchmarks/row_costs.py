@@ -24,10 +24,10 @@ import dataclasses
 import json
 from pathlib import Path
 
+from adaspec.cli.simulate import read_workload
 from adaspec.policies.bundles import CostBundle, CostProfile, load_bundle
 from adaspec.policies.costs import AdditiveTable
 from adaspec.policies.simulate import Workload, simulate
-from adaspec.runtime.simulate_command import read_workload
 
 
 def measured_ratio(table: AdditiveTable, width: int) -> float:

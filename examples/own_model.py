@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
+from adaspec.bench.plain import plain_loop
 from adaspec.config import SamplingParams, load_config
 from adaspec.models import (
     ContextRows,
@@ -29,7 +30,6 @@ from adaspec.models import (
 )
 from adaspec.models.report import heldout_excerpt
 from adaspec.runtime.engine import Runtime
-from adaspec.runtime.plain import plain_loop
 
 VOCAB = 256  # bytes
 HIDDEN = 8  # this drafter ignores the target's hidden state; the runtime still carries one

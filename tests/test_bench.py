@@ -15,11 +15,15 @@ import pytest
 from runtime_helpers import TINY_CALIBRATION
 
 from adaspec import cli
-from adaspec.config import SamplingParams, load_config
-from adaspec.models import load_reference_models
-from adaspec.runtime.bench import (
+from adaspec.bench.run import (
     BenchPlan,
     RunRecord,
+    pass_order,
+    plan_arms,
+    run_bench,
+    shipped_prompts,
+)
+from adaspec.bench.statistics import (
     best_fixed_bounds,
     compare_outputs,
     fixed_within_noise,
@@ -27,16 +31,12 @@ from adaspec.runtime.bench import (
     noise,
     output_reference,
     paired_ratios,
-    pass_order,
     percentile,
-    plan_arms,
-    run_bench,
-    shipped_prompts,
     steady_fixed,
     summarise,
     verdict,
 )
-from adaspec.runtime.bench_command import (
+from adaspec.cli.bench import (
     CpuTicks,
     _print_kinds,
     busy_warning,
@@ -44,6 +44,8 @@ from adaspec.runtime.bench_command import (
     others_share,
     steal_share,
 )
+from adaspec.config import SamplingParams, load_config
+from adaspec.models import load_reference_models
 from adaspec.runtime.engine import Runtime
 from adaspec.runtime.events.log import read_event_log
 from adaspec.runtime.events.replay import replay

@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 
 from adaspec import cli
-from adaspec.errors import ConfigError
-from adaspec.models import load_reference_models
-from adaspec.runtime.bench import (
+from adaspec.bench.plain import plain_loop
+from adaspec.bench.run import (
     GREEDY,
     PLAIN_IS_GREEDY,
     SAMPLED,
@@ -24,10 +23,11 @@ from adaspec.runtime.bench import (
     plan_arms,
     run_bench,
     shipped_prompts,
-    summarise,
 )
-from adaspec.runtime.bench_command import print_table, write_plot
-from adaspec.runtime.plain import plain_loop
+from adaspec.bench.statistics import summarise
+from adaspec.cli.bench import print_table, write_plot
+from adaspec.errors import ConfigError
+from adaspec.models import load_reference_models
 
 MTP3 = ["--speculative_algorithm=MTP", "--num_speculative_tokens=3"]
 
@@ -214,7 +214,7 @@ def test_a_plot_that_fills_the_disk_is_one_line_naming_plot_and_leaves_no_file(
     summary.write_text(json.dumps(mixed["summary"]))
     script = ("import json, resource, signal, sys\n"
               "from adaspec.errors import ConfigError\n"
-              "from adaspec.runtime.bench_command import write_plot\n"
+              "from adaspec.cli.bench import write_plot\n"
               "report = json.load(open(sys.argv[1]))\n"
               "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
               "resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024))\n"

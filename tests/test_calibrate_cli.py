@@ -8,7 +8,7 @@ import pytest
 from runtime_helpers import TINY_CALIBRATION
 
 from adaspec import cli
-from adaspec.runtime.calibrate_command import progress_reporter
+from adaspec.cli.calibrate import progress_reporter
 from adaspec.runtime.calibration import PointMeasured
 
 LAUNCH = ["--speculative_algorithm=DSpark", "--num_speculative_tokens=5",

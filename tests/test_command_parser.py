@@ -7,13 +7,16 @@ help generated from the same declaration."""
 import pytest
 
 from adaspec import cli
+from adaspec.cli.bench import BENCH
+from adaspec.cli.calibrate import CALIBRATE
+from adaspec.cli.config import CONFIG
+from adaspec.cli.flags import CommandFlags, Flag, Positional
+from adaspec.cli.generate import GENERATE
+from adaspec.cli.models import MODELS
+from adaspec.cli.replay import REPLAY
+from adaspec.cli.simulate import SIMULATE
+from adaspec.cli.states import STATES
 from adaspec.errors import ConfigError
-from adaspec.runtime.bench_command import BENCH
-from adaspec.runtime.calibrate_command import CALIBRATE
-from adaspec.runtime.command_flags import CommandFlags, Flag, Positional
-from adaspec.runtime.generate import GENERATE
-from adaspec.runtime.replay_command import REPLAY
-from adaspec.runtime.simulate_command import SIMULATE
 
 TOY = CommandFlags(
     command="toy", usage="IN [--out FILE] [--tag NAME ...] [--json]", about="A toy command.",
@@ -26,7 +29,7 @@ TOY_LAUNCH = CommandFlags(
     flags={"count": Flag(metavar="N", required=True, help="how many"),
            "json": Flag(help="print JSON")},
     launch=True)
-COMMANDS = {"bench": BENCH, "config": cli.CONFIG, "models": cli.MODELS, "states": cli.STATES,
+COMMANDS = {"bench": BENCH, "config": CONFIG, "models": MODELS, "states": STATES,
             "generate": GENERATE, "calibrate": CALIBRATE, "simulate": SIMULATE,
             "replay": REPLAY}
 

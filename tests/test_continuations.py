@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from adaspec.bench.plain import plain_loop
 from adaspec.models import load_reference_models
 from adaspec.models.checkpoint import MODEL_CARD, load_target, save_module, shipped_folder
 from adaspec.models.continuations import greedy_continuations
@@ -27,7 +28,6 @@ from adaspec.models.train import (
     train_target,
 )
 from adaspec.models.train import main as train_main
-from adaspec.runtime.plain import plain_loop
 
 TEXT = (b"ROMEO.\nBut soft, what light through yonder window breaks?\n"
         b"It is the east, and Juliet is the sun.\n") * 8

@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
+from adaspec.availability import require_device
 from adaspec.errors import ConfigError, DeviceUnavailable
-from adaspec.runtime.devices.availability import require_device
 
 
 def test_cpu_is_always_available() -> None:

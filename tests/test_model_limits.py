@@ -16,7 +16,7 @@ from adaspec.config.builtin import (
     builtin_checkpoints,
     check_builtin_limits,
 )
-from adaspec.config.launch import BUILTIN_TARGETS
+from adaspec.config.limits import BUILTIN_TARGETS
 from adaspec.errors import ConfigError
 from adaspec.models import load_reference_models
 from adaspec.models.families import FAMILIES

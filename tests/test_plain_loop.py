@@ -9,10 +9,11 @@ import threading
 import pytest
 import torch
 
+from adaspec.bench.plain import plain_loop
+from adaspec.bench.run import shipped_prompts
 from adaspec.config import SamplingParams, load_config
 from adaspec.errors import ConfigError, InvalidRequest
 from adaspec.models import ReferenceModels, load_reference_models
-from adaspec.runtime.bench import shipped_prompts
 from adaspec.runtime.devices.streams import (
     CPU_STREAM_ENV,
     CPU_THREADS_ENV,
@@ -20,7 +21,6 @@ from adaspec.runtime.devices.streams import (
     cpu_threads,
 )
 from adaspec.runtime.engine import Runtime
-from adaspec.runtime.plain import plain_loop
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from adaspec.config import load_config
-from adaspec.config.launch import BUILTIN_TARGETS
+from adaspec.config.limits import BUILTIN_TARGETS
 from adaspec.errors import ConfigError
 from adaspec.models.checkpoint import load_model_card, load_reference_models, shipped_folder
 from adaspec.models.families import FAMILIES, family
@@ -139,6 +139,6 @@ COMMAND_ARGS = {"bench": [],
                 "generate": ["--prompt", "A", "--temperature", "0", "--max_tokens", "4"],
                 "calibrate": ["--enable_adaptive_target_verify=true"]}
 OWN = {"bench": "to bench your own, embed the runtime and call "
-                "adaspec.runtime.bench.run_bench(plan, models=FACTORY)",
+                "adaspec.bench.run.run_bench(plan, models=FACTORY)",
        "generate": "embed the runtime to serve your own",
        "calibrate": "embed the runtime to calibrate your own"}

@@ -18,6 +18,7 @@ import pytest
 from cost_tables import depth_bundle
 from logged_runs import stages, with_requests
 
+from adaspec.cli.replay import run as main
 from adaspec.config.calibration import DraftStepPolicyConfig
 from adaspec.config.effective import load_config
 from adaspec.errors import EventLogError, ReplayMismatch
@@ -42,7 +43,6 @@ from adaspec.runtime.events.types import (
     RoundRetired,
     RoundSubmitted,
 )
-from adaspec.runtime.replay_command import main
 
 MODELS = {"target": "target-id", "draft": "dspark-id"}  # checkpoint identities
 CONTEXT_LIMIT = 4096  # the depth bundle prices contexts up to it

@@ -8,7 +8,8 @@ failing every request at its first round. Kept free of torch so ``adaspec config
 import json
 from pathlib import Path
 
-from adaspec.config.launch import BUILTIN_TARGETS, LaunchConfig
+from adaspec.config.launch import LaunchConfig
+from adaspec.config.limits import BUILTIN_TARGETS
 from adaspec.errors import ConfigError
 
 BUILTIN_DSPARK_MAX_WIDTH: dict[str, int] = {"small": 7, "large": 7}

@@ -15,7 +15,8 @@ from adaspec.config.files import (
     load_target_verify_calibration,
 )
 from adaspec.config.flags import launch_config_from_settings, parse_argv
-from adaspec.config.launch import GRAPH_BACKEND_MEANING, LaunchConfig, launch_field_types
+from adaspec.config.launch import LaunchConfig, launch_field_types
+from adaspec.config.limits import GRAPH_BACKEND_MEANING
 
 CONFIDENCE_SOURCE = {
     "DSpark": "DSpark confidence head",

@@ -9,15 +9,18 @@ they are small functions in ``CROSS_CHECKS`` after the table.
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from adaspec.config.launch import (
+from adaspec.config.limits import (
     BUILTIN_DRAFTS,
     BUILTIN_TARGETS,
     GRAPH_BACKEND_FOR_DEVICE,
     MAX_SPECULATIVE_TOKENS,
-    LaunchConfig,
 )
 from adaspec.errors import MISSING, ConfigError, show_value
+
+if TYPE_CHECKING:  # the launch config runs these rules when it is built
+    from adaspec.config.launch import LaunchConfig
 
 _SET = object()  # marker: "any value other than None"
 
@@ -29,7 +32,7 @@ class Cond:
     name: str
     allowed: tuple[object, ...]
 
-    def holds(self, cfg: LaunchConfig) -> bool:
+    def holds(self, cfg: "LaunchConfig") -> bool:
         value = getattr(cfg, self.name)
         if self.allowed == (_SET,):
             return value is not None
@@ -68,10 +71,10 @@ class Rule:
         when = " and ".join(c.describe() for c in self.when) or "always"
         return f"{when} -> {self.need.describe()}   [{self.source}]"
 
-    def violated(self, cfg: LaunchConfig) -> bool:
+    def violated(self, cfg: "LaunchConfig") -> bool:
         return all(c.holds(cfg) for c in self.when) and not self.need.holds(cfg)
 
-    def error(self, cfg: LaunchConfig) -> ConfigError:
+    def error(self, cfg: "LaunchConfig") -> ConfigError:
         value = getattr(cfg, self.need.name)
         reason = " and ".join(c.describe() for c in self.when)
         need = self.need.describe()
@@ -192,7 +195,7 @@ RULES: tuple[Rule, ...] = (
 )
 
 
-def _check_parallel_shape(cfg: LaunchConfig) -> ConfigError | None:
+def _check_parallel_shape(cfg: "LaunchConfig") -> ConfigError | None:
     """tp_size * dp_size * cp_size equals nnodes, and node_rank < nnodes."""
     group = cfg.dp_size * cfg.cp_size
     tp_size = cfg.resolved.tp_size
@@ -206,7 +209,7 @@ def _check_parallel_shape(cfg: LaunchConfig) -> ConfigError | None:
     return None
 
 
-def _check_batch_limits(cfg: LaunchConfig) -> ConfigError | None:
+def _check_batch_limits(cfg: "LaunchConfig") -> ConfigError | None:
     """max_seqs_per_batch >= dp_size, and the graph batch limit <= max_seqs_per_batch."""
     if cfg.max_seqs_per_batch < cfg.dp_size:
         return ConfigError("--max_seqs_per_batch", cfg.max_seqs_per_batch,
@@ -220,7 +223,7 @@ def _check_batch_limits(cfg: LaunchConfig) -> ConfigError | None:
     return None
 
 
-def _check_width(cfg: LaunchConfig) -> ConfigError | None:
+def _check_width(cfg: "LaunchConfig") -> ConfigError | None:
     """A draft algorithm drafts at least one token per round."""
     if cfg.speculative and cfg.num_speculative_tokens < 1:
         return ConfigError("--num_speculative_tokens", cfg.num_speculative_tokens,
@@ -229,7 +232,7 @@ def _check_width(cfg: LaunchConfig) -> ConfigError | None:
     return None
 
 
-def _check_own_target_draft(cfg: LaunchConfig) -> ConfigError | None:
+def _check_own_target_draft(cfg: "LaunchConfig") -> ConfigError | None:
     """A checkpoint target drafts with a named draft of its own, never a built-in one."""
     if cfg.model in BUILTIN_TARGETS or not cfg.speculative:
         return None
@@ -245,7 +248,7 @@ def _check_own_target_draft(cfg: LaunchConfig) -> ConfigError | None:
     return None
 
 
-def _check_builtin_models(cfg: LaunchConfig) -> ConfigError | None:
+def _check_builtin_models(cfg: "LaunchConfig") -> ConfigError | None:
     """builtin: names exist and the built-in draft matches the algorithm."""
     if cfg.model.startswith("builtin:") and cfg.model not in BUILTIN_TARGETS:
         return ConfigError("--model", cfg.model,
@@ -262,7 +265,7 @@ def _check_builtin_models(cfg: LaunchConfig) -> ConfigError | None:
     return None
 
 
-CROSS_CHECKS: tuple[Callable[[LaunchConfig], ConfigError | None], ...] = (
+CROSS_CHECKS: "tuple[Callable[[LaunchConfig], ConfigError | None], ...]" = (
     _check_parallel_shape,
     _check_batch_limits,
     _check_width,
@@ -271,7 +274,7 @@ CROSS_CHECKS: tuple[Callable[[LaunchConfig], ConfigError | None], ...] = (
 )
 
 
-def check_launch_rules(cfg: LaunchConfig) -> None:
+def check_launch_rules(cfg: "LaunchConfig") -> None:
     """Raise the first violated rule, numeric cross-checks first (they name ranges)."""
     for check in CROSS_CHECKS:
         error = check(cfg)

@@ -20,11 +20,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from adaspec.availability import require_device
 from adaspec.errors import ConfigError
 from adaspec.models.drafters import DSparkConfig, MtpConfig, ReferenceDSpark, ReferenceMtp
 from adaspec.models.families import DEFAULT_FAMILY, family
 from adaspec.models.target import ReferenceTarget, TargetConfig
-from adaspec.runtime.devices.availability import require_device
 
 WEIGHTS_PACKAGE = "adaspec.models.weights"
 FILES = {"target": "target.safetensors", "mtp": "mtp.safetensors",

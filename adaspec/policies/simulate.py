@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from adaspec.config.calibration import MAX_TOKENS_IN_CONTEXT, DraftStepPolicyConfig, json_type
-from adaspec.config.launch import MAX_PARALLEL_SIZE
+from adaspec.config.limits import MAX_PARALLEL_SIZE
 from adaspec.config.requests import MAX_REQUEST_ID
 from adaspec.errors import ConfigError, show_value
 from adaspec.policies.base import (

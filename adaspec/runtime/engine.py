@@ -21,9 +21,11 @@ from typing import Any
 
 import torch
 
+from adaspec.availability import require_device
 from adaspec.config.effective import EffectiveConfig
 from adaspec.config.files import read_json_object
-from adaspec.config.launch import BUILTIN_DRAFTS, BUILTIN_TARGETS, LaunchConfig
+from adaspec.config.launch import LaunchConfig
+from adaspec.config.limits import BUILTIN_DRAFTS, BUILTIN_TARGETS
 from adaspec.config.paths import new_file
 from adaspec.config.requests import MAX_SEED, SamplingParams, check_request
 from adaspec.errors import ConfigError, InvalidRequest
@@ -50,7 +52,6 @@ from adaspec.runtime.calibration import (
     plan_calibration,
     plan_depth_calibration,
 )
-from adaspec.runtime.devices.availability import require_device
 from adaspec.runtime.devices.buckets import BindingRegistry, BucketGeometry
 from adaspec.runtime.devices.collectives import Collectives, LocalCollectives
 from adaspec.runtime.devices.graphs import binding_factory

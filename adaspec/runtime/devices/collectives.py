@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from adaspec.availability import require_device
 from adaspec.errors import CollectiveError, ConfigError, ConsensusMismatch
-from adaspec.runtime.devices.availability import require_device
 
 Device = Literal["cpu", "cuda", "npu"]
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from adaspec.config.launch import GRAPH_BACKEND_FOR_DEVICE
+from adaspec.config.limits import GRAPH_BACKEND_FOR_DEVICE
 from adaspec.errors import ConfigError
 from adaspec.models.protocols import TargetModel, TargetOutput, VerifyRows
 from adaspec.runtime.devices.packing import grid_width

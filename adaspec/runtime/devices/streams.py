@@ -41,8 +41,8 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
+from adaspec.availability import require_device
 from adaspec.errors import ConfigError, StreamClosed
-from adaspec.runtime.devices.availability import require_device
 
 T = TypeVar("T")
 

@@ -7,7 +7,7 @@
 
 Launch flags are those of ``adaspec config`` (default: DSpark, width 5, on the built-in
 reference models); the fixed arms drop the adaptive flags, the adaptive arms keep them. See
-``adaspec.runtime.bench`` for what is measured and how.
+``adaspec.bench.run`` for what is measured and how.
 """
 
 import asyncio
@@ -25,12 +25,7 @@ from typing import Any, TextIO
 
 import torch
 
-from adaspec.config.flags import coerce, parse_argv
-from adaspec.config.launch import BUILTIN_TARGET
-from adaspec.config.paths import existing_directory, new_file, path_status
-from adaspec.config.requests import MAX_SEED, MAX_TEMPERATURE, MIN_TEMPERATURE
-from adaspec.errors import AdaspecError, ConfigError
-from adaspec.runtime.bench import (
+from adaspec.bench.run import (
     PLAIN,
     SAMPLED,
     Arm,
@@ -41,15 +36,20 @@ from adaspec.runtime.bench import (
     plan_arms,
     run_bench,
     shipped_prompts,
-    summarise,
 )
-from adaspec.runtime.calibrate_command import progress_reporter
-from adaspec.runtime.command_flags import (
+from adaspec.bench.statistics import summarise
+from adaspec.cli.calibrate import progress_reporter
+from adaspec.cli.flags import (
     CommandFlags,
     Flag,
     check_runnable_here,
     sampling_flag,
 )
+from adaspec.config.flags import coerce, parse_argv
+from adaspec.config.limits import BUILTIN_TARGET
+from adaspec.config.paths import existing_directory, new_file, path_status
+from adaspec.config.requests import MAX_SEED, MAX_TEMPERATURE, MIN_TEMPERATURE
+from adaspec.errors import AdaspecError, ConfigError
 from adaspec.runtime.devices.streams import cpu_threads
 from adaspec.runtime.engine import require_builtin
 
@@ -387,7 +387,7 @@ def run_progress(stream: TextIO) -> RunProgress:
     return line
 
 
-def run_bench_command(argv: Sequence[str]) -> int:
+def run(argv: Sequence[str]) -> int:
     if BENCH.parse(argv).help:
         print(BENCH.help())
         return 0
@@ -397,7 +397,7 @@ def run_bench_command(argv: Sequence[str]) -> int:
     require_builtin("bench", str(settings.get("model", BUILTIN_TARGET)),
                     None if settings.get("draft_model") is None else str(settings["draft_model"]),
                     "to bench your own, embed the runtime and call "
-                    "adaspec.runtime.bench.run_bench(plan, models=FACTORY)")
+                    "adaspec.bench.run.run_bench(plan, models=FACTORY)")
     with tempfile.TemporaryDirectory(prefix="adaspec-bench-") as scratch:
         arms, skipped = plan_arms(settings, widths=choices.widths, names=choices.arms,
                                   quick=choices.quick, levels=choices.levels,
@@ -450,7 +450,7 @@ def write_plot(report: dict[str, Any], path: str) -> None:
     before the run; a file that appeared since is never overwritten). A write that fails (a
     full disk, a quota, an I/O error) is one line naming --plot, and the partial file is
     removed."""
-    from adaspec.runtime.bench_plot import render_png  # deferred: optional matplotlib
+    from adaspec.bench.plot import render_png  # deferred: optional matplotlib
 
     png = render_png(report)
     try:

@@ -19,11 +19,11 @@ import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from adaspec.availability import require_device
 from adaspec.config.builtin import check_builtin_limits
 from adaspec.config.launch import LaunchConfig, launch_field_types
 from adaspec.config.requests import SamplingParams
 from adaspec.errors import MISSING, ConfigError, InvalidRequest
-from adaspec.runtime.devices.availability import require_device
 
 HELP_FLAGS = ("-h", "--help")
 """Anywhere on a command line (not as the value of ``--name=VALUE``), they ask for the help."""

@@ -18,9 +18,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from adaspec.cli.calibrate import progress_reporter
+from adaspec.cli.flags import CommandFlags, Flag, check_runnable_here, sampling_flag
 from adaspec.config import SamplingParams, load_config
 from adaspec.config.flags import parse_argv
-from adaspec.config.launch import BUILTIN_TARGET, LaunchConfig
+from adaspec.config.launch import LaunchConfig
+from adaspec.config.limits import BUILTIN_TARGET
 from adaspec.config.paths import new_file, read_regular
 from adaspec.config.requests import MAX_SEED
 from adaspec.errors import (
@@ -31,8 +34,6 @@ from adaspec.errors import (
     InvalidRequest,
     OutputWriteError,
 )
-from adaspec.runtime.calibrate_command import progress_reporter
-from adaspec.runtime.command_flags import CommandFlags, Flag, check_runnable_here, sampling_flag
 from adaspec.runtime.engine import Runtime, RuntimeOptions, require_builtin
 from adaspec.runtime.requests import RequestHandle, RequestResult
 
@@ -202,7 +203,7 @@ def result_dict(prompt: str, result: RequestResult) -> dict[str, Any]:
             "mean_acceptance_length": round(result.mean_acceptance_length, 4)}
 
 
-def run_generate(argv: Sequence[str]) -> int:
+def run(argv: Sequence[str]) -> int:
     args = split_argv(argv)
     if args.help:
         print(GENERATE.help())

@@ -18,12 +18,12 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TextIO
 
+from adaspec.cli.flags import CommandFlags, Flag, check_runnable_here
 from adaspec.config import load_config_from_argv
 from adaspec.errors import MISSING, ConfigError
 from adaspec.policies.bundles import CostBundle
 from adaspec.policies.costs import AdditiveTable, relative_errors
 from adaspec.runtime.calibration import PointMeasured, Progress
-from adaspec.runtime.command_flags import CommandFlags, Flag, check_runnable_here
 from adaspec.runtime.engine import Runtime, RuntimeOptions, require_builtin
 
 BAR_WIDTH = 30
@@ -82,7 +82,7 @@ def summary(bundle: CostBundle, output: str, seconds: float) -> dict[str, Any]:
             "profiles": profiles}
 
 
-def run_calibrate(argv: Sequence[str]) -> int:
+def run(argv: Sequence[str]) -> int:
     args = CALIBRATE.parse(argv)
     if args.help:
         print(CALIBRATE.help())

@@ -5,8 +5,8 @@ import json
 import sys
 from collections.abc import Sequence
 
+from adaspec.cli.flags import CommandFlags, Flag, Positional
 from adaspec.errors import AdaspecError
-from adaspec.runtime.command_flags import CommandFlags, Flag, Positional
 from adaspec.runtime.events.replay import replay_file
 
 REPLAY = CommandFlags(
@@ -24,7 +24,7 @@ REPLAY = CommandFlags(
 USAGE = REPLAY.help()
 
 
-def main(argv: Sequence[str]) -> int:
+def run(argv: Sequence[str]) -> int:
     """``adaspec replay LOG [--json]``; returns the exit status."""
     try:
         args = REPLAY.parse(argv)

@@ -12,6 +12,7 @@ import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from adaspec.cli.flags import CommandFlags, Flag
 from adaspec.config.files import read_json_object
 from adaspec.config.paths import read_regular
 from adaspec.errors import MISSING, ConfigError, IncompatibleCostTable
@@ -28,7 +29,6 @@ from adaspec.policies.simulate import (
     rounds_outside_contexts,
     simulate,
 )
-from adaspec.runtime.command_flags import CommandFlags, Flag
 
 if TYPE_CHECKING:  # the runtime's modules load only for an event log
     from adaspec.runtime.events.replay import RecordedRun
@@ -53,7 +53,7 @@ SIMULATE = CommandFlags(
     })
 
 
-def run_simulate(argv: Sequence[str]) -> int:
+def run(argv: Sequence[str]) -> int:
     args = SIMULATE.parse(argv)
     if args.help:
         print(SIMULATE.help())

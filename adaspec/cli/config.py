@@ -1,0 +1,71 @@
+"""``adaspec config``: check a launch line and print its effective configuration."""
+
+import json
+from collections.abc import Sequence
+from dataclasses import MISSING as NO_DEFAULT
+from dataclasses import fields
+
+from adaspec import __version__
+from adaspec.cli.flags import CommandFlags, Flag
+from adaspec.config import RULES, LaunchConfig, load_config_from_argv
+from adaspec.config.builtin import check_builtin_limits
+from adaspec.config.flags import field_docs, parse_argv
+from adaspec.config.launch import launch_field_types, metavar
+from adaspec.config.rules import CROSS_CHECKS
+from adaspec.errors import MISSING, ConfigError, show_value
+
+CONFIG = CommandFlags(
+    command="config",
+    usage="[--name=value | --name value] ... | --rules",
+    about="Checks the launch line (flags, combination rules, JSON files it names) without "
+          "starting anything, then prints every effective setting and its source as JSON. Exit "
+          "0 when valid; exit 2 with one line on stderr when not.",
+    flags={"rules": Flag(help="list the combination rules it enforces instead (no launch "
+                              "flags with it)")},
+    launch=True)
+
+
+def config_help() -> str:
+    """The command's own flags, then every launch flag with its expected value, default and
+    meaning."""
+    lines = [CONFIG.help(), "", "launch flags:"]
+    docs, types = field_docs(), launch_field_types()
+    for f in fields(LaunchConfig):
+        if not f.init:
+            continue
+        default = "" if f.default is NO_DEFAULT else f" (default {show_value(f.default)})"
+        lines.append(f"  --{f.name}={metavar(types[f.name])}{default}")
+        if f.name in docs:
+            lines.append(f"      {docs[f.name]}")
+    return "\n".join(lines)
+
+
+def run(argv: Sequence[str]) -> int:
+    args = CONFIG.parse(argv)
+    if args.help:
+        print(config_help())
+        return 0
+    if "rules" in args:
+        if args.launch_argv:
+            # A launch flag without its value or misspelled is named first.
+            name, value = next(iter(parse_argv(args.launch_argv).items()))
+            raise ConfigError("--rules", MISSING, f"expected no launch flag with it, got "
+                              f"--{name}={show_value(value)} (the rules are the same for "
+                              "every launch)")
+        lines = [rule.describe() for rule in RULES]
+        lines += [f"always -> {check.__doc__}" for check in CROSS_CHECKS]
+        print("\n".join(lines))
+        return 0
+    effective = load_config_from_argv(args.launch_argv)
+    # A launch of the built-in models is held to what they can draft, so a line that passes
+    # here runs; other models are checked against themselves when the runtime starts.
+    check_builtin_limits(effective.launch)
+    # The saved table's contents and the fields the launch fixes; the model identities and
+    # the captured geometry are compared when the runtime starts. Imported here: it loads
+    # scipy, which would make every command start slower (and longer to interrupt cleanly).
+    from adaspec.policies.bundles import check_saved_table
+
+    check_saved_table(effective.launch)
+    document = {"adaspec_version": __version__, **effective.as_dict()}
+    print(json.dumps(document, indent=2))
+    return 0

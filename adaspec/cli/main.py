@@ -1,0 +1,188 @@
+"""The ``adaspec`` command.
+
+User errors (an ``AdaspecError``) end with exit status 2 and exactly one line on stderr that
+names the flag or key, the value and what is expected; stdout stays empty. A standard output
+that cannot take the output ends quietly when its reader went away (``adaspec config | head
+-c1``: exit status 141, as a tool stopped by SIGPIPE) and with one line otherwise (a full
+device: exit status 2). Ctrl-C (SIGINT) stops a command with one line on stderr, ``adaspec
+COMMAND: interrupted``, and exit status 130 (128 + SIGINT, as a shell reports it); a Ctrl-C
+while adaspec exits ends it at once, with the status it was exiting with. Anything
+else is a bug in adaspec and keeps its traceback.
+"""
+
+import contextlib
+import importlib
+import os
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO, cast
+
+from adaspec import __version__
+from adaspec.errors import AdaspecError, show_value
+
+USAGE = """usage: adaspec COMMAND [FLAGS]
+
+commands:
+  bench     adaptive against fixed-width speculation on real requests (the main job)
+  config    check a launch line and print its effective configuration as JSON
+  models    identities, sizes and measured quality of the built-in reference models
+  generate  decode prompts with the built-in models (speculative or target alone)
+  calibrate measure and fit the costs of adaptive target verify, save the bundle
+  simulate  evaluate policies offline on a workload (or an event log) and a cost bundle
+  states    print the round state graph as a mermaid diagram
+  replay    re-run the policies of a recorded event log and report the first divergence
+
+adaspec COMMAND --help shows a command's flags; adaspec --version prints the version."""
+
+
+def _subcommand(name: str) -> Callable[[Sequence[str]], int]:
+    """The ``run`` of ``adaspec.cli.<name>``, imported when the command runs: a command loads
+    only what it needs (torch and scipy take seconds, and make Ctrl-C at start slower)."""
+
+    def run(argv: Sequence[str]) -> int:
+        module = importlib.import_module(f"adaspec.cli.{name}")
+        return module.run(argv)  # type: ignore[no-any-return]
+
+    return run
+
+
+COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
+    name: _subcommand(name) for name in
+    ("config", "models", "generate", "calibrate", "bench", "simulate", "states", "replay")}
+
+
+def run(argv: Sequence[str]) -> int:
+    """Dispatch one command line; returns the exit status."""
+    if not argv or argv[0] in ("-h", "--help"):  # no command: say what there is
+        print(USAGE)
+        return 0
+    if argv[0] == "--version":
+        if len(argv) > 1:
+            print(f"adaspec --version: error: argument={show_value(argv[1])}: expected "
+                  "nothing after --version", file=sys.stderr)
+            return 2
+        print(f"adaspec {__version__}")
+        return 0
+    command = COMMANDS.get(argv[0])
+    if command is None:
+        print(f"adaspec: error: command={show_value(argv[0])}: unknown; expected one of "
+              f"{', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    try:
+        return command(argv[1:])
+    except AdaspecError as error:
+        _say(f"adaspec {argv[0]}: error: {error}")
+        return 2
+    except KeyboardInterrupt:  # Ctrl-C (SIGINT): the command has stopped what it ran
+        _interrupted(f"adaspec {argv[0]}")
+        return INTERRUPTED
+
+
+INTERRUPTED = 130
+"""The exit status of a command stopped by Ctrl-C: 128 + SIGINT, as a shell reports it."""
+
+_process_exits_at_interrupt = False
+"""Set by ``main``: the process then ends at once at the next Ctrl-C after the first (a
+``run`` inside another program leaves that program's signal handling alone)."""
+
+
+def _interrupted(command: str) -> None:
+    if _process_exits_at_interrupt:
+        _exit_at_interrupt(INTERRUPTED)
+    _say(f"{command}: interrupted")
+
+
+def _say(line: str) -> None:
+    """One line on standard error, if there is one to take it."""
+    if sys.stderr is not None:  # None: started with descriptor 2 closed
+        try:
+            print(line, file=sys.stderr)
+        except OSError:  # a full standard error: the exit status still says it
+            pass
+
+
+class StdoutFailed(Exception):
+    """Standard output refused the command's output (a closed pipe, a full device)."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(error)
+        self.error = error
+
+
+class _CheckedStdout:
+    """``sys.stdout`` whose write failures are told apart from those of any other file, so
+    that only they are reported in one line (another file's failure is a bug to trace)."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as error:
+            raise StdoutFailed(error) from None
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as error:
+            raise StdoutFailed(error) from None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _command(argv: Sequence[str]) -> str:
+    return f"adaspec {argv[0]}" if argv and argv[0] in COMMANDS else "adaspec"
+
+
+def run_to_stdout(argv: Sequence[str]) -> int:
+    """``run`` with a standard output that may fail: exit status 141 and no message when its
+    reader went away, one line and exit status 2 when it is closed or cannot be written."""
+    command = _command(argv)
+    stdout = sys.stdout
+    if stdout is None:  # started with descriptor 1 closed: refused before anything runs
+        print(f"{command}: error: stdout: closed; expected an open standard output "
+              "(redirect it to /dev/null to discard the output)", file=sys.stderr)
+        return 2
+    sys.stdout = cast(TextIO, _CheckedStdout(stdout))
+    try:
+        status = run(argv)
+        sys.stdout.flush()  # inside the check, not at interpreter exit
+        return status
+    except StdoutFailed as failed:
+        # What is still buffered goes nowhere, so the flush at exit fails no second time.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), stdout.fileno())
+        if isinstance(failed.error, BrokenPipeError):
+            return 141
+        reason = failed.error.strerror or type(failed.error).__name__
+        with contextlib.suppress(OSError):  # a full standard error too: the status says it
+            print(f"{command}: error: stdout: cannot write the output ({reason})",
+                  file=sys.stderr)
+        return 2
+    finally:
+        sys.stdout = stdout
+
+
+def main() -> None:
+    global _process_exits_at_interrupt
+    _process_exits_at_interrupt = True
+    argv = sys.argv[1:]
+    try:
+        status = run_to_stdout(argv)
+        # All is said; a Ctrl-C while the interpreter winds down (its threads, torch's
+        # teardown) only hurries the exit, with the status already decided.
+        _exit_at_interrupt(status)
+    except KeyboardInterrupt:  # outside the command: while its output was flushed
+        status = INTERRUPTED
+        _interrupted(_command(argv))
+    sys.exit(status)
+
+
+def _exit_at_interrupt(status: int) -> None:
+    signal.signal(signal.SIGINT, lambda number, frame: os._exit(status))
+
+
+if __name__ == "__main__":
+    main()
