@@ -31,8 +31,8 @@ from adaspec.config import SamplingParams, load_config
 from adaspec.models import load_reference_models
 from adaspec.runtime.devices import streams
 from adaspec.runtime.engine import Runtime
-from adaspec.runtime.events.types import STAGES
 from adaspec.runtime.rounds import RoundWork
+from adaspec.runtime.states import STAGES
 
 TOKENS = 96
 

@@ -6,13 +6,13 @@ from collections.abc import Callable
 
 from adaspec.config import SamplingParams
 from adaspec.runtime.events.types import (
-    STAGES,
     Event,
     RequestArrived,
     RequestFinished,
     RoundRetired,
     StageCompleted,
 )
+from adaspec.runtime.states import STAGES
 
 MAX_TOKENS = 1024  # more than any synthetic run delivers
 SAMPLING = dataclasses.asdict(SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))

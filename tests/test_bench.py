@@ -401,6 +401,8 @@ def test_cli_json_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[s
     (["--quick=yes"], "--quick=yes: takes no value"),
     (["--arms=fixed:9"], "--arms=fixed:9: expected some of plain, none, fixed:1"),
     (["--widths=6"], "--widths=6: expected widths in 1..5"),
+    (["--arms=plain", "--widths=2"], "--widths=2: expected no --widths: --arms=plain runs no "
+                                     "fixed:K arm"),
     (["--speculative_algorithm=none"], "--speculative_algorithm=none: expected MTP or DSpark"),
     (["--requests=0"], "--requests=0: expected an integer in 1..100000"),
     (["--max_seqs_per_batch=4"], "--concurrency=16: expected at most "

@@ -136,6 +136,12 @@ def test_coverage_gaps_have_no_price() -> None:
     (lambda d: d["profiles"][0]["samples"].append([1, 2, 1e308]),
      r"profiles\[0\]\.samples\[27\]=\[1, 2, 1e\+308\]: expected \[Bcap, G, seconds\] with "
      r"seconds in 1e-06\.\.3600"),
+    # A tier no bucket can verify: past every request's drafts, or below its anchor rows.
+    (lambda d: d["compatibility"]["target_rows"][1].append(13),
+     r"target_rows\[1\]=\[2, 4, 6, 8, 12, 13\]: expected tiers in 2\.\.12 for request bucket 2 "
+     r".* got 13"),
+    (lambda d: d["compatibility"]["target_rows"][1].insert(0, 1),
+     r"target_rows\[1\]=\[1, 2, 4, 6, 8, 12\]: expected tiers in 2\.\.12 .* got 1"),
     # Settings that contradict the compatibility (or the profiles) they were saved with.
     (lambda d: d["settings"].update(draft_width=7),
      r"settings\.draft_width=7: expected the integer 5, the draft_width of the compatibility$"),

@@ -55,28 +55,28 @@ class TargetCopy:
         self.identity = "copy-of-" + target.identity
         self.max_width = 7
 
-    def allocate(self, num_slots: int) -> None:
-        self.model.allocate(num_slots)
+    def allocate(self, num_kv_slots: int) -> None:
+        self.model.allocate(num_kv_slots)
 
-    def forward(self, token_ids: Tensor, positions: Tensor, slots: Tensor) -> TargetOutput:
+    def forward(self, token_ids: Tensor, positions: Tensor, kv_slots: Tensor) -> TargetOutput:
         index = torch.arange(token_ids.shape[0])
-        inside = (slots < self.model.num_slots) & (positions < self.model.context_limit)
+        inside = (kv_slots < self.model.num_kv_slots) & (positions < self.model.context_limit)
         return self.model.verify(VerifyRows(
             token_ids=token_ids, row_reqs=index, row_offsets=torch.zeros_like(index),
-            row_valid=inside, req_slots=torch.where(inside, slots, self.model.num_slots),
+            row_valid=inside, req_kv_slots=torch.where(inside, kv_slots, self.model.num_kv_slots),
             req_starts=positions.clamp(max=self.model.context_limit - 1), rows_per_req=1))
 
     def publish(self, rows: ContextRows) -> None:
-        self.forward(rows.token_ids, rows.positions, rows.slots)  # x_p at p
+        self.forward(rows.token_ids, rows.positions, rows.kv_slots)  # x_p at p
 
 
 class TargetAsMtp(TargetCopy):
     """An ``MtpDrafter``: the token of a step sits at p + 1, the next token is its argmax."""
 
     def step(self, hidden: Tensor, token_ids: Tensor, positions: Tensor,
-             slots: Tensor) -> MtpStep:
+             kv_slots: Tensor) -> MtpStep:
         assert int(positions.max()) <= self.model.context_limit - 2  # the token fits
-        out = self.forward(token_ids, positions + 1, slots)
+        out = self.forward(token_ids, positions + 1, kv_slots)
         token = out.logits.argmax(-1)
         probs = out.logits.softmax(-1).gather(-1, token[:, None])[:, 0]
         return MtpStep(hidden=out.hidden, token_ids=token, probs=probs, logits=out.logits)
@@ -86,11 +86,11 @@ class TargetAsDSpark(TargetCopy):
     """A ``DSparkDrafter`` with a context of its own: the block is ``width`` target steps
     from the anchor at p + 1 (steps past the context run on scratch, never verified)."""
 
-    def draft(self, hidden: Tensor, token_ids: Tensor, positions: Tensor, slots: Tensor,
+    def draft(self, hidden: Tensor, token_ids: Tensor, positions: Tensor, kv_slots: Tensor,
               width: int) -> DSparkBlock:
         token, tokens, logits = token_ids, [], []
         for k in range(width):
-            out = self.forward(token, positions + 1 + k, slots)
+            out = self.forward(token, positions + 1 + k, kv_slots)
             token = out.logits.argmax(-1)
             tokens.append(token)
             logits.append(out.logits)
@@ -100,9 +100,10 @@ class TargetAsDSpark(TargetCopy):
         return DSparkBlock(token_ids=chosen, confidences=confidences, logits=stacked)
 
 
-def decode(models: Any, algorithm: str, prompts: list[bytes], max_tokens: int,
+def decode(models: Any, algorithm: str, prompts: list[bytes], max_tokens: int | list[int],
            width: int = 3, batch: int = 4) -> list[RequestResult]:
-    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens)] * len(prompts)
+    counts = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+    params = [SamplingParams(temperature=0.0, max_tokens=count) for count in counts]
     runtime = Runtime(config(algorithm, width, batch), models=models)
     return asyncio.run(run_staggered(runtime, prompts, params, batch))
 
@@ -135,7 +136,7 @@ class Recorder:
         self.drafter = drafter
         self.identity = drafter.identity
         self.limit = context_limit
-        self.num_slots = 0
+        self.num_kv_slots = 0
         self.published: list[tuple[int, int, int, int]] = []  # (slot, p, x_p, x_{p+1})
         self.calls: list[tuple[int, int]] = []  # (slot, p) of each entry of each draft call
 
@@ -143,41 +144,41 @@ class Recorder:
     def max_width(self) -> int:
         return int(self.drafter.max_width)
 
-    def allocate(self, num_slots: int) -> None:
-        self.num_slots = num_slots
+    def allocate(self, num_kv_slots: int) -> None:
+        self.num_kv_slots = num_kv_slots
         if hasattr(self.drafter, "allocate"):
-            self.drafter.allocate(num_slots)
+            self.drafter.allocate(num_kv_slots)
 
     def publish(self, rows: ContextRows) -> None:
         assert 0 <= int(rows.positions.min())
         assert int(rows.positions.max()) < self.limit
-        for slot, p, token, after in zip(rows.slots.tolist(), rows.positions.tolist(),
+        for slot, p, token, after in zip(rows.kv_slots.tolist(), rows.positions.tolist(),
                                          rows.token_ids.tolist(),
                                          rows.next_token_ids.tolist(), strict=True):
-            if slot != self.num_slots:
+            if slot != self.num_kv_slots:
                 assert p <= self.limit - 2
                 self.published.append((slot, p, token, after))
         if hasattr(self.drafter, "publish"):
             self.drafter.publish(rows)
 
-    def _called(self, positions: Tensor, slots: Tensor) -> None:
+    def _called(self, positions: Tensor, kv_slots: Tensor) -> None:
         assert 0 <= int(positions.min())
         assert int(positions.max()) <= self.limit - 2
-        assert 0 <= int(slots.min())
-        assert int(slots.max()) <= self.num_slots
-        self.calls += [(s, p) for s, p in zip(slots.tolist(), positions.tolist(), strict=True)
-                       if s != self.num_slots]
+        assert 0 <= int(kv_slots.min())
+        assert int(kv_slots.max()) <= self.num_kv_slots
+        self.calls += [(s, p) for s, p in zip(kv_slots.tolist(), positions.tolist(), strict=True)
+                       if s != self.num_kv_slots]
 
     def step(self, hidden: Tensor, token_ids: Tensor, positions: Tensor,
-             slots: Tensor) -> MtpStep:
-        self._called(positions, slots)
-        step: MtpStep = self.drafter.step(hidden, token_ids, positions, slots)
+             kv_slots: Tensor) -> MtpStep:
+        self._called(positions, kv_slots)
+        step: MtpStep = self.drafter.step(hidden, token_ids, positions, kv_slots)
         return step
 
-    def draft(self, hidden: Tensor, token_ids: Tensor, positions: Tensor, slots: Tensor,
+    def draft(self, hidden: Tensor, token_ids: Tensor, positions: Tensor, kv_slots: Tensor,
               width: int) -> DSparkBlock:
-        self._called(positions, slots)
-        block: DSparkBlock = self.drafter.draft(hidden, token_ids, positions, slots, width)
+        self._called(positions, kv_slots)
+        block: DSparkBlock = self.drafter.draft(hidden, token_ids, positions, kv_slots, width)
         return block
 
 
@@ -192,8 +193,9 @@ def test_the_drafter_sees_every_committed_position_and_never_leaves_the_context(
     recorder = Recorder(drafted, limit)
     own = SimpleNamespace(target=models.target, mtp=recorder if algorithm == "MTP" else None,
                           dspark=recorder if algorithm == "DSpark" else None)
-    # Every request admitted at once: each keeps its own KV slot throughout.
-    results = decode(own, algorithm, prompts, 60, width=5, batch=len(prompts))
+    # Every request admitted at once: each keeps its own KV slot throughout. The last two
+    # may decode up to the context's last position: 30 tokens, and the prefill's one.
+    results = decode(own, algorithm, prompts, [60, 60, 30, 1], width=5, batch=len(prompts))
     assert results[2].finish_reason == "length"
     assert len(results[2].token_ids) == limit - len(prompts[2])  # up to position limit - 1
     by_slot: dict[int, dict[int, tuple[int, int]]] = {}
@@ -223,7 +225,7 @@ def test_prompt_rows_cover_every_position_and_end_with_the_first_token() -> None
     assert rows.token_ids.tolist() == [10, 11, 12, 20, 30, 31]
     assert rows.next_token_ids.tolist() == [11, 12, 13, 21, 31, 32]
     assert rows.positions.tolist() == [0, 1, 2, 0, 0, 1]
-    assert rows.slots.tolist() == [5, 5, 5, 2, 7, 7]
+    assert rows.kv_slots.tolist() == [5, 5, 5, 2, 7, 7]
     expected = torch.stack([hidden[0, 0], hidden[0, 1], hidden[0, 2], hidden[1, 0],
                             hidden[2, 0], hidden[2, 1]])
     assert torch.equal(rows.hidden, expected)

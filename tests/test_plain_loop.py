@@ -77,8 +77,12 @@ def test_a_request_ends_at_the_context_limit_like_in_the_runtime(models: Referen
     prompt = list(shipped_prompts()[0]) * limit
     near = prompt[:limit - 4]  # room for the prefill's token and three more
     full = prompt[:limit - 1]  # the prefill's token lands on the last position
-    run = plain_loop(models.target, [near, full], 50, concurrency=2)
-    assert [len(out) for out in run.outputs] == [4, 1]
+    assert [len(out) for out in plain_loop(models.target, [near], 4, 1).outputs] == [4]
+    assert [len(out) for out in plain_loop(models.target, [near, full], 1, 2).outputs] == [1, 1]
+    # More than the context holds after the prompt is refused, as the runtime refuses it.
+    with pytest.raises(InvalidRequest, match="max_tokens=5: expected at most 4: the context "
+                                             "limit 1024 less the prompt's 1020 tokens"):
+        plain_loop(models.target, [near], 5, 1)
 
 
 def test_max_tokens_one_emits_the_prefill_token_only(models: ReferenceModels) -> None:

@@ -11,10 +11,14 @@ from dataclasses import replace
 import pytest
 from transitions import MachineError
 
-from adaspec.runtime.events.types import STAGES
 from adaspec.runtime.states import (
+    DONE_TRIGGER,
+    DONE_TRIGGERS,
+    FAIL_TRIGGER,
     INITIAL_STATE,
     ROUND_GRAPH,
+    STAGE_OF,
+    STAGES,
     TRIGGERS,
     InvalidTransition,
     RoundHook,
@@ -341,29 +345,44 @@ def test_no_hook_runs_for_the_initial_state_of_a_new_round() -> None:
 
 # --- the diagram ----------------------------------------------------------------------------
 
-def test_fire_each_moves_as_firing_one_by_one_with_or_without_hooks() -> None:
-    rng = random.Random(7)
-    walks = [tuple(rng.choice(ALPHABET) for _ in range(rng.randint(1, 9)))
-             for _ in range(500)]
-    walks += full_paths()
-    calls: list[Call] = []
-    hooks = RoundHooks()
-    hooks.on_transition(recorder(calls, "every"))
-    for walk in walks:
-        trace = table_trace(walk)
-        refused = next((i for i, (accepted, _) in enumerate(trace) if not accepted), len(walk))
-        end = trace[refused - 1][1] if refused else ROUND_GRAPH.initial
-        for round_hooks in (RoundHooks(), hooks):
-            calls.clear()
-            round_states = RoundStates(1, round_hooks)
-            if refused == len(walk):
-                assert round_states.fire_each(walk).label == end
-            else:
-                with pytest.raises(InvalidTransition) as info:
-                    round_states.fire_each(walk)
-                assert info.value.trigger == walk[refused]
-            assert round_states.state.label == end
-            assert len(calls) == (refused if round_hooks is hooks else 0)
+def test_the_stages_and_their_triggers_are_derived_from_the_graph() -> None:
+    working = tuple(spec.name for spec in ROUND_GRAPH.states if not spec.terminal)
+    assert STAGES == working  # declared in stage order
+    for index, (stage, trigger) in enumerate(zip(STAGES, DONE_TRIGGERS, strict=True)):
+        machine = RoundStates(0)
+        for earlier in DONE_TRIGGERS[:index]:
+            machine.fire(earlier)
+        assert machine.state.label == stage
+        after = STAGES[index + 1] if index + 1 < len(STAGES) else "retired"
+        assert machine.fire(trigger).label == after
+        assert (STAGE_OF[trigger], DONE_TRIGGER[stage]) == (stage, trigger)
+    for index in range(len(STAGES)):
+        machine = RoundStates(0)
+        for earlier in DONE_TRIGGERS[:index]:
+            machine.fire(earlier)
+        assert machine.fire(FAIL_TRIGGER).label == "failed"
+
+
+def test_a_graph_whose_stages_do_not_chain_is_refused() -> None:
+    from adaspec.runtime.states.graph import _derive_stages
+
+    forked = replace(ROUND_GRAPH, transitions=(
+        *ROUND_GRAPH.transitions, TransitionSpec("skip", "draft", "pack")))
+    with pytest.raises(StateGraphError) as raised:
+        _derive_stages(forked)
+    assert raised.value.rule == "one-done-trigger"
+
+
+def test_completed_is_told_each_stage_a_move_completes_and_nothing_else() -> None:
+    told: list[tuple[int, str]] = []
+    machine = RoundStates(4, completed=lambda states, stage: told.append(
+        (states.round_index, stage)))
+    for trigger in DONE_TRIGGERS[:3]:
+        machine.fire(trigger)
+    with pytest.raises(InvalidTransition):
+        machine.fire(DONE_TRIGGERS[0])  # refused: no move, nothing told
+    machine.fire(FAIL_TRIGGER)
+    assert told == [(4, stage) for stage in STAGES[:3]]
 
 
 def test_mermaid_shows_every_declared_transition() -> None:

@@ -148,6 +148,21 @@ def test_workload_lengths_and_ids_past_their_range_are_refused(
     assert str(raised.value) == message
 
 
+@pytest.mark.parametrize(("change", "message"), [
+    ({"censored": True, "accepted": 5}, "censored=true with accepted=5: expected accepted < 5"),
+    ({"confidences": [0.5, 1.01, 0.5, 0.5, 0.5]},
+     "confidences=[0.5, 1.01, 0.5, 0.5, 0.5]: expected 5 numbers in 0..1"),
+])
+def test_a_workload_request_no_run_could_record_is_refused_showing_its_values(
+        change: dict[str, object], message: str) -> None:
+    lines = synthetic("drift", rounds=3).as_lines()
+    bad = json.loads(lines[2])
+    bad["requests"][0].update(change)
+    with pytest.raises(ConfigError) as raised:
+        parse_workload([*lines[:2], json.dumps(bad)], "w.jsonl")
+    assert str(raised.value).startswith(f"--workload=w.jsonl:3, requests[0]: {message}")
+
+
 def test_rounds_past_the_tables_kv_intervals_are_counted_and_said(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     base = synthetic("step", rounds=20)
@@ -229,13 +244,12 @@ def test_control_characters_in_a_workload_name_are_shown_escaped(
     assert cli.run([*argv, "--policy", "fixed:5"]) == 0
     first = capsys.readouterr().out.splitlines()[0]
     assert first.startswith("workload '\\x1b[31mred\\nsecond line': 10 rounds, width 5;")
-    # In an error too, the name stays on the line, escaped.
+    # An error names the file the workload came from.
     narrow = dataclasses.replace(synthetic("high", rounds=10, width=4), name=HOSTILE_NAME)
     workload.write_text("\n".join(narrow.as_lines()) + "\n")
     assert cli.run([*argv, "--policy", "fixed:3"]) == 2
-    assert capsys.readouterr() == ("", "adaspec simulate: error: --workload='\\x1b[31mred\\n"
-                                       "second line': width 4 differs from the cost table's "
-                                       "draft_width 5\n")
+    assert capsys.readouterr() == ("", f"adaspec simulate: error: --workload={workload}: width "
+                                       "4 differs from the cost table's draft_width 5\n")
     with pytest.raises(ConfigError) as raised:
         synthetic(HOSTILE_NAME)
     assert str(raised.value) == ("workload='\\x1b[31mred\\nsecond line': expected one of "

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from adaspec.config.requests import check_room
 from adaspec.models.protocols import TargetModel, VerifyRows
 from adaspec.runtime.requests import check_prompt
 
@@ -54,6 +55,7 @@ def plain_loop(target: TargetModel, prompts: Sequence[Sequence[int]], max_tokens
         raise ValueError(f"max_tokens={max_tokens}: expected at least 1")
     for index, prompt in enumerate(prompts):  # the runtime's own rules, so outputs compare
         check_prompt(target, prompt, f"prompts[{index}]")
+        check_room(target.context_limit, len(prompt), max_tokens)
     with torch.no_grad():
         return _run(target, prompts, max_tokens, concurrency)
 

@@ -191,6 +191,10 @@ def plan_arms(settings: Mapping[str, object], *, widths: Sequence[int] | None,
         if not 1 <= k <= width:
             raise ConfigError("--widths", k, f"expected widths in 1..{width} (the launch's "
                               "--num_speculative_tokens)")
+    if widths and names is not None and not any(n.startswith("fixed:") for n in names):
+        raise ConfigError("--widths", ",".join(map(str, widths)), "expected no --widths: "
+                          f"--arms={','.join(names)} runs no fixed:K arm")
+
     def target_only() -> EffectiveConfig:
         return load_config({**{k: v for k, v in base.items() if k not in DRAFT_ONLY_FLAGS},
                             "speculative_algorithm": "none"})

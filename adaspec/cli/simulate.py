@@ -150,7 +150,7 @@ def _workload_of_run(run: "RecordedRun", events: Sequence["Event"], path: str) -
         rounds.append(WorkloadRound(requests=requests, kv_length=kv.get(feedback.round)))
     if not rounds:
         raise ConfigError("--workload", path, "the event log has no retired round")
-    return Workload(width=width, rounds=tuple(rounds), name=path)
+    return Workload(width=width, rounds=tuple(rounds), name=path, source=path)
 
 
 def _costs(path: str | None, run: "RecordedRun | None", log: str) -> CostBundle:

@@ -215,3 +215,13 @@ def check_request(params: SamplingParams, launch: LaunchConfig) -> None:
     if len(params.stop) > MAX_STOP_TOKENS:
         raise InvalidRequest("stop", f"{len(params.stop)} token ids",
                              f"expected at most {MAX_STOP_TOKENS} stop token ids")
+
+
+def check_room(context_limit: int, num_prompt_tokens: int, max_tokens: int) -> None:
+    """Refuse a ``max_tokens`` the context cannot hold after the prompt: it would be cut
+    short at the context's end rather than decoded as asked."""
+    room = context_limit - num_prompt_tokens
+    if max_tokens > room:
+        raise InvalidRequest("max_tokens", max_tokens,
+                             f"expected at most {room}: the context limit {context_limit} "
+                             f"less the prompt's {num_prompt_tokens} tokens")

@@ -512,6 +512,16 @@ def _check_compatibility_types(data: Mapping[str, object]) -> None:
             or not all(isinstance(r, list) and _increasing(r) for r in rows)):
         raise ConfigError("target_rows", rows, f"expected one list of strictly increasing "
                           f"integer tiers in 1..{MAX_BATCH_ROWS} per request bucket")
+    width = data["draft_width"]
+    assert isinstance(width, int)  # checked above
+    for index, (bucket, tiers) in enumerate(zip(buckets, rows, strict=True)):
+        high = bucket * (width + 1)
+        outside = [g for g in tiers if not bucket <= g <= high]
+        if outside:
+            raise ConfigError(f"target_rows[{index}]", tiers, f"expected tiers in {bucket}.."
+                              f"{high} for request bucket {bucket} (every request keeps its "
+                              f"anchor row and verifies at most draft_width={width} drafts), "
+                              f"got {outside[0]}")
 
 
 def _increasing(values: list[object]) -> bool:

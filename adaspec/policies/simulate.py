@@ -82,6 +82,12 @@ class Workload:
     rounds: tuple[WorkloadRound, ...]
     name: str = ""
     dp_size: int = 1
+    source: str = field(default="", compare=False)  # the file it was read from, if any
+
+    @property
+    def where(self) -> str:
+        """How a refusal names the workload: its file, else its name."""
+        return self.source or self.name or "workload"
 
     def as_lines(self) -> list[str]:
         """The workload as JSON lines (``docs/workload.md``)."""
@@ -136,7 +142,7 @@ def parse_workload(lines: Iterable[str], source: str) -> Workload:
     if not rounds:
         raise ConfigError("--workload", source, "expected at least one round line")
     return Workload(width=width, rounds=tuple(rounds), name=name,
-                    dp_size=dp_size)
+                    dp_size=dp_size, source=source)
 
 
 _HEADER_FIELDS = frozenset({"format", "version", "width", "name", "dp_size"})
@@ -199,8 +205,9 @@ def _request(data: Any, width: int, dp_size: int, where: str) -> WorkloadRequest
                           f"0..{MAX_REQUEST_ID}")
     if (not isinstance(confidences, list) or len(confidences) != width
             or not all(type(c) in (int, float) and 0.0 <= c <= 1.0 for c in confidences)):
-        raise ConfigError("--workload", where, f"confidences: expected {width} numbers in "
-                          "0..1 (one per drafted position)")
+        raise ConfigError("--workload", where, f"confidences={show_value(confidences)}: "
+                          f"expected {width} numbers in 0..1 (one per drafted position, the "
+                          "header's width)")
     if type(accepted) is not int or not 0 <= accepted <= width:
         raise ConfigError("--workload", where, f"accepted={accepted}: expected an integer in "
                           f"0..{width}")
@@ -209,14 +216,20 @@ def _request(data: Any, width: int, dp_size: int, where: str) -> WorkloadRequest
         raise ConfigError("--workload", where, f"shard={shard}: expected an integer in "
                           f"0..{dp_size - 1} (the header's dp_size is {dp_size})")
     return WorkloadRequest(id=rid, confidences=tuple(float(c) for c in confidences),
-                           accepted=accepted, censored=_censored(data, where),
+                           accepted=accepted, censored=_censored(data, accepted, width, where),
                            shard=shard)
 
 
-def _censored(data: Mapping[str, Any], where: str) -> bool:
+def _censored(data: Mapping[str, Any], accepted: int, width: int, where: str) -> bool:
     value = data.get("censored", False)
     if type(value) is not bool:
-        raise ConfigError("--workload", where, f"censored={value}: expected true or false")
+        raise ConfigError("--workload", where, f"censored={show_value(value)}: expected true "
+                          "or false")
+    if value and accepted == width:
+        # Censored: a run verified fewer than the width and accepted them all, so fewer.
+        raise ConfigError("--workload", where, f"censored=true with accepted={accepted}: "
+                          f"expected accepted < {width} (a censored count is what a round "
+                          "that verified fewer than the width accepted)")
     return value
 
 
@@ -378,11 +391,11 @@ def simulate(spec: str, workload: Workload, costs: CostBundle, path: str = "cost
     """Run one policy over the workload (fresh policy instances)."""
     geometry = Geometry(costs, path)
     if workload.width != geometry.width:
-        raise ConfigError("--workload", workload.name or "workload",
+        raise ConfigError("--workload", workload.where,
                           f"width {workload.width} differs from the cost table's draft_width "
                           f"{geometry.width}")
     if workload.dp_size != geometry.dp_size:
-        raise ConfigError("--workload", workload.name or "workload",
+        raise ConfigError("--workload", workload.where,
                           f"dp_size {workload.dp_size} differs from the cost table's dp_size "
                           f"{geometry.dp_size}")
     depth_policy, budget_policy = make_policies(spec, costs, workload.width, geometry)
@@ -399,7 +412,7 @@ def simulate(spec: str, workload: Workload, costs: CostBundle, path: str = "cost
         shards = rnd.shards(workload.dp_size)
         # DP shards run one physical graph: the bucket holds the largest shard's batch.
         num_reqs = max(len(batch) for batch in shards)
-        bucket = geometry.bucket(num_reqs, f"round {number}")
+        bucket = geometry.bucket(num_reqs, f"{workload.where}, round {number}")
         tiers = geometry.tiers[bucket]
         kv = rnd.kv_length if rnd.kv_length is not None else default_kv
         retired = number - LAG

@@ -27,7 +27,7 @@ from adaspec.config.files import read_json_object
 from adaspec.config.launch import LaunchConfig
 from adaspec.config.limits import BUILTIN_DRAFTS, BUILTIN_TARGETS
 from adaspec.config.paths import new_file
-from adaspec.config.requests import MAX_SEED, SamplingParams, check_request
+from adaspec.config.requests import MAX_SEED, SamplingParams, check_request, check_room
 from adaspec.errors import ConfigError, InvalidRequest
 from adaspec.models.checkpoint import ReferenceModels, load_reference_models
 from adaspec.models.limits import check_model_limits, check_num_slots
@@ -565,6 +565,7 @@ class Runtime:
         pipeline = self._running()
         check_request(params, self.launch)
         check_prompt(pipeline.ctx.target, prompt)
+        check_room(pipeline.ctx.context_limit, len(prompt), params.max_tokens)
         vocab = pipeline.ctx.target.vocab_size
         unknown = next((token for token in params.stop if token >= vocab), None)
         if unknown is not None:  # it could never be sampled: the request would never stop

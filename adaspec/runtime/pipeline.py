@@ -39,7 +39,6 @@ from adaspec.runtime.devices.streams import Completion, DeviceStream
 from adaspec.runtime.events.bus import EventBus
 from adaspec.runtime.events.clock import Clock
 from adaspec.runtime.events.types import (
-    STAGES,
     BudgetDecided,
     DepthDecided,
     RequestFinished,
@@ -52,19 +51,29 @@ from adaspec.runtime.requests import Request, RequestFailed
 from adaspec.runtime.rounds import (
     DeviceContext,
     PrefillInputs,
+    PrefillResult,
+    RetiredRound,
     RoundInputs,
     RoundWork,
     StageFailed,
     prefill,
     stop_tensor,
 )
-from adaspec.runtime.states import InvalidTransition, RoundHooks, RoundStates
+from adaspec.runtime.states import DONE_TRIGGER, FAIL_TRIGGER, STAGES, RoundHooks, RoundStates
 
 FINISH_REASONS = {FINISHED_STOP: "stop", FINISHED_LENGTH: "length"}
-TRIGGER_OF = {stage: f"{stage}_done" for stage in STAGES}
-STAGE_TRIGGERS = tuple(TRIGGER_OF[stage] for stage in STAGES)
-STAGE_OF = {trigger: stage for stage, trigger in TRIGGER_OF.items()}
 CONTEXT_LENGTH = operator.attrgetter("length")
+
+
+@dataclass(frozen=True, slots=True)
+class PendingPrefill:
+    """A prefill on the stream. It retires together with ``round``, the first round that can
+    include its requests, so it never adds a host wait of its own."""
+
+    completion: Completion[PrefillResult]
+    admitted: list[Request]
+    inputs: PrefillInputs  # rides along until retirement: its device memory outlives the work
+    round: int
 
 
 @dataclass(slots=True)
@@ -80,7 +89,7 @@ class RoundRecord:
     machine: RoundStates
     work: RoundWork  # held until retirement: its device tensors must outlive the device work
     request_ids: tuple[int, ...] = ()  # [B] of the batch, in batch order
-    retired: Completion[Any] | None = None
+    retired: Completion[RetiredRound] | None = None
     error: BaseException | None = None
     failed_stage: str = ""
     started: float = 0.0
@@ -173,10 +182,8 @@ class Pipeline:
         self.free_slots: list[int] = list(range(ctx.states.scratch))[::-1]
         self.releasing: list[Request] = []
         self.ending: list[Request] = []  # left out of rounds until their last round retires
-        # Device work not yet retired, in stream order: (kind, completion, payload, round).
-        # A prefill carries the number of the first round that can include its requests, so
-        # it is retired together with that round and never adds a host wait of its own.
-        self.pending: deque[tuple[str, Completion[Any], Any, int]] = deque()
+        # Device work not yet retired, in stream order.
+        self.pending: deque[PendingPrefill | RoundRecord] = deque()
         self._tiers: dict[int, tuple[int, ...]] = {}
         # Bumped whenever a request joins ``active`` or ends: the batch facts are rebuilt then.
         self._composition = 0
@@ -264,14 +271,14 @@ class Pipeline:
             await self._retire_next()
 
     def _first_pending_round(self) -> int:
-        return self.pending[0][3]
+        return self.pending[0].round
 
     async def _retire_next(self) -> None:
-        kind, completion, payload, _ = self.pending.popleft()
-        if kind == "prefill":
-            await self._retire_prefill(completion, payload[0])
+        entry = self.pending.popleft()
+        if isinstance(entry, PendingPrefill):
+            await self._retire_prefill(entry.completion, entry.admitted)
         else:
-            await self._retire_round(payload)
+            await self._retire_round(entry)
         self._release_slots()
 
     # --- admission and prefill -----------------------------------------------------------
@@ -332,19 +339,17 @@ class Pipeline:
             stop_token_ids=stop_tensor([p.stop for p in params], device),
             first_request=admitted[0].id)
         completion = self.stream.enqueue(functools.partial(prefill, self.ctx, inputs))
-        # The inputs ride along until retirement: their device memory must outlive the work.
-        self.pending.append(("prefill", completion, (admitted, inputs), self.next_round))
+        self.pending.append(PendingPrefill(completion, admitted, inputs, self.next_round))
 
-    async def _retire_prefill(self, completion: Completion[Any], admitted: list[Request]
-                              ) -> None:
+    async def _retire_prefill(self, completion: Completion[PrefillResult],
+                              admitted: list[Request]) -> None:
         try:
             host = await completion
         except Exception as error:  # the prefill failed: so do its requests
             for request in admitted:
                 self._fail_request(request, f"prefill failed: {type(error).__name__}: {error}")
             return
-        first, live, stopped = host["first"].tolist(), host["live"].tolist(), \
-            host["stopped"].tolist()
+        first, live, stopped = host.first.tolist(), host.live.tolist(), host.stopped.tolist()
         for request, token, going, stop in zip(admitted, first, live, stopped, strict=True):
             if not request.running:
                 continue
@@ -366,7 +371,8 @@ class Pipeline:
                              any_stop=facts.any_stop)
         record = RoundRecord(round=number, slot=slot, batch=batch, num_reqs_bucket=bucket,
                              depth=depth, num_rows=num_rows,
-                             machine=RoundStates(number, self.hooks, slot),
+                             machine=RoundStates(number, self.hooks, slot,
+                                                 completed=self._stage_completed),
                              work=RoundWork(self.ctx, inputs), started=self.now(),
                              request_ids=facts.request_ids)
         for request in batch:
@@ -384,7 +390,7 @@ class Pipeline:
         else:
             self._enqueue_round(record, record.work)
         assert record.retired is not None
-        self.pending.append(("round", record.retired, record, number))
+        self.pending.append(record)
 
     def _kv_bound(self, batch: list[Request]) -> int:
         """Bound on the longest context a round of this batch can reach, which both decisions
@@ -447,7 +453,7 @@ class Pipeline:
         for stage in STAGES:
             completion = self.stream.enqueue(work.stage(stage),
                                              functools.partial(self._stage_done, record, stage))
-            if stage == "retire":
+            if stage == STAGES[-1]:  # its completion carries the retire copy
                 record.retired = completion
             await asyncio.wait([completion.future])
 
@@ -473,27 +479,17 @@ class Pipeline:
         """The stages of a split round finished: each moves the round on in order, up to the
         one that failed, which fails the round (see ``_stage_done`` for hooks that raise)."""
         error = None if future.cancelled() else future.exception()
-        if error is None and not self.bus.listening and self.hooks.empty:
-            # Nothing can see the moves in between (no hook, no listener): one walk.
-            try:
-                record.machine.fire_each(STAGE_TRIGGERS)
-            except InvalidTransition as refused:
-                self._round_failed(record, STAGE_OF[refused.trigger], refused)
-            return
         if error is not None and not isinstance(error, StageFailed):
             # The stream's own error (an interrupt, a device fault seen only when the round
             # is synchronised) is named after the stage that ran last.
             error = StageFailed(record.work.current or STAGES[0], error)
-        stage, machine = STAGES[0], record.machine
+        stage = STAGES[0]
         try:
             for stage in STAGES:
                 if error is not None and stage == error.stage:
                     self._round_failed(record, stage, error.error)
                     return
-                machine.fire(TRIGGER_OF[stage])
-                if self.bus.listening:
-                    self.publish(StageCompleted(time=self.now(), round=record.round,
-                                                slot=record.slot, stage=stage))
+                record.machine.fire(DONE_TRIGGER[stage])
         except BaseException as raised:  # a hook's CancelledError fails its round too
             self._round_failed(record, stage, raised)
             if isinstance(raised, (KeyboardInterrupt, SystemExit)):
@@ -515,10 +511,13 @@ class Pipeline:
                 raise
 
     def _advance(self, record: RoundRecord, stage: str) -> None:
-        record.machine.fire(TRIGGER_OF[stage])
+        record.machine.fire(DONE_TRIGGER[stage])
+
+    def _stage_completed(self, machine: RoundStates, stage: str) -> None:
+        """A round's move out of ``stage``: its event, made as the move happens."""
         if self.bus.listening:
-            self.publish(StageCompleted(time=self.now(), round=record.round,
-                                        slot=record.slot, stage=stage))
+            self.publish(StageCompleted(time=self.now(), round=machine.round_index,
+                                        slot=machine.slot, stage=stage))
 
     def _round_failed(self, record: RoundRecord, stage: str, error: BaseException) -> None:
         """The one failure handler, as the failure arrives: the round ends failed and its
@@ -532,7 +531,7 @@ class Pipeline:
         record.work.abandoned = True
         if not record.machine.terminal:
             try:
-                record.machine.fire("fail")
+                record.machine.fire(FAIL_TRIGGER)
             except Exception as hook_error:  # a hook raising on failure: keep the cause
                 error.__context__ = hook_error
 
@@ -576,14 +575,14 @@ class Pipeline:
             if request.running:
                 self._fail_request(request, reason)
 
-    def _feedback(self, record: RoundRecord, host: dict[str, Any]) -> RoundFeedback:
+    def _feedback(self, record: RoundRecord, host: RetiredRound) -> RoundFeedback:
         """Stream each live request's tokens, finish those that ended, and build the round's
         feedback from the entries that were still decoding on the device."""
         num = len(record.batch)
-        live = host["live"].tolist()[:num]
-        lengths = host["verify_lengths"].tolist()[:num]
-        accepted = host["num_accepted"].tolist()[:num]
-        confidences = host["confidences"].tolist()[:num] if "confidences" in host else None
+        live = host.live.tolist()[:num]
+        lengths = host.verify_lengths.tolist()[:num]
+        accepted = host.num_accepted.tolist()[:num]
+        confidences = None if host.confidences is None else host.confidences.tolist()[:num]
         # Entries no longer live on the device finished in an earlier round: they tell
         # nothing about this one.
         every = all(live)  # the usual round: every entry still decoding
@@ -602,14 +601,14 @@ class Pipeline:
             tuple(record.request_ids[i] for i in rows))
 
     def _deliver(self, record: RoundRecord, rows: "range | list[int]", lengths: list[int],
-                 accepted: list[int], host: dict[str, Any]) -> None:
+                 accepted: list[int], host: RetiredRound) -> None:
         """Hand the tokens of the live ``rows`` to their requests, count them, and finish
         the requests that ended; cancelled or failed requests' tokens are dropped."""
         batch = record.batch
         num = len(batch)
-        emitted = host["num_emitted"].tolist()[:num]
-        tokens = host["token_ids"].tolist()[:num]
-        finish = host["finish"].tolist()[:num]
+        emitted = host.num_emitted.tolist()[:num]
+        tokens = host.token_ids.tolist()[:num]
+        finish = host.finish.tolist()[:num]
         counters = self.counters
         if len(rows) == num and all(r.running for r in batch):
             self._deliver_all(record.round, batch, lengths, accepted, emitted, tokens, finish)
@@ -719,8 +718,8 @@ class Pipeline:
         self.releasing = keep
 
     def _prefill_pending(self, request: Request) -> bool:
-        return any(kind == "prefill" and request in payload[0]
-                   for kind, _, payload, _ in self.pending)
+        return any(isinstance(entry, PendingPrefill) and request in entry.admitted
+                   for entry in self.pending)
 
     def statistics(self) -> RuntimeStatistics:
         counts: dict[str, Any] = {f.name: getattr(self.counters, f.name)
@@ -730,9 +729,6 @@ class Pipeline:
                                  budget_policy=self.budget_policy.statistics())
 
 
-def run_unified(work: RoundWork) -> Any:
+def run_unified(work: RoundWork) -> RetiredRound:
     """A whole round as one device unit; the host sees every state from its completion."""
-    result: Any = None
-    for stage in STAGES:
-        result = work.stage(stage)()
-    return result
+    return work.run_all()

@@ -8,6 +8,7 @@ The commit stage computes everything first and writes the slot states last, so a
 device work fails leaves every request's state as the previous round left it.
 """
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -32,6 +33,7 @@ from adaspec.runtime.devices.retire import retire_copy
 from adaspec.runtime.devices.sampling import SamplingTensors, sample_rows
 from adaspec.runtime.drafting import Drafting
 from adaspec.runtime.slots import SlotSampling, SlotStates
+from adaspec.runtime.states import STAGES
 
 T = TypeVar("T")
 
@@ -55,6 +57,48 @@ class StageFailed(Exception):
 
 StageHook = Callable[[int, str], None]
 """Called with (round, stage) as each stage's device work starts (fault injection in tests)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RetiredRound:
+    """The host copy of a round (its retire stage): per batch entry, what the host needs to
+    deliver tokens, finish requests and feed the policies back. The round's one
+    device-to-host transfer."""
+
+    token_ids: Tensor  # [Bcap, w + 1] emitted tokens, the first num_emitted of each valid
+    num_emitted: Tensor  # [Bcap]
+    finish: Tensor  # [Bcap] RUNNING, FINISHED_STOP or FINISHED_LENGTH
+    num_accepted: Tensor  # [Bcap] drafted tokens accepted
+    verify_lengths: Tensor  # [Bcap] drafted tokens verified
+    live: Tensor  # [Bcap] still decoding when the round ran
+    confidences: Tensor | None = None  # [Bcap, w]; None when nothing was drafted
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    """The host copy of a prefill: each request's first token and whether it goes on."""
+
+    first: Tensor  # [N]
+    live: Tensor  # [N] goes on decoding
+    stopped: Tensor  # [N] its first token is one of its stop tokens
+
+
+W = TypeVar("W", bound="RoundWork")
+_STAGE_METHODS: list[str] = []  # the names ``_stage`` made stages, in declaration order
+
+
+def _stage(method: Callable[[W], T]) -> Callable[[W], T]:
+    """A stage of ``RoundWork``: named after its state in the round graph, it enters that
+    stage (skipped once the round failed, announced to the stage hook) before its work."""
+    name = method.__name__
+    _STAGE_METHODS.append(name)
+
+    @functools.wraps(method)
+    def run(work: W) -> T:
+        work._enter(name)
+        return method(work)
+
+    return run
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,18 +159,18 @@ class RoundWork:
         if hook is not None:
             hook(self.inputs.round, stage)
 
+    @_stage
     def draft(self) -> None:
-        self._enter("draft")
         self.rows = self.ctx.states.gather(self.inputs.slots)
         self.drafts, self.confidences = self.ctx.drafting.draft(self.rows, self.inputs.slots,
                                                                 self.inputs.depth)
 
+    @_stage
     def consensus(self) -> None:
-        self._enter("consensus")
         self.ctx.collectives.tp_broadcast(_have(self.confidences, "confidences"))
 
+    @_stage
     def pack(self) -> None:
-        self._enter("pack")
         rows, drafts = _have(self.rows, "rows"), _have(self.drafts, "drafts")
         confidences = _have(self.confidences, "confidences")
         self.budget = emit_budget(rows.remaining, rows.anchor_positions,
@@ -147,14 +191,14 @@ class RoundWork:
         self.packed = pack_rows(lengths, rows.anchor_ids, drafts, self.inputs.slots,
                                 rows.anchor_positions, rows.live, self.inputs.num_rows)
 
+    @_stage
     def verify(self) -> None:
-        self._enter("verify")
         out = self.inputs.verify(_have(self.packed, "packed rows").rows)
         self.out = check_target_output("target.verify", out, self.inputs.num_rows, "G",
                                        self.ctx)
 
+    @_stage
     def sample(self) -> None:
-        self._enter("sample")
         out, packed = _have(self.out, "target output"), _have(self.packed, "packed rows")
         inputs = self.inputs
         if inputs.all_greedy:
@@ -170,8 +214,8 @@ class RoundWork:
             self.sampled = sample_rows(out.logits, packed.rows.row_reqs, sampling, uniforms)
         self.ctx.collectives.tp_broadcast(self.sampled)
 
+    @_stage
     def commit(self) -> None:
-        self._enter("commit")
         rows, packed = _have(self.rows, "rows"), _have(self.packed, "packed rows")
         out = _have(self.out, "target output")
         stop_token_ids = self.ctx.sampling.stop_token_ids.index_select(0, self.inputs.slots) \
@@ -194,8 +238,8 @@ class RoundWork:
         self.ctx.drafting.after_commit(out, packed, result)
         self.result = result
 
-    def retire(self) -> dict[str, Tensor]:
-        self._enter("retire")
+    @_stage
+    def retire(self) -> RetiredRound:
         result, packed = _have(self.result, "commit result"), _have(self.packed, "packed rows")
         feedback = {"token_ids": result.token_ids, "num_emitted": result.num_emitted,
                     "finish": result.finish, "num_accepted": result.num_accepted,
@@ -203,20 +247,20 @@ class RoundWork:
                     "live": _have(self.rows, "rows").live}
         if self.confidences is not None and self.confidences.shape[1]:
             feedback["confidences"] = self.confidences
-        return retire_copy(feedback)
+        return RetiredRound(**retire_copy(feedback))
 
-    def run_stages(self) -> dict[str, Tensor]:
+    def run_all(self) -> RetiredRound:
+        """Every stage in order, the last (retire) giving the round's host copy."""
+        for name in STAGES[:-1]:
+            self.stage(name)()
+        return self.retire()
+
+    def run_stages(self) -> RetiredRound:
         """Every stage in order, back to back, as one stream item, and the retire copy. Each
         stage is still its own device work; only its completion is not reported on its own.
         A stage that raises ends the round there: ``StageFailed`` names it."""
         try:
-            self.draft()
-            self.consensus()
-            self.pack()
-            self.verify()
-            self.sample()
-            self.commit()
-            return self.retire()
+            return self.run_all()
         except Exception as error:
             raise StageFailed(self.current, error) from error
 
@@ -236,7 +280,7 @@ class PrefillInputs:
     first_request: int  # id of the first request: seeds the draws of its first tokens
 
 
-def prefill(ctx: DeviceContext, inputs: PrefillInputs) -> dict[str, Tensor]:
+def prefill(ctx: DeviceContext, inputs: PrefillInputs) -> PrefillResult:
     """Process new prompts into their KV slots, draw each request's first token, set its slot
     state, and return the host copy of the first tokens and whether each request goes on.
 
@@ -264,7 +308,7 @@ def prefill(ctx: DeviceContext, inputs: PrefillInputs) -> dict[str, Tensor]:
         remaining=remaining, live=live))
     ctx.sampling.write(inputs.slots, inputs.sampling, inputs.stop_token_ids)
     ctx.drafting.after_prefill(out, inputs.prompts, inputs.slots, first)
-    return retire_copy({"first": first, "live": live, "stopped": stopped})
+    return PrefillResult(**retire_copy({"first": first, "live": live, "stopped": stopped}))
 
 
 def check_target_output(method: str, out: object, num_rows: int, rows: str,
@@ -357,3 +401,14 @@ def _have(value: T | None, name: str) -> T:
     if value is None:
         raise RuntimeError(f"round stages ran out of order: no {name} yet")
     return value
+
+
+def _check_stage_methods() -> None:
+    """Each stage of the round graph is a ``RoundWork`` stage method, and no other: a graph
+    that gains or renames a stage fails the import, not a round."""
+    if tuple(_STAGE_METHODS) != STAGES:
+        raise TypeError(f"RoundWork stages {_STAGE_METHODS} differ from the round graph's "
+                        f"{list(STAGES)}")
+
+
+_check_stage_methods()

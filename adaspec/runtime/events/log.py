@@ -25,7 +25,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, get_args, get_origin
 
 from adaspec.config.paths import NotRegularFile, open_regular
-from adaspec.config.requests import MAX_REQUEST_ID, MAX_SEED, SamplingParams
+from adaspec.config.requests import MAX_REQUEST_ID, MAX_SEED, SamplingParams, check_room
 from adaspec.errors import EventLogError, RequestError
 from adaspec.policies.base import (
     BudgetContext,
@@ -37,7 +37,6 @@ from adaspec.policies.base import (
 from adaspec.runtime.events.outputs import ObserverFile, reason
 from adaspec.runtime.events.types import (
     EVENT_TYPES,
-    STAGES,
     BudgetDecided,
     DepthDecided,
     Event,
@@ -49,6 +48,7 @@ from adaspec.runtime.events.types import (
     StageCompleted,
     event_from_record,
 )
+from adaspec.runtime.states import STAGES
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -863,6 +863,7 @@ class _RunWalk:
             raise self.fail(line, event, params)
         try:
             self.shape.check_request(params)  # what this launch refuses to decode
+            check_room(self.shape.context_limit, event.num_prompt_tokens, params.max_tokens)
         except RequestError as error:
             raise self.fail(line, event, f"sampling: {error}") from None
         self.requests[id] = _Request(line, event.num_prompt_tokens, params)

@@ -12,9 +12,6 @@ from typing import Any, ClassVar
 
 from adaspec.policies.base import BudgetContext, DepthContext, RoundFeedback
 
-STAGES = ("draft", "consensus", "pack", "verify", "sample", "commit", "retire")
-"""The device stages of a round, in order (a round's states bear the same names)."""
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Event:

@@ -1,9 +1,14 @@
 """The round state machine: one declaration on transitions, run from a table derived from it."""
 
 from adaspec.runtime.states.graph import (
+    DONE_TRIGGER,
+    DONE_TRIGGERS,
+    FAIL_TRIGGER,
     INITIAL_STATE,
     NUM_SLOTS,
     ROUND_GRAPH,
+    STAGE_OF,
+    STAGES,
     TERMINAL_STATES,
     TRIGGERS,
     InvalidTransition,
@@ -11,6 +16,7 @@ from adaspec.runtime.states.graph import (
     RoundHooks,
     RoundState,
     RoundStates,
+    StageDone,
     StateGraph,
     StateGraphError,
     StateSpec,
@@ -22,9 +28,14 @@ from adaspec.runtime.states.graph import (
 )
 
 __all__ = [
+    "DONE_TRIGGER",
+    "DONE_TRIGGERS",
+    "FAIL_TRIGGER",
     "INITIAL_STATE",
     "NUM_SLOTS",
     "ROUND_GRAPH",
+    "STAGE_OF",
+    "STAGES",
     "TERMINAL_STATES",
     "TRIGGERS",
     "InvalidTransition",
@@ -32,6 +43,7 @@ __all__ = [
     "RoundHooks",
     "RoundState",
     "RoundStates",
+    "StageDone",
     "StateGraph",
     "StateGraphError",
     "StateSpec",

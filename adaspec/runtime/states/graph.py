@@ -271,11 +271,46 @@ def _derive_table(graph: StateGraph) -> tuple[dict[str, RoundState], ...]:
     return table
 
 
+def _derive_stages(graph: StateGraph) -> tuple[tuple[str, ...], tuple[str, ...], str]:
+    """The stages (the working states, from the initial one in the order their triggers
+    chain them), the trigger completing each, and the trigger failing any of them (the one
+    every working state takes)."""
+    working = [spec.name for spec in graph.states if not spec.terminal]
+    leaving = {name: [move for move in graph.transitions if move.source == name]
+               for name in working}
+    shared = set.intersection(*({move.trigger for move in moves} for moves in leaving.values()))
+    if len(shared) != 1:
+        raise StateGraphError("one-fail-trigger", tuple(sorted(shared)),
+                              "expected exactly one trigger that every working state takes")
+    fail = shared.pop()
+    stages: list[str] = []
+    done: list[str] = []
+    state = graph.initial
+    while state in leaving and state not in stages:
+        onward = [move for move in leaving[state] if move.trigger != fail]
+        if len(onward) != 1:
+            raise StateGraphError("one-done-trigger", (state,),
+                                  f"{state} must complete through exactly one trigger")
+        stages.append(state)
+        done.append(onward[0].trigger)
+        state = onward[0].dest
+    if len(stages) != len(working):
+        raise StateGraphError("stage-chain", tuple(set(working) - set(stages)),
+                              "every working state must lie on the chain from the initial one")
+    return tuple(stages), tuple(done), fail
+
+
 _check_mirror(ROUND_GRAPH)
 _TABLE = _derive_table(ROUND_GRAPH)
 INITIAL_STATE = RoundState[ROUND_GRAPH.initial.upper()]
 TERMINAL_STATES = frozenset(RoundState[s.name.upper()] for s in ROUND_GRAPH.states if s.terminal)
 TRIGGERS = ROUND_GRAPH.triggers
+STAGES, DONE_TRIGGERS, FAIL_TRIGGER = _derive_stages(ROUND_GRAPH)
+"""The device stages of a round in order (its working states), the trigger that completes
+each (``DONE_TRIGGERS[i]`` completes ``STAGES[i]``), and the one that fails any of them."""
+DONE_TRIGGER: dict[str, str] = dict(zip(STAGES, DONE_TRIGGERS, strict=True))
+STAGE_OF: dict[str, str] = dict(zip(DONE_TRIGGERS, STAGES, strict=True))
+"""The stage each done trigger completes."""
 
 
 def allowed_triggers(state: RoundState) -> tuple[str, ...]:
@@ -301,6 +336,8 @@ class InvalidTransition(AdaspecError):
 
 RoundHook = Callable[["RoundStates", RoundState, RoundState, str], None]
 """Called as ``hook(round_states, from_state, to_state, trigger)``."""
+StageDone = Callable[["RoundStates", str], None]
+"""Called as ``completed(round_states, stage)`` once a stage's done trigger moved the round."""
 
 
 class RoundHooks:
@@ -353,18 +390,21 @@ class RoundStates:
     A move is a transaction: the hooks for the destination run first, and the state changes
     only when all of them returned. A raising hook therefore leaves the round in its source
     state, which is always a working state, so the failure handler can still fire ``fail``.
+    A move that completes a stage then tells ``completed`` (the runtime's stage event is made
+    there, by the move, and nowhere else).
     """
 
-    __slots__ = ("_hooks", "_state", "round_index", "slot")
+    __slots__ = ("_completed", "_hooks", "_state", "round_index", "slot")
 
     def __init__(self, round_index: int, hooks: RoundHooks = _NO_HOOKS,
-                 slot: int | None = None) -> None:
+                 slot: int | None = None, completed: StageDone | None = None) -> None:
         self.round_index = round_index
         # The pipeline says which slot the round uses (always 0 without schedule overlap);
         # round % 2 is the two-slot default.
         self.slot = round_index % NUM_SLOTS if slot is None else slot
         self._state = INITIAL_STATE
         self._hooks = hooks
+        self._completed = completed
 
     @property
     def state(self) -> RoundState:
@@ -384,25 +424,9 @@ class RoundStates:
         for hook in self._hooks._by_target[target]:
             hook(self, source, target, trigger)
         self._state = target
+        if self._completed is not None and trigger in STAGE_OF:
+            self._completed(self, STAGE_OF[trigger])
         return target
-
-    def fire_each(self, triggers: tuple[str, ...]) -> RoundState:
-        """``fire`` each trigger in order, for a caller with nothing to do between the moves;
-        stops at the first the round refuses (``InvalidTransition``), the moves before it
-        made."""
-        if not self._hooks.empty:
-            for trigger in triggers:
-                self.fire(trigger)
-            return self._state
-        state = self._state  # no hook runs: only the table is walked
-        for trigger in triggers:
-            target = _TABLE[state].get(trigger)
-            if target is None:
-                self._state = state
-                raise InvalidTransition(self.round_index, state, trigger)
-            state = target
-        self._state = state
-        return state
 
     def __repr__(self) -> str:
         return f"RoundStates(round={self.round_index}, state={self._state.label})"
