@@ -85,10 +85,10 @@ class InstantDevice:
 
     def _answer(self, work: Any) -> Any:
         if isinstance(work, functools.partial) and work.func is prefill:
-            slots = work.args[1].slots.tolist()
-            for slot in slots:
+            kv_slots = work.args[1].kv_slots.tolist()
+            for slot in kv_slots:
                 self._seen[slot] = 0
-            num = len(slots)
+            num = len(kv_slots)
             return {"first": torch.full((num,), 65), "live": torch.ones(num, dtype=torch.bool),
                     "stopped": torch.zeros(num, dtype=torch.bool)}
         owner = getattr(work, "__self__", None)
@@ -97,21 +97,21 @@ class InstantDevice:
         return None
 
     def _retire(self, work: RoundWork) -> dict[str, "Listed"]:
-        slots = self._slot_lists.get(id(work.inputs.slots))
-        if slots is None:  # the batch's slots tensor is reused while the batch is unchanged
-            slots = self._slot_lists[id(work.inputs.slots)] = work.inputs.slots.tolist()
+        kv_slots = self._slot_lists.get(id(work.inputs.kv_slots))
+        if kv_slots is None:  # the batch's slots tensor is reused while the batch is unchanged
+            kv_slots = self._slot_lists[id(work.inputs.kv_slots)] = work.inputs.kv_slots.tolist()
         scratch = work.ctx.states.scratch
         live, finish = [], []
         seen, rounds = self._seen, self._rounds
-        for slot in slots:
+        for slot in kv_slots:
             going = slot != scratch and seen.get(slot, rounds) < rounds
             live.append(going)
             if going:
                 seen[slot] += 1
             finish.append(2 if going and seen[slot] == rounds else 0)
-        constant = self._constant.get(len(slots))
+        constant = self._constant.get(len(kv_slots))
         if constant is None:
-            constant = self._constant[len(slots)] = synthetic_columns(len(slots))
+            constant = self._constant[len(kv_slots)] = synthetic_columns(len(kv_slots))
         return {**constant, "finish": Listed(finish), "live": Listed(live)}
 
     def close(self) -> None:

@@ -41,7 +41,7 @@ def time_shape(target: TargetModel, num_reqs: int, num_rows: int, width: int,
                calls: int) -> dict[str, float]:
     """Median milliseconds per verify call of each arm, interleaved call by call."""
     arms = {"binding": grid_width(width, num_rows), "launch": width + 1}
-    rows = {arm: padding_rows(num_reqs, num_rows, per_req, target.num_slots, "cpu")
+    rows = {arm: padding_rows(num_reqs, num_rows, per_req, target.num_kv_slots, "cpu")
             for arm, per_req in arms.items()}
     spent: dict[str, list[float]] = {arm: [] for arm in arms}
     with torch.inference_mode():

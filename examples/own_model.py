@@ -59,35 +59,35 @@ class TrigramTarget:
         self.bytes = torch.zeros(1, context_limit, dtype=torch.int64)
 
     @property
-    def num_slots(self) -> int:
+    def num_kv_slots(self) -> int:
         return self.bytes.shape[0] - 1  # the last slot is scratch: padding rows write there
 
-    def allocate(self, num_slots: int) -> None:
-        self.bytes = torch.zeros(num_slots + 1, self.context_limit, dtype=torch.int64)
+    def allocate(self, num_kv_slots: int) -> None:
+        self.bytes = torch.zeros(num_kv_slots + 1, self.context_limit, dtype=torch.int64)
 
-    def _logits(self, slots: Tensor, positions: Tensor, token_ids: Tensor) -> Tensor:
+    def _logits(self, kv_slots: Tensor, positions: Tensor, token_ids: Tensor) -> Tensor:
         """Scores of the byte after ``token_ids`` at ``positions`` (the byte before them comes
         from the cache; position 0 has none and counts byte 0 there)."""
-        before = self.bytes[slots, (positions - 1).clamp(min=0)]
+        before = self.bytes[kv_slots, (positions - 1).clamp(min=0)]
         before = torch.where(positions > 0, before, 0)
         return self.pairs[token_ids] + self.skips[before]
 
-    def prefill(self, prompts: list[Tensor], slots: Tensor) -> PrefillOutput:
+    def prefill(self, prompts: list[Tensor], kv_slots: Tensor) -> PrefillOutput:
         lengths = torch.tensor([len(p) for p in prompts])
-        for slot, prompt in zip(slots.tolist(), prompts, strict=True):
+        for slot, prompt in zip(kv_slots.tolist(), prompts, strict=True):
             self.bytes[slot, :len(prompt)] = prompt
         last = lengths - 1
-        tokens = self.bytes[slots, last]
-        logits = self._logits(slots, last, tokens)
+        tokens = self.bytes[kv_slots, last]
+        logits = self._logits(kv_slots, last, tokens)
         hidden = torch.zeros(len(prompts), int(lengths.max()), HIDDEN)
         return PrefillOutput(last=TargetOutput(logits=logits, hidden=hidden[:, 0]),
                              hidden=hidden, lengths=lengths)
 
     def verify(self, rows: VerifyRows) -> TargetOutput:
-        slots = torch.where(rows.row_valid, rows.req_slots[rows.row_reqs], self.num_slots)
+        kv_slots = torch.where(rows.row_valid, rows.req_kv_slots[rows.row_reqs], self.num_kv_slots)
         positions = torch.where(rows.row_valid, rows.positions, 0)
-        self.bytes[slots, positions] = rows.token_ids  # write first, then read back one
-        logits = self._logits(slots, positions, rows.token_ids)
+        self.bytes[kv_slots, positions] = rows.token_ids  # write first, then read back one
+        logits = self._logits(kv_slots, positions, rows.token_ids)
         return TargetOutput(logits=logits, hidden=torch.zeros(len(positions), HIDDEN))
 
 
@@ -98,14 +98,14 @@ class BigramDrafter:
         self.pairs = pairs  # the target's table: the identity names the checkpoint it shares
         self.identity = checkpoint_identity({}, {"pairs": pairs}, parent=target.identity)
 
-    def allocate(self, num_slots: int) -> None:
+    def allocate(self, num_kv_slots: int) -> None:
         """Nothing per request to keep."""
 
     def publish(self, rows: ContextRows) -> None:
         """Nothing to keep: each step sees the byte it drafts from."""
 
     def step(self, hidden: Tensor, token_ids: Tensor, positions: Tensor,
-             slots: Tensor) -> MtpStep:
+             kv_slots: Tensor) -> MtpStep:
         logits = self.pairs[token_ids]
         chosen = logits.argmax(-1)
         probs = (logits.gather(-1, chosen[:, None])[:, 0] - logits.logsumexp(-1)).exp()

@@ -21,11 +21,11 @@ def rejection(line: str) -> ConfigError:
     return info.value
 
 
-def serving_models(num_slots: int) -> ReferenceModels:
-    """The shipped reference models with KV caches for ``num_slots`` requests."""
+def serving_models(num_kv_slots: int) -> ReferenceModels:
+    """The shipped reference models with KV caches for ``num_kv_slots`` requests."""
     loaded = load_reference_models()
-    loaded.target.allocate(num_slots)
-    loaded.mtp.allocate(num_slots)
+    loaded.target.allocate(num_kv_slots)
+    loaded.mtp.allocate(num_kv_slots)
     return loaded
 
 

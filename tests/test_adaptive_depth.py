@@ -238,8 +238,9 @@ def test_adaptive_depth_runs_lossless_on_the_runtime_and_replays_bit_exactly(
         (b, d, next(g for g in geometry.legal_rows(b) if g >= b * (d + 1)))
         for b in (1, 2, 4) for d in (1, 2, 3)} | {(4, 3, g) for g in (6, 8, 12, 16)}
     header, events = read_event_log(log)
-    assert header["policies"]["depth"]["name"] == "adaptive-depth"
-    assert [(p["over"], p["table"]["kind"]) for p in header["cost_table"]["profiles"]] == [
+    assert header.policies["depth"]["name"] == "adaptive-depth"
+    assert header.cost_table is not None
+    assert [(p["over"], p["table"]["kind"]) for p in header.cost_table["profiles"]] == [
         ("depth", "log-additive"),  # the additive model on log seconds: depths scale a bucket
         ("rows", "additive")]
     decisions = [e for e in events if isinstance(e, DepthDecided)]

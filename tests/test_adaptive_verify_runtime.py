@@ -39,8 +39,9 @@ def test_adaptive_verify_is_lossless_and_replays_bit_exactly(
     target_only = decode(config("none", 0, 4), PROMPTS, PARAMS, models=models, wave=3)
     assert [r.token_ids for r in adaptive] == [r.token_ids for r in target_only]
     header, events = read_event_log(log)
-    assert header["policies"]["budget"]["name"] == "adaptive-verify"
-    assert header["cost_table"]["compatibility"]["algorithm"] == algorithm
+    assert header.policies["budget"]["name"] == "adaptive-verify"
+    assert header.cost_table is not None
+    assert header.cost_table["compatibility"]["algorithm"] == algorithm
     budgets = [e for e in events if isinstance(e, BudgetDecided)]
     assert budgets
     assert all(e.context.request_ids and e.context.max_kv_length > 0 for e in budgets)

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from runtime_helpers import config
 
 from adaspec.config import SamplingParams
@@ -121,3 +122,67 @@ def test_misused_requests_cancels_and_unsubscribes_are_refused_in_one_line() -> 
             await runtime.stop()
 
     asyncio.run(run())
+
+
+EXPECTED_PROMPT = ("expected the prompt's token ids in order: a list or tuple of ints, bytes, "
+                   "or a 1-d integer array")
+
+
+@pytest.mark.parametrize(("prompt", "shown"), [
+    ({65: 1, 66: 2}, "dict"),  # its keys would be taken, in whatever order
+    ({65, 66}, "set"),  # no order at all
+    ((token for token in [65]), "generator"),
+    (None, "NoneType"),
+    ("RO", "str"),
+    (np.array(65), "ndarray of 0 dimensions and dtype int64"),
+    (torch.tensor([[65, 66]]), "Tensor of 2 dimensions and dtype torch.int64"),
+    (np.array([65.0]), "ndarray of 1 dimensions and dtype float64"),
+    ([65, 66.0], "66.0"),
+])
+def test_a_prompt_that_is_no_ordered_sequence_of_ints_is_refused_naming_it(
+        prompt: object, shown: str) -> None:
+    params = SamplingParams(temperature=0, max_tokens=2)
+    runtime = Runtime(config("MTP", 2, 2), models=load_reference_models())
+
+    async def run() -> None:
+        await runtime.start()
+        try:
+            with pytest.raises(InvalidRequest) as raised:
+                runtime.submit(prompt, params)  # type: ignore[arg-type]
+            assert str(raised.value).startswith(f"request field prompt={shown}: "
+                                                f"{EXPECTED_PROMPT}")
+        finally:
+            await runtime.stop()
+
+    asyncio.run(run())
+
+
+def test_integer_arrays_and_bytes_are_prompts_of_their_ids() -> None:
+    params = SamplingParams(temperature=0, max_tokens=3)
+    runtime = Runtime(config("MTP", 2, 4), models=load_reference_models())
+
+    async def run() -> list[tuple[int, ...]]:
+        await runtime.start()
+        try:
+            handles = [runtime.submit(prompt, params) for prompt in (
+                list(b"ROMEO."), b"ROMEO.", np.frombuffer(b"ROMEO.", np.uint8),
+                torch.tensor(list(b"ROMEO.")), [np.int64(t) for t in b"ROMEO."])]
+            return [(await handle.result()).token_ids for handle in handles]
+        finally:
+            await runtime.stop()
+
+    outputs = asyncio.run(run())
+    assert all(output == outputs[0] for output in outputs)
+
+
+def test_an_event_log_and_a_trace_on_one_path_are_refused_before_the_models_load(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "run.jsonl"
+    monkeypatch.setenv("ADASPEC_TRACE", str(path))
+    runtime = Runtime(config("MTP", 2, 2), options=RuntimeOptions(event_log=str(path)),
+                      models=load_reference_models())
+    with pytest.raises(ConfigError) as raised:
+        asyncio.run(runtime.start())
+    assert str(raised.value) == (f"ADASPEC_TRACE={path}: expected a file of its own; "
+                                 "event_log names it too")
+    assert not path.exists()

@@ -24,6 +24,7 @@ from adaspec.bench.run import (
     shipped_prompts,
 )
 from adaspec.bench.statistics import (
+    ArmEntry,
     best_fixed_bounds,
     compare_outputs,
     fixed_within_noise,
@@ -162,12 +163,19 @@ def test_bounds_on_the_ratio_to_the_best_fixed_width_use_every_fixed_width() -> 
     assert verdict(None) is None
 
 
+def judged(arm: str, versus_best_fixed: str) -> ArmEntry:
+    """An arm's entry with only its verdict against the best fixed width filled in."""
+    return ArmEntry(arm=arm, concurrency=1, tokens_per_second=1.0, pass_tokens_per_second=[],
+                    tokens_per_cpu_second=None, aggregate_tokens_per_second=1.0, tpot_ms={},
+                    mean_acceptance_length=None, acceptance_rate=None, position_acceptance=[],
+                    mean_rows_per_round=None, tokens=0, seconds=0.0, rounds=0, by_kind={},
+                    versus_best_fixed=versus_best_fixed)
+
+
 def test_fixed_widths_the_run_cannot_tell_from_the_best_are_named() -> None:
-    entries = [{"arm": "none", "versus_best_fixed": "below"},
-               {"arm": "fixed:3", "versus_best_fixed": "within noise"},
-               {"arm": "fixed:4", "versus_best_fixed": "within noise"},  # the best itself
-               {"arm": "fixed:5", "versus_best_fixed": "below"},
-               {"arm": "adaptive-verify", "versus_best_fixed": "within noise"}]
+    entries = [judged("none", "below"), judged("fixed:3", "within noise"),
+               judged("fixed:4", "within noise"),  # the best itself
+               judged("fixed:5", "below"), judged("adaptive-verify", "within noise")]
     assert fixed_within_noise(entries) == ["fixed:3", "fixed:4"]
     # One width within noise of the best everywhere: the best does not change beyond noise.
     assert steady_fixed([["fixed:3", "fixed:4"], ["fixed:4", "fixed:5"], ["fixed:4"]]) \
@@ -341,7 +349,7 @@ def test_every_arm_writes_an_event_log_that_replays(report: dict[str, object]) -
     assert sorted(p.name for p in logs.iterdir()) == [
         "adaptive-verify.jsonl", "fixed-2.jsonl", "fixed-5.jsonl", "none.jsonl"]
     header, events = read_event_log(logs / "adaptive-verify.jsonl")
-    assert header["policies"]["budget"]["name"] == "adaptive-verify"
+    assert header.policies["budget"]["name"] == "adaptive-verify"
     replay(header, events).check()
 
 

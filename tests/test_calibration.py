@@ -149,7 +149,7 @@ def test_startup_calibrates_a_small_grid_saves_it_and_a_reload_skips_sampling(
     assert second.costs.source == f"saved table {output}"
     headers = [read_event_log(tmp_path / name).header for name in ("first.jsonl",
                                                                       "second.jsonl")]
-    assert headers[0]["cost_table"] == headers[1]["cost_table"] == json.loads(costs.to_json())
+    assert headers[0].cost_table == headers[1].cost_table == json.loads(costs.to_json())
     # The reloaded launch decides every round exactly as the launch that saved the table.
     logged = [[(e.round, e.num_rows) for e in read_event_log(tmp_path / name).events
                if isinstance(e, BudgetDecided)] for name in ("first.jsonl", "second.jsonl")]
@@ -167,12 +167,12 @@ def budget_decisions(costs: CostBundle) -> list[int]:
     profiles = [[rng.random() ** (3 * k / 40) for _ in range(5 * 4)] for k in range(40)]
     decisions = []
     for bucket in GEOMETRY.request_buckets:
-        tiers = GEOMETRY.legal_rows(bucket)
+        legal_rows = GEOMETRY.legal_rows(bucket)
         for num_reqs in range(1, bucket + 1):
             for kv_length in (1, 900, 1024, 1025):
                 for survivals in profiles:
                     decisions.append(choose_rows(
-                        tiers, [(num_reqs, survivals[:5 * num_reqs])],
+                        legal_rows, [(num_reqs, survivals[:5 * num_reqs])],
                         lambda g, b=bucket, kv=kv_length: costs.cost_ms(b, g, kv),
                         bucket * 6))
     return decisions
@@ -251,7 +251,7 @@ def test_serving_after_startup_calibration_stays_lossless(
 
 def budget_context(num_reqs: int, bucket: int) -> BudgetContext:
     return BudgetContext(round=0, num_reqs=num_reqs, num_reqs_bucket=bucket, width=5, depth=5,
-                         tiers=GEOMETRY.legal_rows(bucket), retired_through=-1)
+                         legal_rows=GEOMETRY.legal_rows(bucket), retired_through=-1)
 
 
 def test_only_the_points_request_set_is_forced_and_transient_sets_verify_at_full_width(

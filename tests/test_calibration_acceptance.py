@@ -69,33 +69,33 @@ class OwnTables:
         self.model = EXAMPLE_MODULE.TrigramTarget(*TABLES, context_limit=target.context_limit)
         self.identity = "copy-of-" + target.identity
 
-    def allocate(self, num_slots: int) -> None:
-        self.model.allocate(num_slots)
+    def allocate(self, num_kv_slots: int) -> None:
+        self.model.allocate(num_kv_slots)
 
-    def forward(self, token_ids: Tensor, positions: Tensor, slots: Tensor) -> TargetOutput:
+    def forward(self, token_ids: Tensor, positions: Tensor, kv_slots: Tensor) -> TargetOutput:
         index = torch.arange(token_ids.shape[0])
-        inside = (slots < self.model.num_slots) & (positions < self.model.context_limit)
+        inside = (kv_slots < self.model.num_kv_slots) & (positions < self.model.context_limit)
         output: TargetOutput = self.model.verify(VerifyRows(
             token_ids=token_ids, row_reqs=index, row_offsets=torch.zeros_like(index),
-            row_valid=inside, req_slots=torch.where(inside, slots, self.model.num_slots),
+            row_valid=inside, req_kv_slots=torch.where(inside, kv_slots, self.model.num_kv_slots),
             req_starts=positions.clamp(max=self.model.context_limit - 1), rows_per_req=1))
         return output
 
     def publish(self, rows: Any) -> None:
-        self.forward(rows.token_ids, rows.positions, rows.slots)  # x_p at p
+        self.forward(rows.token_ids, rows.positions, rows.kv_slots)  # x_p at p
 
     def step(self, hidden: Tensor, token_ids: Tensor, positions: Tensor,
-             slots: Tensor) -> MtpStep:
-        logits = self.forward(token_ids, positions + 1, slots).logits
+             kv_slots: Tensor) -> MtpStep:
+        logits = self.forward(token_ids, positions + 1, kv_slots).logits
         token = logits.argmax(-1)
         probs = logits.softmax(-1).gather(-1, token[:, None])[:, 0]
         return MtpStep(hidden=hidden, token_ids=token, probs=probs, logits=logits)
 
-    def draft(self, hidden: Tensor, token_ids: Tensor, positions: Tensor, slots: Tensor,
+    def draft(self, hidden: Tensor, token_ids: Tensor, positions: Tensor, kv_slots: Tensor,
               width: int) -> DSparkBlock:
         token, tokens, logits = token_ids, [], []
         for k in range(width):
-            scores = self.forward(token, positions + 1 + k, slots).logits
+            scores = self.forward(token, positions + 1 + k, kv_slots).logits
             token = scores.argmax(-1)
             tokens.append(token)
             logits.append(scores)
@@ -201,7 +201,7 @@ class AllAccepted:
                                            bound_rows=rows, context=BudgetContext(
                                                round=number, num_reqs=live, num_reqs_bucket=1,
                                                width=self.width, depth=self.width,
-                                               tiers=(1, 2, 4, 6),
+                                               legal_rows=(1, 2, 4, 6),
                                                retired_through=number - 2)))
             self.bus.publish(RoundRetired(time=0.001 * number, round=number, slot=number % 2,
                                           feedback=RoundFeedback(

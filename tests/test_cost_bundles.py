@@ -20,6 +20,7 @@ from adaspec.policies.bundles import (
 )
 from adaspec.policies.costs import CostSample, fit, fit_sps
 from adaspec.policies.workloads import shaped_table, synthetic
+from adaspec.runtime.events.log import LogHeader
 from adaspec.runtime.events.replay import recorded_costs
 
 
@@ -143,6 +144,11 @@ def test_coverage_gaps_have_no_price() -> None:
     (lambda d: d["compatibility"]["target_rows"][1].insert(0, 1),
      r"target_rows\[1\]=\[1, 2, 4, 6, 8, 12\]: expected tiers in 2\.\.12 .* got 1"),
     # Settings that contradict the compatibility (or the profiles) they were saved with.
+    (lambda d: d["settings"].update(step_cost_models={}),
+     r"settings\.step_cost_models=\{\}: is not a calibration setting; expected some of model, "),
+    (lambda d: d["settings"].update(enable_adaptive_spec_prune=True),
+     r"settings\.enable_adaptive_spec_prune=true: enable_adaptive_spec_prune was renamed to "
+     r"enable_adaptive_target_verify"),
     (lambda d: d["settings"].update(draft_width=7),
      r"settings\.draft_width=7: expected the integer 5, the draft_width of the compatibility$"),
     (lambda d: d["settings"].update(draft_width="5"),
@@ -211,7 +217,8 @@ def test_every_reader_of_bundles_refuses_absurd_prices(
     with pytest.raises(ConfigError, match=rf"^--adaptive_target_verify_cost_table=.*{ABSURD}"):
         load_bundle(str(table), data)  # a launch, adaspec simulate
     with pytest.raises(ConfigError, match=rf"^cost_table\.profiles\[0\]\.table\.{ABSURD}"):
-        recorded_costs({"cost_table": data})  # adaspec replay, from an event log's header
+        recorded_costs(LogHeader(config={}, cost_table=data, models={}, context_limit=2,
+                                 seed=0, lag=2, policies={}))  # replay, from a log's header
     with pytest.raises(ConfigError, match=rf"^profiles\[0\]\.table\.{ABSURD}"):
         bundle_from_dict(data, "rank 0's table")  # what every rank installs
     legacy, legacy_data = saved(tmp_path, data["profiles"][0]["table"], "legacy.json")

@@ -114,7 +114,7 @@ class Case:
     num_rows: int
     anchors: torch.Tensor
     drafts: torch.Tensor  # [Bcap, width]
-    slots: torch.Tensor
+    kv_slots: torch.Tensor
     starts: torch.Tensor
     stops: torch.Tensor  # [Bcap, S]
     remaining: torch.Tensor
@@ -157,7 +157,7 @@ def random_case(seed: int, without_drafts: bool = False) -> Case:
     drafts[torch.rand(num_reqs, width, generator=gen) < 0.5] = 0
     return Case(confidences=confidences, caps=ints(caps), req_valid=flags(valid),
                 num_rows=num_rows, anchors=torch.randint(0, vocab, (num_reqs,), generator=gen),
-                drafts=drafts, slots=ints(list(range(num_reqs))),
+                drafts=drafts, kv_slots=ints(list(range(num_reqs))),
                 starts=ints([rng.randint(0, 100) for _ in range(num_reqs)]),
                 stops=torch.tensor([[rng.choice([-1, 0, 1, 2]), -1] for _ in range(num_reqs)]),
                 remaining=ints(remaining), params=[random_params(rng) for _ in range(num_reqs)],
@@ -167,7 +167,7 @@ def random_case(seed: int, without_drafts: bool = False) -> Case:
 def run_kernels(case: Case, params: SamplingTensors | None = None
                 ) -> tuple[torch.Tensor, PackedRows, torch.Tensor, CommitResult]:
     lengths = allocate_prefixes(case.confidences, case.num_rows, case.caps, case.req_valid)
-    packed = pack_rows(lengths, case.anchors, case.drafts, case.slots, case.starts,
+    packed = pack_rows(lengths, case.anchors, case.drafts, case.kv_slots, case.starts,
                        case.req_valid, case.num_rows)
     if params is None:
         params = SamplingTensors.from_params(case.params, len(case.params))
@@ -254,7 +254,7 @@ def test_the_width_0_kernels_give_exactly_what_the_general_ones_give(seed: int) 
     # pack_rows and commit_rows take a shorter path when a round has no drafts (the
     # runtime without speculation); every tensor they return must be the general one's.
     case = random_case(seed, without_drafts=True)
-    args = (case.caps * 0, case.anchors, case.drafts, case.slots, case.starts, case.req_valid,
+    args = (case.caps * 0, case.anchors, case.drafts, case.kv_slots, case.starts, case.req_valid,
             case.num_rows)
     sampled = torch.randint(0, 3, (case.num_rows,), generator=torch.Generator().manual_seed(seed))
     budget = torch.where(case.req_valid, case.remaining, torch.tensor([0, 1])[seed % 2])
@@ -335,7 +335,7 @@ def test_packed_rows_verify_exactly_like_host_built_rows() -> None:
         target._require_cache().keys[layer].copy_(keys)
     host_rows = VerifyRows.from_requests([(0, 4, [111, 111, 32, 119]), (1, 3, [32, 32])],
                                          num_rows=8, num_reqs=2, rows_per_req=4,
-                                         scratch_slot=3)
+                                         scratch_kv_slot=3)
     host_out = target.verify(host_rows)
     assert torch.equal(device_out.logits[:6], host_out.logits[:6])
 
@@ -357,7 +357,7 @@ def test_a_budget_narrower_than_the_launch_packs_a_narrower_grid_with_the_same_l
     for layer, keys in enumerate(snapshot):
         target._require_cache().keys[layer].copy_(keys)
     wide = target.verify(VerifyRows.from_requests([(0, 4, [111, 111, 32])], num_rows=4,
-                                                  num_reqs=1, rows_per_req=6, scratch_slot=1))
+                                                  num_reqs=1, rows_per_req=6, scratch_kv_slot=1))
     torch.testing.assert_close(narrow.logits[:3], wide.logits[:3], rtol=1e-5, atol=1e-5)
     assert torch.equal(narrow.logits[:3].argmax(-1), wide.logits[:3].argmax(-1))
 
@@ -472,10 +472,10 @@ def test_publication_writes_committed_rows_and_sends_the_rest_to_scratch() -> No
                        valid, num_rows=7)
     result = commit_rows(packed, ints([7, 3, 0, 0, 9, 9, 0]), drafts, ints([[-1], [-1]]),
                          ints([50, 50]), valid)
-    next_ids, positions, slots = publication(packed, result, scratch_slot=5)
+    next_ids, positions, kv_slots = publication(packed, result, scratch_kv_slot=5)
     # Request 0 accepted 7 then got residual 3; request 1 got residual 9 at once.
     assert result.token_ids.tolist() == [[7, 3, -1, -1], [9, -1, -1, -1]]
-    assert slots.tolist() == [0, 0, 5, 5, 1, 5, 5]
+    assert kv_slots.tolist() == [0, 0, 5, 5, 1, 5, 5]
     assert positions[:5].tolist() == [10, 11, 12, 13, 20]
     assert next_ids.tolist()[:5] == [7, 3, 0, 0, 9]
 

@@ -309,7 +309,7 @@ def test_numpy_sampling_values_decode_and_are_logged_as_plain_numbers(
 
 
 
-# --- members that raise, num_slots after allocate -------------------------------------------------
+# --- members that raise, num_kv_slots after allocate ---------------------------------------------
 
 class RaisingIdentity(Changed):
     """A model whose identity property fails when read."""
@@ -397,37 +397,37 @@ def _start_refusal(given: SimpleNamespace, batch: int = 2) -> str:
 
 
 SLOTS_4 = ("expected 4 after allocate(4): 4 + 1 KV slots, 0 .. 3 for requests and 4 the "
-           "scratch slot")
+           "scratch KV slot")
 
 
-@pytest.mark.parametrize(("num_slots", "tail"), [
-    # One short: the scratch slot, that padding writes, would be a request's slot.
-    (3, " (with fewer, the scratch slot would be a request's); allocate left it unchanged"),
+@pytest.mark.parametrize(("num_kv_slots", "tail"), [
+    # One short: the scratch KV slot, that padding writes, would be a request's slot.
+    (3, " (with fewer, the scratch KV slot would be a request's); allocate left it unchanged"),
     (5, "; allocate left it unchanged"),
     (10**6, "; allocate left it unchanged"),
     ("many", "; got type str"),
     (4.0, "; got type float"),
 ])
 def test_a_target_num_slots_other_than_allocate_asked_for_is_refused(
-        num_slots: object, tail: str, models: ReferenceModels) -> None:
-    target = Changed(models.target, num_slots=num_slots)
+        num_kv_slots: object, tail: str, models: ReferenceModels) -> None:
+    target = Changed(models.target, num_kv_slots=num_kv_slots)
     message = _start_refusal(SimpleNamespace(target=target, mtp=models.mtp, dspark=None))
-    assert message == f"Runtime(models=...).target.num_slots={num_slots!r}: {SLOTS_4}{tail}"
+    assert message == f"Runtime(models=...).target.num_kv_slots={num_kv_slots!r}: {SLOTS_4}{tail}"
 
 
 def test_an_allocate_that_does_nothing_is_refused() -> None:
-    fresh = load_reference_models()  # never allocated: num_slots is 0
-    target = Changed(fresh.target, allocate=lambda num_slots: None)
+    fresh = load_reference_models()  # never allocated: num_kv_slots is 0
+    target = Changed(fresh.target, allocate=lambda num_kv_slots: None)
     message = _start_refusal(SimpleNamespace(target=target, mtp=fresh.mtp, dspark=None))
-    assert message == (f"Runtime(models=...).target.num_slots=0: {SLOTS_4} (with fewer, the "
-                       "scratch slot would be a request's); allocate left it unchanged")
+    assert message == (f"Runtime(models=...).target.num_kv_slots=0: {SLOTS_4} (with fewer, the "
+                       "scratch KV slot would be a request's); allocate left it unchanged")
 
 
 def test_a_drafter_that_tells_another_num_slots_is_refused(models: ReferenceModels) -> None:
-    drafter = Changed(models.mtp, num_slots=2)
+    drafter = Changed(models.mtp, num_kv_slots=2)
     message = _start_refusal(SimpleNamespace(target=models.target, mtp=drafter, dspark=None))
-    assert message == (f"Runtime(models=...).mtp.num_slots=2: {SLOTS_4} (with fewer, the "
-                       "scratch slot would be a request's); allocate left it unchanged")
+    assert message == (f"Runtime(models=...).mtp.num_kv_slots=2: {SLOTS_4} (with fewer, the "
+                       "scratch KV slot would be a request's); allocate left it unchanged")
 
 
 # --- outputs of the wrong shape -------------------------------------------------------------------

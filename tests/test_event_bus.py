@@ -282,6 +282,17 @@ def test_a_dropped_handler_subscribed_again_is_dropped_again_and_a_non_callable_
         bus.subscribe(42)  # type: ignore[arg-type]
 
 
+def test_an_async_handler_is_refused_rather_than_left_unawaited() -> None:
+    async def handler(event: Event) -> None:
+        raise AssertionError("never runs: its coroutine would not be awaited")
+
+    bus = EventBus()
+    with pytest.raises(TypeError, match=r"^subscribe\(.*\.handler\): an async def handler would "
+                                        r"only make coroutines nobody awaits"):
+        bus.subscribe(handler)  # type: ignore[arg-type]
+    bus.publish(stage(0))  # nothing subscribed, nothing to await
+
+
 def test_a_dropped_handler_is_not_called_again_in_that_publish_and_a_fresh_subscription_stays(
         ) -> None:
     bus = EventBus()

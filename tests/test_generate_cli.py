@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from adaspec import cli
+from adaspec.cli.generate import file_lines
 from adaspec.runtime.trace import read_trace
 
 LAUNCH = ["--speculative_algorithm=DSpark", "--num_speculative_tokens=5",
@@ -113,6 +114,13 @@ def test_event_log_and_trace_flags_write_files_that_replay(
      "--prompts_file=/nonexistent/p.txt: expected an existing UTF-8 text file"),
     (["--prompt", "x", "--max_tokens=4", "--temperature=0", "--model=/models/x"],
      "--model=/models/x: adaspec generate runs the built-in reference models"),
+    # The context (1024) holds the prompt and max_tokens, or nothing loads.
+    (["--prompt", "x" * 1020, "--max_tokens=5", "--temperature=0"],
+     "--max_tokens=5: expected at most 4: the context limit 1024 less the 1020 tokens of "
+     "--prompt=xxx"),
+    (["--prompt", "x" * 1024, "--max_tokens=1", "--temperature=0"],
+     "tokens; expected at most 1023 (the context limit 1024, and the first generated token "
+     "needs a position)"),
 ])
 def test_bad_generate_lines_exit_2_with_one_line(argv: list[str], message: str) -> None:
     done = subprocess.run([sys.executable, "-m", "adaspec", "generate", *LAUNCH[:2], *argv],
@@ -141,6 +149,12 @@ def long_generate(trace: str) -> Iterator[subprocess.Popen[str]]:
         if process.poll() is None:
             process.kill()
             process.communicate()
+
+
+def test_a_prompts_file_has_one_prompt_per_newline() -> None:
+    # A form feed or a Unicode line separator is part of its prompt; CRLF reads as LF.
+    assert file_lines("ROMEO.\x0cJULIET:\r\nb\u2028c\n") == ["ROMEO.\x0cJULIET:", "b\u2028c"]
+    assert file_lines("a\n\nb") == ["a", "", "b"]  # an empty line is refused by its number
 
 
 def test_ctrl_c_stops_generate_with_one_line_and_status_130(tmp_path: Path) -> None:

@@ -130,7 +130,7 @@ def test_eager_bindings_run_only_their_shape_and_match_plain_verify() -> None:
     binding = make(2, 8)
     assert isinstance(binding, EagerBinding)
     rows = VerifyRows.from_requests([(0, 0, [72, 105]), (1, 0, [72])], num_rows=8, num_reqs=2,
-                                    rows_per_req=4, scratch_slot=2)
+                                    rows_per_req=4, scratch_kv_slot=2)
     out = binding(rows)
     assert out.logits.shape == (8, target.vocab_size)
     with pytest.raises(ValueError, match=r"prepared for \(2, 8, 4\)"):

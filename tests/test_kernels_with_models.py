@@ -27,11 +27,11 @@ def models() -> ReferenceModels:
 
 def draft_block(models: ReferenceModels, drafter: str, hidden: torch.Tensor,
                 anchors: torch.Tensor, positions: torch.Tensor,
-                slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                kv_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Drafted tokens and confidences ``[B, WIDTH]``: the DSpark confidence head, or the MTP
     selected-token probability of each sequential step."""
     if drafter == "dspark":
-        block = models.dspark.draft(hidden, anchors, positions - 1, slots, WIDTH)
+        block = models.dspark.draft(hidden, anchors, positions - 1, kv_slots, WIDTH)
         return block.token_ids, block.confidences
     tokens, probs = [], []
     state, token = hidden, anchors
@@ -39,25 +39,25 @@ def draft_block(models: ReferenceModels, drafter: str, hidden: torch.Tensor,
     for step in range(WIDTH):
         # The first step sits at the position of the row that produced the anchor. Steps past
         # the context limit draft tokens that are never verified (the caps see to that), so
-        # they run on the scratch slot instead of writing outside the cache.
+        # they run on the scratch KV slot instead of writing outside the cache.
         step_positions = positions - 1 + step
         inside = step_positions < limit
         out = models.mtp.step(state, token, step_positions.clamp(max=limit - 1),
-                              torch.where(inside, slots, models.target.num_slots))
+                              torch.where(inside, kv_slots, models.target.num_kv_slots))
         state, token = out.hidden, out.token_ids
         tokens.append(token)
         probs.append(out.probs)
     return torch.stack(tokens, 1), torch.stack(probs, 1)
 
 
-def decode(models: ReferenceModels, prompts: list[torch.Tensor], slots: list[int],
+def decode(models: ReferenceModels, prompts: list[torch.Tensor], kv_slots: list[int],
            speculate: bool, drafter: str = "dspark") -> tuple[list[list[int]], int, int]:
     """Greedy outputs, verify rounds run, and drafted tokens accepted."""
     target = models.target
     num = len(prompts)
-    prefill = target.prefill(prompts, torch.tensor(slots))
+    prefill = target.prefill(prompts, torch.tensor(kv_slots))
     anchors = prefill.last.logits.argmax(-1)
-    models.mtp.publish(ContextRows.of_prompts(prefill, prompts, torch.tensor(slots), anchors))
+    models.mtp.publish(ContextRows.of_prompts(prefill, prompts, torch.tensor(kv_slots), anchors))
     hidden = prefill.last.hidden
     positions = prefill.lengths.clone()
     outputs = [[token] for token in anchors.tolist()]
@@ -67,23 +67,23 @@ def decode(models: ReferenceModels, prompts: list[torch.Tensor], slots: list[int
     rounds = accepted = 0
     while bool(live.any()):
         drafts, confidences = draft_block(models, drafter, hidden, anchors, positions,
-                                          torch.tensor(slots))
+                                          torch.tensor(kv_slots))
         budget = emit_budget(remaining, positions, target.context_limit)
         caps = verify_caps(WIDTH, budget, live)
         # Half the drafted tokens fit: allocation must choose among them by confidence.
         num_rows = num + (num * WIDTH // 2 if speculate else 0)
         lengths = allocate_prefixes(confidences, num_rows, caps, live)
-        packed = pack_rows(lengths, anchors, drafts, torch.tensor(slots), positions, live,
+        packed = pack_rows(lengths, anchors, drafts, torch.tensor(kv_slots), positions, live,
                            num_rows)
         out = target.verify(packed.rows)
         sampled = sample_rows(out.logits, packed.rows.row_reqs, params,
                               torch.zeros(num_rows, dtype=torch.float64))
         result = commit_rows(packed, sampled, drafts, torch.full((num, 1), -1), budget, live)
         next_token_ids, row_positions, row_slots = publication(packed, result,
-                                                               target.num_slots)
+                                                               target.num_kv_slots)
         models.mtp.publish(ContextRows(token_ids=packed.rows.token_ids, hidden=out.hidden,
                                        next_token_ids=next_token_ids, positions=row_positions,
-                                       slots=row_slots))
+                                       kv_slots=row_slots))
         for index, (row, count) in enumerate(zip(result.token_ids.tolist(),
                                                  result.num_emitted.tolist(), strict=True)):
             outputs[index] += row[:count]

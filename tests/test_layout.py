@@ -105,7 +105,7 @@ def test_the_bench_is_a_client_below_the_command_line() -> None:
 
 
 RUNTIME_MODULES = {"__init__", "engine", "pipeline", "rounds", "calibration", "drafting",
-                   "slots", "requests", "trace"}
+                   "kv_slots", "requests", "trace"}
 """What serves a round: the runtime's own modules beside states/, events/ and devices/."""
 
 
@@ -152,3 +152,13 @@ def test_no_import_circle() -> None:
                                     "runtime/devices", "policies", "models", "bench", "cli"])
 def test_architecture_folders_exist(folder: str) -> None:
     assert (PACKAGE / folder / "__init__.py").is_file()
+
+
+def test_the_architecture_page_shows_the_layout_that_exists() -> None:
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    folders = {path.name for path in PACKAGE.iterdir()
+               if (path / "__init__.py").is_file()}
+    for folder in folders | {"states", "events", "devices"}:
+        assert f"{folder}/" in page, folder
+    for module in RUNTIME_MODULES - {"__init__"}:
+        assert f"{module}.py" in page, module

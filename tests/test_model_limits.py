@@ -182,7 +182,7 @@ class NoVerify:
         draft=lambda hidden, token_ids, width: m.dspark.draft(hidden, token_ids, None, None,
                                                               width))),
      r"^Runtime\(models=\.\.\.\)\.dspark=SimpleNamespace: expected a DSparkDrafter: it has "
-     r"a draft that cannot be called as draft\(hidden, token_ids, positions, slots, width\)$"),
+     r"a draft that cannot be called as draft\(hidden, token_ids, positions, kv_slots, width\)$"),
     ("DSpark", 3, lambda m: SimpleNamespace(target=m.target, mtp=None, dspark=SimpleNamespace(
         identity="half", max_width=7, draft=m.dspark.draft, publish=print)),
      r"^Runtime\(models=\.\.\.\)\.dspark=SimpleNamespace: expected a DrafterContext, as it "

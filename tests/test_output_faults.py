@@ -25,10 +25,10 @@ from adaspec.config import load_config
 from adaspec.errors import ConfigError, EventLogError, OutputWriteError
 from adaspec.runtime.engine import TRACE_ENV, Runtime, RuntimeOptions
 from adaspec.runtime.events.clock import VirtualClock
-from adaspec.runtime.events.log import EventLogWriter
+from adaspec.runtime.events.log import EventLogWriter, LogHeader
 from adaspec.runtime.events.outputs import ObserverFile
 from adaspec.runtime.events.types import RequestArrived
-from adaspec.runtime.states import RoundHooks, RoundState, RoundStates
+from adaspec.runtime.states import RoundHooks, RoundMachine, RoundState
 from adaspec.runtime.trace import StateTrace
 
 
@@ -49,7 +49,7 @@ def test_a_trace_that_cannot_write_stops_tracing_and_says_so_at_close() -> None:
     trace = StateTrace([structlog.processors.JSONRenderer()],
                        ObserverFile(FullDiskFile()),  # type: ignore[arg-type]
                        VirtualClock(), setting="ADASPEC_TRACE", path="-")
-    states = RoundStates(0, RoundHooks(), slot=0)
+    states = RoundMachine(0, RoundHooks(), slot=0)
     for _ in range(3):  # the round's move is never refused because of the trace
         trace.hook(states, RoundState.DRAFT, RoundState.CONSENSUS, "drafted")
     with pytest.raises(OutputWriteError) as raised:
@@ -63,8 +63,8 @@ def test_a_trace_that_cannot_write_stops_tracing_and_says_so_at_close() -> None:
 def test_an_event_log_that_cannot_write_drops_later_events_and_says_so_at_close(
         tmp_path: Path) -> None:
     path = tmp_path / "run.jsonl"
-    writer = EventLogWriter(path, {"config": {}, "cost_table": None, "models": {},
-                                   "context_limit": 2, "seeds": {}, "lag": 2, "policies": {}})
+    writer = EventLogWriter(path, LogHeader(config={}, cost_table=None, models={},
+                                            context_limit=2, seed=0, lag=2, policies={}))
     writer._file.close()
     writer._file = ObserverFile(FullDiskFile())  # type: ignore[arg-type]
     event = RequestArrived(time=0.0, request_id=0, num_prompt_tokens=1, sampling={})

@@ -47,7 +47,7 @@ def prompt(text: bytes, start: int, length: int) -> torch.Tensor:
 def decode_one(models: ReferenceModels, slot: int, position: int, token: int) -> torch.Tensor:
     """Plain one-token decoding of a single request (one row, one batch entry)."""
     rows = VerifyRows.from_requests([(slot, position, [token])], num_rows=1, num_reqs=1,
-                                    rows_per_req=1, scratch_slot=models.target.num_slots)
+                                    rows_per_req=1, scratch_kv_slot=models.target.num_kv_slots)
     return models.target.verify(rows).logits[0]
 
 
@@ -69,7 +69,7 @@ def test_packed_verification_equals_step_by_step_decoding(models: ReferenceModel
     target.prefill(prompts, torch.tensor([0, 1, 2]))
     rows = VerifyRows.from_requests(
         [(slot, n, s) for slot, (n, s) in enumerate(zip(lengths, suffixes, strict=True))],
-        num_rows=16, num_reqs=4, rows_per_req=8, scratch_slot=target.num_slots)
+        num_rows=16, num_reqs=4, rows_per_req=8, scratch_kv_slot=target.num_kv_slots)
     packed = target.verify(rows).logits
     target.prefill(prompts, torch.tensor([3, 4, 5]))
     row = 0
@@ -89,7 +89,7 @@ def test_verification_near_the_context_limit_equals_a_whole_sequence_forward(
     long_rows, short_rows = prompt(text, 5000, 8).tolist(), prompt(text, 6000, 3).tolist()
     target.prefill([long_context, short_context], torch.tensor([0, 1]))
     rows = VerifyRows.from_requests([(0, 1016, long_rows), (1, 30, short_rows)], num_rows=16,
-                                    num_reqs=4, rows_per_req=8, scratch_slot=target.num_slots)
+                                    num_reqs=4, rows_per_req=8, scratch_kv_slot=target.num_kv_slots)
     packed = target.verify(rows).logits
     for offset, (context, suffix) in ((0, (long_context, long_rows)),
                                       (8, (short_context, short_rows))):
@@ -105,10 +105,10 @@ def test_prewarming_buckets_leaves_every_request_untouched(models: ReferenceMode
     target.prefill([prompt(text, 0, 200)], torch.tensor([0]))
     cache = target.cache
     assert cache is not None
-    before = [k[:target.num_slots].clone() for k in cache.keys]
+    before = [k[:target.num_kv_slots].clone() for k in cache.keys]
     prewarm(target, [(1, 8), (4, 16), (8, 64)], rows_per_req=8, device="cpu")
     for old, keys in zip(before, cache.keys, strict=True):
-        assert torch.equal(old, keys[:target.num_slots])
+        assert torch.equal(old, keys[:target.num_kv_slots])
 
 
 def test_prefill_equals_whole_sequence_forward(models: ReferenceModels, text: bytes) -> None:
@@ -168,11 +168,11 @@ def test_rejected_suffix_leaves_kv_as_if_never_verified(models: ReferenceModels,
     context = prompt(text, 0, n)
     block = prompt(text, 2000, 8).tolist()  # anchor + 7 drafts
     target.prefill([context, context], torch.tensor([0, 1]))
-    scratch = target.num_slots
+    scratch = target.num_kv_slots
 
     def verify(slot: int, start: int, tokens: list[int]) -> torch.Tensor:
         rows = VerifyRows.from_requests([(slot, start, tokens)], num_rows=8, num_reqs=1,
-                                        rows_per_req=8, scratch_slot=scratch)
+                                        rows_per_req=8, scratch_kv_slot=scratch)
         return target.verify(rows).logits[:len(tokens)]
 
     verify(0, n, block)  # slot 0 verifies all 7 drafts, then only 2 are accepted
@@ -240,14 +240,14 @@ def test_drafters_are_deterministic(models: ReferenceModels, text: bytes) -> Non
     context = [prompt(text, 0, 200), prompt(text, 500, 90)]
 
     def run() -> tuple[torch.Tensor, ...]:
-        slots = torch.tensor([0, 1])
-        out = models.target.prefill(context, slots)
+        kv_slots = torch.tensor([0, 1])
+        out = models.target.prefill(context, kv_slots)
         anchor = out.last.logits.argmax(-1)
-        block = models.dspark.draft(out.last.hidden, anchor, out.lengths - 1, slots, 7)
-        models.mtp.publish(ContextRows.of_prompts(out, context, slots, anchor))
+        block = models.dspark.draft(out.last.hidden, anchor, out.lengths - 1, kv_slots, 7)
+        models.mtp.publish(ContextRows.of_prompts(out, context, kv_slots, anchor))
         state, token, drafted = out.last.hidden, anchor, []
         for step in range(7):
-            result = models.mtp.step(state, token, out.lengths - 1 + step, slots)
+            result = models.mtp.step(state, token, out.lengths - 1 + step, kv_slots)
             state, token = result.hidden, result.token_ids
             drafted += [result.token_ids, result.probs]
         return block.token_ids, block.confidences, *drafted
@@ -258,17 +258,17 @@ def test_drafters_are_deterministic(models: ReferenceModels, text: bytes) -> Non
 
 def test_dspark_narrower_block_is_a_prefix_of_the_wider_one(models: ReferenceModels,
                                                             text: bytes) -> None:
-    slots = torch.tensor([0])
-    out = models.target.prefill([prompt(text, 0, 300)], slots)
+    kv_slots = torch.tensor([0])
+    out = models.target.prefill([prompt(text, 0, 300)], kv_slots)
     anchor = out.last.logits.argmax(-1)
     positions = out.lengths - 1
-    wide = models.dspark.draft(out.last.hidden, anchor, positions, slots, 7)
-    narrow = models.dspark.draft(out.last.hidden, anchor, positions, slots, 5)
+    wide = models.dspark.draft(out.last.hidden, anchor, positions, kv_slots, 7)
+    narrow = models.dspark.draft(out.last.hidden, anchor, positions, kv_slots, 5)
     assert torch.equal(narrow.token_ids, wide.token_ids[:, :5])
     torch.testing.assert_close(narrow.confidences, wide.confidences[:, :5])
     assert ((wide.confidences > 0) & (wide.confidences < 1)).all()
     with pytest.raises(ValueError, match="width=8: expected 1..7"):
-        models.dspark.draft(out.last.hidden, anchor, positions, slots, 8)
+        models.dspark.draft(out.last.hidden, anchor, positions, kv_slots, 8)
 
 
 def test_quality_holds_at_long_positions(models: ReferenceModels) -> None:
@@ -334,7 +334,7 @@ def test_verify_replays_as_a_cuda_graph_with_new_inputs(text: bytes) -> None:
     captured = CapturedVerify(gpu.target, num_reqs=2, num_rows=8, rows_per_req=8)
     for requests in ([(0, 300, [1, 2, 3]), (1, 40, [4])], [(1, 40, [9, 8, 7, 6, 5])]):
         rows = VerifyRows.from_requests(requests, num_rows=8, num_reqs=2, rows_per_req=8,
-                                        scratch_slot=4, device="cuda")
+                                        scratch_kv_slot=4, device="cuda")
         replayed = captured(rows).logits.clone()
         eager = gpu.target.verify(rows).logits
         valid = rows.row_valid

@@ -12,7 +12,6 @@ checks the log as one run of that launch before replaying it.
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 from cost_tables import depth_bundle
@@ -34,7 +33,7 @@ from adaspec.policies.bundles import CostBundle
 from adaspec.policies.depth import AdaptiveDepth
 from adaspec.policies.fixed import FixedDepth, FullBudget
 from adaspec.policies.registry import make_depth_policy
-from adaspec.runtime.events.log import EventLogWriter, log_header, read_event_log
+from adaspec.runtime.events.log import EventLogWriter, LogHeader, read_event_log
 from adaspec.runtime.events.replay import replay
 from adaspec.runtime.events.types import (
     BudgetDecided,
@@ -47,7 +46,7 @@ from adaspec.runtime.events.types import (
 MODELS = {"target": "target-id", "draft": "dspark-id"}  # checkpoint identities
 CONTEXT_LIMIT = 4096  # the depth bundle prices contexts up to it
 WIDTH = 3  # w
-TIERS = (4, 8, 16)  # legal G; B * (w + 1) is 4, 8, 12 or 16, so every tier is chosen
+LEGAL_ROWS = (4, 8, 16)  # legal G; B * (w + 1) is 4, 8, 12 or 16, so each is chosen
 NUM_ROUNDS = 10
 LAUNCH = {"speculative_algorithm": "DSpark", "num_speculative_tokens": WIDTH,
           "max_seqs_per_batch": 4}  # request buckets 1, 2, 4; bucket 4's legal G are TIERS
@@ -67,7 +66,7 @@ def feedback(round: int) -> RoundFeedback:
 
 def budget_context(round: int) -> BudgetContext:
     return BudgetContext(round=round, num_reqs=num_reqs(round), num_reqs_bucket=4, width=WIDTH,
-                         depth=WIDTH, tiers=TIERS, retired_through=max(round - 2, -1),
+                         depth=WIDTH, legal_rows=LEGAL_ROWS, retired_through=max(round - 2, -1),
                          request_ids=request_ids(round), max_kv_length=64)
 
 
@@ -110,10 +109,10 @@ def recorded_run() -> list[Event]:
 
 
 def write_run(path: Path, events: list[Event] | None = None) -> Path:
-    head = log_header(config=load_config(LAUNCH).as_dict(), cost_table=None, models=MODELS,
-                      context_limit=CONTEXT_LIMIT,
-                      seed=0, lag=2, depth_policy=FixedDepth(),
-                      budget_policy=FullBudget())
+    head = LogHeader.of_run(config=load_config(LAUNCH).as_dict(), cost_table=None, models=MODELS,
+                            context_limit=CONTEXT_LIMIT,
+                            seed=0, lag=2, depth_policy=FixedDepth(),
+                            budget_policy=FullBudget())
     with EventLogWriter(path, head) as writer:
         for event in recorded_run() if events is None else events:
             writer.write(event)
@@ -151,7 +150,7 @@ class CappedBudget:
         self.cap = cap
 
     def decide(self, context: BudgetContext) -> int:
-        allowed = [rows for rows in context.tiers if rows <= self.cap]
+        allowed = [rows for rows in context.legal_rows if rows <= self.cap]
         return min(covering_rows(context, context.depth), allowed[-1])
 
     def observe(self, feedback: RoundFeedback) -> None:
@@ -369,11 +368,11 @@ def test_reading_errors_are_event_log_errors(tmp_path: Path) -> None:
 ADS_LAUNCH = {"speculative_algorithm": "MTP", "num_speculative_tokens": WIDTH,
               "max_seqs_per_batch": 4, "enable_adaptive_draft_step": True}
 ADS_POLICY = DraftStepPolicyConfig(window_size=4, update_interval=1, switch_min_gain=0.0)
-ADS_TIERS = (4, 6, 8, 12, 16)  # bucket 4's legal G with adaptive draft steps
+ADS_LEGAL_ROWS = (4, 6, 8, 12, 16)  # bucket 4's legal G with adaptive draft steps
 
 
 def adaptive_depth_run(costs: CostBundle, policy: DepthPolicy
-                       ) -> tuple[dict[str, Any], list[Event]]:
+                       ) -> tuple[LogHeader, list[Event]]:
     """The header and events of a run of adaptive draft depth on bucket 4: batches of three
     and four requests, short contexts for 20 rounds then long ones (the two intervals of
     ``depth_bundle``), decided by ``policy`` with round n-2's feedback retired just before
@@ -404,7 +403,7 @@ def adaptive_depth_run(costs: CostBundle, policy: DepthPolicy
                                retired_through=max(number - 2, -1), max_kv_length=kv)
         depth = policy.decide(context)
         budget = BudgetContext(round=number, num_reqs=batch, num_reqs_bucket=4, width=WIDTH,
-                               depth=depth, tiers=ADS_TIERS,
+                               depth=depth, legal_rows=ADS_LEGAL_ROWS,
                                retired_through=context.retired_through,
                                request_ids=ids, max_kv_length=kv)
         rows = covering_rows(budget, depth)
@@ -417,12 +416,11 @@ def adaptive_depth_run(costs: CostBundle, policy: DepthPolicy
                    *stages(number)]
     retire(38)
     retire(39)
-    return log_header(config=load_config(ADS_LAUNCH).as_dict(), cost_table=costs.as_dict(),
-                      models={role: costs.compatibility[role] for role in ("target", "draft")},
-                      context_limit=CONTEXT_LIMIT,
-                      seed=0, lag=2, depth_policy=policy,
-                      budget_policy=FullBudget()), with_requests(
-                          events, 8, lambda id: 91 if id < 4 else 2991)
+    models = {role: costs.compatibility[role] for role in ("target", "draft")}
+    return LogHeader.of_run(config=load_config(ADS_LAUNCH).as_dict(), cost_table=costs.as_dict(),
+                            models=models, context_limit=CONTEXT_LIMIT, seed=0, lag=2,
+                            depth_policy=policy, budget_policy=FullBudget()), with_requests(
+                                events, 8, lambda id: 91 if id < 4 else 2991)
 
 
 def test_adaptive_depth_decisions_priced_by_kv_length_and_rows_replay_as_recorded(

@@ -46,7 +46,7 @@ def test_a_log_records_its_models_and_a_table_of_other_models_is_refused(
            options=RuntimeOptions(event_log=str(log)))
     header, events = read_event_log(log)
     models = load_reference_models()
-    assert header["models"] == {"target": models.target.identity,
+    assert header.models == {"target": models.target.identity,
                                 "draft": models.dspark.identity}
     run = check_recorded_run(header, events, str(log))
     table = dataclasses.replace(bundle(), compatibility={**run.compatibility.as_dict(),

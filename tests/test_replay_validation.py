@@ -29,7 +29,7 @@ from adaspec.policies.base import BudgetContext, DepthContext, RoundFeedback, co
 from adaspec.policies.bundles import Compatibility, CostBundle
 from adaspec.policies.fixed import FixedDepth, FullBudget
 from adaspec.policies.workloads import shaped_tables, synthetic
-from adaspec.runtime.events.log import EventLogWriter, log_header, read_event_log
+from adaspec.runtime.events.log import EventLogWriter, LogHeader, read_event_log
 from adaspec.runtime.events.replay import replay, replay_file
 from adaspec.runtime.events.types import (
     BudgetDecided,
@@ -67,7 +67,7 @@ def contexts(round: int) -> tuple[DepthContext, BudgetContext]:
                               "num_reqs_bucket": bucket(round), "width": WIDTH,
                               "retired_through": max(round - 2, -1), "max_kv_length": 32}
     return DepthContext(**shared), BudgetContext(
-        **shared, depth=WIDTH, tiers=legal_rows(round),
+        **shared, depth=WIDTH, legal_rows=legal_rows(round),
         request_ids=tuple(range(num_reqs(round))))
 
 
@@ -122,11 +122,11 @@ def table(**changes: object) -> CostBundle:
 
 def write_run(path: Path, *, cost_table: CostBundle | None = None,
               launch: dict[str, object] | None = None) -> Path:
-    head = log_header(config=load_config(launch or LAUNCH).as_dict(), models=MODELS,
-                      context_limit=CONTEXT_LIMIT,
-                      cost_table=None if cost_table is None else cost_table.as_dict(),
-                      seed=0, depth_policy=FixedDepth(), budget_policy=FullBudget(),
-                      lag=2)
+    head = LogHeader.of_run(config=load_config(launch or LAUNCH).as_dict(), models=MODELS,
+                            context_limit=CONTEXT_LIMIT,
+                            cost_table=None if cost_table is None else cost_table.as_dict(),
+                            seed=0, depth_policy=FixedDepth(), budget_policy=FullBudget(),
+                            lag=2)
     with EventLogWriter(path, head) as writer:
         for event in recorded_run():
             writer.write(event)
@@ -299,7 +299,7 @@ def stages_reversed(records: Records) -> None:
 
 def tiers_cut_to_the_choice(records: Records) -> None:
     budget = records[at(records, "budget_decided", 4)]
-    budget["context"]["tiers"] = [budget["num_rows"]]
+    budget["context"]["legal_rows"] = [budget["num_rows"]]
 
 
 def budget_depth_other_than_decided(records: Records) -> None:
@@ -372,6 +372,11 @@ def kv_bound_raised(records: Records) -> None:
     # Round 0 knows each prompt and its prefill's token only: 23 + 1 + 1 + 2 * 4 = 33 at most.
     for kind in ("depth_decided", "budget_decided"):
         records[at(records, kind, 0)]["context"]["max_kv_length"] = 34
+
+
+def max_tokens_below_what_rounds_gave(records: Records) -> None:
+    # Request 2 is fed back by rounds 2 and 5; a max_tokens of 3 would have capped them.
+    records[request_event(records, "request_arrived", 2)]["sampling"]["max_tokens"] = 3
 
 
 def seeds_renamed(records: Records) -> None:
@@ -483,7 +488,7 @@ DAMAGE: dict[str, tuple[Callable[[Records], None], int, str]] = {
         stages_reversed, 51, 'stage_completed event of round 4: field "stage" expected draft '
         f'{IN_ORDER}, got "retire"'),
     "tiers cut to the G chosen": (
-        tiers_cut_to_the_choice, 49, 'budget_decided event of round 4: field "context.tiers" '
+        tiers_cut_to_the_choice, 49, 'budget_decided event of round 4: field "context.legal_rows" '
         "expected the legal rows [2, 4, 8] of bucket 2, got [8]"),
     "budget depth other than the depth decided": (
         budget_depth_other_than_decided, 49, 'budget_decided event of round 4: field '
@@ -555,6 +560,11 @@ DAMAGE: dict[str, tuple[Callable[[Records], None], int, str]] = {
         "expected at most 33: the longest prompt and the tokens fed back so far, plus the "
         "prefill's token and the positions the rounds in flight and this one write (lag 2, "
         "w + 1 = 4 each), got 34"),
+    "max_tokens below what the rounds gave": (
+        max_tokens_below_what_rounds_gave, 80, "round_retired event of round 5: "
+        "feedback.num_accepted gives request 2 6 tokens (the prefill's and accepted + 1 of each "
+        "round fed back), past its max_tokens=3: a round never verifies more than a request may "
+        "still emit"),
     "seeds under another name": (
         seeds_renamed, 1, 'header "seeds" must be {"run": integer in 0..1099511627775} (the '
         'run seed), got {"sampling": 0}'),

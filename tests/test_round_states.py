@@ -23,8 +23,8 @@ from adaspec.runtime.states import (
     InvalidTransition,
     RoundHook,
     RoundHooks,
+    RoundMachine,
     RoundState,
-    RoundStates,
     StateGraph,
     StateGraphError,
     StateSpec,
@@ -70,7 +70,7 @@ class Reference:
 
 
 def table_trace(events: tuple[str, ...]) -> Trace:
-    round_states = RoundStates(0)
+    round_states = RoundMachine(0)
     trace = []
     for trigger in events:
         try:
@@ -157,7 +157,7 @@ def test_table_agrees_with_machine_on_every_trigger_from_every_reachable_state(
 
 
 def test_a_round_runs_the_stages_in_order_and_retires() -> None:
-    round_states = RoundStates(5)
+    round_states = RoundMachine(5)
     assert round_states.state is INITIAL_STATE is RoundState.DRAFT
     visited = [round_states.fire(f"{stage}_done") for stage in STAGES]
     assert visited == [RoundState.CONSENSUS, RoundState.PACK, RoundState.VERIFY,
@@ -174,7 +174,7 @@ def test_working_states_are_the_device_stages() -> None:
 
 
 def test_an_invalid_trigger_names_round_state_and_trigger_and_changes_nothing() -> None:
-    round_states = RoundStates(3)
+    round_states = RoundMachine(3)
     round_states.fire("draft_done")
     message = "round 3 in state consensus cannot take trigger 'pack_done' " \
               "(allowed: consensus_done, fail)"
@@ -185,7 +185,7 @@ def test_an_invalid_trigger_names_round_state_and_trigger_and_changes_nothing() 
 
 
 def test_a_terminal_round_accepts_no_trigger() -> None:
-    round_states = RoundStates(0)
+    round_states = RoundMachine(0)
     round_states.fire("fail")
     message = "round 0 in state failed cannot take trigger 'fail' (allowed: none, it is terminal)"
     with pytest.raises(InvalidTransition, match=re.escape(message)):
@@ -260,13 +260,13 @@ def test_the_validator_rejects_a_broken_declaration(
 
 # --- hooks ----------------------------------------------------------------------------------
 
-Call = tuple[str, RoundStates, RoundState, RoundState, str]
+Call = tuple[str, RoundMachine, RoundState, RoundState, str]
 
 
 def recorder(calls: list[Call], name: str) -> RoundHook:
     """A hook that appends its name and arguments to ``calls``."""
 
-    def hook(round_states: RoundStates, source: RoundState, target: RoundState,
+    def hook(round_states: RoundMachine, source: RoundState, target: RoundState,
              trigger: str) -> None:
         calls.append((name, round_states, source, target, trigger))
 
@@ -279,7 +279,7 @@ def test_hooks_run_in_registration_order_with_the_move_as_arguments() -> None:
     hooks.on_transition(recorder(calls, "first"))
     hooks.on_enter(RoundState.CONSENSUS, recorder(calls, "on consensus"))
     hooks.on_transition(recorder(calls, "last"))
-    round_states = RoundStates(4, hooks)
+    round_states = RoundMachine(4, hooks)
     round_states.fire("draft_done")
     move = (round_states, RoundState.DRAFT, RoundState.CONSENSUS, "draft_done")
     assert calls == [("first", *move), ("on consensus", *move), ("last", *move)]
@@ -291,7 +291,7 @@ def test_each_move_runs_each_hook_once() -> None:
     hooks.on_transition(recorder(calls, "every"))
     hooks.on_enter(RoundState.RETIRED, recorder(calls, "retired"))
     hooks.on_enter(RoundState.FAILED, recorder(calls, "failed"))
-    round_states = RoundStates(0, hooks)
+    round_states = RoundMachine(0, hooks)
     for stage in STAGES:
         round_states.fire(f"{stage}_done")
     moves = [(c[2].label, c[3].label, c[4]) for c in calls if c[0] == "every"]
@@ -304,7 +304,7 @@ def test_each_move_runs_each_hook_once() -> None:
 def test_hooks_are_shared_by_rounds_and_see_their_round() -> None:
     calls: list[Call] = []
     hooks = RoundHooks()
-    first, second = RoundStates(6, hooks), RoundStates(7, hooks)
+    first, second = RoundMachine(6, hooks), RoundMachine(7, hooks)
     hooks.on_transition(recorder(calls, "every"))  # registered after the rounds exist
     second.fire("fail")
     first.fire("draft_done")
@@ -315,14 +315,14 @@ def test_hooks_are_shared_by_rounds_and_see_their_round() -> None:
 def test_a_raising_hook_propagates_and_leaves_the_round_able_to_fail() -> None:
     calls: list[Call] = []
 
-    def broken(round_states: RoundStates, source: RoundState, target: RoundState,
+    def broken(round_states: RoundMachine, source: RoundState, target: RoundState,
                trigger: str) -> None:
         raise RuntimeError("target forward could not be submitted")
 
     hooks = RoundHooks()
     hooks.on_enter(RoundState.VERIFY, broken)
     hooks.on_transition(recorder(calls, "after the broken one"))
-    round_states = RoundStates(2, hooks)
+    round_states = RoundMachine(2, hooks)
     round_states.fire("draft_done")
     round_states.fire("consensus_done")
     calls.clear()
@@ -339,7 +339,7 @@ def test_no_hook_runs_for_the_initial_state_of_a_new_round() -> None:
     calls: list[Call] = []
     hooks = RoundHooks()
     hooks.on_enter(RoundState.DRAFT, recorder(calls, "draft"))
-    RoundStates(0, hooks)
+    RoundMachine(0, hooks)
     assert calls == []
 
 
@@ -349,7 +349,7 @@ def test_the_stages_and_their_triggers_are_derived_from_the_graph() -> None:
     working = tuple(spec.name for spec in ROUND_GRAPH.states if not spec.terminal)
     assert STAGES == working  # declared in stage order
     for index, (stage, trigger) in enumerate(zip(STAGES, DONE_TRIGGERS, strict=True)):
-        machine = RoundStates(0)
+        machine = RoundMachine(0)
         for earlier in DONE_TRIGGERS[:index]:
             machine.fire(earlier)
         assert machine.state.label == stage
@@ -357,7 +357,7 @@ def test_the_stages_and_their_triggers_are_derived_from_the_graph() -> None:
         assert machine.fire(trigger).label == after
         assert (STAGE_OF[trigger], DONE_TRIGGER[stage]) == (stage, trigger)
     for index in range(len(STAGES)):
-        machine = RoundStates(0)
+        machine = RoundMachine(0)
         for earlier in DONE_TRIGGERS[:index]:
             machine.fire(earlier)
         assert machine.fire(FAIL_TRIGGER).label == "failed"
@@ -375,7 +375,7 @@ def test_a_graph_whose_stages_do_not_chain_is_refused() -> None:
 
 def test_completed_is_told_each_stage_a_move_completes_and_nothing_else() -> None:
     told: list[tuple[int, str]] = []
-    machine = RoundStates(4, completed=lambda states, stage: told.append(
+    machine = RoundMachine(4, completed=lambda states, stage: told.append(
         (states.round_index, stage)))
     for trigger in DONE_TRIGGERS[:3]:
         machine.fire(trigger)

@@ -257,7 +257,7 @@ def test_cancelling_between_rounds_ends_the_request_and_frees_its_slot(
                  for p, q in zip(PROMPTS[6:], greedy(12)[6:], strict=True)]
         await runtime.stop()
         assert runtime._pipeline is not None
-        return cancelled, later, len(runtime._pipeline.free_slots)
+        return cancelled, later, runtime._pipeline.kv_slots.num_free
 
     cancelled, later, free = asyncio.run(run())
     assert [r.finish_reason for r in cancelled] == ["cancelled"] * 6
@@ -351,7 +351,7 @@ def test_budget_policies_get_every_legal_tier(models: ReferenceModels) -> None:
     decode(config("DSpark", 5, 8), PROMPTS[:8], greedy(8), models, wave=8,
            options=RuntimeOptions(budget_policy=RecordingBudget()))
     assert seen[0].num_reqs == 8
-    assert seen[0].tiers == (8, 12, 16, 24, 32, 48)  # Draft5, Bcap 8: every legal G
+    assert seen[0].legal_rows == (8, 12, 16, 24, 32, 48)  # Draft5, Bcap 8: every legal G
 
 
 def test_a_recorded_run_replays_identically_and_an_edited_log_diverges_at_its_round(
@@ -368,7 +368,7 @@ def test_a_recorded_run_replays_identically_and_an_edited_log_diverges_at_its_ro
     index = next(i for i, r in enumerate(records)
                  if r.get("kind") == "budget_decided" and r["round"] == 5)
     record = records[index]
-    record["num_rows"] = next(g for g in record["context"]["tiers"]
+    record["num_rows"] = next(g for g in record["context"]["legal_rows"]
                               if g != record["num_rows"])
     lines[index] = json.dumps(record)
     edited = tmp_path / "edited.jsonl"
@@ -532,11 +532,11 @@ def test_feedback_describes_exactly_the_live_requests_and_replays_at_either_lag(
 
 def test_without_schedule_overlap_every_round_uses_slot_0(models: ReferenceModels) -> None:
     runtime = Runtime(config("DSpark", 2, 2, enable_schedule_overlap=False), models=models)
-    slots: set[tuple[int, int]] = set()
-    runtime.hooks.on_transition(lambda s, a, b, t: slots.add((s.round_index, s.slot)))
+    kv_slots: set[tuple[int, int]] = set()
+    runtime.hooks.on_transition(lambda s, a, b, t: kv_slots.add((s.round_index, s.slot)))
     asyncio.run(_hook_count(runtime, [SamplingParams(temperature=0.0, max_tokens=12)]))
-    assert len(slots) > 2
-    assert {slot for _, slot in slots} == {0}
+    assert len(kv_slots) > 2
+    assert {slot for _, slot in kv_slots} == {0}
 
 
 def test_a_request_that_a_round_in_flight_must_end_is_left_out_of_later_rounds(

@@ -116,7 +116,7 @@ def test_a_raising_subscriber_is_dropped_and_every_request_decodes_exactly(
                                 for p, q in zip(PROMPTS[3:], greedy(3), strict=True)])
         await runtime.stop()
         assert runtime._pipeline is not None
-        return first, later, len(runtime._pipeline.free_slots)
+        return first, later, runtime._pipeline.kv_slots.num_free
 
     with caplog.at_level(logging.ERROR, logger="adaspec.events"):
         first, later, free = asyncio.run(run())

@@ -10,7 +10,7 @@ from adaspec.policies.verify import (
     expected_tokens,
 )
 
-TIERS = (8, 16, 32, 48)  # Draft5, B = 8
+LEGAL_ROWS = (8, 16, 32, 48)  # Draft5, B = 8
 HIGH = [0.9 ** (k + 1) for k in range(5)] * 8  # 40 drafted positions of 8 requests
 LOW = [0.2 ** (k + 1) for k in range(5)] * 8
 
@@ -22,23 +22,23 @@ def test_expected_tokens_counts_one_per_request_and_the_best_survivals() -> None
 
 
 def test_nearly_free_rows_are_all_verified() -> None:
-    assert choose_rows(TIERS, [(8, LOW)], lambda g: 10.0 + 1e-6 * g, 48) == 48
+    assert choose_rows(LEGAL_ROWS, [(8, LOW)], lambda g: 10.0 + 1e-6 * g, 48) == 48
 
 
 def test_a_saturated_table_trims_when_acceptance_is_low() -> None:
-    assert choose_rows(TIERS, [(8, LOW)], lambda g: 10.0 + 0.5 * g, 48) == 8
-    assert choose_rows(TIERS, [(8, HIGH)], lambda g: 10.0 + 0.05 * g, 48) == 48
+    assert choose_rows(LEGAL_ROWS, [(8, LOW)], lambda g: 10.0 + 0.5 * g, 48) == 8
+    assert choose_rows(LEGAL_ROWS, [(8, HIGH)], lambda g: 10.0 + 0.05 * g, 48) == 48
 
 
 def test_the_argmax_is_global_not_the_first_dip() -> None:
     # 16 rows cost a step more than 8, but 48 pays off: a greedy walk would stop at 8.
     step = {8: 10.0, 16: 14.0, 32: 14.2, 48: 14.4}
-    assert choose_rows(TIERS, [(8, HIGH)], step.__getitem__, 48) == 48
+    assert choose_rows(LEGAL_ROWS, [(8, HIGH)], step.__getitem__, 48) == 48
 
 
 def test_equal_rates_go_to_the_smaller_tier_and_unpriced_tiers_keep_full_width() -> None:
-    assert choose_rows(TIERS, [(8, [0.0] * 40)], lambda g: 10.0, 48) == 8
-    assert choose_rows(TIERS, [(8, HIGH)], lambda g: None if g == 32 else 10.0, 48) == 48
+    assert choose_rows(LEGAL_ROWS, [(8, [0.0] * 40)], lambda g: 10.0, 48) == 8
+    assert choose_rows(LEGAL_ROWS, [(8, HIGH)], lambda g: None if g == 32 else 10.0, 48) == 48
 
 
 # ---- the adaptive-verify policy on synthetic feedback ----------------------------------------
@@ -56,7 +56,7 @@ class Table:
 def context(round: int, ids: tuple[int, ...] = tuple(range(8)), kv: int = 100
             ) -> BudgetContext:
     return BudgetContext(round=round, num_reqs=len(ids), num_reqs_bucket=8, width=5, depth=5,
-                         tiers=TIERS, retired_through=round - 2, request_ids=ids,
+                         legal_rows=LEGAL_ROWS, retired_through=round - 2, request_ids=ids,
                          max_kv_length=kv)
 
 
@@ -132,7 +132,7 @@ def test_the_same_calls_make_the_same_decisions() -> None:
 def dp_context(round: int, sizes: tuple[int, ...]) -> BudgetContext:
     ids = tuple(i for size in sizes for i in range(size))  # every shard numbers from 0
     return BudgetContext(round=round, num_reqs=max(sizes), num_reqs_bucket=8, width=5,
-                         depth=5, tiers=TIERS, retired_through=round - 2, request_ids=ids,
+                         depth=5, legal_rows=LEGAL_ROWS, retired_through=round - 2, request_ids=ids,
                          max_kv_length=100, shard_sizes=sizes)
 
 
@@ -154,12 +154,12 @@ def test_dp_shards_share_one_g_that_maximises_their_summed_tokens() -> None:
     # The argmax of (tau_0(G) + tau_1(G)) / cost(G), each shard filling its own G rows.
     high = [0.9 ** (k + 1) for k in range(5)] * 8
     low = [0.1 ** (k + 1) for k in range(5)] * 8
-    expected = max(TIERS, key=lambda g: (expected_tokens(8, sorted(high, reverse=True), g)
+    expected = max(LEGAL_ROWS, key=lambda g: (expected_tokens(8, sorted(high, reverse=True), g)
                                          + expected_tokens(8, sorted(low, reverse=True), g))
                    / table.cost_ms(8, g, 100))  # type: ignore[operator]
     assert chosen[0] == expected == 32
     # Each shard alone would pick another graph: neither local choice is the common one.
-    alone = [choose_rows(TIERS, [(8, survivals)], lambda g: table.cost_ms(8, g, 100), 48)
+    alone = [choose_rows(LEGAL_ROWS, [(8, survivals)], lambda g: table.cost_ms(8, g, 100), 48)
              for survivals in (high, low)]
     assert alone == [48, 8]
 

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from adaspec.config.requests import check_room
 from adaspec.models.protocols import TargetModel, VerifyRows
-from adaspec.runtime.requests import check_prompt
+from adaspec.runtime.requests import check_prompt, prompt_ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,16 +48,19 @@ def plain_loop(target: TargetModel, prompts: Sequence[Sequence[int]], max_tokens
     The target must be allocated with at least ``concurrency`` KV slots; the loop uses slots
     ``0 .. concurrency - 1`` (a prefill of unequal prompts writes its padding to the scratch
     slot, as in the runtime)."""
-    if not 1 <= concurrency <= target.num_slots:
-        raise ValueError(f"concurrency={concurrency}: expected 1..{target.num_slots} (the "
+    if not 1 <= concurrency <= target.num_kv_slots:
+        raise ValueError(f"concurrency={concurrency}: expected 1..{target.num_kv_slots} (the "
                          "target's allocated KV slots)")
     if max_tokens < 1:
         raise ValueError(f"max_tokens={max_tokens}: expected at least 1")
+    checked = []
     for index, prompt in enumerate(prompts):  # the runtime's own rules, so outputs compare
-        check_prompt(target, prompt, f"prompts[{index}]")
-        check_room(target.context_limit, len(prompt), max_tokens)
+        ids = prompt_ids(prompt, f"prompts[{index}]")
+        check_prompt(target, ids, f"prompts[{index}]")
+        check_room(target.context_limit, len(ids), max_tokens)
+        checked.append(ids)
     with torch.no_grad():
-        return _run(target, prompts, max_tokens, concurrency)
+        return _run(target, checked, max_tokens, concurrency)
 
 
 def _run(target: TargetModel, prompts: Sequence[Sequence[int]], max_tokens: int,
@@ -118,7 +121,7 @@ def _step(target: TargetModel, running: list[_Running], device: torch.device) ->
     rows = VerifyRows(token_ids=column([r.tokens[-1] for r in running]), row_reqs=index,
                       row_offsets=torch.zeros_like(index),
                       row_valid=torch.ones(num, dtype=torch.bool, device=device),
-                      req_slots=column([r.kv_slot for r in running]),
+                      req_kv_slots=column([r.kv_slot for r in running]),
                       req_starts=column([r.position for r in running]), rows_per_req=1)
     next_ids: list[int] = target.verify(rows).logits.argmax(-1).tolist()
     return next_ids

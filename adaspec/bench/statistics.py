@@ -5,6 +5,7 @@ import itertools
 import math
 import statistics
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from scipy.special import stdtrit
@@ -19,6 +20,71 @@ def percentile(values: Sequence[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[round(100 * q) - 1]
 
 
+@dataclass(frozen=True, slots=True)
+class Speedup:
+    """An arm's speedup over a reference at one level: the geometric mean of its per-pass
+    ratios, their range and their noise (two standard errors, ``noise``)."""
+
+    mean: float | None  # None when no pass measured both
+    low: float
+    high: float
+    noise: float
+
+
+SPEEDUP_REFERENCES = (PLAIN, "none", "best_fixed")
+"""What each arm's speedups are over, in report order."""
+
+
+@dataclass(slots=True, kw_only=True)
+class ArmEntry:
+    """One arm at one concurrency level, as the report gives it (``as_dict``)."""
+
+    arm: str
+    concurrency: int
+    tokens_per_second: float  # geometric mean over passes
+    pass_tokens_per_second: list[float]
+    tokens_per_cpu_second: float | None
+    aggregate_tokens_per_second: float
+    tpot_ms: dict[str, float | None]
+    mean_acceptance_length: float | None
+    acceptance_rate: float | None
+    position_acceptance: list[float | None]
+    mean_rows_per_round: float | None
+    tokens: int
+    seconds: float
+    rounds: int
+    by_kind: dict[str, dict[str, Any]]
+    # Set per level by ``_speedups``; None where the reference did not run.
+    speedups: dict[str, Speedup | None] = field(default_factory=dict)
+    best_fixed: str | None = None
+    versus_best_fixed_bounds: list[float] | None = None
+    versus_best_fixed: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "arm": self.arm, "concurrency": self.concurrency,
+            "tokens_per_second": self.tokens_per_second,
+            "pass_tokens_per_second": self.pass_tokens_per_second,
+            "tokens_per_cpu_second": self.tokens_per_cpu_second,
+            "aggregate_tokens_per_second": self.aggregate_tokens_per_second,
+            "tpot_ms": self.tpot_ms, "mean_acceptance_length": self.mean_acceptance_length,
+            "acceptance_rate": self.acceptance_rate,
+            "position_acceptance": self.position_acceptance,
+            "mean_rows_per_round": self.mean_rows_per_round, "tokens": self.tokens,
+            "seconds": self.seconds, "rounds": self.rounds, "by_kind": self.by_kind}
+        for key in SPEEDUP_REFERENCES:
+            speedup = self.speedups.get(key)
+            data[f"speedup_vs_{key}"] = None if speedup is None else speedup.mean
+            if speedup is not None:
+                data[f"speedup_vs_{key}_range"] = None if speedup.mean is None else \
+                    [speedup.low, speedup.high]
+                data[f"speedup_vs_{key}_noise"] = speedup.noise
+        data.update(best_fixed=self.best_fixed,
+                    versus_best_fixed_bounds=self.versus_best_fixed_bounds,
+                    versus_best_fixed=self.versus_best_fixed)
+        return data
+
+
 def summarise(plan: BenchPlan, records: Sequence[RunRecord]) -> dict[str, Any]:
     """The JSON report: one entry per (arm, level), the output comparison, the settings."""
     groups: dict[tuple[str, int], list[RunRecord]] = {}
@@ -28,11 +94,11 @@ def summarise(plan: BenchPlan, records: Sequence[RunRecord]) -> dict[str, Any]:
                for level in plan.levels for arm in plan.arms]
     # One pass measures no noise: its figures stand, but no comparison is called a verdict.
     verdicts = plan.passes >= MIN_VERDICT_PASSES
-    levels = []
+    levels: list[dict[str, Any]] = []
     for level in plan.levels:
-        at_level = [e for e in entries if e["concurrency"] == level]
+        at_level = [e for e in entries if e.concurrency == level]
         _speedups(at_level, groups, level, verdicts)
-        levels.append({"concurrency": level, "best_fixed": at_level[0]["best_fixed"],
+        levels.append({"concurrency": level, "best_fixed": at_level[0].best_fixed,
                        "fixed_within_noise": fixed_within_noise(at_level) if verdicts
                        else None})
     steady = steady_fixed([level["fixed_within_noise"] for level in levels]) if verdicts \
@@ -40,7 +106,7 @@ def summarise(plan: BenchPlan, records: Sequence[RunRecord]) -> dict[str, Any]:
     mismatches = compare_outputs(records)
     reference = output_reference([arm.name for arm in plan.arms])
     return {
-        "arms": entries,
+        "arms": [entry.as_dict() for entry in entries],
         "levels": levels,
         "verdicts": verdicts,
         "fixed_within_noise_at_every_level": steady,
@@ -122,7 +188,7 @@ def _mode(arm: Arm) -> str:
 
 
 def _entry(arm: str, level: int, runs: Sequence[RunRecord], kinds: Sequence[str]
-           ) -> dict[str, Any]:
+           ) -> ArmEntry:
     seconds = sum(r.seconds for r in runs)
     tokens = sum(r.tokens for r in runs)
     tpot = [t for r in runs for t in r.tpot_s]
@@ -133,26 +199,25 @@ def _entry(arm: str, level: int, runs: Sequence[RunRecord], kinds: Sequence[str]
     rounds = sum(r.rounds for r in runs)
     rates = [r.tokens / r.seconds for r in runs if r.seconds and r.tokens]
     cpu_rates = [r.tokens / r.cpu_seconds for r in runs if r.cpu_seconds and r.tokens]
-    return {
-        "arm": arm, "concurrency": level,
+    return ArmEntry(
+        arm=arm, concurrency=level,
         # The geometric mean: the ratio of two arms' figures is then exactly the geometric
         # mean of their per-pass ratios, so every column of a level's table agrees.
-        "tokens_per_second": round(statistics.geometric_mean(rates), 2) if rates else 0.0,
-        "pass_tokens_per_second": [round(rate, 2) for rate in rates],
+        tokens_per_second=round(statistics.geometric_mean(rates), 2) if rates else 0.0,
+        pass_tokens_per_second=[round(rate, 2) for rate in rates],
         # Tokens per CPU second of this process: other processes stretch wall time far more
         # than they stretch the CPU time of the threads doing the work.
-        "tokens_per_cpu_second": round(statistics.geometric_mean(cpu_rates), 2)
+        tokens_per_cpu_second=round(statistics.geometric_mean(cpu_rates), 2)
         if cpu_rates else None,
-        "aggregate_tokens_per_second": round(tokens / seconds, 2) if seconds else 0.0,
-        "tpot_ms": _tpot_ms(tpot),
-        "mean_acceptance_length": _al(accepted, request_rounds),
-        "acceptance_rate": round(accepted / verified, 4) if verified else None,
-        "position_acceptance": [round(t / n, 4) if n else None
-                                for t, n in zip(through, reached, strict=True)],
-        "mean_rows_per_round": round(sum(r.rows for r in runs) / rounds, 2) if rounds else None,
-        "tokens": tokens, "seconds": round(seconds, 3), "rounds": rounds,
-        "by_kind": {kind: _kind_entry(runs, kind) for kind in kinds},
-    }
+        aggregate_tokens_per_second=round(tokens / seconds, 2) if seconds else 0.0,
+        tpot_ms=_tpot_ms(tpot),
+        mean_acceptance_length=_al(accepted, request_rounds),
+        acceptance_rate=round(accepted / verified, 4) if verified else None,
+        position_acceptance=[round(t / n, 4) if n else None
+                             for t, n in zip(through, reached, strict=True)],
+        mean_rows_per_round=round(sum(r.rows for r in runs) / rounds, 2) if rounds else None,
+        tokens=tokens, seconds=round(seconds, 3), rounds=rounds,
+        by_kind={kind: _kind_entry(runs, kind) for kind in kinds})
 
 
 def _kind_entry(runs: Sequence[RunRecord], kind: str) -> dict[str, Any]:
@@ -182,41 +247,42 @@ def _ms(seconds: float) -> float:
     return round(1000 * seconds, 3)
 
 
-def _speedups(entries: list[dict[str, Any]], groups: Mapping[tuple[str, int], list[RunRecord]],
+def _speedups(entries: list[ArmEntry], groups: Mapping[tuple[str, int], list[RunRecord]],
               level: int, verdicts: bool = True) -> None:
     """Speedups over no speculation and over the level's best fixed width (the fixed arm with
     the highest tokens/s): the geometric mean of the per-pass ratios (the arms of a pass run
     close together in time, so each pass pairs them), their range, and their noise (two
     standard errors of it, see ``noise``). Then each arm's verdict against the best
     fixed width, from its ratios to every fixed width (``best_fixed_bounds``)."""
-    by_arm = {e["arm"]: e for e in entries}
-    fixed = [e["arm"] for e in entries if e["arm"].startswith("fixed:")]
-    best = max(fixed, key=lambda arm: by_arm[arm]["tokens_per_second"]) if fixed else None
+    by_arm = {e.arm: e for e in entries}
+    fixed = [e.arm for e in entries if e.arm.startswith("fixed:")]
+    best = max(fixed, key=lambda arm: by_arm[arm].tokens_per_second) if fixed else None
     references = [arm for arm in (PLAIN, "none", *fixed) if arm in by_arm]
     for entry in entries:
         # Its per-pass ratios to every reference, once: the speedups and the bounds share them.
-        paired = {arm: paired_ratios(groups[entry["arm"], level], groups[arm, level])
+        paired = {arm: paired_ratios(groups[entry.arm, level], groups[arm, level])
                   for arm in references}
-        for key, reference in ((PLAIN, PLAIN), ("none", "none"), ("best_fixed", best)):
+        for key, reference in zip(SPEEDUP_REFERENCES, (PLAIN, "none", best), strict=True):
             ratios = paired.get(reference) if reference is not None else None
-            if ratios is None:
-                entry[f"speedup_vs_{key}"] = None
-                continue
-            entry[f"speedup_vs_{key}"] = round(statistics.geometric_mean(ratios), 4) \
-                if ratios else None
-            entry[f"speedup_vs_{key}_range"] = [round(min(ratios), 4), round(max(ratios), 4)] \
-                if ratios else None
-            entry[f"speedup_vs_{key}_noise"] = round(noise(ratios), 4)
-        entry["best_fixed"] = best
-        bounds = best_fixed_bounds({arm: paired[arm] for arm in fixed if arm != entry["arm"]}) \
+            entry.speedups[key] = None if ratios is None else _speedup(ratios)
+        entry.best_fixed = best
+        bounds = best_fixed_bounds({arm: paired[arm] for arm in fixed if arm != entry.arm}) \
             if fixed else None
-        if bounds is not None and entry["arm"] in fixed:  # the best includes the arm itself
+        if bounds is not None and entry.arm in fixed:  # the best includes the arm itself
             bounds = (min(bounds[0], 1.0), min(bounds[1], 1.0))
         if not verdicts:
             bounds = None
-        entry["versus_best_fixed_bounds"] = None if bounds is None else \
+        entry.versus_best_fixed_bounds = None if bounds is None else \
             [round(bound, 4) for bound in bounds]
-        entry["versus_best_fixed"] = verdict(bounds)
+        entry.versus_best_fixed = verdict(bounds)
+
+
+def _speedup(ratios: Sequence[float]) -> Speedup:
+    if not ratios:
+        return Speedup(mean=None, low=0.0, high=0.0, noise=round(noise(ratios), 4))
+    return Speedup(mean=round(statistics.geometric_mean(ratios), 4),
+                   low=round(min(ratios), 4), high=round(max(ratios), 4),
+                   noise=round(noise(ratios), 4))
 
 
 def noise(ratios: Sequence[float]) -> float:
@@ -232,10 +298,9 @@ def log_standard_error(ratios: Sequence[float]) -> float:
     0.0 with fewer than two passes.
 
     Not a median with its absolute deviation: over six passes that deviation collapses
-    whenever four of them agree, and two passes that disagree by 15 to 25 % then count for
-    nothing (a run of 2026-11-30 read ``below`` at 0.93 of fixed:3 that way, with two of its
-    six passes at 1.14 and 1.24). A pass caught by a stall widens this one, so the verdicts
-    lean to ``within noise`` rather than resting on it."""
+    whenever four of them agree, and two passes far from the rest then count for nothing
+    (docs/bench-statistics.md shows a verdict that went wrong so). A pass caught by a stall
+    widens this one, so the verdicts lean to ``within noise`` rather than resting on it."""
     if len(ratios) < 2:
         return 0.0
     return statistics.stdev(math.log(r) for r in ratios) / math.sqrt(len(ratios))
@@ -295,12 +360,12 @@ def verdict(bounds: tuple[float, float] | None) -> str | None:
     return "within noise"
 
 
-def fixed_within_noise(entries: Sequence[dict[str, Any]]) -> list[str]:
+def fixed_within_noise(entries: Sequence[ArmEntry]) -> list[str]:
     """The fixed widths of a level that this run cannot tell from its best fixed width: those
     not ``below`` it (the best itself included). Where several are, which one came out on
     top is the machine's noise, not the width."""
-    return [e["arm"] for e in entries
-            if e["arm"].startswith("fixed:") and e["versus_best_fixed"] != "below"]
+    return [e.arm for e in entries
+            if e.arm.startswith("fixed:") and e.versus_best_fixed != "below"]
 
 
 def steady_fixed(within: Sequence[Sequence[str]]) -> list[str]:

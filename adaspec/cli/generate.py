@@ -21,6 +21,7 @@ from typing import Any
 from adaspec.cli.calibrate import progress_reporter
 from adaspec.cli.flags import CommandFlags, Flag, check_runnable_here, sampling_flag
 from adaspec.config import SamplingParams, load_config
+from adaspec.config.builtin import builtin_checkpoints
 from adaspec.config.flags import parse_argv
 from adaspec.config.launch import LaunchConfig
 from adaspec.config.limits import BUILTIN_TARGET
@@ -33,6 +34,7 @@ from adaspec.errors import (
     EventLogError,
     InvalidRequest,
     OutputWriteError,
+    show_value,
 )
 from adaspec.runtime.engine import Runtime, RuntimeOptions, require_builtin
 from adaspec.runtime.requests import RequestHandle, RequestResult
@@ -93,7 +95,7 @@ def read_prompts(args: GenerateArgs) -> list[str]:
         for prompt in args.prompts:
             _require_utf8(prompt)
         return args.prompts
-    prompts = _read_prompts_file(args.prompts_file).splitlines()
+    prompts = file_lines(_read_prompts_file(args.prompts_file))
     for number, prompt in enumerate(prompts, start=1):
         if not prompt:
             raise ConfigError("--prompts_file", f"{args.prompts_file}:{number}",
@@ -101,6 +103,36 @@ def read_prompts(args: GenerateArgs) -> list[str]:
     if not prompts:
         raise ConfigError("--prompts_file", args.prompts_file, "expected at least one prompt")
     return prompts
+
+
+def file_lines(text: str) -> list[str]:
+    """The lines of a text file as ``wc -l`` counts them: split at newlines only (a form
+    feed or a Unicode line separator is part of its prompt), CRLF endings read as LF, and
+    no empty line after a final newline."""
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return [line.removesuffix("\r") for line in lines]
+
+
+def check_room(args: GenerateArgs, prompts: Sequence[str], max_tokens: int,
+               context_limit: int) -> None:
+    """Each prompt (its UTF-8 bytes are its tokens) fits the built-in target's context with
+    room for ``max_tokens``: refused before anything loads, naming the prompt."""
+    for number, prompt in enumerate(prompts, start=1):
+        if args.prompts_file is not None:
+            flag, value = "--prompts_file", f"{args.prompts_file}:{number}"
+        else:
+            flag, value = "--prompt", prompt
+        tokens = len(prompt.encode("utf-8"))
+        if tokens > context_limit - 1:
+            raise ConfigError(flag, value, f"{tokens} tokens; expected at most "
+                              f"{context_limit - 1} (the context limit {context_limit}, and "
+                              "the first generated token needs a position)")
+        if max_tokens > context_limit - tokens:
+            raise ConfigError("--max_tokens", max_tokens, f"expected at most "
+                              f"{context_limit - tokens}: the context limit {context_limit} "
+                              f"less the {tokens} tokens of {flag}={show_value(value)}")
 
 
 def _require_utf8(prompt: str) -> None:
@@ -217,6 +249,9 @@ def run(argv: Sequence[str]) -> int:
                     None if settings.get("draft_model") is None else str(settings["draft_model"]),
                     "embed the runtime to serve your own")
     config = load_config(settings)
+    builtin = builtin_checkpoints(config.launch)
+    if builtin is not None:
+        check_room(args, prompts, params.max_tokens, builtin[1])
     seed = _number("seed", args.values.get("seed"), 0)
     if not 0 <= seed < MAX_SEED:
         raise ConfigError("--seed", seed, f"expected an integer in 0..{MAX_SEED - 1}")

@@ -31,6 +31,7 @@ from adaspec.policies.simulate import (
 )
 
 if TYPE_CHECKING:  # the runtime's modules load only for an event log
+    from adaspec.runtime.events.log import LogHeader
     from adaspec.runtime.events.replay import RecordedRun
     from adaspec.runtime.events.types import Event
 
@@ -115,7 +116,7 @@ def _read_text(path: str) -> str:
                           "expected UTF-8 text") from None
 
 
-def workload_of_log(header: dict[str, Any], events: Sequence["Event"], path: str) -> Workload:
+def workload_of_log(header: "LogHeader", events: Sequence["Event"], path: str) -> Workload:
     """Each retired round of a recorded run as a workload round, the log checked first as
     ``adaspec replay`` checks it (``EventLogError`` naming the line)."""
     from adaspec.runtime.events.replay import check_recorded_run

@@ -109,8 +109,9 @@ def _execution(launch: LaunchConfig) -> dict[str, object]:
                  else "split: the stages back to back, one stream item per round"
                  if launch.enable_task_pipeline
                  else "split: one stream item per stage, each awaited",
-        "pipeline": "two slots, decisions lagged to round n-2" if launch.enable_schedule_overlap
-                    else "one slot, one round at a time",
+        "pipeline": "two pipeline slots, decisions lagged to round n-2"
+                    if launch.enable_schedule_overlap
+                    else "one pipeline slot, one round at a time",
         "world_size": launch.world_size,
         "tp_size": launch.resolved.tp_size,
         "seqs_per_shard": launch.seqs_per_shard,

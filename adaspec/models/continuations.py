@@ -85,16 +85,16 @@ def greedy_continuations(target: ReferenceTarget, prompts: list[Tensor], tokens:
 def _decode(target: ReferenceTarget, prompts: list[Tensor], tokens: int) -> Tensor:
     """``[N, tokens]`` greedy tokens after each prompt, one verify row per request a step."""
     device = target.embed.weight.device
-    slots = torch.arange(len(prompts), device=device)
-    prefill = target.prefill([p.to(device) for p in prompts], slots)
+    kv_slots = torch.arange(len(prompts), device=device)
+    prefill = target.prefill([p.to(device) for p in prompts], kv_slots)
     token = prefill.last.logits.argmax(-1)
     positions = prefill.lengths.clone()
     out = [token]
-    zeros = torch.zeros_like(slots)
+    zeros = torch.zeros_like(kv_slots)
     valid = torch.ones(len(prompts), dtype=torch.bool, device=device)
     for _ in range(tokens - 1):
-        rows = VerifyRows(token_ids=token, row_reqs=slots, row_offsets=zeros, row_valid=valid,
-                          req_slots=slots, req_starts=positions, rows_per_req=1)
+        rows = VerifyRows(token_ids=token, row_reqs=kv_slots, row_offsets=zeros, row_valid=valid,
+                          req_kv_slots=kv_slots, req_starts=positions, rows_per_req=1)
         token = target.verify(rows).logits.argmax(-1)
         positions = positions + 1
         out.append(token)

@@ -47,10 +47,10 @@ def drafter_costs(models: ReferenceModels, width: int = 5, threads: int = 1,
     mtp.allocate(1)
     device = target.embed.weight.device
     step_rows = VerifyRows.from_requests([(0, POSITION, [65])], num_rows=1, num_reqs=1,
-                                         rows_per_req=1, scratch_slot=1, device=device)
+                                         rows_per_req=1, scratch_kv_slot=1, device=device)
     block_rows = VerifyRows.from_requests([(0, POSITION, [65] * (width + 1))],
                                           num_rows=width + 1, num_reqs=1,
-                                          rows_per_req=width + 1, scratch_slot=1, device=device)
+                                          rows_per_req=width + 1, scratch_kv_slot=1, device=device)
     hidden = torch.zeros(1, target.hidden_size, device=device)
     token = torch.tensor([65], device=device)
     position = torch.tensor([POSITION], device=device)

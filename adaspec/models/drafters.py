@@ -92,10 +92,10 @@ class ReferenceMtp(nn.Module):
         self.cache: KVCache | None = None
         self.identity = ""
 
-    def allocate(self, num_slots: int) -> None:
+    def allocate(self, num_kv_slots: int) -> None:
         tc = self.head.target.config
         param = self.fuse.proj.weight
-        self.cache = KVCache(1, num_slots, tc.context_limit, self.config.num_heads,
+        self.cache = KVCache(1, num_kv_slots, tc.context_limit, self.config.num_heads,
                              tc.hidden_size // self.config.num_heads, param.device,
                              param.dtype)
 
@@ -108,7 +108,7 @@ class ReferenceMtp(nn.Module):
 
     def _require_cache(self) -> KVCache:
         if self.cache is None:
-            raise RuntimeError("call allocate(num_slots) before drafting")
+            raise RuntimeError("call allocate(num_kv_slots) before drafting")
         return self.cache
 
     @torch.no_grad()
@@ -116,17 +116,17 @@ class ReferenceMtp(nn.Module):
         cache = self._require_cache()
         x = self.fuse(rows.hidden, self.head.embed(rows.next_token_ids))
         k, v = self.block.attn.key_values(self.block.attn_norm(x), rows.positions)
-        cache.write(0, rows.slots, rows.positions, k, v)
+        cache.write(0, rows.kv_slots, rows.positions, k, v)
 
     @torch.no_grad()
     def step(self, hidden: Tensor, token_ids: Tensor, positions: Tensor,
-             slots: Tensor) -> MtpStep:
+             kv_slots: Tensor) -> MtpStep:
         cache = self._require_cache()
         x = self.fuse(hidden, self.head.embed(token_ids))
         index = torch.arange(x.shape[0], device=x.device)
         rows = VerifyRows(token_ids=token_ids, row_reqs=index,
                           row_offsets=torch.zeros_like(index),
-                          row_valid=slots < cache.num_slots, req_slots=slots,
+                          row_valid=kv_slots < cache.num_kv_slots, req_kv_slots=kv_slots,
                           req_starts=positions, rows_per_req=1)
         grid = GridIndex.of(rows, cache, self.block.attn.window, self.block.attn)
         x = x + grid_attention(self.block, cache, 0, x, rows, grid)
@@ -213,10 +213,10 @@ class ReferenceDSpark(nn.Module):
         return raw[..., 0]
 
     @torch.no_grad()
-    def draft(self, hidden: Tensor, token_ids: Tensor, positions: Tensor, slots: Tensor,
+    def draft(self, hidden: Tensor, token_ids: Tensor, positions: Tensor, kv_slots: Tensor,
               width: int) -> DSparkBlock:
         """The block after ``token_ids`` from ``hidden`` alone: this drafter keeps no context,
-        so ``positions`` and ``slots`` are not used."""
+        so ``positions`` and ``kv_slots`` are not used."""
         if not 1 <= width <= self.config.max_width:
             raise ValueError(f"width={width}: expected 1..{self.config.max_width}")
         states = self.states(hidden, token_ids, width)

@@ -56,7 +56,7 @@ def check_model_limits(launch: LaunchConfig, models: ModelSet | None) -> ModelSe
 
 class ReadOnce:
     """A model whose value members (``identity``, ``vocab_size``, ``max_width``, ...) are
-    those read and checked at the start; its methods and ``num_slots`` (known only once
+    those read and checked at the start; its methods and ``num_kv_slots`` (known only once
     ``allocate`` ran) are the model's own. ``model`` is the model itself."""
 
     def __init__(self, model: object, values: Mapping[str, object]) -> None:
@@ -120,14 +120,14 @@ def check_conformance(launch: LaunchConfig, models: ModelSet) -> CheckedModels:
 
 
 def read_members(setting: str, model: object, protocol: type) -> dict[str, object]:
-    """Read every member of ``protocol`` that ``model`` has (``num_slots`` aside: it is read
-    once ``allocate`` has run, by ``check_num_slots``) and refuse, naming ``setting.member``
+    """Read every member of ``protocol`` that ``model`` has (``num_kv_slots`` aside: it is read
+    once ``allocate`` has run, by ``check_num_kv_slots``) and refuse, naming ``setting.member``
     and what it raised, the first whose reading raises: a property that fails would otherwise
     fail the start, or a request, with the model's raw exception. A member it lacks is left
     to ``missing_member`` to name. Returns what was read, by name."""
     values: dict[str, object] = {}
     for name in protocol_members(protocol):
-        if name == "num_slots":
+        if name == "num_kv_slots":
             continue
         try:
             values[name] = getattr(model, name)
@@ -147,15 +147,15 @@ def _raised(setting: str, error: BaseException, what: str = "reading it") -> Con
                        f"{': ' + text if text else ''}; expected a member that can be read")
 
 
-def check_num_slots(setting: str, model: object, requested: int, before: object) -> None:
-    """Refuse, naming ``setting.num_slots``, a model whose ``num_slots`` after
+def check_num_kv_slots(setting: str, model: object, requested: int, before: object) -> None:
+    """Refuse, naming ``setting.num_kv_slots``, a model whose ``num_kv_slots`` after
     ``allocate(requested)`` is not ``requested`` (``before`` is what it read before the call):
-    the runtime gives requests slots 0 .. requested - 1 and pads with slot ``requested``, the
-    scratch slot, so a smaller count would make the scratch slot a request's and a larger one
+    the runtime gives requests KV slots 0 .. requested - 1 and pads with KV slot ``requested``, the
+    scratch KV slot, so a smaller count would make the scratch KV slot a request's and a larger one
     (or a value that is no int) is no cache ``allocate`` made."""
-    member = f"{setting}.num_slots"
+    member = f"{setting}.num_kv_slots"
     try:
-        value = model.num_slots  # type: ignore[attr-defined]
+        value = model.num_kv_slots  # type: ignore[attr-defined]
     except Exception as error:
         raise _raised(member, error, f"reading it after allocate({requested})") from error
     if _integer(value) and value == requested:
@@ -163,12 +163,12 @@ def check_num_slots(setting: str, model: object, requested: int, before: object)
     kind = type(value)
     found = f"{kind.__module__}.{kind.__qualname__}".removeprefix("builtins.")
     expected = (f"expected {requested} after allocate({requested}): {requested} + 1 KV slots, "
-                f"0 .. {requested - 1} for requests and {requested} the scratch slot")
+                f"0 .. {requested - 1} for requests and {requested} the scratch KV slot")
     if not _integer(value):
         expected += f"; got type {found}"
     else:
         if value < requested:
-            expected += " (with fewer, the scratch slot would be a request's)"
+            expected += " (with fewer, the scratch KV slot would be a request's)"
         if value == before:
             expected += "; allocate left it unchanged"
     raise ConfigError(member, repr(value), expected)
@@ -204,8 +204,8 @@ MEMBER_VALUES: dict[str, tuple[Callable[[object], bool], str]] = {
                             "returns"),
 }
 """What each value member of the protocols must hold (``max_width`` is read, as any integer
-type, by ``check_model_limits``); ``num_slots`` is left out, as it is only known once the
-runtime has called ``allocate`` (``check_num_slots`` reads it then)."""
+type, by ``check_model_limits``); ``num_kv_slots`` is left out, as it is only known once the
+runtime has called ``allocate`` (``check_num_kv_slots`` reads it then)."""
 
 
 VALUE_MEMBERS = (*MEMBER_VALUES, "max_width")

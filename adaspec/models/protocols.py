@@ -22,11 +22,11 @@ that produced the anchor.
 
 KV slots. ``allocate(n)`` provides n + 1 KV slots: 0 .. n-1 hold requests, slot n is
 **scratch**. Padding rows (``row_valid`` False), padding batch entries and a drafter call past
-the context edge all use the scratch slot, so no shape depends on the batch; nothing read from
+the context edge all use the scratch KV slot, so no shape depends on the batch; nothing read from
 scratch is ever used.
 
 KV consistency. ``verify`` writes each row's keys and values at its position before attending,
-and a query at position p reads only positions <= p of its own slot. Rows of a rejected suffix
+and a query at position p reads only positions <= p of its own KV slot. Rows of a rejected suffix
 therefore sit past the committed length and are overwritten before anything can read them:
 after a rejection the cache behaves as if the suffix had never been verified, with no
 rollback copy (see tests/test_reference_models.py). A drafter that keeps a context of its own
@@ -51,7 +51,7 @@ class VerifyRows:
     row_reqs: Tensor  # [G] int64: batch index (0 .. Bcap-1) of each row's request
     row_offsets: Tensor  # [G] int64: 0 for the anchor row, k for draft position k
     row_valid: Tensor  # [G] bool: False for padding rows
-    req_slots: Tensor  # [Bcap] int64: KV-cache slot of each batch entry (padding: scratch)
+    req_kv_slots: Tensor  # [Bcap] int64: KV-cache slot of each batch entry (padding: scratch)
     req_starts: Tensor  # [Bcap] int64: position of each batch entry's anchor row
     rows_per_req: int  # R: the most rows one request can verify, min(w + 1, G) (static)
 
@@ -65,7 +65,7 @@ class VerifyRows:
 
     @classmethod
     def from_requests(cls, requests: list[tuple[int, int, list[int]]], *, num_rows: int,
-                      num_reqs: int, rows_per_req: int, scratch_slot: int,
+                      num_reqs: int, rows_per_req: int, scratch_kv_slot: int,
                       device: torch.device | str = "cpu") -> "VerifyRows":
         """Host-side factory for tests and eager callers: ``requests`` lists
         ``(slot, anchor_position, [anchor, d_1, ..])``; pads to ``num_reqs`` batch entries
@@ -83,7 +83,8 @@ class VerifyRows:
         assert used <= num_rows
         assert len(requests) <= num_reqs
         padding = num_rows - used
-        slots = [slot for slot, _, _ in requests] + [scratch_slot] * (num_reqs - len(requests))
+        kv_slots = [slot for slot, _, _ in requests] + \
+            [scratch_kv_slot] * (num_reqs - len(requests))
         starts = [start for _, start, _ in requests] + [0] * (num_reqs - len(requests))
 
         def tensor(values: list[int]) -> Tensor:
@@ -94,7 +95,7 @@ class VerifyRows:
             row_reqs=tensor(reqs + [0] * padding),
             row_offsets=tensor(offsets + [0] * padding),
             row_valid=torch.arange(num_rows, device=device) < used,
-            req_slots=tensor(slots),
+            req_kv_slots=tensor(kv_slots),
             req_starts=tensor(starts),
             rows_per_req=rows_per_req,
         )
@@ -126,17 +127,17 @@ class ContextRows:
     Row i is position p = ``positions[i]`` of the request in KV slot ``slots[i]``: the token
     ``x_p``, the target's state ``h_p`` after reading it, and the committed token ``x_{p+1}``
     after it. Rows of one KV slot come in increasing position order; a row whose slot is the
-    scratch slot (a rejected or padding row) carries nothing to keep.
+    scratch KV slot (a rejected or padding row) carries nothing to keep.
     """
 
     token_ids: Tensor  # [N] int64 x_p
     hidden: Tensor  # [N, hidden_size] h_p
     next_token_ids: Tensor  # [N] int64 x_{p+1}
-    positions: Tensor  # [N] int64 p: 0 .. context_limit - 2 in a request's slot
-    slots: Tensor  # [N] int64 KV slot of each row (scratch: nothing to keep)
+    positions: Tensor  # [N] int64 p: 0 .. context_limit - 2 in a request's KV slot
+    kv_slots: Tensor  # [N] int64 KV slot of each row (scratch: nothing to keep)
 
     @classmethod
-    def of_prompts(cls, prefill: PrefillOutput, prompts: list[Tensor], slots: Tensor,
+    def of_prompts(cls, prefill: PrefillOutput, prompts: list[Tensor], kv_slots: Tensor,
                    first_token_ids: Tensor) -> "ContextRows":
         """Every position of newly prefilled prompts: ``x_0 .. x_{T-1}`` of each prompt, its
         ``prefill.hidden``, and after the last prompt token the request's first generated
@@ -158,7 +159,7 @@ class ContextRows:
             0, layout[2 * rows:3 * rows])
         return cls(token_ids=token_ids, hidden=hidden, next_token_ids=next_token_ids,
                    positions=layout[rows:2 * rows],
-                   slots=slots.index_select(0, layout[:rows]))
+                   kv_slots=kv_slots.index_select(0, layout[:rows]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,8 +230,9 @@ class TargetModel(CheckpointInfo, Protocol):
         ...
 
     @property
-    def num_slots(self) -> int:
-        """Requests whose KV fits at once; slot ``num_slots`` is a scratch slot for padding."""
+    def num_kv_slots(self) -> int:
+        """Requests whose KV fits at once; KV slot ``num_kv_slots`` is the scratch one, for
+        padding."""
         ...
 
     @property
@@ -238,12 +240,12 @@ class TargetModel(CheckpointInfo, Protocol):
         """Dtype of the hidden states ``verify`` returns."""
         ...
 
-    def allocate(self, num_slots: int) -> None:
-        """(Re)allocate the KV cache: ``num_slots + 1`` KV slots, the last one scratch (the
+    def allocate(self, num_kv_slots: int) -> None:
+        """(Re)allocate the KV cache: ``num_kv_slots + 1`` KV slots, the last one scratch (the
         runtime calls it once at start, with twice ``max_seqs_per_batch``)."""
         ...
 
-    def prefill(self, prompts: list[Tensor], slots: Tensor) -> PrefillOutput:
+    def prefill(self, prompts: list[Tensor], kv_slots: Tensor) -> PrefillOutput:
         """Process whole prompts (``[T_i]`` int64 each, 1 <= T_i <= context_limit - 1) into
         KV slots ``slots [B]``, positions 0 .. T_i - 1: afterwards each slot's cache holds
         exactly its prompt, whatever an earlier request left there."""
@@ -251,7 +253,7 @@ class TargetModel(CheckpointInfo, Protocol):
 
     def verify(self, rows: VerifyRows) -> TargetOutput:
         """One forward over packed rows; writes each valid row's KV at its position before
-        attending (padding rows write only to the scratch slot) and returns logits and
+        attending (padding rows write only to the scratch KV slot) and returns logits and
         hidden per row. Shapes depend only on ``(Bcap, G, rows_per_req)``, never on values."""
         ...
 
@@ -262,14 +264,14 @@ class DrafterContext(Protocol):
 
     After each prefill the runtime publishes every prompt position (``ContextRows.of_prompts``:
     ``x_0`` included, the first generated token after the last), and after each round's
-    commit every packed row, committed ones in their request's slot and the rest in scratch.
+    commit every packed row, committed ones in their request's KV slot and the rest in scratch.
     So before a request's first round the drafter holds positions 0 .. T-1, and before each
     later round every position below the anchor's. An ``MtpDrafter`` must provide this; a
     ``DSparkDrafter`` may (the runtime then allocates and publishes to it the same way)."""
 
-    def allocate(self, num_slots: int) -> None:
-        """(Re)allocate the context: ``num_slots + 1`` KV slots, the last one scratch (the
-        target's ``num_slots``; called once at start)."""
+    def allocate(self, num_kv_slots: int) -> None:
+        """(Re)allocate the context: ``num_kv_slots + 1`` KV slots, the last one scratch (the
+        target's ``num_kv_slots``; called once at start)."""
         ...
 
     def publish(self, rows: ContextRows) -> None:
@@ -285,13 +287,13 @@ class MtpDrafter(DrafterContext, CheckpointInfo, Protocol):
     """A multi-token-prediction head drafting one token per sequential step."""
 
     def step(self, hidden: Tensor, token_ids: Tensor, positions: Tensor,
-             slots: Tensor) -> MtpStep:
+             kv_slots: Tensor) -> MtpStep:
         """Draft the token at p + 2 from ``hidden [N, d]`` at p = ``positions [N]`` and
         ``token_ids [N]`` at p + 1: step j of a round gets ``h_{n-1}`` and the anchor
         ``x_n`` at p = n - 1 (j = 0), then the previous step's ``MtpStep.hidden`` and
         token at p = n - 1 + j. Positions lie in 0 .. context_limit - 2, so the token at
         p + 1 is always inside the context; a step that would sit past that (or before 0,
-        a padding entry) gets the scratch slot at a clamped position, and its draft is
+        a padding entry) gets the scratch KV slot at a clamped position, and its draft is
         never verified."""
         ...
 
@@ -303,13 +305,13 @@ class DSparkDrafter(CheckpointInfo, Protocol):
     @property
     def max_width(self) -> int: ...
 
-    def draft(self, hidden: Tensor, token_ids: Tensor, positions: Tensor, slots: Tensor,
+    def draft(self, hidden: Tensor, token_ids: Tensor, positions: Tensor, kv_slots: Tensor,
               width: int) -> DSparkBlock:
         """Draft tokens at p + 2 .. p + 1 + ``width`` after the anchor ``token_ids [N]`` at
-        p + 1, from the target's ``hidden [N, d]`` at p = ``positions [N]`` of KV ``slots
+        p + 1, from the target's ``hidden [N, d]`` at p = ``positions [N]`` of ``kv_slots
         [N]`` (the convention of ``MtpDrafter.step``'s first step: p in 0 ..
-        context_limit - 2, padding entries on the scratch slot). A drafter with a context
-        of its own also implements ``DrafterContext``; one without ignores slots and
+        context_limit - 2, padding entries on the scratch KV slot). A drafter with a context
+        of its own also implements ``DrafterContext``; one without ignores KV slots and
         positions. Tokens past position context_limit - 1 are never verified."""
         ...
 
@@ -365,7 +367,7 @@ def missing_member(model: object, protocol: type) -> str | None:
 
 def has_member(model: object, name: str) -> bool:
     """Whether ``model`` has ``name``, found without running a property where it can be (a
-    ``num_slots`` that only works once ``allocate`` ran, an ``identity`` that raises: those
+    ``num_kv_slots`` that only works once ``allocate`` ran, an ``identity`` that raises: those
     are read, and their errors named, elsewhere); a member only ``__getattr__`` provides is
     read, and one whose reading raises anything but AttributeError counts as present."""
     try:

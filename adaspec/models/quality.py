@@ -64,13 +64,13 @@ class DSparkRound:
 
 @torch.no_grad()
 def dspark_round(target: ReferenceTarget, dspark: ReferenceDSpark, hidden: Tensor,
-                 anchor: Tensor, lengths: Tensor, slots: Tensor, width: int) -> DSparkRound:
-    block = dspark.draft(hidden, anchor, lengths - 1, slots, width)
+                 anchor: Tensor, lengths: Tensor, kv_slots: Tensor, width: int) -> DSparkRound:
+    block = dspark.draft(hidden, anchor, lengths - 1, kv_slots, width)
     prev = torch.cat([anchor[:, None], block.token_ids[:, :-1]], 1)
     return DSparkRound(states=dspark.states(hidden, anchor, width), prev_token_ids=prev,
                        draft_logits=block.logits, token_ids=block.token_ids,
                        target_logits=_verify_block(target, anchor, block.token_ids, lengths,
-                                                   slots))
+                                                   kv_slots))
 
 
 @torch.no_grad()
@@ -78,16 +78,16 @@ def trace_drafts(target: ReferenceTarget, mtp: ReferenceMtp, dspark: ReferenceDS
                  contexts: list[Tensor], width: int) -> dict[str, DraftTrace]:
     """Draft a block after each context with both drafters and verify it with the target."""
     device = target.embed.weight.device
-    slots = torch.arange(len(contexts), device=device)
+    kv_slots = torch.arange(len(contexts), device=device)
     prompts = [c.to(device) for c in contexts]
-    prefill = target.prefill(prompts, slots)
+    prefill = target.prefill(prompts, kv_slots)
     anchor = prefill.last.logits.argmax(-1)
     hidden = prefill.last.hidden
     lengths = prefill.lengths
-    mtp.publish(ContextRows.of_prompts(prefill, prompts, slots, anchor))
-    mtp_drafts = _mtp_block(mtp, hidden, anchor, lengths - 1, slots, width)
-    rounds = {"mtp": (mtp_drafts, _verify_block(target, anchor, mtp_drafts, lengths, slots))}
-    block = dspark_round(target, dspark, hidden, anchor, lengths, slots, width)
+    mtp.publish(ContextRows.of_prompts(prefill, prompts, kv_slots, anchor))
+    mtp_drafts = _mtp_block(mtp, hidden, anchor, lengths - 1, kv_slots, width)
+    rounds = {"mtp": (mtp_drafts, _verify_block(target, anchor, mtp_drafts, lengths, kv_slots))}
+    block = dspark_round(target, dspark, hidden, anchor, lengths, kv_slots, width)
     rounds["dspark"] = (block.token_ids, block.target_logits)
     raw = dspark.confidence_logits(block.states, block.prev_token_ids, block.draft_logits)
     traces = {}
@@ -104,7 +104,7 @@ BATCH = 16  # contexts per prefill
 
 def trace_contexts(target: ReferenceTarget, mtp: ReferenceMtp, dspark: ReferenceDSpark,
                    contexts: list[Tensor], width: int) -> dict[str, DraftTrace]:
-    """``trace_drafts`` over any number of contexts (the models need ``BATCH`` slots).
+    """``trace_drafts`` over any number of contexts (the models need ``BATCH`` KV slots).
 
     Contexts go in batches of similar length: prefill padding costs quadratically."""
     ordered = sorted(contexts, key=len)
@@ -121,18 +121,18 @@ def concat_traces(traces: list[DraftTrace]) -> DraftTrace:
 
 
 def _mtp_block(mtp: ReferenceMtp, hidden: Tensor, anchor: Tensor, positions: Tensor,
-               slots: Tensor, width: int) -> Tensor:
+               kv_slots: Tensor, width: int) -> Tensor:
     tokens = []
     state, token = hidden, anchor
     for step in range(width):
-        out = mtp.step(state, token, positions + step, slots)
+        out = mtp.step(state, token, positions + step, kv_slots)
         state, token = out.hidden, out.token_ids
         tokens.append(token)
     return torch.stack(tokens, 1)
 
 
 def _verify_block(target: ReferenceTarget, anchor: Tensor, drafts: Tensor, lengths: Tensor,
-                  slots: Tensor) -> Tensor:
+                  kv_slots: Tensor) -> Tensor:
     """Target logits ``[N, width, vocab]`` for each draft position."""
     num, width = drafts.shape
     rows = torch.cat([anchor[:, None], drafts], 1)  # [N, w+1]
@@ -142,7 +142,7 @@ def _verify_block(target: ReferenceTarget, anchor: Tensor, drafts: Tensor, lengt
         row_reqs=torch.arange(num, device=rows.device).repeat_interleave(width + 1),
         row_offsets=offsets.repeat(num),
         row_valid=torch.ones(num * (width + 1), dtype=torch.bool, device=rows.device),
-        req_slots=slots, req_starts=lengths, rows_per_req=width + 1)
+        req_kv_slots=kv_slots, req_starts=lengths, rows_per_req=width + 1)
     logits = target.verify(verify).logits.reshape(num, width + 1, -1)
     return logits[:, :width]
 

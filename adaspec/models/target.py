@@ -65,30 +65,30 @@ def length_groups(lengths: list[int], padding: float, slack: int = PREFILL_SLACK
 
 
 class KVCache:
-    """Keys and values per layer, ``[num_slots + 1, context_limit, heads, head_dim]``.
+    """Keys and values per layer, ``[num_kv_slots + 1, context_limit, heads, head_dim]``.
 
-    Slot ``num_slots`` is scratch: padding rows write there so no row needs a branch.
+    Slot ``num_kv_slots`` is scratch: padding rows write there so no row needs a branch.
     """
 
-    def __init__(self, num_layers: int, num_slots: int, context_limit: int, num_heads: int,
+    def __init__(self, num_layers: int, num_kv_slots: int, context_limit: int, num_heads: int,
                  head_dim: int, device: torch.device, dtype: torch.dtype) -> None:
-        shape = (num_slots + 1, context_limit, num_heads, head_dim)
+        shape = (num_kv_slots + 1, context_limit, num_heads, head_dim)
         self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
-        self.num_slots = num_slots
+        self.num_kv_slots = num_kv_slots
         self.context_limit = context_limit
 
-    def rows_of(self, slots: Tensor, positions: Tensor) -> Tensor:
+    def rows_of(self, kv_slots: Tensor, positions: Tensor) -> Tensor:
         """Flat row index of ``(slot, position)`` pairs into a layer viewed as
-        ``[(num_slots + 1) * context_limit, heads, head_dim]``. Flat rows let writes and
+        ``[(num_kv_slots + 1) * context_limit, heads, head_dim]``. Flat rows let writes and
         gathers use ``index_copy_`` and ``index_select``, several times faster on the CPU
         than indexing with two index tensors, which works element by element. Positions
         must lie in ``0 .. context_limit - 1``: outside, a flat row lands in a neighbouring
-        slot (callers clamp or mask them)."""
-        return (slots * self.context_limit + positions).flatten()
+        KV slot (callers clamp or mask them)."""
+        return (kv_slots * self.context_limit + positions).flatten()
 
-    def write(self, layer: int, slots: Tensor, positions: Tensor, k: Tensor, v: Tensor) -> None:
-        self.write_rows(layer, self.rows_of(slots, positions), k, v)
+    def write(self, layer: int, kv_slots: Tensor, positions: Tensor, k: Tensor, v: Tensor) -> None:
+        self.write_rows(layer, self.rows_of(kv_slots, positions), k, v)
 
     def write_rows(self, layer: int, rows: Tensor, k: Tensor, v: Tensor) -> None:
         """Write ``k, v [..., heads, head_dim]`` at flat ``rows`` (from ``rows_of``)."""
@@ -96,10 +96,10 @@ class KVCache:
             store.view(-1, *store.shape[2:]).index_copy_(0, rows, new.reshape(-1,
                                                                               *store.shape[2:]))
 
-    def window(self, layer: int, slots: Tensor, key_pos: Tensor) -> tuple[Tensor, Tensor]:
-        """Keys and values at ``key_pos [N, K]`` of ``slots [N]`` (clamped into the cache;
+    def window(self, layer: int, kv_slots: Tensor, key_pos: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values at ``key_pos [N, K]`` of ``kv_slots [N]`` (clamped into the cache;
         out-of-range positions are masked by the caller)."""
-        rows = self.rows_of(slots[:, None], key_pos.clamp(0, self.context_limit - 1))
+        rows = self.rows_of(kv_slots[:, None], key_pos.clamp(0, self.context_limit - 1))
         return self.gather_rows(layer, rows, key_pos.shape)
 
     def gather_rows(self, layer: int, rows: Tensor, shape: tuple[int, ...] | torch.Size
@@ -121,7 +121,7 @@ class GridIndex:
 
     positions: Tensor  # [G] position of each row
     rope: tuple[Tensor, Tensor]  # [G, hd // 2] cos and sin at each row's position
-    write_rows: Tensor  # [G] flat cache row each row writes (padding rows: scratch slot)
+    write_rows: Tensor  # [G] flat cache row each row writes (padding rows: scratch KV slot)
     grid_cells: Tensor  # [G] flat grid cell entry * (R + 1) + column of each row (padding:
     #                     column R)
     key_rows: Tensor  # [Bcap * (window + R)] flat cache rows gathered per request
@@ -133,8 +133,9 @@ class GridIndex:
         device = rows.token_ids.device
         width = rows.rows_per_req + 1
         positions = rows.positions
-        write_slots = torch.where(rows.row_valid, rows.req_slots.index_select(0, rows.row_reqs),
-                                  cache.num_slots)
+        write_kv_slots = torch.where(rows.row_valid,
+                                     rows.req_kv_slots.index_select(0, rows.row_reqs),
+                                     cache.num_kv_slots)
         columns = torch.where(rows.row_valid, rows.row_offsets, rows.rows_per_req)
         query_pos = rows.req_starts[:, None] + torch.arange(width, device=device)
         key_pos = (rows.req_starts[:, None] - window + 1
@@ -142,12 +143,12 @@ class GridIndex:
         # The key window covers every query position, so each grid row sees at least itself
         # and the softmax stays finite even in padding rows.
         return cls(positions=positions, rope=attn.rope_at(positions),
-                   # Padding rows write at position 0 of the scratch slot: a flat row
+                   # Padding rows write at position 0 of the scratch KV slot: a flat row
                    # index must never step outside its slot, whatever a padding row holds.
-                   write_rows=cache.rows_of(write_slots,
+                   write_rows=cache.rows_of(write_kv_slots,
                                             torch.where(rows.row_valid, positions, 0)),
                    grid_cells=rows.row_reqs * width + columns,
-                   key_rows=cache.rows_of(rows.req_slots[:, None],
+                   key_rows=cache.rows_of(rows.req_kv_slots[:, None],
                                           key_pos.clamp(0, cache.context_limit - 1)),
                    key_shape=(key_pos.shape[0], key_pos.shape[1]),
                    mask=window_mask(query_pos, key_pos, window)[:, None])
@@ -161,7 +162,7 @@ def grid_attention(block: Block, cache: KVCache, layer: int, x_rows: Tensor, row
     attn = block.attn
     q, k, v = attn.project(block.attn_norm(x_rows), index.positions, index.rope)
     cache.write_rows(layer, index.write_rows, k, v)
-    num_reqs, width = rows.req_slots.shape[0], rows.rows_per_req + 1
+    num_reqs, width = rows.req_kv_slots.shape[0], rows.rows_per_req + 1
     grid_q = q.new_zeros(num_reqs * width, *q.shape[1:])
     grid_q.index_copy_(0, index.grid_cells, q)
     keys, values = cache.gather_rows(layer, index.key_rows, index.key_shape)
@@ -201,8 +202,8 @@ class ReferenceTarget(nn.Module):
         return self.config.context_limit
 
     @property
-    def num_slots(self) -> int:
-        return 0 if self.cache is None else self.cache.num_slots
+    def num_kv_slots(self) -> int:
+        return 0 if self.cache is None else self.cache.num_kv_slots
 
     @property
     def dtype(self) -> torch.dtype:
@@ -212,11 +213,11 @@ class ReferenceTarget(nn.Module):
         """Output head, tied to the input embedding."""
         return F.linear(self.norm(hidden), self.embed.weight)
 
-    def allocate(self, num_slots: int) -> None:
-        """(Re)allocate the KV cache for ``num_slots`` concurrent requests."""
+    def allocate(self, num_kv_slots: int) -> None:
+        """(Re)allocate the KV cache for ``num_kv_slots`` concurrent requests."""
         param = self.embed.weight
         head_dim = self.config.hidden_size // self.config.num_heads
-        self.cache = KVCache(self.config.num_layers, num_slots, self.config.context_limit,
+        self.cache = KVCache(self.config.num_layers, num_kv_slots, self.config.context_limit,
                              self.config.num_heads, head_dim, param.device, param.dtype)
 
     # --- training ----------------------------------------------------------------------
@@ -231,26 +232,26 @@ class ReferenceTarget(nn.Module):
     # --- serving -----------------------------------------------------------------------
     def _require_cache(self) -> KVCache:
         if self.cache is None:
-            raise RuntimeError("call allocate(num_slots) before serving")
+            raise RuntimeError("call allocate(num_kv_slots) before serving")
         return self.cache
 
     @torch.no_grad()
-    def prefill(self, prompts: list[Tensor], slots: Tensor) -> PrefillOutput:
+    def prefill(self, prompts: list[Tensor], kv_slots: Tensor) -> PrefillOutput:
         """Prompts of unlike lengths run in groups of like ones (``length_groups``): a padded
         position costs as much as a real one. The output is in the prompts' order."""
         cache = self._require_cache()
         groups = length_groups([len(p) for p in prompts], PREFILL_PADDING)
         if len(groups) <= 1:
-            return self._prefill_group(cache, prompts, slots)
+            return self._prefill_group(cache, prompts, kv_slots)
         order = [i for group in groups for i in group]
         back = sorted(range(len(order)), key=order.__getitem__)
         # One host-to-device copy for both permutations: each copy may wait for the device.
         both = torch.tensor(order + back, device=self.embed.weight.device)
-        sorted_slots = slots.index_select(0, both[:len(order)])
+        sorted_kv_slots = kv_slots.index_select(0, both[:len(order)])
         parts, start = [], 0
         for group in groups:
             parts.append(self._prefill_group(cache, [prompts[i] for i in group],
-                                             sorted_slots[start:start + len(group)]))
+                                             sorted_kv_slots[start:start + len(group)]))
             start += len(group)
         longest = len(prompts[order[0]])
         hidden = torch.cat([F.pad(p.hidden, (0, 0, 0, longest - p.hidden.shape[1]))
@@ -261,7 +262,7 @@ class ReferenceTarget(nn.Module):
         return PrefillOutput(last=last, hidden=hidden[back_index],
                              lengths=torch.cat([p.lengths for p in parts])[back_index])
 
-    def _prefill_group(self, cache: KVCache, prompts: list[Tensor], slots: Tensor
+    def _prefill_group(self, cache: KVCache, prompts: list[Tensor], kv_slots: Tensor
                        ) -> PrefillOutput:
         device = self.embed.weight.device
         lengths = torch.tensor([len(p) for p in prompts], device=device)
@@ -271,12 +272,12 @@ class ReferenceTarget(nn.Module):
         positions = steps.expand_as(tokens)
         # One mask for every layer, already in the form attention adds.
         mask = additive_mask(sequence_mask(positions, self.config.window, valid), self.dtype)
-        # Padding positions go to the scratch slot, so a shorter prompt's tail stays clean.
-        write_slots = torch.where(valid, slots[:, None], cache.num_slots)
+        # Padding positions go to the scratch KV slot, so a shorter prompt's tail stays clean.
+        write_kv_slots = torch.where(valid, kv_slots[:, None], cache.num_kv_slots)
         x = self.embed(tokens)
         for layer, block in enumerate(self.blocks):
             x, k, v = block.sequence(x, positions, mask=mask)
-            cache.write(layer, write_slots, positions, k, v)
+            cache.write(layer, write_kv_slots, positions, k, v)
         last_hidden = x[torch.arange(len(prompts), device=device), lengths - 1]
         last = TargetOutput(logits=self.logits(last_hidden), hidden=last_hidden)
         return PrefillOutput(last=last, hidden=x, lengths=lengths)

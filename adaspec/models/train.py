@@ -312,11 +312,11 @@ def own_blocks(target: ReferenceTarget, dspark: ReferenceDSpark, data: bytes,
     parts: dict[str, list[Tensor]] = {"states": [], "prev": [], "logits": [], "label": []}
     for start in range(0, len(contexts), 16):
         batch = contexts[start:start + 16]
-        slots = torch.arange(len(batch))
-        prefill = target.prefill(batch, slots)
+        kv_slots = torch.arange(len(batch))
+        prefill = target.prefill(batch, kv_slots)
         anchor = prefill.last.logits.argmax(-1)
         block = dspark_round(target, dspark, prefill.last.hidden, anchor, prefill.lengths,
-                             slots, settings.width)
+                             kv_slots, settings.width)
         parts["states"].append(block.states)
         parts["prev"].append(block.prev_token_ids)
         parts["logits"].append(block.draft_logits)

@@ -75,7 +75,7 @@ class BudgetContext:
     num_reqs_bucket: int  # Bcap
     width: int  # w
     depth: int  # d chosen for this round: at most B * (d + 1) rows are useful
-    tiers: tuple[int, ...]  # legal padded target rows G for this bucket, ascending
+    legal_rows: tuple[int, ...]  # legal padded target rows G for this bucket, ascending
     retired_through: int  # newest round whose feedback was observed (-1: none yet)
     request_ids: tuple[int, ...] = ()  # [B] the batch's requests, in batch order
     max_kv_length: int = 0  # bound on the longest context this round can reach (coverage)
@@ -128,7 +128,7 @@ class DepthPolicy(Protocol):
 
 @runtime_checkable
 class BudgetPolicy(Protocol):
-    """Chooses the padded target rows G of a round, among ``context.tiers``."""
+    """Chooses the padded target rows G of a round, among ``context.legal_rows``."""
 
     name: str
 
@@ -141,16 +141,16 @@ class BudgetPolicy(Protocol):
     def settings(self) -> dict[str, object]: ...
 
 
-def covering_tier(tiers: Sequence[int], num_reqs: int, depth: int) -> int:
+def covering_tier(legal_rows: Sequence[int], num_reqs: int, depth: int) -> int:
     """The smallest tier that verifies every drafted token of every request: B * (d + 1)
     rows rounded up (the largest tier when none covers it)."""
     need = num_reqs * (depth + 1)
-    for rows in tiers:
+    for rows in legal_rows:
         if rows >= need:
             return rows
-    return tiers[-1]
+    return legal_rows[-1]
 
 
 def covering_rows(context: BudgetContext, depth: int) -> int:
-    """``covering_tier`` of a budget decision's legal tiers."""
-    return covering_tier(context.tiers, context.num_reqs, depth)
+    """``covering_tier`` among a budget decision's legal rows."""
+    return covering_tier(context.legal_rows, context.num_reqs, depth)

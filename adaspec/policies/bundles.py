@@ -35,6 +35,7 @@ from adaspec.config.calibration import (
     require_int,
 )
 from adaspec.config.files import read_json_object
+from adaspec.config.flags import RETIRED_NAMES, retired_name_error
 from adaspec.config.launch import LaunchConfig
 from adaspec.errors import ConfigError, IncompatibleCostTable
 from adaspec.policies.base import covering_tier
@@ -397,7 +398,9 @@ def _check_settings(settings: Mapping[str, object], compatibility: Mapping[str, 
                     profiles: Sequence[CostProfile]) -> None:
     """Refuse settings that contradict the compatibility or the profiles: the bundle would
     claim measurements that its own launch could not have taken, so one of them is wrong.
-    Keys the settings do not record are not checked (an embedding may record fewer)."""
+    Keys the settings do not record are not checked (an embedding may record fewer); a key
+    calibration never records is refused."""
+    _check_setting_names(settings)
     width = compatibility["draft_width"]
     given = settings.get("draft_width", width)
     if type(given) is not int or given != width:
@@ -427,6 +430,20 @@ def _check_settings(settings: Mapping[str, object], compatibility: Mapping[str, 
     if "contexts" in settings:
         _check_contexts_listed(settings["contexts"], profiles)
 
+
+def _check_setting_names(settings: Mapping[str, object]) -> None:
+    for name in settings:
+        if name in RETIRED_NAMES:
+            raise retired_name_error(name, name, settings[name])
+        if name not in SETTINGS_KEYS:
+            raise ConfigError(name, settings[name], f"is not a calibration setting; expected "
+                              f"some of {', '.join(SETTINGS_KEYS)}")
+
+
+SETTINGS_KEYS = ("model", "draft_width", "request_buckets", "target_graph_rows", "contexts",
+                 "warmup_steps", "window_steps", "windows_per_point", "token_seed", "points",
+                 "rows_points")
+"""Every key a bundle's settings may record (``CalibrationPlan.settings_dict``)."""
 
 COUNTED_SETTINGS = (("warmup_steps", 0, MAX_STEPS), ("window_steps", 1, MAX_STEPS),
                     ("windows_per_point", 1, MAX_STEPS), ("token_seed", 0, 2**63 - 1))

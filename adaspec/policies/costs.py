@@ -10,36 +10,30 @@ target graph rows. These are full-step costs; nothing is added on top of them.
   zero, the bias absorbs them), so the fit is unique when the grid is connected.
 - **Log-additive** (the additive model of a depth profile): the same least squares on log
   seconds, ``seconds = exp(bias + alpha(Bcap) + theta(d))``, so a depth multiplies its
-  bucket's cost instead of adding one time to every bucket. A depth's extra draft forwards
-  and verified rows cost in proportion to the batch: served on the reference models, depth 5
-  took 1.79 times depth 1 at one request and 1.83 times at sixteen, where the fit in seconds
-  priced the shared depth term at 1.75 to 2.0 times at one request and 1.3 to 1.4 times at
-  sixteen (benchmarks/depth_costs.py).
+  bucket's cost instead of adding one time to every bucket: a depth's extra draft forwards
+  and verified rows cost in proportion to the batch (docs/costs.md shows the measurement).
 
 Prices are step functions of the padded shape. A shape without a measurement is priced at
 the next larger measured shape, never extrapolated down to free, and fitted terms are made
 monotone (a larger G or Bcap never costs less), because padding is real work.
 
-Steps within the noise. The G terms decide which tier a round verifies, so a price step that
-is only noise would make a policy trim rows for a saving that does not exist (on a shared
-CPU one window can be 15 % off the next). The terms are first made monotone by pooling
-adjacent violators (a noisy high term is averaged with its neighbours instead of lifting
-every larger G); then, walking G upwards, a term stays at the current level until it rises
-above it by more than two standard errors of the difference. For the additive model those
-come from the least squares itself, with a point's noise the larger of the fit's residual
-(the model's misfit included) and its median window's scatter; for SPS from the windows
-behind each G. Real steps larger than that are kept, and a run of small steps is kept as
-soon as together they exceed it. Without any noise measured (one window per point and an
-exact fit) every monotone step is kept. The passes over the grid must also agree: each pass
-fitted alone (the k-th window of a point is pass k's; calibration measures every point once
-per pass) shows a rise, and their mean must exceed zero by a one-sided Student t bound on
-their own scatter. The pooled window noise assumes windows scatter alike and independently,
-but this host's speed swings by a quarter from one second to the next and can hold a slow
-spell over neighbouring windows: a 9.8 ms step at G=96 of bucket 16, measured in that bucket
-alone, passed the first test while the three passes showed it as +10.6, +9.0 and -0.3 ms,
-and serving showed no such step (adaptive verify trimmed rows and lost 10 % against
-fixed:5). Depth profiles are not levelled: depths are whole draft forwards apart, and the
-depth policy has its own switch gain.
+Steps within the noise. The G terms decide how many rows a round verifies, so a price step
+that is only noise would make a policy trim rows for a saving that does not exist. The terms
+are first made monotone by pooling adjacent violators (a noisy high term is averaged with its
+neighbours instead of lifting every larger G); then, walking G upwards, a term stays at the
+current level until it rises above it by more than two standard errors of the difference.
+For the additive model those come from the least squares itself, with a point's noise the
+larger of the fit's residual (the model's misfit included) and its median window's scatter;
+for SPS from the windows behind each G. Real steps larger than that are kept, and a run of
+small steps is kept as soon as together they exceed it. Without any noise measured (one
+window per point and an exact fit) every monotone step is kept. The passes over the grid must
+also agree: each pass fitted alone (the k-th window of a point is pass k's; calibration
+measures every point once per pass) shows a rise, and their mean must exceed zero by a
+one-sided Student t bound on their own scatter, because the pooled window noise assumes
+windows scatter alike and independently while a slow spell of a shared machine can span
+neighbouring windows (docs/costs.md tells the step that taught this). Depth profiles are not
+levelled: depths are whole draft forwards apart, and the depth policy has its own switch
+gain.
 """
 
 import bisect

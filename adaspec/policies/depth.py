@@ -58,9 +58,9 @@ def bundle_pricing(costs: CostBundle) -> DepthPricing:
 
 PROBE_EVERY_WINDOWS = 3
 """One probe every three windows of rounds: a probe round costs one step more, so at the
-default window of 20 the overhead is a step in 60 rounds (about 1 % against the best fixed
-width where that is depth 1), while the next position's estimate still renews fast enough to
-follow a step change (benchmarks/policies.py)."""
+default window of 20 the overhead is one step in 60 rounds, while the next position's
+estimate still renews fast enough to follow a step change (benchmarks/policies.py measures
+both)."""
 
 
 LOGIT_CLAMP = 0.01

@@ -4,7 +4,8 @@ Startup measures every (Bcap, G) point of the grid. The grid is refused up front
 measurement could not be used: an uncaptured bucket or G (calibration never captures a
 shape), a bucket without its full-width G (the fallback every round may take), an additive
 grid in several pieces (the fit would not be unique), context intervals that overlap or that
-the model, its cache, or the worst-case progress of both in-flight slots cannot hold.
+the model, its cache, or the worst-case progress of the rounds in flight in both pipeline
+slots cannot hold.
 """
 
 from collections.abc import Mapping, Sequence

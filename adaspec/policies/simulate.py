@@ -6,7 +6,7 @@ confidences each request's drafter reported, and how many drafted tokens the tar
 accept if offered the full width (``docs/workload.md``). For round n the simulator:
 
 1. lets the policies observe the simulated feedback of every round through n - lag;
-2. asks the depth policy for d and the budget policy for G among the legal tiers of the
+2. asks the depth policy for d and the budget policy for G among the legal rows of the
    request bucket (both read from the bundle's captured geometry);
 3. allocates the G - B rows to the best surviving positions of this round (the device rule:
    survival order, ties to the lower request then the lower position, contiguous prefixes,
@@ -299,7 +299,7 @@ class Geometry:
             raise ConfigError("--cost_table", path, "expected a versioned bundle (a legacy "
                               "table records no buckets or tiers to simulate with)")
         self.buckets: tuple[int, ...] = tuple(compat["request_buckets"])
-        self.tiers: dict[int, tuple[int, ...]] = {
+        self.legal_rows: dict[int, tuple[int, ...]] = {
             b: tuple(rows) for b, rows in zip(self.buckets, compat["target_rows"], strict=True)}
         self.width = int(compat["draft_width"])
         self.dp_size = int(compat.get("dp_size", 1))
@@ -339,7 +339,7 @@ def depth_pricing(costs: CostBundle, geometry: "Geometry") -> DepthPricing:
     default_kv = costs.profiles[0].context.max_kv_length
 
     def price(context: DepthContext, depth: int) -> float | None:
-        rows = covering_tier(geometry.tiers[context.num_reqs_bucket], context.num_reqs, depth)
+        rows = covering_tier(geometry.legal_rows[context.num_reqs_bucket], context.num_reqs, depth)
         return costs.cost_ms(context.num_reqs_bucket, rows, context.max_kv_length or default_kv)
 
     return price
@@ -413,19 +413,19 @@ def simulate(spec: str, workload: Workload, costs: CostBundle, path: str = "cost
         # DP shards run one physical graph: the bucket holds the largest shard's batch.
         num_reqs = max(len(batch) for batch in shards)
         bucket = geometry.bucket(num_reqs, f"{workload.where}, round {number}")
-        tiers = geometry.tiers[bucket]
+        legal_rows = geometry.legal_rows[bucket]
         kv = rnd.kv_length if rnd.kv_length is not None else default_kv
         retired = number - LAG
         depth_context = DepthContext(round=number, num_reqs=num_reqs, num_reqs_bucket=bucket,
                                      width=workload.width, retired_through=retired,
                                      max_kv_length=kv)
         if isinstance(depth_policy, OracleDepth):
-            depth = _oracle_depth(rnd, depth_context, tiers, kv, costs, path)
+            depth = _oracle_depth(rnd, depth_context, legal_rows, kv, costs, path)
         else:
             depth = depth_policy.decide(depth_context)
         context = BudgetContext(
             round=number, num_reqs=num_reqs, num_reqs_bucket=bucket, width=workload.width,
-            depth=depth, tiers=tiers, retired_through=retired,
+            depth=depth, legal_rows=legal_rows, retired_through=retired,
             request_ids=tuple(r.id for batch in shards for r in batch), max_kv_length=kv,
             shard_sizes=tuple(len(batch) for batch in shards) if workload.dp_size > 1 else ())
         if isinstance(budget_policy, Oracle):
@@ -530,7 +530,7 @@ def _oracle_rows(shards: Sequence[Sequence[WorkloadRequest]], context: BudgetCon
     """The tier with the most true tokens per millisecond this round, summed over the
     shards (ties: smaller G)."""
     best, best_rate = covering_rows(context, context.depth), -1.0
-    for rows in context.tiers:
+    for rows in context.legal_rows:
         tokens = sum(sum(_verify(batch, context.depth, rows)[1]) + len(batch)
                      for batch in shards)
         rate = tokens / _price(costs, context.num_reqs_bucket, rows, context.max_kv_length,
@@ -540,12 +540,12 @@ def _oracle_rows(shards: Sequence[Sequence[WorkloadRequest]], context: BudgetCon
     return best
 
 
-def _oracle_depth(rnd: WorkloadRound, context: DepthContext, tiers: Sequence[int], kv: int,
+def _oracle_depth(rnd: WorkloadRound, context: DepthContext, legal_rows: Sequence[int], kv: int,
                   costs: CostBundle, path: str) -> int:
     """The depth with the most true tokens per millisecond this round (ties: shallower)."""
     best, best_rate = context.width, -1.0
     for depth in range(1, context.width + 1):
-        rows = covering_tier(tiers, context.num_reqs, depth)
+        rows = covering_tier(legal_rows, context.num_reqs, depth)
         tokens = sum(min(depth, r.accepted) + 1 for r in rnd.requests)
         rate = tokens / _price(costs, context.num_reqs_bucket, rows, kv, path, depth)
         if rate > best_rate:

@@ -5,7 +5,7 @@ Every request verifies at least its own row (the residual or bonus token), so B 
 pay off one token each; every further row verifies one drafted token and pays off its
 survival (the estimated probability that it and all drafted tokens before it are accepted).
 With the best rows taken first, ``tau(G) = B + sum of the top G - B survivals`` and the
-budget is the legal tier with the largest ``tau(G) / cost_ms(Bcap, G)`` over all tiers (a
+budget is the legal G with the largest ``tau(G) / cost_ms(Bcap, G)`` over all of them (a
 global argmax, not a greedy walk that stops at the first dip). Equal values go to the smaller
 G. Without a price for the batch (a KV length or bucket the table does not cover) the
 decision is the prewarmed full width.
@@ -34,13 +34,13 @@ ShardSurvivals = tuple[int, Sequence[float]]
 """One shard's B and its per-(request, position) survival estimates, in any order."""
 
 
-def choose_rows(tiers: Sequence[int], shards: Sequence[ShardSurvivals],
+def choose_rows(legal_rows: Sequence[int], shards: Sequence[ShardSurvivals],
                 cost_ms: Callable[[int], float | None], full_rows: int) -> int:
     """The tier maximising ``sum of tau_s(G) / cost_ms(G)`` over the shards (one shard
     without DP); ``full_rows`` when any tier is unpriced."""
     ranked = [(num_reqs, sorted(survivals, reverse=True)) for num_reqs, survivals in shards]
     best, best_rate = full_rows, -1.0
-    for rows in tiers:
+    for rows in legal_rows:
         cost = cost_ms(rows)
         if cost is None:
             return full_rows
@@ -126,7 +126,7 @@ class AdaptiveVerify:
             return full
         # A tier above full width verifies nothing more and costs no less: never better.
         return choose_rows(
-            [rows for rows in context.tiers if rows <= full], shards,
+            [rows for rows in context.legal_rows if rows <= full], shards,
             lambda rows: costs.cost_ms(context.num_reqs_bucket, rows, context.max_kv_length),
             full)
 

@@ -1,1 +1,1 @@
-"""The round runtime: state machine, events, device backends, and the slot pipeline."""
+"""The round runtime: state machine, events, device backends, and the two-slot pipeline."""

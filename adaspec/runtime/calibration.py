@@ -16,9 +16,8 @@ the grid (``pass_points``). A shared machine changes speed over seconds (other t
 frequency); spreading every point over the whole calibration lets those changes hit all
 points alike instead of biasing whichever were measured during a slow spell, and the fit
 takes each point's median window. The rotation keeps two windows of one point at least
-two thirds of a pass apart (with three windows): passes that turned back at the end of the
-grid measured the last points twice in a row, so one slow spell there spoiled two of their
-three windows and priced the largest G of the largest bucket several milliseconds too high.
+two thirds of a pass apart (with three windows), so one slow spell cannot spoil two windows
+of the same point (docs/costs.md tells how passes that turned back at the grid's end did).
 
 Nothing of this adds timing to normal serving: the times come from the retirement events the
 calibration pipeline publishes on its own bus, which is discarded when calibration ends.
@@ -30,9 +29,12 @@ import logging
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Literal, TypeVar
 
 from adaspec.config.calibration import DEFAULT_CONTEXTS, CalibrationConfig, ContextInterval
+from adaspec.config.effective import EffectiveConfig
+from adaspec.config.files import read_json_object
+from adaspec.config.launch import LaunchConfig
 from adaspec.config.requests import SamplingParams
 from adaspec.errors import AdaspecError, ConfigError
 from adaspec.policies.base import (
@@ -43,7 +45,13 @@ from adaspec.policies.base import (
     covering_rows,
     covering_tier,
 )
-from adaspec.policies.bundles import Compatibility, CostBundle, CostProfile, fitted_bundle
+from adaspec.policies.bundles import (
+    Compatibility,
+    CostBundle,
+    CostProfile,
+    fitted_bundle,
+    load_bundle,
+)
 from adaspec.policies.costs import CostSample, fit, grid_components
 from adaspec.policies.grid import (
     ProbeGrid,
@@ -52,10 +60,15 @@ from adaspec.policies.grid import (
     probe_grid,
     sampling_progress,
 )
-from adaspec.runtime.devices.buckets import BucketGeometry
+from adaspec.runtime.devices.buckets import BindingRegistry, BucketGeometry
+from adaspec.runtime.devices.streams import DeviceStream
 from adaspec.runtime.events.bus import EventBus
+from adaspec.runtime.events.clock import MonotonicClock
 from adaspec.runtime.events.types import BudgetDecided, DepthDecided, Event, RoundRetired
+from adaspec.runtime.pipeline import Pipeline
 from adaspec.runtime.requests import Request
+from adaspec.runtime.rounds import DeviceContext
+from adaspec.runtime.states import RoundHooks
 
 T = TypeVar("T")
 Axis = Literal["rows", "depth"]
@@ -137,7 +150,7 @@ def effective_contexts(settings: CalibrationConfig, width: int, context_limit: i
 
 def plan_calibration(settings: CalibrationConfig | None, geometry: BucketGeometry,
                      context_limit: int) -> CalibrationPlan:
-    """The built-in defaults (every captured bucket, every legal tier, prefill 2048 and KV
+    """The built-in defaults (every captured bucket, every legal G, prefill 2048 and KV
     1..4096 capped by the model) or the given settings, checked against the geometry."""
     if settings is None:
         settings = CalibrationConfig(draft_width=geometry.width,
@@ -162,10 +175,10 @@ def plan_depth_calibration(settings: CalibrationConfig, geometry: BucketGeometry
                               list(settings.request_buckets),
                               f"bucket {bucket} is not captured; captured buckets: "
                               f"{list(geometry.request_buckets)}")
-        tiers = geometry.legal_rows(bucket)
+        legal_rows = geometry.legal_rows(bucket)
         for depth in range(1, geometry.width + 1):
             points.append((bucket, depth))
-            rows_at[(bucket, depth)] = covering_tier(tiers, bucket, depth)
+            rows_at[(bucket, depth)] = covering_tier(legal_rows, bucket, depth)
         rows_points += [(bucket, rows) for rows in smaller_batch_rows(geometry, bucket)]
     if settings.model == "additive":
         rows_points = bridged(rows_points, geometry)
@@ -188,12 +201,12 @@ def smaller_batch_rows(geometry: BucketGeometry, bucket: int) -> tuple[int, ...]
     full bucket's tier, with the full bucket's tiers of those depths: what the rows profile
     of a depth plan must price. Empty when every batch of the bucket is full (bucket 1, or
     one just above the previous bucket)."""
-    tiers = geometry.legal_rows(bucket)
+    legal_rows = geometry.legal_rows(bucket)
     previous = max((b for b in geometry.request_buckets if b < bucket), default=0)
     rows: set[int] = set()
     for depth in range(1, geometry.width + 1):
-        full = covering_tier(tiers, bucket, depth)
-        smaller = {covering_tier(tiers, n, depth) for n in range(previous + 1, bucket)}
+        full = covering_tier(legal_rows, bucket, depth)
+        smaller = {covering_tier(legal_rows, n, depth) for n in range(previous + 1, bucket)}
         if smaller - {full}:
             rows |= smaller | {full}
     return tuple(sorted(rows))
@@ -231,7 +244,7 @@ class ForcedBudget:
     def decide(self, context: BudgetContext) -> int:
         self._decisions += 1
         if self.rows is not None and context.num_reqs == context.num_reqs_bucket == self.bucket \
-                and self.rows in context.tiers:
+                and self.rows in context.legal_rows:
             return self.rows
         return covering_rows(context, context.depth)
 
@@ -353,7 +366,7 @@ def synthetic_prompt(seed: int, index: int, length: int, vocab: int) -> list[int
 class CalibrationDriver:
     """Submits synthetic requests to a calibration pipeline and reads its retirements."""
 
-    def __init__(self, pipeline: Any, bus: EventBus, vocab_size: int,
+    def __init__(self, pipeline: Pipeline, bus: EventBus, vocab_size: int,
                  forced: ForcedBudget, forced_depth: ForcedDepth) -> None:
         self.pipeline, self.bus, self.vocab_size = pipeline, bus, vocab_size
         self.forced, self.forced_depth = forced, forced_depth
@@ -460,3 +473,63 @@ def fit_bundle(plan: CalibrationPlan, samples: Sequence[Samples],
                 for context, by_axis in zip(plan.contexts, samples, strict=True)
                 for axis in axes if axis in by_axis]
     return fitted_bundle(compatibility, plan.settings_dict(), profiles, source)
+
+
+def cost_source(config: EffectiveConfig, compatibility: Compatibility,
+                geometry: BucketGeometry, context_limit: int
+                ) -> tuple[CalibrationPlan | None, CostBundle | None]:
+    """Where a launch's costs come from, checked before any device work: the calibration
+    plan it runs at start, or the saved table (checked against ``compatibility``); neither
+    without an adaptive control."""
+    launch = config.launch
+    if launch.enable_adaptive_draft_step:
+        assert config.draft_step is not None  # the launch's rules require it
+        return plan_depth_calibration(config.draft_step.calibration, geometry,
+                                      context_limit), None
+    if not launch.enable_adaptive_target_verify:
+        return None, None
+    path = launch.adaptive_target_verify_cost_table
+    if path is None:
+        return plan_calibration(config.target_verify_calibration, geometry,
+                                context_limit), None
+    saved = load_bundle(path, read_json_object("adaptive_target_verify_cost_table", path))
+    saved.check_compatible(compatibility, path, context_limit=context_limit)
+    return None, saved
+
+
+@dataclass(frozen=True, slots=True)
+class CalibrationRun:
+    """What a calibration pipeline shares with the runtime it calibrates."""
+
+    launch: LaunchConfig
+    ctx: DeviceContext
+    stream: DeviceStream
+    geometry: BucketGeometry
+    registries: list[BindingRegistry] | None
+    seed: int
+
+
+async def calibrate_on_stream(run: CalibrationRun, plan: CalibrationPlan,
+                              compatibility: Compatibility, progress: Progress | None = None
+                              ) -> CostBundle:
+    """Drive a calibration pipeline (the runtime's device context, stream and bindings, its
+    own bus and a real clock) over ``plan`` and fit the bundle."""
+    forced, forced_depth, bus = ForcedBudget(), ForcedDepth(), EventBus()
+    pipeline = Pipeline(
+        launch=run.launch, ctx=run.ctx, stream=run.stream, geometry=run.geometry,
+        registries=run.registries, depth_policy=forced_depth, budget_policy=forced, bus=bus,
+        clock=MonotonicClock(), hooks=RoundHooks(), seed=run.seed)
+    task = asyncio.get_running_loop().create_task(pipeline.run())
+    try:
+        driver = CalibrationDriver(pipeline, bus, run.ctx.target.vocab_size, forced,
+                                   forced_depth)
+        samples = await calibrate(driver, plan, progress)
+    finally:
+        pipeline.stop()
+        await task
+    if pipeline.fault is not None:
+        raise pipeline.fault
+    settings = plan.settings
+    source = ("calibrated at startup from built-in defaults" if settings.source == "default"
+              else f"calibrated at startup from {settings.source}")
+    return fit_bundle(plan, samples, compatibility, source)

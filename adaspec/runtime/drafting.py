@@ -6,10 +6,10 @@ so allocation, packing and commit are shared. MTP at depth d < w fills positions
 zero confidence; the verify caps never admit them.
 
 A drafter call for a batch entry whose anchor sits at position n is made at p = n - 1 (the
-position of the target state it starts from, ``SlotStates.hidden``), MTP step j at
+position of the target state it starts from, ``KvSlotStates.hidden``), MTP step j at
 p = n - 1 + j. Calls stay at p <= context_limit - 2, so the token a call is given (at p + 1)
 is always inside the context; past that, and for padding entries (anchor position 0), they run
-on the scratch slot at a clamped position: no verify row ever reaches their drafts, because
+on the scratch KV slot at a clamped position: no verify row ever reaches their drafts, because
 ``emit_budget`` caps a request's last verify row at context_limit - 2.
 """
 
@@ -28,22 +28,22 @@ from adaspec.models.protocols import (
 )
 from adaspec.runtime.devices.commit import CommitResult, publication
 from adaspec.runtime.devices.packing import PackedRows
-from adaspec.runtime.slots import SlotStates
+from adaspec.runtime.kv_slots import KvSlotStates
 
 
 class Drafting(Protocol):
     width: int
     """w: drafted tokens per request and round (0 without speculation)."""
     keeps_hidden: bool
-    """Whether drafting reads the target hidden state behind each anchor (``SlotStates``
-    keeps one per slot only then)."""
+    """Whether drafting reads the target hidden state behind each anchor (``KvSlotStates``
+    keeps one per KV slot only then)."""
 
-    def draft(self, states: SlotStates, slots: Tensor, depth: int) -> tuple[Tensor, Tensor]:
+    def draft(self, states: KvSlotStates, kv_slots: Tensor, depth: int) -> tuple[Tensor, Tensor]:
         """Drafted token ids and confidences, both ``[Bcap, width]``, for the gathered
-        ``states`` of the batch entries at KV ``slots [Bcap]``."""
+        ``states`` of the batch entries at ``kv_slots [Bcap]``."""
         ...
 
-    def after_prefill(self, prefill: PrefillOutput, prompts: list[Tensor], slots: Tensor,
+    def after_prefill(self, prefill: PrefillOutput, prompts: list[Tensor], kv_slots: Tensor,
                       first_token_ids: Tensor) -> None:
         """Give the drafter the context of newly prefilled prompts, whose first generated
         tokens are ``first_token_ids [B]``."""
@@ -54,47 +54,47 @@ class Drafting(Protocol):
         ...
 
 
-def call_positions(anchor_positions: Tensor, step: int, slots: Tensor, context_limit: int,
-                   scratch_slot: int) -> tuple[Tensor, Tensor]:
+def call_positions(anchor_positions: Tensor, step: int, kv_slots: Tensor, context_limit: int,
+                   scratch_kv_slot: int) -> tuple[Tensor, Tensor]:
     """Positions and KV slots ``[Bcap]`` of draft call ``step`` (0 for the first) of entries
     whose anchors sit at ``anchor_positions``: p = anchor - 1 + step, kept in
-    0 .. context_limit - 2; a call outside that runs on the scratch slot."""
+    0 .. context_limit - 2; a call outside that runs on the scratch KV slot."""
     positions = anchor_positions + (step - 1)
     clamped = positions.clamp(0, max(context_limit - 2, 0))
     # Four small kernels a call: a round pays them once per draft call.
-    return clamped, torch.where(clamped == positions, slots, scratch_slot)
+    return clamped, torch.where(clamped == positions, kv_slots, scratch_kv_slot)
 
 
 class PublishedContext:
     """Keeps a drafter's own context (``DrafterContext``): allocated with the target's KV
     slots, fed every prompt position after prefill and every committed row after commit."""
 
-    def __init__(self, drafter: DrafterContext, num_slots: int) -> None:
-        drafter.allocate(num_slots)
+    def __init__(self, drafter: DrafterContext, num_kv_slots: int) -> None:
+        drafter.allocate(num_kv_slots)
         self.drafter = drafter
-        self.scratch_slot = num_slots
+        self.scratch_kv_slot = num_kv_slots
 
-    def after_prefill(self, prefill: PrefillOutput, prompts: list[Tensor], slots: Tensor,
+    def after_prefill(self, prefill: PrefillOutput, prompts: list[Tensor], kv_slots: Tensor,
                       first_token_ids: Tensor) -> None:
-        self.drafter.publish(ContextRows.of_prompts(prefill, prompts, slots, first_token_ids))
+        self.drafter.publish(ContextRows.of_prompts(prefill, prompts, kv_slots, first_token_ids))
 
     def after_commit(self, out: TargetOutput, packed: PackedRows, result: CommitResult) -> None:
-        next_token_ids, positions, slots = publication(packed, result, self.scratch_slot)
+        next_token_ids, positions, kv_slots = publication(packed, result, self.scratch_kv_slot)
         self.drafter.publish(ContextRows(token_ids=packed.rows.token_ids, hidden=out.hidden,
                                          next_token_ids=next_token_ids, positions=positions,
-                                         slots=slots))
+                                         kv_slots=kv_slots))
 
 
-def own_context(drafter: object, num_slots: int) -> PublishedContext | None:
+def own_context(drafter: object, num_kv_slots: int) -> PublishedContext | None:
     """The published context of a DSpark drafter that keeps one (it has ``publish``: the
     start's conformance check made sure it is a whole ``DrafterContext``), or None."""
     if not callable(getattr(drafter, "publish", None)):
         return None
-    return PublishedContext(drafter, num_slots)  # type: ignore[arg-type]
+    return PublishedContext(drafter, num_kv_slots)  # type: ignore[arg-type]
 
 
 class NoDrafting:
-    """The target alone: every round verifies only each request's anchor row, and slots keep
+    """The target alone: every round verifies only each request's anchor row, and KV slots keep
     no hidden state (nothing drafts from it)."""
 
     width = 0
@@ -105,15 +105,15 @@ class NoDrafting:
         # batch shape serves every round.
         self._empty: dict[tuple[int, torch.device], tuple[Tensor, Tensor]] = {}
 
-    def draft(self, states: SlotStates, slots: Tensor, depth: int) -> tuple[Tensor, Tensor]:
-        key = (slots.shape[0], slots.device)
+    def draft(self, states: KvSlotStates, kv_slots: Tensor, depth: int) -> tuple[Tensor, Tensor]:
+        key = (kv_slots.shape[0], kv_slots.device)
         empty = self._empty.get(key)
         if empty is None:
-            confidences = torch.zeros(slots.shape[0], 0, device=slots.device)
+            confidences = torch.zeros(kv_slots.shape[0], 0, device=kv_slots.device)
             empty = self._empty[key] = (confidences.to(torch.int64), confidences)
         return empty
 
-    def after_prefill(self, prefill: PrefillOutput, prompts: list[Tensor], slots: Tensor,
+    def after_prefill(self, prefill: PrefillOutput, prompts: list[Tensor], kv_slots: Tensor,
                       first_token_ids: Tensor) -> None:
         """Nothing to keep."""
 
@@ -128,24 +128,24 @@ class DSparkDrafting:
     keeps_hidden = True
 
     def __init__(self, drafter: DSparkDrafter, width: int, context_limit: int,
-                 num_slots: int) -> None:
+                 num_kv_slots: int) -> None:
         self.drafter = drafter
         self.width = width
         self.context_limit = context_limit
-        self.scratch_slot = num_slots
-        self.context = own_context(drafter, num_slots)
+        self.scratch_kv_slot = num_kv_slots
+        self.context = own_context(drafter, num_kv_slots)
 
-    def draft(self, states: SlotStates, slots: Tensor, depth: int) -> tuple[Tensor, Tensor]:
-        positions, call_slots = call_positions(states.anchor_positions, 0, slots,
-                                               self.context_limit, self.scratch_slot)
-        block = self.drafter.draft(states.hidden, states.anchor_ids, positions, call_slots,
+    def draft(self, states: KvSlotStates, kv_slots: Tensor, depth: int) -> tuple[Tensor, Tensor]:
+        positions, call_kv_slots = call_positions(states.anchor_positions, 0, kv_slots,
+                                               self.context_limit, self.scratch_kv_slot)
+        block = self.drafter.draft(states.hidden, states.anchor_ids, positions, call_kv_slots,
                                    self.width)
         return block.token_ids, block.confidences
 
-    def after_prefill(self, prefill: PrefillOutput, prompts: list[Tensor], slots: Tensor,
+    def after_prefill(self, prefill: PrefillOutput, prompts: list[Tensor], kv_slots: Tensor,
                       first_token_ids: Tensor) -> None:
         if self.context is not None:
-            self.context.after_prefill(prefill, prompts, slots, first_token_ids)
+            self.context.after_prefill(prefill, prompts, kv_slots, first_token_ids)
 
     def after_commit(self, out: TargetOutput, packed: PackedRows, result: CommitResult) -> None:
         if self.context is not None:
@@ -159,33 +159,34 @@ class MtpDrafting:
     keeps_hidden = True
 
     def __init__(self, drafter: MtpDrafter, width: int, context_limit: int,
-                 num_slots: int) -> None:
+                 num_kv_slots: int) -> None:
         self.drafter = drafter
         self.width = width
         self.context_limit = context_limit
-        self.scratch_slot = num_slots
-        self.context = PublishedContext(drafter, num_slots)
+        self.scratch_kv_slot = num_kv_slots
+        self.context = PublishedContext(drafter, num_kv_slots)
 
-    def draft(self, states: SlotStates, slots: Tensor, depth: int) -> tuple[Tensor, Tensor]:
+    def draft(self, states: KvSlotStates, kv_slots: Tensor, depth: int) -> tuple[Tensor, Tensor]:
         tokens, probs = [], []
         hidden, token = states.hidden, states.anchor_ids
         for step in range(depth):
-            positions, step_slots = call_positions(states.anchor_positions, step, slots,
-                                                   self.context_limit, self.scratch_slot)
-            out = self.drafter.step(hidden, token, positions, step_slots)
+            positions, step_kv_slots = call_positions(states.anchor_positions, step, kv_slots,
+                                                   self.context_limit, self.scratch_kv_slot)
+            out = self.drafter.step(hidden, token, positions, step_kv_slots)
             hidden, token = out.hidden, out.token_ids
             tokens.append(token)
             probs.append(out.probs)
-        drafts = torch.zeros(slots.shape[0], self.width, dtype=torch.int64, device=slots.device)
-        confidences = torch.zeros(slots.shape[0], self.width, device=slots.device)
+        drafts = torch.zeros(kv_slots.shape[0], self.width, dtype=torch.int64,
+                             device=kv_slots.device)
+        confidences = torch.zeros(kv_slots.shape[0], self.width, device=kv_slots.device)
         if depth:
             drafts[:, :depth] = torch.stack(tokens, 1)
             confidences[:, :depth] = torch.stack(probs, 1).to(confidences.dtype)
         return drafts, confidences
 
-    def after_prefill(self, prefill: PrefillOutput, prompts: list[Tensor], slots: Tensor,
+    def after_prefill(self, prefill: PrefillOutput, prompts: list[Tensor], kv_slots: Tensor,
                       first_token_ids: Tensor) -> None:
-        self.context.after_prefill(prefill, prompts, slots, first_token_ids)
+        self.context.after_prefill(prefill, prompts, kv_slots, first_token_ids)
 
     def after_commit(self, out: TargetOutput, packed: PackedRows, result: CommitResult) -> None:
         self.context.after_commit(out, packed, result)

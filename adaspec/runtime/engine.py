@@ -23,14 +23,13 @@ import torch
 
 from adaspec.availability import require_device
 from adaspec.config.effective import EffectiveConfig
-from adaspec.config.files import read_json_object
 from adaspec.config.launch import LaunchConfig
 from adaspec.config.limits import BUILTIN_DRAFTS, BUILTIN_TARGETS
 from adaspec.config.paths import new_file
 from adaspec.config.requests import MAX_SEED, SamplingParams, check_request, check_room
 from adaspec.errors import ConfigError, InvalidRequest
 from adaspec.models.checkpoint import ReferenceModels, load_reference_models
-from adaspec.models.limits import check_model_limits, check_num_slots
+from adaspec.models.limits import check_model_limits, check_num_kv_slots
 from adaspec.models.protocols import ModelSet, has_member, missing_member
 from adaspec.policies.base import BudgetPolicy, DepthPolicy
 from adaspec.policies.bundles import (
@@ -38,19 +37,14 @@ from adaspec.policies.bundles import (
     CostBundle,
     bundle_from_dict,
     launch_fields,
-    load_bundle,
 )
 from adaspec.policies.registry import make_budget_policy, make_depth_policy
 from adaspec.runtime.calibration import (
-    CalibrationDriver,
     CalibrationPlan,
-    ForcedBudget,
-    ForcedDepth,
+    CalibrationRun,
     Progress,
-    calibrate,
-    fit_bundle,
-    plan_calibration,
-    plan_depth_calibration,
+    calibrate_on_stream,
+    cost_source,
 )
 from adaspec.runtime.devices.buckets import BindingRegistry, BucketGeometry
 from adaspec.runtime.devices.collectives import Collectives, LocalCollectives
@@ -60,10 +54,10 @@ from adaspec.runtime.drafting import Drafting, DSparkDrafting, MtpDrafting, NoDr
 from adaspec.runtime.events.bus import EventBus
 from adaspec.runtime.events.clock import Clock, MonotonicClock
 from adaspec.runtime.events.types import RequestArrived
+from adaspec.runtime.kv_slots import KvSlotSampling, KvSlotStates
 from adaspec.runtime.pipeline import Pipeline, RuntimeStatistics
-from adaspec.runtime.requests import Request, RequestHandle, check_prompt
+from adaspec.runtime.requests import Request, RequestHandle, check_prompt, prompt_ids
 from adaspec.runtime.rounds import CheckedDrafter, DeviceContext, StageHook
-from adaspec.runtime.slots import SlotSampling, SlotStates
 from adaspec.runtime.states import RoundHooks
 from adaspec.runtime.trace import STDERR, StateTrace, trace_destination
 
@@ -288,45 +282,47 @@ class Runtime:
                                                              models))
         self._abandoned()
         LOG.info(json.dumps(self.effective_log(geometry)))
-        self._open_observers(models)
+        # Built once, on the costs just installed: the log's header records these very ones.
+        depth_policy, budget_policy = self._depth_policy(), self._budget_policy()
+        self._open_observers(models, depth_policy, budget_policy)
         self._pipeline = Pipeline(
             launch=launch, ctx=ctx, stream=self._stream, geometry=geometry,
-            registries=registries, depth_policy=self._depth_policy(),
-            budget_policy=self._budget_policy(), bus=self.bus, clock=self.clock,
+            registries=registries, depth_policy=depth_policy,
+            budget_policy=budget_policy, bus=self.bus, clock=self.clock,
             hooks=self.hooks, seed=self.options.seed)
         self._task = asyncio.get_running_loop().create_task(self._pipeline.run())
 
     def _device_context(self, models: ModelSet, device: torch.device) -> DeviceContext:
         launch = self.launch
         # A finished request's KV slot is reused only after the rounds in flight retire.
-        num_slots = 2 * launch.max_seqs_per_batch
+        num_kv_slots = 2 * launch.max_seqs_per_batch
         target = models.target
-        before = _num_slots(target)
-        target.allocate(num_slots)
-        check_num_slots("Runtime(models=...).target", target, num_slots, before)
+        before = _num_kv_slots(target)
+        target.allocate(num_kv_slots)
+        check_num_kv_slots("Runtime(models=...).target", target, num_kv_slots, before)
         drafting: Drafting = NoDrafting()
         # check_model_limits refused a set without the drafter the algorithm uses.
         # A drafter's own context is allocated with the same KV slots by its Drafting.
         drafter: CheckedDrafter | None = None
         if launch.speculative_algorithm == "MTP" and models.mtp is not None:
             drafter = CheckedDrafter("mtp", models.mtp, target.vocab_size)
-            before = _num_slots(models.mtp)
+            before = _num_kv_slots(models.mtp)
             drafting = MtpDrafting(drafter, launch.num_speculative_tokens,
-                                   target.context_limit, num_slots)
+                                   target.context_limit, num_kv_slots)
         elif launch.speculative_algorithm == "DSpark" and models.dspark is not None:
             drafter = CheckedDrafter("dspark", models.dspark, target.vocab_size)
-            before = _num_slots(models.dspark)
+            before = _num_kv_slots(models.dspark)
             drafting = DSparkDrafting(drafter, launch.num_speculative_tokens,
-                                      target.context_limit, num_slots)
+                                      target.context_limit, num_kv_slots)
         if drafter is not None and getattr(drafting, "context", None) is not None and \
-                has_member(drafter.model, "num_slots"):
-            # A drafter that keeps a context was allocated with the target's slots: one that
+                has_member(drafter.model, "num_kv_slots"):
+            # A drafter that keeps a context was allocated with the target's KV slots: one that
             # tells its count must tell the same (the protocol does not require it to).
-            check_num_slots(drafter.setting, drafter.model, num_slots, before)
+            check_num_kv_slots(drafter.setting, drafter.model, num_kv_slots, before)
         hidden_size = target.hidden_size if drafting.keeps_hidden else 0
-        states = SlotStates.allocate(num_slots, hidden_size, target.dtype, device)
+        states = KvSlotStates.allocate(num_kv_slots, hidden_size, target.dtype, device)
         return DeviceContext(target=target, drafting=drafting, collectives=self._collectives,
-                             states=states, sampling=SlotSampling.allocate(num_slots, device),
+                             states=states, sampling=KvSlotSampling.allocate(num_kv_slots, device),
                              device=device, vocab_size=target.vocab_size,
                              hidden_size=target.hidden_size, seed=self.options.seed,
                              stage_hook=self.options.stage_hook)
@@ -354,22 +350,8 @@ class Runtime:
     # --- costs -----------------------------------------------------------------------------
     def _cost_source(self, models: ModelSet, geometry: BucketGeometry
                      ) -> tuple[CalibrationPlan | None, CostBundle | None]:
-        """The checked calibration plan, or the saved table checked against this launch."""
-        launch = self.launch
-        if launch.enable_adaptive_draft_step:
-            assert self.config.draft_step is not None
-            return plan_depth_calibration(self.config.draft_step.calibration, geometry,
-                                          models.target.context_limit), None
-        if not launch.enable_adaptive_target_verify:
-            return None, None
-        path = launch.adaptive_target_verify_cost_table
-        if path is None:
-            return plan_calibration(self.config.target_verify_calibration, geometry,
-                                    models.target.context_limit), None
-        saved = load_bundle(path, read_json_object("adaptive_target_verify_cost_table", path))
-        saved.check_compatible(self.compatibility(models, geometry), path,
-                               context_limit=models.target.context_limit)
-        return None, saved
+        return cost_source(self.config, self.compatibility(models, geometry), geometry,
+                           models.target.context_limit)
 
     def compatibility(self, models: ModelSet, geometry: BucketGeometry
                       ) -> Compatibility:
@@ -390,28 +372,13 @@ class Runtime:
     async def _calibrate(self, ctx: DeviceContext, geometry: BucketGeometry,
                          registries: list[BindingRegistry] | None, plan: CalibrationPlan,
                          models: ModelSet) -> CostBundle:
-        """Drive a calibration pipeline (this runtime's context, stream and bindings, its own
-        bus and a real clock) over the plan, fit, and save the bundle when asked."""
+        """Calibrate on this runtime's context, stream and bindings; save the bundle when
+        asked (rank 0 only)."""
         assert self._stream is not None
-        forced, forced_depth, bus = ForcedBudget(), ForcedDepth(), EventBus()
-        pipeline = Pipeline(
-            launch=self.launch, ctx=ctx, stream=self._stream, geometry=geometry,
-            registries=registries, depth_policy=forced_depth, budget_policy=forced, bus=bus,
-            clock=MonotonicClock(), hooks=RoundHooks(), seed=self.options.seed)
-        task = asyncio.get_running_loop().create_task(pipeline.run())
-        try:
-            driver = CalibrationDriver(pipeline, bus, ctx.target.vocab_size, forced,
-                                       forced_depth)
-            samples = await calibrate(driver, plan, self.options.calibration_progress)
-        finally:
-            pipeline.stop()
-            await task
-        if pipeline.fault is not None:
-            raise pipeline.fault
-        settings = plan.settings
-        source = ("calibrated at startup from built-in defaults" if settings.source == "default"
-                  else f"calibrated at startup from {settings.source}")
-        bundle = fit_bundle(plan, samples, self.compatibility(models, geometry), source)
+        bundle = await calibrate_on_stream(
+            CalibrationRun(launch=self.launch, ctx=ctx, stream=self._stream, geometry=geometry,
+                           registries=registries, seed=self.options.seed),
+            plan, self.compatibility(models, geometry), self.options.calibration_progress)
         output = self.launch.adaptive_target_verify_cost_table_output
         if output is not None and self._collectives.tp_rank == 0 \
                 and self._collectives.dp_rank == 0:
@@ -441,12 +408,21 @@ class Runtime:
                     "target_rows": {str(b): list(geometry.legal_rows(b))
                                     for b in geometry.request_buckets}}}
 
-    def _open_observers(self, models: ModelSet) -> None:
+    def _open_observers(self, models: ModelSet, depth_policy: DepthPolicy,
+                        budget_policy: BudgetPolicy) -> None:
         """Event log and state trace, each only when asked for."""
         if self.options.event_log is not None:
-            from adaspec.runtime.events.log import EventLogWriter
+            from adaspec.runtime.events.log import EventLogWriter, LogHeader
 
-            writer = EventLogWriter(self.options.event_log, self._log_header(models))
+            header = LogHeader.of_run(
+                config=self.config.as_dict(),
+                cost_table=None if self.costs is None else self.costs.as_dict(),
+                models={"target": models.target.identity,
+                        "draft": self._draft_identity(models)},
+                context_limit=models.target.context_limit, seed=self.options.seed,
+                depth_policy=depth_policy, budget_policy=budget_policy,
+                lag=2 if self.launch.enable_schedule_overlap else 1)
+            writer = EventLogWriter(self.options.event_log, header)
             self.bus.subscribe(writer.write, first=True)
             self._closers.append(writer)
             self._detach.append(functools.partial(self.bus.unsubscribe, writer.write))
@@ -474,6 +450,10 @@ class Runtime:
         trace_path, setting = self._trace_path()
         if trace_path and trace_path != STDERR:
             new_file(setting, trace_path)
+            log = self.options.event_log
+            if log is not None and os.path.abspath(log) == os.path.abspath(trace_path):
+                raise ConfigError(setting, trace_path, "expected a file of its own; "
+                                  "event_log names it too")
 
     def _close_observers(self) -> None:
         """Detach this run's event log and trace, then close every one of them (the first
@@ -490,17 +470,6 @@ class Runtime:
                 failed = failed or error
         if failed is not None:
             raise failed
-
-    def _log_header(self, models: ModelSet) -> dict[str, object]:
-        from adaspec.runtime.events.log import log_header
-
-        return log_header(
-            config=self.config.as_dict(),
-            cost_table=None if self.costs is None else self.costs.as_dict(),
-            models={"target": models.target.identity, "draft": self._draft_identity(models)},
-            context_limit=models.target.context_limit, seed=self.options.seed,
-            depth_policy=self._depth_policy(), budget_policy=self._budget_policy(),
-            lag=2 if self.launch.enable_schedule_overlap else 1)
 
     def _depth_policy(self) -> DepthPolicy:
         if self.options.depth_policy is not None:
@@ -557,22 +526,24 @@ class Runtime:
     # --- requests ------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], params: SamplingParams) -> RequestHandle:
         """Queue a request. Refused before execution, with a one-line error naming the field,
-        when the launch cannot decode it exactly or the prompt does not fit."""
+        when the launch cannot decode it exactly or the prompt does not fit. ``prompt`` holds
+        token ids in order: a list or tuple of ints, bytes, or a 1-d integer array."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequest("params", params,
                                  "expected a SamplingParams; build one with SamplingParams(...) "
                                  "or SamplingParams.from_request(fields)")
         pipeline = self._running()
         check_request(params, self.launch)
-        check_prompt(pipeline.ctx.target, prompt)
-        check_room(pipeline.ctx.context_limit, len(prompt), params.max_tokens)
+        ids = prompt_ids(prompt)
+        check_prompt(pipeline.ctx.target, ids)
+        check_room(pipeline.ctx.context_limit, len(ids), params.max_tokens)
         vocab = pipeline.ctx.target.vocab_size
         unknown = next((token for token in params.stop if token >= vocab), None)
         if unknown is not None:  # it could never be sampled: the request would never stop
             raise InvalidRequest("stop", unknown, f"expected token ids in 0..{vocab - 1}")
-        request = Request(id=next(self._ids), prompt=tuple(prompt), params=params)
+        request = Request(id=next(self._ids), prompt=ids, params=params)
         self.bus.publish(RequestArrived(time=self.clock.now(), request_id=request.id,
-                                        num_prompt_tokens=len(prompt),
+                                        num_prompt_tokens=len(ids),
                                         sampling=params_dict(params)))
         pipeline.add(request)
         return RequestHandle(request, self._cancel)
@@ -639,11 +610,11 @@ class Runtime:
         self.bus.unsubscribe(handler)
 
 
-def _num_slots(model: object) -> object:
-    """A model's ``num_slots`` before ``allocate`` (None where it has none yet, or raises):
+def _num_kv_slots(model: object) -> object:
+    """A model's ``num_kv_slots`` before ``allocate`` (None where it has none yet, or raises):
     a refusal after it says when ``allocate`` left the count unchanged."""
     try:
-        return model.num_slots  # type: ignore[attr-defined]
+        return model.num_kv_slots  # type: ignore[attr-defined]
     except Exception:
         return None
 

@@ -7,10 +7,12 @@ still running) lives in device arrays that round n-1's commit updates in place. 
 says which KV slots form the batch; a request that finished in round n-1 is still in round
 n's host batch, and its ``live`` flag keeps round n from committing anything for it.
 
-Row ``num_slots`` is the scratch row: padding entries of a batch read and write there.
+Row ``num_kv_slots`` is the scratch row: padding entries of a batch read and write there.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -20,8 +22,8 @@ from adaspec.runtime.devices.sampling import SamplingTensors
 
 
 @dataclass(frozen=True, slots=True)
-class SlotStates:
-    """Decoding state of every KV slot (``num_slots + 1`` rows, the last one scratch)."""
+class KvSlotStates:
+    """Decoding state of every KV slot (``num_kv_slots + 1`` rows, the last one scratch)."""
 
     anchor_ids: Tensor  # [S + 1] int64 newest committed token (the next round's anchor)
     anchor_positions: Tensor  # [S + 1] int64 position of that token
@@ -31,9 +33,9 @@ class SlotStates:
     live: Tensor  # [S + 1] bool the request is still decoding
 
     @classmethod
-    def allocate(cls, num_slots: int, hidden_size: int, dtype: torch.dtype,
-                 device: torch.device | str) -> "SlotStates":
-        rows = num_slots + 1
+    def allocate(cls, num_kv_slots: int, hidden_size: int, dtype: torch.dtype,
+                 device: torch.device | str) -> "KvSlotStates":
+        rows = num_kv_slots + 1
         return cls(anchor_ids=torch.zeros(rows, dtype=torch.int64, device=device),
                    anchor_positions=torch.zeros(rows, dtype=torch.int64, device=device),
                    hidden=torch.zeros(rows, hidden_size, dtype=dtype, device=device),
@@ -48,31 +50,31 @@ class SlotStates:
     def keeps_hidden(self) -> bool:
         return self.hidden.shape[1] > 0
 
-    def gather(self, slots: Tensor) -> "SlotStates":
+    def gather(self, kv_slots: Tensor) -> "KvSlotStates":
         """The rows of ``slots [Bcap]`` (copies, so a later scatter cannot change them).
         ``index_select`` rather than ``tensor[slots]``: the same rows at a fraction of the
         CPU cost of advanced indexing, which a round pays for every tensor it gathers."""
-        return SlotStates(anchor_ids=self.anchor_ids.index_select(0, slots),
-                          anchor_positions=self.anchor_positions.index_select(0, slots),
-                          hidden=self.hidden.index_select(0, slots),
-                          remaining=self.remaining.index_select(0, slots),
-                          live=self.live.index_select(0, slots))
+        return KvSlotStates(anchor_ids=self.anchor_ids.index_select(0, kv_slots),
+                          anchor_positions=self.anchor_positions.index_select(0, kv_slots),
+                          hidden=self.hidden.index_select(0, kv_slots),
+                          remaining=self.remaining.index_select(0, kv_slots),
+                          live=self.live.index_select(0, kv_slots))
 
-    def scatter(self, slots: Tensor, rows: "SlotStates") -> None:
-        """Write ``rows`` back at ``slots``. Padding entries all point at the scratch row, so
+    def scatter(self, kv_slots: Tensor, rows: "KvSlotStates") -> None:
+        """Write ``rows`` back at ``kv_slots``. Padding entries all point at the scratch row, so
         duplicate indices only ever collide there."""
-        self.anchor_ids.index_copy_(0, slots, rows.anchor_ids)
-        self.anchor_positions.index_copy_(0, slots, rows.anchor_positions)
+        self.anchor_ids.index_copy_(0, kv_slots, rows.anchor_ids)
+        self.anchor_positions.index_copy_(0, kv_slots, rows.anchor_positions)
         if self.hidden.shape[1]:
-            self.hidden.index_copy_(0, slots, rows.hidden)
-        self.remaining.index_copy_(0, slots, rows.remaining)
-        self.live.index_copy_(0, slots, rows.live)
+            self.hidden.index_copy_(0, kv_slots, rows.hidden)
+        self.remaining.index_copy_(0, kv_slots, rows.remaining)
+        self.live.index_copy_(0, kv_slots, rows.live)
 
 
 
 
 @dataclass(frozen=True, slots=True)
-class SlotSampling:
+class KvSlotSampling:
     """Each KV slot's sampling parameters, written once at prefill, so a round only gathers
     them on the device instead of building them on the host every round."""
 
@@ -83,8 +85,8 @@ class SlotSampling:
     stop_token_ids: Tensor  # [S + 1, MAX_STOP_TOKENS] int64, -1 padded
 
     @classmethod
-    def allocate(cls, num_slots: int, device: torch.device | str) -> "SlotSampling":
-        rows = num_slots + 1
+    def allocate(cls, num_kv_slots: int, device: torch.device | str) -> "KvSlotSampling":
+        rows = num_kv_slots + 1
         return cls(temperature=torch.zeros(rows, dtype=torch.float64, device=device),
                    top_k=torch.zeros(rows, dtype=torch.int64, device=device),
                    top_p=torch.ones(rows, dtype=torch.float64, device=device),
@@ -92,16 +94,61 @@ class SlotSampling:
                    stop_token_ids=torch.full((rows, MAX_STOP_TOKENS), -1, dtype=torch.int64,
                                              device=device))
 
-    def write(self, slots: Tensor, params: SamplingTensors, stop_token_ids: Tensor) -> None:
-        self.temperature[slots] = params.temperature
-        self.top_k[slots] = params.top_k
-        self.top_p[slots] = params.top_p
-        self.min_p[slots] = params.min_p
-        self.stop_token_ids[slots] = stop_token_ids
+    def write(self, kv_slots: Tensor, params: SamplingTensors, stop_token_ids: Tensor) -> None:
+        self.temperature[kv_slots] = params.temperature
+        self.top_k[kv_slots] = params.top_k
+        self.top_p[kv_slots] = params.top_p
+        self.min_p[kv_slots] = params.min_p
+        self.stop_token_ids[kv_slots] = stop_token_ids
 
-    def gather(self, slots: Tensor, all_greedy: bool) -> SamplingTensors:
-        return SamplingTensors(temperature=self.temperature.index_select(0, slots),
-                               top_k=self.top_k.index_select(0, slots),
-                               top_p=self.top_p.index_select(0, slots),
-                               min_p=self.min_p.index_select(0, slots),
+    def gather(self, kv_slots: Tensor, all_greedy: bool) -> SamplingTensors:
+        return SamplingTensors(temperature=self.temperature.index_select(0, kv_slots),
+                               top_k=self.top_k.index_select(0, kv_slots),
+                               top_p=self.top_p.index_select(0, kv_slots),
+                               min_p=self.min_p.index_select(0, kv_slots),
                                all_greedy=all_greedy)
+
+
+class KvSlotPool:
+    """The host's KV slots: free ones handed to admitted requests, lowest first, and those of
+    ended requests held back until nothing in flight writes them any more. A request's KV
+    slot is ``-1`` when it holds none."""
+
+    def __init__(self, num_kv_slots: int) -> None:
+        self._free = list(range(num_kv_slots))[::-1]  # pop() gives the lowest
+        self._held: list[HoldsKvSlot] = []  # ended, their KV slot not yet free
+
+    @property
+    def available(self) -> bool:
+        return bool(self._free)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def take(self) -> int:
+        return self._free.pop()
+
+    def hold(self, request: "HoldsKvSlot") -> None:
+        """``request`` ended: its KV slot is freed by a later ``reclaim``."""
+        if request.kv_slot >= 0:
+            self._held.append(request)
+
+    def reclaim(self, retired_through: int, writing: Callable[["HoldsKvSlot"], bool]) -> None:
+        """Free the KV slots of ended requests whose last round retired (through
+        ``retired_through``) and that ``writing`` (a prefill still pending) does not name."""
+        keep = []
+        for request in self._held:
+            if request.last_round <= retired_through and not writing(request):
+                self._free.append(request.kv_slot)
+                request.kv_slot = -1
+            else:
+                keep.append(request)
+        self._held = keep
+
+
+class HoldsKvSlot(Protocol):
+    """A request as the pool sees it."""
+
+    kv_slot: int
+    last_round: int

@@ -16,7 +16,6 @@ import asyncio
 import functools
 import operator
 from collections import Counter, deque
-from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, cast
 
@@ -47,6 +46,7 @@ from adaspec.runtime.events.types import (
     RoundSubmitted,
     StageCompleted,
 )
+from adaspec.runtime.kv_slots import HoldsKvSlot, KvSlotPool
 from adaspec.runtime.requests import Request, RequestFailed
 from adaspec.runtime.rounds import (
     DeviceContext,
@@ -59,7 +59,7 @@ from adaspec.runtime.rounds import (
     prefill,
     stop_tensor,
 )
-from adaspec.runtime.states import DONE_TRIGGER, FAIL_TRIGGER, STAGES, RoundHooks, RoundStates
+from adaspec.runtime.states import DONE_TRIGGER, FAIL_TRIGGER, STAGES, RoundHooks, RoundMachine
 
 FINISH_REASONS = {FINISHED_STOP: "stop", FINISHED_LENGTH: "length"}
 CONTEXT_LENGTH = operator.attrgetter("length")
@@ -86,7 +86,7 @@ class RoundRecord:
     num_reqs_bucket: int
     depth: int
     num_rows: int
-    machine: RoundStates
+    machine: RoundMachine
     work: RoundWork  # held until retirement: its device tensors must outlive the device work
     request_ids: tuple[int, ...] = ()  # [B] of the batch, in batch order
     retired: Completion[RetiredRound] | None = None
@@ -103,31 +103,31 @@ class BatchFacts:
 
     batch: list[Request]  # never mutated: rounds in flight keep a reference to it
     bucket: int  # Bcap
-    slots: torch.Tensor  # [Bcap] KV slot of each entry, padded with the scratch slot
+    kv_slots: torch.Tensor  # [Bcap] KV slot of each entry, padded with the scratch KV slot
     request_ids: tuple[int, ...]  # [B]
-    tiers: tuple[int, ...]  # legal G of the bucket
+    legal_rows: tuple[int, ...]  # legal G of the bucket
     all_greedy: bool
     any_stop: bool
 
 
-@dataclass(frozen=True, slots=True)
-class RuntimeStatistics:
-    """A frozen snapshot. AL (acceptance length) counts the residual or bonus token."""
+@dataclass(slots=True, kw_only=True)
+class Counters:
+    """What a runtime counts while it serves. AL (acceptance length) counts the residual or
+    bonus token."""
 
-    rounds_submitted: int
-    rounds_retired: int
-    rounds_failed: int
-    requests_finished: int
-    requests_failed: int
-    tokens_generated: int
-    drafted_verified: int
-    drafted_accepted: int
-    request_rounds: int  # sum over rounds of the requests each one advanced
-    rows_verified: int  # padded target rows G summed over retired rounds
-    outcomes: Mapping[tuple[int, int], int]  # (verify length, accepted) -> request-rounds
-    max_rounds_in_flight: int
-    depth_policy: PolicyStatistics
-    budget_policy: PolicyStatistics
+    rounds_submitted: int = 0
+    rounds_retired: int = 0
+    rounds_failed: int = 0
+    requests_finished: int = 0
+    requests_failed: int = 0
+    tokens_generated: int = 0
+    drafted_verified: int = 0
+    drafted_accepted: int = 0
+    request_rounds: int = 0  # sum over rounds of the requests each one advanced
+    rows_verified: int = 0  # padded target rows G summed over retired rounds
+    # (verify length, accepted) -> request-rounds
+    outcomes: Counter[tuple[int, int]] = field(default_factory=Counter)
+    max_rounds_in_flight: int = 0
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -137,21 +137,13 @@ class RuntimeStatistics:
         return (self.drafted_accepted + self.request_rounds) / self.request_rounds
 
 
-@dataclass(slots=True)
-class Counters:
-    rounds_submitted: int = 0
-    rounds_retired: int = 0
-    rounds_failed: int = 0
-    requests_finished: int = 0
-    requests_failed: int = 0
-    tokens_generated: int = 0
-    drafted_verified: int = 0
-    drafted_accepted: int = 0
-    request_rounds: int = 0
-    rows_verified: int = 0
-    outcomes: Counter[tuple[int, int]] = field(default_factory=Counter)
-    max_rounds_in_flight: int = 0
-    in_flight: set[int] = field(default_factory=set)
+@dataclass(slots=True, kw_only=True)
+class RuntimeStatistics(Counters):
+    """A snapshot of the counts (a copy: the runtime goes on counting in its own), with each
+    policy's own statistics."""
+
+    depth_policy: PolicyStatistics
+    budget_policy: PolicyStatistics
 
 
 class Pipeline:
@@ -179,18 +171,18 @@ class Pipeline:
         self.max_batch = launch.max_seqs_per_batch
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []
-        self.free_slots: list[int] = list(range(ctx.states.scratch))[::-1]
-        self.releasing: list[Request] = []
+        self.kv_slots = KvSlotPool(ctx.states.scratch)
         self.ending: list[Request] = []  # left out of rounds until their last round retires
         # Device work not yet retired, in stream order.
         self.pending: deque[PendingPrefill | RoundRecord] = deque()
-        self._tiers: dict[int, tuple[int, ...]] = {}
+        self._legal_rows: dict[int, tuple[int, ...]] = {}
         # Bumped whenever a request joins ``active`` or ends: the batch facts are rebuilt then.
         self._composition = 0
         self._facts: tuple[int, BatchFacts | None] = (-1, None)
         self.next_round = 0
         self.retired_through = -1
         self.counters = Counters()
+        self.in_flight: set[int] = set()  # rounds submitted and not yet retired
         self.wake = asyncio.Event()
         self.idle = asyncio.Event()  # set while nothing waits, runs or awaits retirement
         self.stopping = False
@@ -279,7 +271,9 @@ class Pipeline:
             await self._retire_prefill(entry.completion, entry.admitted)
         else:
             await self._retire_round(entry)
-        self._release_slots()
+        # A KV slot is reused only once no round in flight includes its request: such a
+        # round still writes it.
+        self.kv_slots.reclaim(self.retired_through, self._prefill_pending)
 
     # --- admission and prefill -----------------------------------------------------------
     def _batch_facts(self) -> BatchFacts | None:
@@ -294,13 +288,13 @@ class Pipeline:
 
     def _derive_facts(self, batch: list[Request]) -> BatchFacts:
         bucket = self.geometry.request_bucket(len(batch))
-        tiers = self._tiers.get(bucket)
-        if tiers is None:
-            tiers = self._tiers[bucket] = self.geometry.legal_rows(bucket)
+        legal_rows = self._legal_rows.get(bucket)
+        if legal_rows is None:
+            legal_rows = self._legal_rows[bucket] = self.geometry.legal_rows(bucket)
         padded = [r.kv_slot for r in batch] + [self.ctx.states.scratch] * (bucket - len(batch))
         return BatchFacts(batch=batch, bucket=bucket,
-                          slots=torch.tensor(padded, dtype=torch.int64, device=self.ctx.device),
-                          request_ids=tuple(r.id for r in batch), tiers=tiers,
+                          kv_slots=torch.tensor(padded, dtype=torch.int64, device=self.ctx.device),
+                          request_ids=tuple(r.id for r in batch), legal_rows=legal_rows,
                           all_greedy=not any(r.params.temperature for r in batch),
                           any_stop=any(r.params.stop for r in batch))
 
@@ -309,11 +303,11 @@ class Pipeline:
             return
         room = self.max_batch - sum(r.running and not r.ending for r in self.active)
         admitted: list[Request] = []
-        while self.waiting and room > 0 and self.free_slots:
+        while self.waiting and room > 0 and self.kv_slots.available:
             request = self.waiting.popleft()
             if not request.running:  # cancelled while waiting
                 continue
-            request.kv_slot = self.free_slots.pop()
+            request.kv_slot = self.kv_slots.take()
             prompt = len(request.prompt)
             request.end_length = prompt + min(request.params.max_tokens,
                                               self.ctx.context_limit - prompt)
@@ -332,7 +326,7 @@ class Pipeline:
         inputs = PrefillInputs(
             prompts=[torch.tensor(r.prompt, dtype=torch.int64, device=device)
                      for r in admitted],
-            slots=torch.tensor([r.kv_slot for r in admitted], dtype=torch.int64, device=device),
+            kv_slots=torch.tensor([r.kv_slot for r in admitted], dtype=torch.int64, device=device),
             max_tokens=torch.tensor([p.max_tokens for p in params], dtype=torch.int64,
                                     device=device),
             sampling=SamplingTensors.from_params(params, len(params), device),
@@ -366,12 +360,12 @@ class Pipeline:
         batch, bucket = facts.batch, facts.bucket
         depth = self._decide_depth(number, slot, facts)
         num_rows, verify = self._decide_rows(number, slot, facts, depth)
-        inputs = RoundInputs(round=number, slots=facts.slots, depth=depth, num_rows=num_rows,
+        inputs = RoundInputs(round=number, kv_slots=facts.kv_slots, depth=depth, num_rows=num_rows,
                              all_greedy=facts.all_greedy, verify=verify,
                              any_stop=facts.any_stop)
         record = RoundRecord(round=number, slot=slot, batch=batch, num_reqs_bucket=bucket,
                              depth=depth, num_rows=num_rows,
-                             machine=RoundStates(number, self.hooks, slot,
+                             machine=RoundMachine(number, self.hooks, slot,
                                                  completed=self._stage_completed),
                              work=RoundWork(self.ctx, inputs), started=self.now(),
                              request_ids=facts.request_ids)
@@ -382,9 +376,9 @@ class Pipeline:
                                         request_ids=facts.request_ids,
                                         num_reqs_bucket=bucket))
         self.counters.rounds_submitted += 1
-        self.counters.in_flight.add(number)
+        self.in_flight.add(number)
         self.counters.max_rounds_in_flight = max(self.counters.max_rounds_in_flight,
-                                                 len(self.counters.in_flight))
+                                                 len(self.in_flight))
         if self.split and not self.pipelined:
             await self._enqueue_stages(record, record.work)
         else:
@@ -416,16 +410,16 @@ class Pipeline:
 
     def _decide_rows(self, number: int, slot: int, facts: BatchFacts, depth: int
                      ) -> tuple[int, Binding]:
-        batch, bucket, tiers = facts.batch, facts.bucket, facts.tiers
+        batch, bucket, legal_rows = facts.batch, facts.bucket, facts.legal_rows
         context = BudgetContext(round=number, num_reqs=len(batch), num_reqs_bucket=bucket,
-                                width=self.width, depth=depth, tiers=tiers,
+                                width=self.width, depth=depth, legal_rows=legal_rows,
                                 retired_through=self.retired_through,
                                 request_ids=facts.request_ids,
                                 max_kv_length=self._kv_bound(batch))
         chosen = self.budget_policy.decide(context)
-        if chosen not in tiers:
+        if chosen not in legal_rows:
             raise AdaspecError(f"budget policy {self.budget_policy.name} chose G={chosen}; "
-                               f"expected one of the tiers {list(tiers)}")
+                               f"expected one of the legal rows {list(legal_rows)}")
         bound, verify = chosen, cast(Binding, self.ctx.target.verify)
         if self.registries is not None:
             choice = self.registries[slot].lookup(bucket, chosen)
@@ -513,7 +507,7 @@ class Pipeline:
     def _advance(self, record: RoundRecord, stage: str) -> None:
         record.machine.fire(DONE_TRIGGER[stage])
 
-    def _stage_completed(self, machine: RoundStates, stage: str) -> None:
+    def _stage_completed(self, machine: RoundMachine, stage: str) -> None:
         """A round's move out of ``stage``: its event, made as the move happens."""
         if self.bus.listening:
             self.publish(StageCompleted(time=self.now(), round=machine.round_index,
@@ -542,7 +536,7 @@ class Pipeline:
             host = await record.retired
         except Exception:  # the failure handler has the cause
             host = None
-        self.counters.in_flight.discard(record.round)
+        self.in_flight.discard(record.round)
         self.retired_through = record.round
         # An idle loop retires rounds early; numbering the next round past them keeps the
         # lag rule: no decision for round n ever follows the feedback of round n-1.
@@ -684,7 +678,7 @@ class Pipeline:
                 keep.append(request)
         self.ending = keep
 
-    # --- request ends and slots --------------------------------------------------------------
+    # --- request ends and KV slots --------------------------------------------------------------
     def _finish(self, request: Request, reason: str) -> None:
         request.finish(reason)
         self.counters.requests_finished += 1
@@ -701,30 +695,17 @@ class Pipeline:
         self._composition += 1
         if request in self.active:
             self.active.remove(request)
-        if request.kv_slot >= 0:
-            self.releasing.append(request)
+        self.kv_slots.hold(request)
         self.wake.set()
 
-    def _release_slots(self) -> None:
-        """A finished request's KV slot is reused only once no round in flight includes it:
-        such a round still writes that slot."""
-        keep = []
-        for request in self.releasing:
-            if request.last_round <= self.retired_through and not self._prefill_pending(request):
-                self.free_slots.append(request.kv_slot)
-                request.kv_slot = -1
-            else:
-                keep.append(request)
-        self.releasing = keep
-
-    def _prefill_pending(self, request: Request) -> bool:
+    def _prefill_pending(self, request: HoldsKvSlot) -> bool:
         return any(isinstance(entry, PendingPrefill) and request in entry.admitted
                    for entry in self.pending)
 
     def statistics(self) -> RuntimeStatistics:
         counts: dict[str, Any] = {f.name: getattr(self.counters, f.name)
-                                  for f in fields(Counters) if f.name != "in_flight"}
-        counts["outcomes"] = dict(counts["outcomes"])  # a snapshot, not the live counter
+                                  for f in fields(Counters)}
+        counts["outcomes"] = Counter(counts["outcomes"])  # a copy, not the live counter
         return RuntimeStatistics(**counts, depth_policy=self.depth_policy.statistics(),
                                  budget_policy=self.budget_policy.statistics())
 

@@ -1,6 +1,7 @@
 """Requests as the runtime's host side sees them, and the handle an engine streams from."""
 
 import asyncio
+import numbers
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -8,10 +9,35 @@ from adaspec.config.requests import SamplingParams
 from adaspec.errors import AdaspecError, InvalidRequest
 from adaspec.models.protocols import TargetModel
 
+PROMPT_EXPECTED = ("expected the prompt's token ids in order: a list or tuple of ints, bytes, "
+                   "or a 1-d integer array")
+
+
+def prompt_ids(prompt: object, field: str = "prompt") -> tuple[int, ...]:
+    """The token ids of a prompt given as a sequence of integers (a list, a tuple, bytes) or
+    a 1-d integer numpy array or torch tensor; anything else (a set or a dict, whose order is
+    no prompt's, a generator, a string, a float) is refused naming ``field``."""
+    if hasattr(prompt, "ndim") and hasattr(prompt, "dtype") and hasattr(prompt, "tolist"):
+        kind = str(prompt.dtype)
+        if prompt.ndim != 1 or not ("int" in kind and "complex" not in kind):
+            raise InvalidRequest(field, f"{type(prompt).__name__} of {prompt.ndim} dimensions "
+                                 f"and dtype {kind}", PROMPT_EXPECTED)
+        prompt = prompt.tolist()
+    if isinstance(prompt, str) or not isinstance(prompt, Sequence):
+        raise InvalidRequest(field, type(prompt).__name__, PROMPT_EXPECTED)
+    ids = []
+    for token in prompt:
+        if isinstance(token, bool) or not isinstance(token, numbers.Integral):
+            raise InvalidRequest(field, repr(token), f"{PROMPT_EXPECTED} (got an item of type "
+                                 f"{type(token).__name__})")
+        ids.append(int(token))
+    return tuple(ids)
+
 
 def check_prompt(target: TargetModel, prompt: Sequence[int], field: str = "prompt") -> None:
     """Refuse, naming ``field``, a prompt the target cannot decode: 1 .. context_limit - 1
-    tokens (the first generated token needs a position), ids in the vocabulary."""
+    tokens (the first generated token needs a position), ids in the vocabulary. ``prompt``
+    is what ``prompt_ids`` made of it."""
     limit = target.context_limit - 1
     if not 1 <= len(prompt) <= limit:
         raise InvalidRequest(field, f"{len(prompt)} tokens",
@@ -19,8 +45,7 @@ def check_prompt(target: TargetModel, prompt: Sequence[int], field: str = "promp
                              f"{target.context_limit}, and the first generated token "
                              "needs a position)")
     vocab = target.vocab_size
-    bad = next((t for t in prompt
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None)
+    bad = next((t for t in prompt if not 0 <= t < vocab), None)
     if bad is not None:
         raise InvalidRequest(field, bad, f"expected token ids in 0..{vocab - 1}")
 

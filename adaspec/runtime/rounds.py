@@ -4,7 +4,7 @@
 to back as one stream item (``run_stages``, split mode with the task pipeline), one item each
 (the task pipeline off: the host waits for each), or as one unit (unified mode). None of them
 reads a device value back to the host; ``retire`` is the one device-to-host copy of a round.
-The commit stage computes everything first and writes the slot states last, so a round whose
+The commit stage computes everything first and writes the KV slot states last, so a round whose
 device work fails leaves every request's state as the previous round left it.
 """
 
@@ -32,7 +32,7 @@ from adaspec.runtime.devices.packing import PackedRows, pack_rows
 from adaspec.runtime.devices.retire import retire_copy
 from adaspec.runtime.devices.sampling import SamplingTensors, sample_rows
 from adaspec.runtime.drafting import Drafting
-from adaspec.runtime.slots import SlotSampling, SlotStates
+from adaspec.runtime.kv_slots import KvSlotSampling, KvSlotStates
 from adaspec.runtime.states import STAGES
 
 T = TypeVar("T")
@@ -108,8 +108,8 @@ class DeviceContext:
     target: TargetModel
     drafting: Drafting
     collectives: Collectives
-    states: SlotStates
-    sampling: SlotSampling
+    states: KvSlotStates
+    sampling: KvSlotSampling
     device: torch.device
     vocab_size: int  # the target's, read once: every output is checked against them
     hidden_size: int
@@ -126,7 +126,7 @@ class RoundInputs:
     """The host's decisions for one round, already on the device."""
 
     round: int
-    slots: Tensor  # [Bcap] KV slot of each batch entry (padding: the scratch slot)
+    kv_slots: Tensor  # [Bcap] KV slot of each batch entry (padding: the scratch KV slot)
     depth: int  # d: draft steps (w for DSpark)
     num_rows: int  # G of the binding that runs
     all_greedy: bool  # no entry samples: the sampler skips its random path
@@ -140,7 +140,7 @@ class RoundWork:
 
     ctx: DeviceContext
     inputs: RoundInputs
-    rows: SlotStates | None = None
+    rows: KvSlotStates | None = None
     drafts: Tensor | None = None  # [Bcap, w]
     confidences: Tensor | None = None  # [Bcap, w]
     budget: Tensor | None = None  # [Bcap]
@@ -161,8 +161,8 @@ class RoundWork:
 
     @_stage
     def draft(self) -> None:
-        self.rows = self.ctx.states.gather(self.inputs.slots)
-        self.drafts, self.confidences = self.ctx.drafting.draft(self.rows, self.inputs.slots,
+        self.rows = self.ctx.states.gather(self.inputs.kv_slots)
+        self.drafts, self.confidences = self.ctx.drafting.draft(self.rows, self.inputs.kv_slots,
                                                                 self.inputs.depth)
 
     @_stage
@@ -178,17 +178,17 @@ class RoundWork:
         depth, num_rows = self.inputs.depth, self.inputs.num_rows
         if not drafts.shape[1]:  # nothing drafted: no entry verifies a draft
             self.packed = pack_rows(torch.zeros_like(self.budget), rows.anchor_ids, drafts,
-                                    self.inputs.slots, rows.anchor_positions, rows.live,
+                                    self.inputs.kv_slots, rows.anchor_positions, rows.live,
                                     num_rows)
             return
         caps = verify_caps(depth, self.budget, rows.live)
-        if num_rows < self.inputs.slots.shape[0] * (depth + 1):
+        if num_rows < self.inputs.kv_slots.shape[0] * (depth + 1):
             lengths = allocate_prefixes(confidences, num_rows, caps, rows.live)
         else:
             # G holds every entry's anchor and all its capped drafts: allocation would admit
             # every eligible position, which is the caps themselves.
             lengths = caps
-        self.packed = pack_rows(lengths, rows.anchor_ids, drafts, self.inputs.slots,
+        self.packed = pack_rows(lengths, rows.anchor_ids, drafts, self.inputs.kv_slots,
                                 rows.anchor_positions, rows.live, self.inputs.num_rows)
 
     @_stage
@@ -210,7 +210,7 @@ class RoundWork:
             generator = seeded_generator(self.ctx.seed, 0, inputs.round, self.ctx.device)
             uniforms = torch.rand(inputs.num_rows, generator=generator, dtype=torch.float64,
                                   device=self.ctx.device)
-            sampling = self.ctx.sampling.gather(inputs.slots, inputs.all_greedy)
+            sampling = self.ctx.sampling.gather(inputs.kv_slots, inputs.all_greedy)
             self.sampled = sample_rows(out.logits, packed.rows.row_reqs, sampling, uniforms)
         self.ctx.collectives.tp_broadcast(self.sampled)
 
@@ -218,7 +218,7 @@ class RoundWork:
     def commit(self) -> None:
         rows, packed = _have(self.rows, "rows"), _have(self.packed, "packed rows")
         out = _have(self.out, "target output")
-        stop_token_ids = self.ctx.sampling.stop_token_ids.index_select(0, self.inputs.slots) \
+        stop_token_ids = self.ctx.sampling.stop_token_ids.index_select(0, self.inputs.kv_slots) \
             if self.inputs.any_stop else None
         result = commit_rows(packed, _have(self.sampled, "sampled tokens"),
                              _have(self.drafts, "drafts"), stop_token_ids,
@@ -228,13 +228,13 @@ class RoundWork:
         if hidden.shape[1]:
             hidden = torch.where(live[:, None], out.hidden.index_select(0, result.last_rows),
                                  hidden)
-        updated = SlotStates(
+        updated = KvSlotStates(
             anchor_ids=torch.where(live, result.next_anchor_ids, rows.anchor_ids),
             anchor_positions=rows.anchor_positions + result.num_emitted,
             hidden=hidden, remaining=rows.remaining - result.num_emitted,
             live=live & (result.finish == RUNNING))
         # Everything above may fail without harm; from here on the round's result is written.
-        self.ctx.states.scatter(self.inputs.slots, updated)
+        self.ctx.states.scatter(self.inputs.kv_slots, updated)
         self.ctx.drafting.after_commit(out, packed, result)
         self.result = result
 
@@ -273,7 +273,7 @@ class RoundWork:
 @dataclass(frozen=True, slots=True)
 class PrefillInputs:
     prompts: list[Tensor]  # [T_i] int64 each, on the device
-    slots: Tensor  # [N] KV slots
+    kv_slots: Tensor  # [N] KV slots
     max_tokens: Tensor  # [N] int64
     sampling: SamplingTensors
     stop_token_ids: Tensor  # [N, MAX_STOP_TOKENS] -1 padded
@@ -286,7 +286,7 @@ def prefill(ctx: DeviceContext, inputs: PrefillInputs) -> PrefillResult:
 
     The first token sits at the prompt's length; a request goes on when that token is not a
     stop token, it may generate more, and the context has room after it."""
-    out = ctx.target.prefill(inputs.prompts, inputs.slots)
+    out = ctx.target.prefill(inputs.prompts, inputs.kv_slots)
     num = len(inputs.prompts)
     check_prefill_output(out, num, max(len(prompt) for prompt in inputs.prompts), ctx)
     if inputs.sampling.all_greedy:
@@ -301,13 +301,13 @@ def prefill(ctx: DeviceContext, inputs: PrefillInputs) -> PrefillResult:
     remaining = inputs.max_tokens - 1
     live = ~stopped & (remaining > 0) & room
     hidden = out.last.hidden if ctx.states.keeps_hidden else out.last.hidden[:, :0]
-    ctx.states.scatter(inputs.slots, SlotStates(
-        # A copy, as int64 whatever integer dtype the model gave (the slots hold int64).
+    ctx.states.scatter(inputs.kv_slots, KvSlotStates(
+        # A copy, as int64 whatever integer dtype the model gave (the KV slot states hold int64).
         anchor_ids=first, anchor_positions=out.lengths.to(torch.int64, copy=True),
         hidden=hidden,
         remaining=remaining, live=live))
-    ctx.sampling.write(inputs.slots, inputs.sampling, inputs.stop_token_ids)
-    ctx.drafting.after_prefill(out, inputs.prompts, inputs.slots, first)
+    ctx.sampling.write(inputs.kv_slots, inputs.sampling, inputs.stop_token_ids)
+    ctx.drafting.after_prefill(out, inputs.prompts, inputs.kv_slots, first)
     return PrefillResult(**retire_copy({"first": first, "live": live, "stopped": stopped}))
 
 
@@ -358,9 +358,9 @@ class CheckedDrafter:
         return getattr(self.model, name)
 
     def step(self, hidden: Tensor, token_ids: Tensor, positions: Tensor,
-             slots: Tensor) -> MtpStep:
+             kv_slots: Tensor) -> MtpStep:
         out: MtpStep = self.model.step(hidden, token_ids, positions,  # type: ignore[attr-defined]
-                                       slots)
+                                       kv_slots)
         n, method = token_ids.shape[0], "mtp.step"
         check_output(method, "token_ids", getattr(out, "token_ids", None), (n,), "[N]",
                      integer=True)
@@ -369,10 +369,10 @@ class CheckedDrafter:
                      "[N, hidden_size], the shape of the hidden it was given")
         return out  # its logits are never read: a drafter may draft from its own vocabulary
 
-    def draft(self, hidden: Tensor, token_ids: Tensor, positions: Tensor, slots: Tensor,
+    def draft(self, hidden: Tensor, token_ids: Tensor, positions: Tensor, kv_slots: Tensor,
               width: int) -> DSparkBlock:
         out: DSparkBlock = self.model.draft(  # type: ignore[attr-defined]
-            hidden, token_ids, positions, slots, width)
+            hidden, token_ids, positions, kv_slots, width)
         n, method = token_ids.shape[0], "dspark.draft"
         check_output(method, "token_ids", getattr(out, "token_ids", None), (n, width),
                      "[N, width]", integer=True)

@@ -23,7 +23,7 @@ from adaspec.runtime.events.types import (
     Event,
     RoundSubmitted,
 )
-from adaspec.runtime.states import RoundState, RoundStates
+from adaspec.runtime.states import RoundMachine, RoundState
 
 EventDict = MutableMapping[str, Any]
 
@@ -98,7 +98,7 @@ class StateTrace:
     def _info(self, round_index: int) -> dict[str, Any]:
         return self._rounds.setdefault(round_index, {})
 
-    def hook(self, states: RoundStates, source: RoundState, target: RoundState,
+    def hook(self, states: RoundMachine, source: RoundState, target: RoundState,
              trigger: str) -> None:
         info = self._rounds.get(states.round_index, {})
         decision: dict[str, Any] | None = None

@@ -5,7 +5,7 @@ whose ``rows_per_req`` is ``grid_width``: w + 1, or G where that is smaller. On 
 bucket is prewarmed by running it once eagerly (allocator and kernel caches warm, so the first
 real round costs what later ones do); on CUDA it can be captured once as a graph and replayed
 with new inputs copied into its buffers. Warm-up and capture run on padding rows only, which
-write to the scratch slot, so no request's KV changes.
+write to the scratch KV slot, so no request's KV changes.
 """
 
 from collections.abc import Callable, Iterable
@@ -19,14 +19,14 @@ from adaspec.models.protocols import TargetModel, TargetOutput, VerifyRows
 from adaspec.runtime.devices.packing import grid_width
 
 
-def padding_rows(num_reqs: int, num_rows: int, rows_per_req: int, scratch_slot: int,
+def padding_rows(num_reqs: int, num_rows: int, rows_per_req: int, scratch_kv_slot: int,
                  device: torch.device | str) -> VerifyRows:
-    """A bucket-shaped batch of padding only: every row and entry on the scratch slot."""
+    """A bucket-shaped batch of padding only: every row and entry on the scratch KV slot."""
     zeros = torch.zeros(num_rows, dtype=torch.int64, device=device)
     return VerifyRows(
         token_ids=zeros.clone(), row_reqs=zeros.clone(), row_offsets=zeros.clone(),
         row_valid=torch.zeros(num_rows, dtype=torch.bool, device=device),
-        req_slots=torch.full((num_reqs,), scratch_slot, dtype=torch.int64, device=device),
+        req_kv_slots=torch.full((num_reqs,), scratch_kv_slot, dtype=torch.int64, device=device),
         req_starts=torch.zeros(num_reqs, dtype=torch.int64, device=device),
         rows_per_req=rows_per_req)
 
@@ -35,13 +35,13 @@ def prewarm(target: TargetModel, buckets: Iterable[tuple[int, int]], rows_per_re
             device: torch.device | str) -> None:
     """Run ``verify`` once for every ``(num_reqs, num_rows)`` bucket."""
     for num_reqs, num_rows in buckets:
-        target.verify(padding_rows(num_reqs, num_rows, rows_per_req, target.num_slots, device))
+        target.verify(padding_rows(num_reqs, num_rows, rows_per_req, target.num_kv_slots, device))
 
 
 def check_shape(rows: VerifyRows, num_reqs: int, num_rows: int, rows_per_req: int) -> None:
     """A binding runs only the shape it was prepared for (a silent reshape would change the
     padded cost and, for a graph, read stale buffers)."""
-    shape = (rows.req_slots.shape[0], rows.token_ids.shape[0], rows.rows_per_req)
+    shape = (rows.req_kv_slots.shape[0], rows.token_ids.shape[0], rows.rows_per_req)
     if shape != (num_reqs, num_rows, rows_per_req):
         raise ValueError(f"(num_reqs, num_rows, rows_per_req)={shape}: this binding was "
                          f"prepared for {(num_reqs, num_rows, rows_per_req)}")
@@ -73,7 +73,7 @@ class CapturedVerify:
     def __init__(self, target: TargetModel, num_reqs: int, num_rows: int,
                  rows_per_req: int, pool: Any = None) -> None:
         self.shape = (num_reqs, num_rows, rows_per_req)
-        self.inputs = padding_rows(num_reqs, num_rows, rows_per_req, target.num_slots, "cuda")
+        self.inputs = padding_rows(num_reqs, num_rows, rows_per_req, target.num_kv_slots, "cuda")
         side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -86,7 +86,7 @@ class CapturedVerify:
 
     def __call__(self, rows: VerifyRows) -> TargetOutput:
         check_shape(rows, *self.shape)
-        for name in ("token_ids", "row_reqs", "row_offsets", "row_valid", "req_slots",
+        for name in ("token_ids", "row_reqs", "row_offsets", "row_valid", "req_kv_slots",
                      "req_starts"):
             getattr(self.inputs, name).copy_(getattr(rows, name))
         self.graph.replay()
@@ -95,10 +95,10 @@ class CapturedVerify:
 
 def binding_factory(target: TargetModel, width: int, device: str
                     ) -> Callable[[int, int], Callable[[VerifyRows], TargetOutput]]:
-    """How one slot's ``BindingRegistry`` prepares a (Bcap, G) binding on ``device``: a CUDA
-    graph in the slot's shared memory pool on cuda, a prewarmed eager call on the CPU. ACL
-    graph capture on an NPU is not built yet; asking for it fails here, at startup, rather
-    than silently running eager."""
+    """How one pipeline slot's ``BindingRegistry`` prepares a (Bcap, G) binding on ``device``:
+    a CUDA graph in the pipeline slot's shared memory pool on cuda, a prewarmed eager call on
+    the CPU. ACL graph capture on an NPU is not built yet; asking for it fails here, at
+    startup, rather than silently running eager."""
     if device == "cuda":
         pool = torch.cuda.graph_pool_handle()
         return lambda num_reqs, num_rows: CapturedVerify(

@@ -79,27 +79,27 @@ def _layout(num_reqs: int, width: int, device: torch.device) -> _Layout:
 
 
 def pack_rows(verify_lengths: Tensor, anchor_token_ids: Tensor, draft_token_ids: Tensor,
-              req_slots: Tensor, anchor_positions: Tensor, req_valid: Tensor,
+              req_kv_slots: Tensor, anchor_positions: Tensor, req_valid: Tensor,
               num_rows: int) -> PackedRows:
     """Pack ``num_rows`` (G) verify rows.
 
     ``verify_lengths [Bcap]`` from prefix allocation (their rows plus one anchor row per live
     entry must fit in G); ``anchor_token_ids [Bcap]`` each entry's newest committed token;
-    ``draft_token_ids [Bcap, width]``; ``req_slots [Bcap]`` KV slots (padding entries: the
-    scratch slot); ``anchor_positions [Bcap]``; ``req_valid [Bcap]`` False for padding entries.
+    ``draft_token_ids [Bcap, width]``; ``req_kv_slots [Bcap]`` KV slots (padding entries: the
+    scratch KV slot); ``anchor_positions [Bcap]``; ``req_valid [Bcap]`` False for padding entries.
     Padding rows belong to entry 0 at offset 0 and are marked invalid, so the target writes
-    them to the scratch slot.
+    them to the scratch KV slot.
     """
     if draft_token_ids.shape[1] == 0:
         pack = _pack_anchor if anchor_token_ids.shape[0] == 1 else _pack_anchors
-        return pack(verify_lengths, anchor_token_ids, req_slots, anchor_positions, req_valid,
+        return pack(verify_lengths, anchor_token_ids, req_kv_slots, anchor_positions, req_valid,
                     num_rows)
-    return _pack_general(verify_lengths, anchor_token_ids, draft_token_ids, req_slots,
+    return _pack_general(verify_lengths, anchor_token_ids, draft_token_ids, req_kv_slots,
                          anchor_positions, req_valid, num_rows)
 
 
 def _pack_general(verify_lengths: Tensor, anchor_token_ids: Tensor, draft_token_ids: Tensor,
-                  req_slots: Tensor, anchor_positions: Tensor, req_valid: Tensor,
+                  req_kv_slots: Tensor, anchor_positions: Tensor, req_valid: Tensor,
                   num_rows: int) -> PackedRows:
     num_reqs, width = draft_token_ids.shape
     layout = _layout(num_reqs, width, draft_token_ids.device)
@@ -108,7 +108,7 @@ def _pack_general(verify_lengths: Tensor, anchor_token_ids: Tensor, draft_token_
     ends = torch.cumsum(entry_rows, dim=0)
     cu_num_rows = F.pad(ends, (1, 0))
     # Rows past G would be dropped and their requests would commit a neighbour's tokens.
-    # The host picks G from legal tiers (G >= Bcap), so this only fires on a caller bug; the
+    # The host picks G from the legal rows (G >= Bcap), so this only fires on a caller bug; the
     # check is asynchronous on an accelerator and never waits for the device.
     torch._assert_async(ends[-1] <= num_rows,
                         f"pack_rows: the verify rows do not fit G={num_rows} rows (G must be "
@@ -128,14 +128,14 @@ def _pack_general(verify_lengths: Tensor, anchor_token_ids: Tensor, draft_token_
     rows = VerifyRows(token_ids=candidates.flatten().index_select(0, cells),
                       row_reqs=layout.cell_entries.index_select(0, cells),
                       row_offsets=layout.cell_offsets.index_select(0, cells),
-                      row_valid=row_valid, req_slots=req_slots, req_starts=anchor_positions,
+                      row_valid=row_valid, req_kv_slots=req_kv_slots, req_starts=anchor_positions,
                       rows_per_req=grid_width(width, num_rows))
     return PackedRows(rows=rows, verify_lengths=lengths, num_entry_rows=entry_rows,
                       cu_num_rows=cu_num_rows, grid_rows=unclamped.clamp(max=num_rows - 1),
                       grid_valid=grid_valid, draft_indices=draft_indices)
 
 
-def _pack_anchors(verify_lengths: Tensor, anchor_token_ids: Tensor, req_slots: Tensor,
+def _pack_anchors(verify_lengths: Tensor, anchor_token_ids: Tensor, req_kv_slots: Tensor,
                   anchor_positions: Tensor, req_valid: Tensor, num_rows: int) -> PackedRows:
     """``pack_rows`` of a round without drafts (width 0): each live entry's anchor row in
     entry order, then padding. The layout is the general one, built from the entries
@@ -158,7 +158,7 @@ def _pack_anchors(verify_lengths: Tensor, anchor_token_ids: Tensor, req_slots: T
     entries = row_entries.clamp(min=0)  # padding rows: entry 0
     rows = VerifyRows(token_ids=anchor_token_ids.index_select(0, entries), row_reqs=entries,
                       row_offsets=torch.zeros_like(entries), row_valid=row_valid,
-                      req_slots=req_slots, req_starts=anchor_positions,
+                      req_kv_slots=req_kv_slots, req_starts=anchor_positions,
                       rows_per_req=grid_width(0, num_rows))
     return PackedRows(rows=rows, verify_lengths=verify_lengths,
                       num_entry_rows=entry_rows, cu_num_rows=torch.cat((firsts, ends[-1:])),
@@ -167,7 +167,7 @@ def _pack_anchors(verify_lengths: Tensor, anchor_token_ids: Tensor, req_slots: T
                       draft_indices=torch.full_like(entries, -1))
 
 
-def _pack_anchor(verify_lengths: Tensor, anchor_token_ids: Tensor, req_slots: Tensor,
+def _pack_anchor(verify_lengths: Tensor, anchor_token_ids: Tensor, req_kv_slots: Tensor,
                  anchor_positions: Tensor, req_valid: Tensor, num_rows: int) -> PackedRows:
     """``_pack_anchors`` of a batch of one entry: its row is row 0 whether it is live or not
     (a padding row belongs to entry 0 anyway), so the layout needs no ranking, and one row
@@ -181,7 +181,7 @@ def _pack_anchor(verify_lengths: Tensor, anchor_token_ids: Tensor, req_slots: Te
     entries = torch.zeros(num_rows, dtype=torch.int64, device=device)
     rows = VerifyRows(token_ids=anchor_token_ids.expand(num_rows).clone(), row_reqs=entries,
                       row_offsets=torch.zeros_like(entries), row_valid=row_valid,
-                      req_slots=req_slots, req_starts=anchor_positions,
+                      req_kv_slots=req_kv_slots, req_starts=anchor_positions,
                       rows_per_req=grid_width(0, num_rows))
     return PackedRows(rows=rows, verify_lengths=verify_lengths,
                       num_entry_rows=entry_rows, cu_num_rows=torch.cat((entries[:1], entry_rows)),

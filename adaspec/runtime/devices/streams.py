@@ -128,12 +128,9 @@ def cpu_threads(environ: Mapping[str, str] | None = None, stream: str | None = N
     loop stream, the count torch already uses on the calling thread (by default one per
     physical core), and for the worker stream the cores this process may run on less one
     (at least one), leaving a core to the event loop. ``stream`` is ``loop`` or ``worker``
-    (default: the one ``ADASPEC_CPU_STREAM`` picks).
-
-    Measured on a 2-core machine (reference target, one request): a decode step took 2.7 ms
-    on the main thread with torch's default two threads, 10.9 ms on a worker thread with two
-    threads beside the event loop, 3.1 ms there with one. Raises ``ConfigError`` naming a
-    variable for a value out of range."""
+    (default: the one ``ADASPEC_CPU_STREAM`` picks): threads that share their cores with the
+    loop wait on it at every parallel region (docs/runtime.md, "The CPU stream", has the
+    measurement). Raises ``ConfigError`` naming a variable for a value out of range."""
     environ = os.environ if environ is None else environ
     kind = cpu_stream_kind(environ)  # checked whichever stream is asked about
     raw = environ.get(CPU_THREADS_ENV)

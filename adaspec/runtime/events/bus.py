@@ -9,6 +9,7 @@ depends on scheduling. Waiting code uses ``next``, a loop future resolved by ``p
 """
 
 import asyncio
+import inspect
 import logging
 import reprlib
 from collections.abc import Callable
@@ -64,6 +65,11 @@ class EventBus:
         again, and is dropped again if it raises again."""
         if not callable(handler):
             raise TypeError(f"an event subscriber must be callable, got {_shown(handler)}")
+        if inspect.iscoroutinefunction(handler) or \
+                inspect.iscoroutinefunction(type(handler).__call__):
+            raise TypeError(f"subscribe({_name(handler)}): an async def handler would only "
+                            "make coroutines nobody awaits; expected a plain function (it may "
+                            "start a task of its own)")
         if not isinstance(first, bool):
             raise TypeError(f"subscribe(first={_shown(first)}): expected True or False")
         if handler in self._dropped:

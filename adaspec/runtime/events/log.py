@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
 FORMAT = "adaspec-event-log"
-VERSION = 2
+VERSION = 3
 """Bumped whenever a line's meaning changes; a reader accepts exactly its own version."""
 
 HEADER_KEYS = ("config", "cost_table", "models", "context_limit", "seeds", "lag", "policies")
@@ -65,25 +65,59 @@ SEED_NAME = "run"
 _BUFFER_BYTES = 1 << 16  # a few hundred events per write(2); close() flushes the rest
 
 
-def log_header(
-    *,
-    config: Mapping[str, Any],
-    cost_table: Mapping[str, Any] | None,
-    models: Mapping[str, str],
-    context_limit: int,
-    seed: int,
-    lag: int,
-    depth_policy: DepthPolicy,
-    budget_policy: BudgetPolicy,
-) -> dict[str, Any]:
-    """The header fields of a run: the checkpoint identities of its models (``target``, and
-    ``draft``: "none" without a drafter) and the target's context limit, so that a cost table
-    and the requests can be checked against the run; the policies as replay rebuilds them
-    (name and ``settings()``)."""
-    return {"config": dict(config), "cost_table": cost_table, "models": dict(models),
-            "context_limit": context_limit, "seeds": {SEED_NAME: seed}, "lag": lag,
-            "policies": {"depth": _policy_entry(depth_policy),
-                         "budget": _policy_entry(budget_policy)}}
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class LogHeader:
+    """The first line of an event log: what the run's decisions and requests are checked
+    against. Written by ``record`` and read by ``parse``, nowhere else."""
+
+    config: Mapping[str, Any]  # the effective configuration (``EffectiveConfig.as_dict``)
+    cost_table: Mapping[str, Any] | None  # the bundle the run installed, if any
+    models: Mapping[str, str]  # checkpoint identities: target, and draft ("none": no drafter)
+    context_limit: int  # the target's
+    seed: int  # the run seed every draw derives from
+    lag: int  # 2 with schedule overlap, 1 without
+    policies: Mapping[str, Mapping[str, Any]]  # depth and budget: {name, settings}
+
+    @classmethod
+    def of_run(cls, *, config: Mapping[str, Any], cost_table: Mapping[str, Any] | None,
+               models: Mapping[str, str], context_limit: int, seed: int, lag: int,
+               depth_policy: DepthPolicy, budget_policy: BudgetPolicy) -> "LogHeader":
+        """A run's header, its policies as replay rebuilds them (name and ``settings()``)."""
+        return cls(config=dict(config), cost_table=cost_table, models=dict(models),
+                   context_limit=context_limit, seed=seed, lag=lag,
+                   policies={"depth": _policy_entry(depth_policy),
+                             "budget": _policy_entry(budget_policy)})
+
+    def record(self) -> dict[str, Any]:
+        """The header line's JSON object."""
+        return {"format": FORMAT, "version": VERSION, "config": dict(self.config),
+                "cost_table": self.cost_table, "models": dict(self.models),
+                "context_limit": self.context_limit, "seeds": {SEED_NAME: self.seed},
+                "lag": self.lag, "policies": dict(self.policies)}
+
+    @classmethod
+    def parse(cls, name: str, raw: bytes) -> "LogHeader":
+        """The header of line 1 of log ``name``; ``EventLogError`` naming what is wrong."""
+        data = _json_line(name, 1, raw)
+        if not isinstance(data, dict) or "format" not in data:
+            raise EventLogError(name, 1, "not an event log header; expected a JSON object "
+                                f'with "format": "{FORMAT}"')
+        if data["format"] != FORMAT:
+            raise EventLogError(name, 1, f'unknown format {_show(data["format"])}; expected '
+                                f'"{FORMAT}"')
+        if "version" not in data:
+            raise EventLogError(name, 1, f'header lacks "version"; this adaspec reads '
+                                f"version {VERSION}")
+        version = data["version"]
+        if type(version) is not int or version != VERSION:
+            raise EventLogError(name, 1, f"log version {_show(version)}, but this adaspec "
+                                f"reads version {VERSION} only")
+        problem = _header_problem(data)
+        if problem:
+            raise EventLogError(name, 1, problem)
+        return cls(config=data["config"], cost_table=data["cost_table"],
+                   models=data["models"], context_limit=data["context_limit"],
+                   seed=data["seeds"][SEED_NAME], lag=data["lag"], policies=data["policies"])
 
 
 def _policy_entry(policy: DepthPolicy | BudgetPolicy) -> dict[str, Any]:
@@ -99,10 +133,10 @@ class EventLogWriter:
     dropped and ``close()`` raises ``EventLogError`` saying the log is incomplete.
     """
 
-    def __init__(self, path: str | os.PathLike[str], header: Mapping[str, Any]) -> None:
+    def __init__(self, path: str | os.PathLike[str], header: LogHeader) -> None:
         self.path = os.fspath(path)
         # Encode before creating the file, so a bad header leaves no empty log behind.
-        first = _dumps({"format": FORMAT, "version": VERSION, **self._checked(header)})
+        first = _dumps(header.record())
         try:
             # Mode "x": creating fails when the file exists, with no window for a race.
             self._file = ObserverFile(open(  # noqa: SIM115 - closed by close()
@@ -114,16 +148,6 @@ class EventLogWriter:
             raise EventLogError(self.path, None, f"cannot create it: {reason(error)}") \
                 from None
         self._file.write(first)
-
-    def _checked(self, header: Mapping[str, Any]) -> Mapping[str, Any]:
-        missing = [key for key in HEADER_KEYS if key not in header]
-        if missing:
-            raise EventLogError(self.path, 1, f"header lacks {_names(missing)}")
-        clashing = [key for key in ("format", "version") if key in header]
-        if clashing:
-            raise EventLogError(self.path, 1, f"header must not set {_names(clashing)}; "
-                                "the writer sets them")
-        return header
 
     def write(self, event: Event) -> None:
         """Append one event (a bus subscriber: runs synchronously inside ``publish``)."""
@@ -185,10 +209,10 @@ _ENCODER = json.JSONEncoder(separators=(",", ":"), default=_plain, allow_nan=Fal
 
 
 class EventLog(NamedTuple):
-    """A log as read back: its header (``format`` and ``version`` included) and its events
-    in file order (event ``i`` is on line ``i + 2``)."""
+    """A log as read back: its header and its events in file order (event ``i`` is on line
+    ``i + 2``)."""
 
-    header: dict[str, Any]
+    header: LogHeader
     events: list[Event]
 
 
@@ -234,7 +258,7 @@ def _read_lines(name: str, file: BinaryIO) -> EventLog:
     first = next(lines, None)
     if first is None:
         raise EventLogError(name, None, "empty file; expected a header line first")
-    header = _header(name, first)
+    header = LogHeader.parse(name, first)
     events = [_event(name, number, raw) for number, raw in enumerate(lines, start=2)]
     return EventLog(header, events)
 
@@ -287,27 +311,6 @@ def _finite(text: str) -> float:
 
 def _no_constant(name: str) -> object:
     raise ValueError(f"{name} is not JSON; expected a finite number")
-
-
-def _header(name: str, raw: bytes) -> dict[str, Any]:
-    data = _json_line(name, 1, raw)
-    if not isinstance(data, dict) or "format" not in data:
-        raise EventLogError(name, 1, f"not an event log header; expected a JSON object with "
-                            f'"format": "{FORMAT}"')
-    if data["format"] != FORMAT:
-        raise EventLogError(name, 1, f'unknown format {_show(data["format"])}; expected '
-                            f'"{FORMAT}"')
-    if "version" not in data:
-        raise EventLogError(name, 1, f'header lacks "version"; this adaspec reads version '
-                            f"{VERSION}")
-    version = data["version"]
-    if type(version) is not int or version != VERSION:
-        raise EventLogError(name, 1, f"log version {_show(version)}, but this adaspec reads "
-                            f"version {VERSION} only")
-    problem = _header_problem(data)
-    if problem:
-        raise EventLogError(name, 1, problem)
-    return data
 
 
 def _header_problem(data: Mapping[str, Any]) -> str | None:
@@ -633,7 +636,7 @@ class _RunWalk:
         self._check_retired(line, event)
         self._check_value(line, event, "context.depth", context.depth, self.shape.min_depth,
                           self.shape.width)
-        self._check_tiers(line, event)
+        self._check_legal_rows(line, event)
         self._check_batch_ids(line, event, context)
         self.deciding = event
 
@@ -724,15 +727,15 @@ class _RunWalk:
                 "context.retired_through", told, f"{self.newest_ended}, the newest round "
                 "the log retired before this line"))
 
-    def _check_tiers(self, line: int, event: BudgetDecided) -> None:
+    def _check_legal_rows(self, line: int, event: BudgetDecided) -> None:
         context, legal = event.context, self.shape.legal_rows(event.context.num_reqs_bucket)
-        tiers = list(context.tiers)
-        if tiers != list(legal):  # the runtime offers the policy every legal G
-            raise self.fail(line, event, _field("context.tiers", tiers, f"the legal rows "
+        legal_rows = list(context.legal_rows)
+        if legal_rows != list(legal):  # the runtime offers the policy every legal G
+            raise self.fail(line, event, _field("context.legal_rows", legal_rows, f"the legal rows "
                             f"{_rows(legal)} of bucket {context.num_reqs_bucket}"))
-        if event.num_rows not in tiers:
+        if event.num_rows not in legal_rows:
             raise self.fail(line, event, _field("num_rows", event.num_rows,
-                                                f"one of the tiers {tiers}"))
+                                                f"one of the legal rows {legal_rows}"))
         if event.bound_rows not in legal:
             raise self.fail(line, event, _field("bound_rows", event.bound_rows,
                                                 f"one of the legal rows {_rows(legal)}"))
@@ -812,7 +815,7 @@ class _RunWalk:
         self._expect(line, event, "feedback.round", event.feedback.round, event.round,
                      "the event's round")
         self._check_fed_back(line, event, entry)
-        self._count_tokens(event.feedback)
+        self._count_tokens(line, event)
         self.retirements += 1
 
     def _check_fed_back(self, line: int, event: RoundRetired, entry: _Round) -> None:
@@ -834,15 +837,24 @@ class _RunWalk:
                                                 f"every request of the round still running "
                                                 f"(request {running[0]} is)"))
 
-    def _count_tokens(self, feedback: RoundFeedback) -> None:
+    def _count_tokens(self, line: int, event: RoundRetired) -> None:
         """Bound each fed-back request's tokens: a round emits at most accepted + 1, and
         exactly that when it did not end the request (it finished after this retirement);
-        being fed back at all means its prefill's token was delivered."""
+        being fed back at all means its prefill's token was delivered. The device caps every
+        round's verification by what the request may still emit, so the prefill's token and
+        accepted + 1 of each round never pass its ``max_tokens``."""
+        feedback = event.feedback
         for id, accepted in zip(feedback.request_ids, feedback.num_accepted, strict=True):
             request = self.requests[id]
             request.most_tokens += accepted + 1
             if request.finished is None:
                 request.least_tokens = max(request.least_tokens, 1) + accepted + 1
+            if request.most_tokens > request.params.max_tokens:
+                raise self.fail(line, event, f"feedback.num_accepted gives request {id} "
+                                f"{request.most_tokens} tokens (the prefill's and accepted + 1 "
+                                "of each round fed back), past its max_tokens="
+                                f"{request.params.max_tokens}: a round never verifies more "
+                                "than a request may still emit")
 
     # --- requests -----------------------------------------------------------------------
 

@@ -40,7 +40,7 @@ from adaspec.policies.bundles import (
     bundle_from_dict,
 )
 from adaspec.policies.registry import make_budget_policy, make_depth_policy
-from adaspec.runtime.events.log import RunShape, check_run, read_event_log
+from adaspec.runtime.events.log import LogHeader, RunShape, check_run, read_event_log
 from adaspec.runtime.events.types import BudgetDecided, DepthDecided, Event, RoundRetired
 
 Decision = Literal["depth", "budget"]
@@ -170,23 +170,23 @@ def _policy_text(entry: Mapping[str, Any]) -> str:
     return str(entry["name"]) + (f" {json.dumps(settings, sort_keys=True)}" if settings else "")
 
 
-def recorded_policies(header: Mapping[str, Any]) -> tuple[DepthPolicy, BudgetPolicy]:
+def recorded_policies(header: LogHeader) -> tuple[DepthPolicy, BudgetPolicy]:
     """The run's policies, rebuilt from the header's names and settings (``ConfigError`` for a
     policy this adaspec does not know)."""
     return _policies(header, recorded_costs(header))
 
 
-def _policies(header: Mapping[str, Any], costs: CostBundle | None
+def _policies(header: LogHeader, costs: CostBundle | None
               ) -> tuple[DepthPolicy, BudgetPolicy]:
-    policies = header["policies"]
+    policies = header.policies
     return (make_depth_policy(policies["depth"]["name"], policies["depth"]["settings"], costs),
             make_budget_policy(policies["budget"]["name"], policies["budget"]["settings"],
                                costs))
 
 
-def recorded_costs(header: Mapping[str, Any]) -> CostBundle | None:
+def recorded_costs(header: LogHeader) -> CostBundle | None:
     """The cost table the run installed, as its header carries it (None when it had none)."""
-    table = header.get("cost_table")
+    table = header.cost_table
     if table is None:
         return None
     with key_prefix("cost_table."):
@@ -207,7 +207,7 @@ class RecordedRun:
     context_limit: int  # the target's, from the header
 
 
-def check_recorded_run(header: Mapping[str, Any], events: Sequence[Event], path: str
+def check_recorded_run(header: LogHeader, events: Sequence[Event], path: str
                        ) -> RecordedRun:
     """Check a log read by ``read_event_log`` as one run; ``EventLogError`` for the first
     problem, naming the line: the header's launch settings (as a launch checks them), its lag
@@ -216,8 +216,8 @@ def check_recorded_run(header: Mapping[str, Any], events: Sequence[Event], path:
     lag = _recorded_lag(header, launch, path)
     costs = _header_costs(header, path)
     run = RecordedRun(launch=launch, lag=lag, costs=costs,
-                      compatibility=_compatibility(launch, header["models"]),
-                      context_limit=header["context_limit"])
+                      compatibility=_compatibility(launch, header.models),
+                      context_limit=header.context_limit)
     if costs is not None:
         try:
             check_table_for_run(costs, run, "the header")
@@ -259,10 +259,10 @@ def check_table_for_run(table: CostBundle, run: RecordedRun, path: str) -> None:
                                     run.context_limit)
 
 
-def _recorded_launch(header: Mapping[str, Any], path: str) -> LaunchConfig:
+def _recorded_launch(header: LogHeader, path: str) -> LaunchConfig:
     """The launch the header's effective config describes, checked as a launch is: rebuilt
     from the settings that were given (not derived), which must then derive the rest."""
-    settings, sources = _launch_section(header["config"], path)
+    settings, sources = _launch_section(header.config, path)
     given = {name: value for name, value in settings.items() if sources[name] != "derived"}
     try:
         launch = LaunchConfig(**given)
@@ -274,7 +274,7 @@ def _recorded_launch(header: Mapping[str, Any], path: str) -> LaunchConfig:
             raise EventLogError(path, 1, f'header "config.launch.settings.{name}" expected '
                                 f"{_brief(derived)} (what the other settings make it), got "
                                 f"{_brief(value)}")
-    _check_sections(header["config"], launch, path)
+    _check_sections(header.config, launch, path)
     return launch
 
 
@@ -334,9 +334,9 @@ def _launch_section(config: Mapping[str, Any], path: str
     return launch["settings"], launch["sources"]
 
 
-def _recorded_lag(header: Mapping[str, Any], launch: LaunchConfig, path: str) -> int:
+def _recorded_lag(header: LogHeader, launch: LaunchConfig, path: str) -> int:
     lag = 2 if launch.enable_schedule_overlap else 1
-    given = header["lag"]
+    given = header.lag
     if type(given) is not int or given != lag:
         raise EventLogError(path, 1, f'header "lag" expected {lag} (enable_schedule_overlap='
                             f"{show_value(launch.enable_schedule_overlap)} in its config), "
@@ -344,7 +344,7 @@ def _recorded_lag(header: Mapping[str, Any], launch: LaunchConfig, path: str) ->
     return lag
 
 
-def _header_costs(header: Mapping[str, Any], path: str) -> CostBundle | None:
+def _header_costs(header: LogHeader, path: str) -> CostBundle | None:
     try:
         return recorded_costs(header)
     except ConfigError as error:
@@ -376,7 +376,7 @@ def _brief(value: object) -> str:
 
 
 def replay(
-    header: Mapping[str, Any],
+    header: LogHeader,
     events: Iterable[Event],
     *,
     depth_policy: DepthPolicy | None = None,
@@ -394,12 +394,12 @@ def replay(
     return _replayed(header, events, run, depth_policy, budget_policy)
 
 
-def _replayed(header: Mapping[str, Any], events: Sequence[Event], run: RecordedRun,
+def _replayed(header: LogHeader, events: Sequence[Event], run: RecordedRun,
               depth_policy: DepthPolicy, budget_policy: BudgetPolicy) -> ReplayReport:
     walk = _Walk(depth_policy, budget_policy, run.lag)
     for index, event in enumerate(events):
         walk.step(index, event)
-    return walk.report(header["policies"])
+    return walk.report(header.policies)
 
 
 class _Walk:

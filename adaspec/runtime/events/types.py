@@ -41,7 +41,7 @@ class RequestFinished(Event):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RoundSubmitted(Event):
-    """Round ``round`` was enqueued on slot ``slot`` with these requests (batch order)."""
+    """Round ``round`` was enqueued on pipeline slot ``slot`` with these requests (batch order)."""
 
     kind: ClassVar[str] = "round_submitted"
     round: int

@@ -4,7 +4,7 @@ The declaration (``ROUND_GRAPH``) is written in the shape ``transitions`` consum
 ``build_machine`` can hand it to a real ``transitions.Machine``; that machine is the reference
 interpreter the tests compare against, never the hot path. Driving a ``Machine`` costs about a
 tenth of a millisecond per round (``AsyncMachine`` several times more, and it cancels
-callbacks), while a round must move between stages in microseconds, so ``RoundStates`` runs a
+callbacks), while a round must move between stages in microseconds, so ``RoundMachine`` runs a
 lookup table derived from the same declaration. Nothing else in the package names a transition.
 """
 
@@ -334,10 +334,10 @@ class InvalidTransition(AdaspecError):
                 f"{self.trigger!r} (allowed: {allowed})")
 
 
-RoundHook = Callable[["RoundStates", RoundState, RoundState, str], None]
-"""Called as ``hook(round_states, from_state, to_state, trigger)``."""
-StageDone = Callable[["RoundStates", str], None]
-"""Called as ``completed(round_states, stage)`` once a stage's done trigger moved the round."""
+RoundHook = Callable[["RoundMachine", RoundState, RoundState, str], None]
+"""Called as ``hook(machine, from_state, to_state, trigger)``."""
+StageDone = Callable[["RoundMachine", str], None]
+"""Called as ``completed(machine, stage)`` once a stage's done trigger moved the round."""
 
 
 class RoundHooks:
@@ -384,7 +384,7 @@ class RoundHooks:
 _NO_HOOKS = RoundHooks()
 
 
-class RoundStates:
+class RoundMachine:
     """Where one round is in the round graph, moved by ``fire``.
 
     A move is a transaction: the hooks for the destination run first, and the state changes
@@ -399,7 +399,7 @@ class RoundStates:
     def __init__(self, round_index: int, hooks: RoundHooks = _NO_HOOKS,
                  slot: int | None = None, completed: StageDone | None = None) -> None:
         self.round_index = round_index
-        # The pipeline says which slot the round uses (always 0 without schedule overlap);
+        # The pipeline says which pipeline slot the round uses (always 0 without schedule overlap);
         # round % 2 is the two-slot default.
         self.slot = round_index % NUM_SLOTS if slot is None else slot
         self._state = INITIAL_STATE
@@ -429,4 +429,4 @@ class RoundStates:
         return target
 
     def __repr__(self) -> str:
-        return f"RoundStates(round={self.round_index}, state={self._state.label})"
+        return f"RoundMachine(round={self.round_index}, state={self._state.label})"
