@@ -35,7 +35,7 @@ from adaspec.models import load_reference_models
 from adaspec.runtime.devices import streams
 from adaspec.runtime.devices.streams import Completion
 from adaspec.runtime.engine import Runtime, RuntimeOptions
-from adaspec.runtime.rounds import RoundWork, prefill
+from adaspec.runtime.rounds import PrefillResult, RetiredRound, RoundWork, prefill
 
 WIDTH = 5
 
@@ -86,33 +86,35 @@ class InstantDevice:
     def _answer(self, work: Any) -> Any:
         if isinstance(work, functools.partial) and work.func is prefill:
             kv_slots = work.args[1].kv_slots.tolist()
-            for slot in kv_slots:
-                self._seen[slot] = 0
+            for kv_slot in kv_slots:
+                self._seen[kv_slot] = 0
             num = len(kv_slots)
-            return {"first": torch.full((num,), 65), "live": torch.ones(num, dtype=torch.bool),
-                    "stopped": torch.zeros(num, dtype=torch.bool)}
+            return PrefillResult(first=torch.full((num,), 65),
+                                 live=torch.ones(num, dtype=torch.bool),
+                                 stopped=torch.zeros(num, dtype=torch.bool))
         owner = getattr(work, "__self__", None)
         if isinstance(owner, RoundWork) and work.__name__ in ("retire", "run_stages"):
             return self._retire(owner)
         return None
 
-    def _retire(self, work: RoundWork) -> dict[str, "Listed"]:
+    def _retire(self, work: RoundWork) -> RetiredRound:
         kv_slots = self._slot_lists.get(id(work.inputs.kv_slots))
-        if kv_slots is None:  # the batch's slots tensor is reused while the batch is unchanged
+        if kv_slots is None:  # the batch's KV-slot tensor is reused while it is unchanged
             kv_slots = self._slot_lists[id(work.inputs.kv_slots)] = work.inputs.kv_slots.tolist()
         scratch = work.ctx.states.scratch
         live, finish = [], []
         seen, rounds = self._seen, self._rounds
-        for slot in kv_slots:
-            going = slot != scratch and seen.get(slot, rounds) < rounds
+        for kv_slot in kv_slots:
+            going = kv_slot != scratch and seen.get(kv_slot, rounds) < rounds
             live.append(going)
             if going:
-                seen[slot] += 1
-            finish.append(2 if going and seen[slot] == rounds else 0)
+                seen[kv_slot] += 1
+            finish.append(2 if going and seen[kv_slot] == rounds else 0)
         constant = self._constant.get(len(kv_slots))
         if constant is None:
             constant = self._constant[len(kv_slots)] = synthetic_columns(len(kv_slots))
-        return {**constant, "finish": Listed(finish), "live": Listed(live)}
+        return RetiredRound(**constant, finish=Listed(finish),  # type: ignore[arg-type]
+                            live=Listed(live))
 
     def close(self) -> None:
         """Nothing to release."""

@@ -46,7 +46,7 @@ def log_tables(text: bytes) -> tuple[Tensor, Tensor]:
 
 
 class TrigramTarget:
-    """A ``TargetModel``: prefill and verify over a per-slot cache of past bytes."""
+    """A ``TargetModel``: prefill and verify over a per-KV-slot cache of past bytes."""
 
     def __init__(self, pairs: Tensor, skips: Tensor, context_limit: int = 1024) -> None:
         self.pairs, self.skips = pairs, skips

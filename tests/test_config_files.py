@@ -311,10 +311,10 @@ def test_explicit_bucket_over_the_global_batch_is_rejected(tmp_path: Path) -> No
 
 
 @pytest.mark.parametrize(("rows", "message"), [
-    ([3, 64], "target_graph_rows=[3, 64]: 3 is not a prepared tier of the sampled request "
-              "buckets; legal tiers are 4, 8, 16, 32, 64"),
-    ([8, 1000], "target_graph_rows=[8, 1000]: 1000 is not a prepared tier of the sampled "
-                "request buckets; legal tiers are 4, 8, 16, 32, 64"),
+    ([3, 64], "target_graph_rows=[3, 64]: 3 is not a legal prepared G of the sampled request "
+              "buckets; the legal rows are 4, 8, 16, 32, 64"),
+    ([8, 1000], "target_graph_rows=[8, 1000]: 1000 is not a legal prepared G of the sampled "
+                "request buckets; the legal rows are 4, 8, 16, 32, 64"),
     ([4, 8, 16, 32], "target_graph_rows=[4, 8, 16, 32]: expected full width 64 rows for request "
                      "bucket 8 (width 7); full width must stay covered"),
 ])

@@ -139,10 +139,10 @@ def test_coverage_gaps_have_no_price() -> None:
      r"seconds in 1e-06\.\.3600"),
     # A tier no bucket can verify: past every request's drafts, or below its anchor rows.
     (lambda d: d["compatibility"]["target_rows"][1].append(13),
-     r"target_rows\[1\]=\[2, 4, 6, 8, 12, 13\]: expected tiers in 2\.\.12 for request bucket 2 "
+     r"target_rows\[1\]=\[2, 4, 6, 8, 12, 13\]: expected G in 2\.\.12 for request bucket 2 "
      r".* got 13"),
     (lambda d: d["compatibility"]["target_rows"][1].insert(0, 1),
-     r"target_rows\[1\]=\[1, 2, 4, 6, 8, 12\]: expected tiers in 2\.\.12 .* got 1"),
+     r"target_rows\[1\]=\[1, 2, 4, 6, 8, 12\]: expected G in 2\.\.12 .* got 1"),
     # Settings that contradict the compatibility (or the profiles) they were saved with.
     (lambda d: d["settings"].update(step_cost_models={}),
      r"settings\.step_cost_models=\{\}: is not a calibration setting; expected some of model, "),

@@ -376,7 +376,7 @@ def test_a_runtime_runs_on_the_model_values_it_checked_reading_each_once(
         await runtime.start()
         try:
             handle = runtime.submit(list(b"ROMEO."), SamplingParams(temperature=0.0,
-                                                                   max_tokens=6))
+                                                                    max_tokens=6))
             return (await handle.result()).token_ids
         finally:
             await runtime.stop()
@@ -408,7 +408,7 @@ SLOTS_4 = ("expected 4 after allocate(4): 4 + 1 KV slots, 0 .. 3 for requests an
     ("many", "; got type str"),
     (4.0, "; got type float"),
 ])
-def test_a_target_num_slots_other_than_allocate_asked_for_is_refused(
+def test_a_target_num_kv_slots_other_than_allocate_asked_for_is_refused(
         num_kv_slots: object, tail: str, models: ReferenceModels) -> None:
     target = Changed(models.target, num_kv_slots=num_kv_slots)
     message = _start_refusal(SimpleNamespace(target=target, mtp=models.mtp, dspark=None))
@@ -423,7 +423,7 @@ def test_an_allocate_that_does_nothing_is_refused() -> None:
                        "scratch KV slot would be a request's); allocate left it unchanged")
 
 
-def test_a_drafter_that_tells_another_num_slots_is_refused(models: ReferenceModels) -> None:
+def test_a_drafter_that_tells_another_num_kv_slots_is_refused(models: ReferenceModels) -> None:
     drafter = Changed(models.mtp, num_kv_slots=2)
     message = _start_refusal(SimpleNamespace(target=models.target, mtp=drafter, dspark=None))
     assert message == (f"Runtime(models=...).mtp.num_kv_slots=2: {SLOTS_4} (with fewer, the "

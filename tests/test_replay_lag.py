@@ -47,7 +47,7 @@ def test_a_log_records_its_models_and_a_table_of_other_models_is_refused(
     header, events = read_event_log(log)
     models = load_reference_models()
     assert header.models == {"target": models.target.identity,
-                                "draft": models.dspark.identity}
+                             "draft": models.dspark.identity}
     run = check_recorded_run(header, events, str(log))
     table = dataclasses.replace(bundle(), compatibility={**run.compatibility.as_dict(),
                                                          "target": "another-target"})

@@ -38,6 +38,7 @@ from adaspec.runtime.events.types import (
     RoundRetired,
     RoundSubmitted,
 )
+from adaspec.runtime.states import STAGES
 
 MODELS = {"target": "target-id", "draft": "dspark-id"}  # checkpoint identities
 CONTEXT_LIMIT = 4096  # the staircase table prices contexts up to it
@@ -264,6 +265,7 @@ def duplicate_arrival(records: Records) -> None:
 
 def finish_before_its_rounds(records: Records) -> None:
     moved = records.pop(request_event(records, "request_finished", 0))
+    moved["num_tokens"] = 1  # cancelled once its prefill's token was out
     records.insert(request_event(records, "request_arrived", 2) + 1, moved)
 
 
@@ -311,11 +313,27 @@ def cancelled_with_fewer_tokens_than_delivered(records: Records) -> None:
 
 
 def failure_message_on_two_lines(records: Records) -> None:
+    # Round 7 fails in its last stage, retire: every stage before it completed.
     index = at(records, "round_retired", NUM_ROUNDS - 1)
     records[index] = {"kind": "round_failed", "time": 0.0, "round": NUM_ROUNDS - 1,
-                      "slot": (NUM_ROUNDS - 1) % 2, "stage": "round", "error": "RuntimeError",
+                      "slot": (NUM_ROUNDS - 1) % 2, "stage": "retire", "error": "RuntimeError",
                       "message": "device lost\nat step 3",
                       "request_ids": list(range(num_reqs(NUM_ROUNDS - 1)))}
+    del records[next(i for i, r in enumerate(records) if r.get("kind") == "stage_completed"
+                     and r.get("round") == NUM_ROUNDS - 1 and r.get("stage") == "retire")]
+
+
+def failed_in(stage: str, completed: int) -> Callable[[Records], None]:
+    """Round 7 fails naming ``stage`` after its first ``completed`` stages completed."""
+    def edit(records: Records) -> None:
+        index = at(records, "round_retired", NUM_ROUNDS - 1)
+        records[index] = {"kind": "round_failed", "time": 0.0, "round": NUM_ROUNDS - 1,
+                          "slot": (NUM_ROUNDS - 1) % 2, "stage": stage, "error": "ValueError",
+                          "message": "boom", "request_ids": list(range(num_reqs(NUM_ROUNDS - 1)))}
+        records[:] = [r for r in records if not (
+            r.get("kind") == "stage_completed" and r.get("round") == NUM_ROUNDS - 1
+            and STAGES.index(r["stage"]) >= completed)]
+    return edit
 
 
 def unknown_header_field(records: Records) -> None:
@@ -411,8 +429,10 @@ DAMAGE: dict[str, tuple[Callable[[Records], None], int, str]] = {
         delete_retirement, 58, "depth_decided event of round 5: decided before round 3 "
         "(submitted at line 39) retired; rounds <= n-2 retire before round n is decided"),
     "deleted last retirement": (
-        delete_last_retirement, 83, "round 7 was submitted here but never retired nor failed "
-        "(expected a round_retired or round_failed event for it; was the log cut short?)"),
+        # Requests 0..2 end cancelled with the tokens of round 7 too, which never retired.
+        delete_last_retirement, 92, 'request_finished event of request 0: field "num_tokens" '
+        "expected at most 17: the prefill's token and accepted + 1 of each round fed back "
+        "before it ended (cancelled), got 21"),
     "duplicated retirement": (
         duplicate_retirement, 59, "round_retired event of round 3: round 3 already retired or "
         "failed at line 58; a round ends once"),
@@ -498,9 +518,15 @@ DAMAGE: dict[str, tuple[Callable[[Records], None], int, str]] = {
         'field "num_tokens" expected at least 21: the prefill\'s token and accepted + 1 of each '
         "round fed back before it finished, got 1"),
     "failure message on two lines": (
-        failure_message_on_two_lines, 92, 'round_failed event of round 7: field "message" '
+        failure_message_on_two_lines, 91, 'round_failed event of round 7: field "message" '
         "expected one line: the first of the exception's message, got \"device lost\\nat "
         'step 3"'),
+    "failure named after a later stage than the one that ran": (
+        failed_in("retire", 5), 90, 'round_failed event of round 7: field "stage" expected '
+        '"commit" (the stage after the 5 that completed), got "retire"'),
+    "a split round's failure naming the whole round": (
+        failed_in("round", 6), 91, 'round_failed event of round 7: field "stage" expected '
+        '"retire" (the stage after the 6 that completed), got "round"'),
     "unknown header field": (
         unknown_header_field, 1, 'header has unknown field "adaspec_version"; expected '
         '"config", "cost_table", "models", "context_limit", "seeds", "lag", "policies"'),
@@ -539,7 +565,7 @@ DAMAGE: dict[str, tuple[Callable[[Records], None], int, str]] = {
     "more tokens than the rounds fed back": (
         more_tokens_than_fed_back, 95, 'request_finished event of request 2: field '
         '"num_tokens" expected at most 6: the prefill\'s token and accepted + 1 of each round '
-        "that fed it back, got 64"),
+        "fed back before it ended (cancelled), got 64"),
     "header width disagreeing with its events": (
         header_width_4, 5, 'depth_decided event of round 0: field "context.width" expected '
         "4 (the header's num_speculative_tokens), got 3"),

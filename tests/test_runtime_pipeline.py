@@ -146,9 +146,11 @@ def fault_at(round_index: int, stage: str) -> Any:
 
 @pytest.mark.parametrize("stage", ["draft", "verify", "commit", "retire"])
 def test_a_failed_stage_fails_its_requests_and_the_runtime_keeps_serving(
-        models: ReferenceModels, target_only: list[tuple[int, ...]], stage: str) -> None:
+        models: ReferenceModels, target_only: list[tuple[int, ...]], stage: str,
+        tmp_path: Path) -> None:
+    log = tmp_path / "run.jsonl"
     runtime = Runtime(config("DSpark", 3, 4), models=models,
-                      options=RuntimeOptions(stage_hook=fault_at(2, stage)))
+                      options=RuntimeOptions(stage_hook=fault_at(2, stage), event_log=str(log)))
 
     async def run() -> tuple[list[Any], list[Any]]:
         await runtime.start()
@@ -173,6 +175,10 @@ def test_a_failed_stage_fails_its_requests_and_the_runtime_keeps_serving(
     stats = runtime.statistics()
     assert stats.rounds_failed == 1
     assert stats.requests_failed == len(failed)
+    # Its log passes every check of a run: the failure names the stage after those that
+    # completed, the failed requests hold what was delivered before.
+    header, events = read_event_log(log)
+    assert replay(header, events, path=str(log)).all_matched
 
 
 @pytest.mark.parametrize(("stage", "pipelined"), [("consensus", True), ("pack", True),

@@ -155,7 +155,7 @@ def test_dp_shards_share_one_g_that_maximises_their_summed_tokens() -> None:
     high = [0.9 ** (k + 1) for k in range(5)] * 8
     low = [0.1 ** (k + 1) for k in range(5)] * 8
     expected = max(LEGAL_ROWS, key=lambda g: (expected_tokens(8, sorted(high, reverse=True), g)
-                                         + expected_tokens(8, sorted(low, reverse=True), g))
+                                              + expected_tokens(8, sorted(low, reverse=True), g))
                    / table.cost_ms(8, g, 100))  # type: ignore[operator]
     assert chosen[0] == expected == 32
     # Each shard alone would pick another graph: neither local choice is the common one.

@@ -45,9 +45,9 @@ def plain_loop(target: TargetModel, prompts: Sequence[Sequence[int]], max_tokens
                concurrency: int) -> PlainRun:
     """Decode ``prompts`` greedily, ``concurrency`` at a time, ``max_tokens`` each.
 
-    The target must be allocated with at least ``concurrency`` KV slots; the loop uses slots
-    ``0 .. concurrency - 1`` (a prefill of unequal prompts writes its padding to the scratch
-    slot, as in the runtime)."""
+    The target must be allocated with at least ``concurrency`` KV slots; the loop uses KV
+    slots ``0 .. concurrency - 1`` (a prefill of unequal prompts writes its padding to the
+    scratch KV slot, as in the runtime)."""
     if not 1 <= concurrency <= target.num_kv_slots:
         raise ValueError(f"concurrency={concurrency}: expected 1..{target.num_kv_slots} (the "
                          "target's allocated KV slots)")

@@ -115,7 +115,7 @@ def file_lines(text: str) -> list[str]:
     return [line.removesuffix("\r") for line in lines]
 
 
-def check_room(args: GenerateArgs, prompts: Sequence[str], max_tokens: int,
+def check_prompts_fit(args: GenerateArgs, prompts: Sequence[str], max_tokens: int,
                context_limit: int) -> None:
     """Each prompt (its UTF-8 bytes are its tokens) fits the built-in target's context with
     room for ``max_tokens``: refused before anything loads, naming the prompt."""
@@ -251,7 +251,7 @@ def run(argv: Sequence[str]) -> int:
     config = load_config(settings)
     builtin = builtin_checkpoints(config.launch)
     if builtin is not None:
-        check_room(args, prompts, params.max_tokens, builtin[1])
+        check_prompts_fit(args, prompts, params.max_tokens, builtin[1])
     seed = _number("seed", args.values.get("seed"), 0)
     if not 0 <= seed < MAX_SEED:
         raise ConfigError("--seed", seed, f"expected an integer in 0..{MAX_SEED - 1}")

@@ -31,7 +31,6 @@ from adaspec.policies.simulate import (
 )
 
 if TYPE_CHECKING:  # the runtime's modules load only for an event log
-    from adaspec.runtime.events.log import LogHeader
     from adaspec.runtime.events.replay import RecordedRun
     from adaspec.runtime.events.types import Event
 
@@ -114,14 +113,6 @@ def _read_text(path: str) -> str:
     except UnicodeDecodeError:
         raise ConfigError("--workload", path, "cannot be read (UnicodeDecodeError); "
                           "expected UTF-8 text") from None
-
-
-def workload_of_log(header: "LogHeader", events: Sequence["Event"], path: str) -> Workload:
-    """Each retired round of a recorded run as a workload round, the log checked first as
-    ``adaspec replay`` checks it (``EventLogError`` naming the line)."""
-    from adaspec.runtime.events.replay import check_recorded_run
-
-    return _workload_of_run(check_recorded_run(header, events, path), events, path)
 
 
 def _workload_of_run(run: "RecordedRun", events: Sequence["Event"], path: str) -> Workload:

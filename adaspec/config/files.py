@@ -184,13 +184,13 @@ def _check_request_buckets(buckets: tuple[int, ...], launch: LaunchConfig) -> No
 
 def _check_target_rows(rows: tuple[int, ...], buckets: tuple[int, ...],
                        launch: LaunchConfig) -> None:
-    """Each G is a legal prepared tier of some sampled bucket; full width stays sampled."""
+    """Each G is a legal prepared G of some sampled bucket; full width stays sampled."""
     legal = {g for bucket in buckets for g in launch.legal_target_rows(bucket)}
     for g in rows:
         if g not in legal:
             raise ConfigError("target_graph_rows", list(rows),
-                              f"{g} is not a prepared tier of the sampled request buckets; "
-                              f"legal tiers are {_listed(sorted(legal))}")
+                              f"{g} is not a legal prepared G of the sampled request "
+                              f"buckets; the legal rows are {_listed(sorted(legal))}")
     width = launch.num_speculative_tokens
     for bucket in buckets:
         if bucket * (width + 1) not in rows:

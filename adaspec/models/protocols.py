@@ -68,7 +68,7 @@ class VerifyRows:
                       num_reqs: int, rows_per_req: int, scratch_kv_slot: int,
                       device: torch.device | str = "cpu") -> "VerifyRows":
         """Host-side factory for tests and eager callers: ``requests`` lists
-        ``(slot, anchor_position, [anchor, d_1, ..])``; pads to ``num_reqs`` batch entries
+        ``(kv_slot, anchor_position, [anchor, d_1, ..])``; pads to ``num_reqs`` batch entries
         and ``num_rows`` rows (padding rows sit at the first entry's anchor position). The
         runtime packs on device instead."""
         token_ids: list[int] = []
@@ -276,8 +276,8 @@ class DrafterContext(Protocol):
 
     def publish(self, rows: ContextRows) -> None:
         """Keep ``rows`` in the context, writing before anything reads (a row may read the
-        rows before it of its slot). Positions past the committed length may hold stale
-        values (rejected drafts, an earlier request of the slot): the drafter's own calls
+        rows before it of its KV slot). Positions past the committed length may hold stale
+        values (rejected drafts, an earlier request of the KV slot): the drafter's own calls
         write them before reading them, as ``verify`` does."""
         ...
 

@@ -79,7 +79,7 @@ class KVCache:
         self.context_limit = context_limit
 
     def rows_of(self, kv_slots: Tensor, positions: Tensor) -> Tensor:
-        """Flat row index of ``(slot, position)`` pairs into a layer viewed as
+        """Flat row index of ``(kv_slot, position)`` pairs into a layer viewed as
         ``[(num_kv_slots + 1) * context_limit, heads, head_dim]``. Flat rows let writes and
         gathers use ``index_copy_`` and ``index_select``, several times faster on the CPU
         than indexing with two index tensors, which works element by element. Positions
@@ -144,7 +144,7 @@ class GridIndex:
         # and the softmax stays finite even in padding rows.
         return cls(positions=positions, rope=attn.rope_at(positions),
                    # Padding rows write at position 0 of the scratch KV slot: a flat row
-                   # index must never step outside its slot, whatever a padding row holds.
+                   # index must never step outside its KV slot, whatever a padding row holds.
                    write_rows=cache.rows_of(write_kv_slots,
                                             torch.where(rows.row_valid, positions, 0)),
                    grid_cells=rows.row_reqs * width + columns,

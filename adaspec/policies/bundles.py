@@ -528,21 +528,21 @@ def _check_compatibility_types(data: Mapping[str, object]) -> None:
     if (not isinstance(rows, list) or len(rows) != len(buckets)
             or not all(isinstance(r, list) and _increasing(r) for r in rows)):
         raise ConfigError("target_rows", rows, f"expected one list of strictly increasing "
-                          f"integer tiers in 1..{MAX_BATCH_ROWS} per request bucket")
+                          f"integers in 1..{MAX_BATCH_ROWS} (the legal G) per request bucket")
     width = data["draft_width"]
     assert isinstance(width, int)  # checked above
-    for index, (bucket, tiers) in enumerate(zip(buckets, rows, strict=True)):
+    for index, (bucket, legal_rows) in enumerate(zip(buckets, rows, strict=True)):
         high = bucket * (width + 1)
-        outside = [g for g in tiers if not bucket <= g <= high]
+        outside = [g for g in legal_rows if not bucket <= g <= high]
         if outside:
-            raise ConfigError(f"target_rows[{index}]", tiers, f"expected tiers in {bucket}.."
+            raise ConfigError(f"target_rows[{index}]", legal_rows, f"expected G in {bucket}.."
                               f"{high} for request bucket {bucket} (every request keeps its "
                               f"anchor row and verifies at most draft_width={width} drafts), "
                               f"got {outside[0]}")
 
 
 def _increasing(values: list[object]) -> bool:
-    """A list of strictly increasing integers in 1..MAX_BATCH_ROWS (buckets, tiers)."""
+    """A list of strictly increasing integers in 1..MAX_BATCH_ROWS (buckets, legal G)."""
     return (all(type(v) is int and 1 <= v <= MAX_BATCH_ROWS for v in values)
             and all(a < b for a, b in zip(values, values[1:], strict=False)))  # type: ignore[operator]
 

@@ -137,7 +137,7 @@ class DSparkDrafting:
 
     def draft(self, states: KvSlotStates, kv_slots: Tensor, depth: int) -> tuple[Tensor, Tensor]:
         positions, call_kv_slots = call_positions(states.anchor_positions, 0, kv_slots,
-                                               self.context_limit, self.scratch_kv_slot)
+                                                  self.context_limit, self.scratch_kv_slot)
         block = self.drafter.draft(states.hidden, states.anchor_ids, positions, call_kv_slots,
                                    self.width)
         return block.token_ids, block.confidences
@@ -171,7 +171,7 @@ class MtpDrafting:
         hidden, token = states.hidden, states.anchor_ids
         for step in range(depth):
             positions, step_kv_slots = call_positions(states.anchor_positions, step, kv_slots,
-                                                   self.context_limit, self.scratch_kv_slot)
+                                                      self.context_limit, self.scratch_kv_slot)
             out = self.drafter.step(hidden, token, positions, step_kv_slots)
             hidden, token = out.hidden, out.token_ids
             tokens.append(token)

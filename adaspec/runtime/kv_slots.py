@@ -51,14 +51,14 @@ class KvSlotStates:
         return self.hidden.shape[1] > 0
 
     def gather(self, kv_slots: Tensor) -> "KvSlotStates":
-        """The rows of ``slots [Bcap]`` (copies, so a later scatter cannot change them).
-        ``index_select`` rather than ``tensor[slots]``: the same rows at a fraction of the
+        """The rows of ``kv_slots [Bcap]`` (copies, so a later scatter cannot change them).
+        ``index_select`` rather than ``tensor[kv_slots]``: the same rows at a fraction of the
         CPU cost of advanced indexing, which a round pays for every tensor it gathers."""
         return KvSlotStates(anchor_ids=self.anchor_ids.index_select(0, kv_slots),
-                          anchor_positions=self.anchor_positions.index_select(0, kv_slots),
-                          hidden=self.hidden.index_select(0, kv_slots),
-                          remaining=self.remaining.index_select(0, kv_slots),
-                          live=self.live.index_select(0, kv_slots))
+                            anchor_positions=self.anchor_positions.index_select(0, kv_slots),
+                            hidden=self.hidden.index_select(0, kv_slots),
+                            remaining=self.remaining.index_select(0, kv_slots),
+                            live=self.live.index_select(0, kv_slots))
 
     def scatter(self, kv_slots: Tensor, rows: "KvSlotStates") -> None:
         """Write ``rows`` back at ``kv_slots``. Padding entries all point at the scratch row, so
@@ -110,12 +110,12 @@ class KvSlotSampling:
 
 
 class KvSlotPool:
-    """The host's KV slots: free ones handed to admitted requests, lowest first, and those of
-    ended requests held back until nothing in flight writes them any more. A request's KV
-    slot is ``-1`` when it holds none."""
+    """The host's KV slots: free ones handed to admitted requests (the most recently freed
+    first; at the start, the lowest), and those of ended requests held back until nothing in
+    flight writes them any more. A request's KV slot is ``-1`` when it holds none."""
 
     def __init__(self, num_kv_slots: int) -> None:
-        self._free = list(range(num_kv_slots))[::-1]  # pop() gives the lowest
+        self._free = list(range(num_kv_slots))[::-1]  # pop() takes from the end
         self._held: list[HoldsKvSlot] = []  # ended, their KV slot not yet free
 
     @property

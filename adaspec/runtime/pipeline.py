@@ -366,7 +366,7 @@ class Pipeline:
         record = RoundRecord(round=number, slot=slot, batch=batch, num_reqs_bucket=bucket,
                              depth=depth, num_rows=num_rows,
                              machine=RoundMachine(number, self.hooks, slot,
-                                                 completed=self._stage_completed),
+                                                  completed=self._stage_completed),
                              work=RoundWork(self.ctx, inputs), started=self.now(),
                              request_ids=facts.request_ids)
         for request in batch:

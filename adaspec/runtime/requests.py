@@ -34,7 +34,7 @@ def prompt_ids(prompt: object, field: str = "prompt") -> tuple[int, ...]:
     return tuple(ids)
 
 
-def check_prompt(target: TargetModel, prompt: Sequence[int], field: str = "prompt") -> None:
+def check_prompt(target: TargetModel, prompt: tuple[int, ...], field: str = "prompt") -> None:
     """Refuse, naming ``field``, a prompt the target cannot decode: 1 .. context_limit - 1
     tokens (the first generated token needs a position), ids in the vocabulary. ``prompt``
     is what ``prompt_ids`` made of it."""

@@ -98,9 +98,9 @@ class StateTrace:
     def _info(self, round_index: int) -> dict[str, Any]:
         return self._rounds.setdefault(round_index, {})
 
-    def hook(self, states: RoundMachine, source: RoundState, target: RoundState,
+    def hook(self, machine: RoundMachine, source: RoundState, target: RoundState,
              trigger: str) -> None:
-        info = self._rounds.get(states.round_index, {})
+        info = self._rounds.get(machine.round_index, {})
         decision: dict[str, Any] | None = None
         if source is RoundState.DRAFT and "depth" in info:
             decision = {"depth": info["depth"]}
@@ -108,11 +108,11 @@ class StateTrace:
             decision = {"G": info["rows"], "bound_G": info["bound_rows"]}
         start = info.get("start")
         elapsed = None if start is None else round((self._clock.now() - start) * 1e3, 3)
-        self._log.info("transition", round=states.round_index, slot=states.slot,
+        self._log.info("transition", round=machine.round_index, slot=machine.slot,
                        **{"from": source.label, "to": target.label}, cause=trigger,
                        decision=decision, elapsed_ms=elapsed)
         if target in (RoundState.RETIRED, RoundState.FAILED):
-            self._rounds.pop(states.round_index, None)
+            self._rounds.pop(machine.round_index, None)
 
     def close(self) -> None:
         """Close the file; raises ``OutputWriteError`` when a write or the close failed."""

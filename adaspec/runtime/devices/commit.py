@@ -139,13 +139,13 @@ def _commit_anchors(packed: PackedRows, target_token_ids: Tensor, stop_token_ids
 
 def publication(packed: PackedRows, result: CommitResult,
                 scratch_kv_slot: int) -> tuple[Tensor, Tensor, Tensor]:
-    """``(next_token_ids, positions, slots)``, each ``[G]``, for a drafter that keeps its own
+    """``(next_token_ids, positions, kv_slots)``, each ``[G]``, for a drafter that keeps its own
     context (``MtpDrafter.publish`` with the target's packed hidden states): every committed
     row publishes its position and the token after it in its request's KV slot; the other rows
     (rejected suffix, padding) go to the scratch KV slot, so the shape never depends on the round.
     """
     rows = packed.rows
-    kv_slots = torch.where(result.row_committed, rows.req_kv_slots.index_select(0, rows.row_reqs),
-                        scratch_kv_slot)
+    kv_slots = torch.where(result.row_committed,
+                           rows.req_kv_slots.index_select(0, rows.row_reqs), scratch_kv_slot)
     next_ids = result.row_next_token_ids.clamp(min=0)
     return next_ids, rows.positions, kv_slots

@@ -5,8 +5,8 @@ only device-to-host traffic of a round, so no other stage ever makes the host wa
 device. The copy is stream work, enqueued after commit on the same stream, so it reads what
 commit wrote without any extra synchronization.
 
-The host copy never aliases the slot's device buffers: slot n % 2 is reused by round n + 2,
-which may overwrite them while the policies are still reading round n's feedback.
+The host copy never aliases the pipeline slot's device buffers: slot n % 2 is reused by round
+n + 2, which may overwrite them while the policies are still reading round n's feedback.
 """
 
 from collections.abc import Mapping

@@ -458,6 +458,7 @@ class RunShape:
     target_rows: tuple[int, ...]  # prepared G, ascending; () when shapes are unpadded
     max_bucket: int  # most requests one shard's round holds
     context_limit: int  # the target's: every prompt leaves room for one generated token
+    unified: bool  # a round runs as one unit (its failure names no stage)
     check_request: Callable[[SamplingParams], None]  # RequestError for what it cannot run
 
     def legal_rows(self, bucket: int) -> Sequence[int]:
@@ -789,11 +790,16 @@ class _RunWalk:
 
     def _failed(self, line: int, event: RoundFailed) -> None:
         entry = self._end(line, event)
-        unfinished = (*STAGES[entry.stages:], "round")  # "round": a unified round's unit
-        if event.stage not in unfinished:
-            raise self.fail(line, event, _field("stage", event.stage, f"one of the stages "
-                                                f"that had not completed: "
-                                                f"{', '.join(unfinished)}"))
+        # A unified round is one unit: its failure names the round. A split round's stages
+        # complete in order up to the one that failed, which the failure names.
+        if entry.stages == len(STAGES) and not self.shape.unified:
+            raise self.fail(line, event, f"every stage of round {event.round} completed; such "
+                            "a round retires, it cannot fail")
+        failing = "round" if self.shape.unified else STAGES[entry.stages]
+        why = ("a unified round fails as one unit" if self.shape.unified else
+               f"the stage after the {entry.stages} that completed" if entry.stages else
+               "the first stage: none completed")
+        self._expect(line, event, "stage", event.stage, failing, why)
         self._expect(line, event, "request_ids", list(event.request_ids),
                      list(entry.request_ids), "the request ids it was submitted with")
         if not event.error.isidentifier():
@@ -893,6 +899,13 @@ class _RunWalk:
             raise self.fail(line, event, _field(
                 "num_tokens", event.num_tokens, f"at least {entry.least_tokens}: the prefill's "
                 "token and accepted + 1 of each round fed back before it finished"))
+        if event.reason in ("cancelled", "failed") and event.num_tokens > entry.most_tokens:
+            # A cancelled or failed request keeps what was delivered before its end; the
+            # rounds in flight that retire after drop its tokens.
+            raise self.fail(line, event, _field(
+                "num_tokens", event.num_tokens, f"at most {entry.most_tokens}: the prefill's "
+                "token and accepted + 1 of each round fed back before it ended "
+                f"({event.reason})"))
         entry.finished, entry.event, entry.retired_before = line, event, self.retirements
 
     def _check_running(self, line: int, event: Event, id: int, *,

@@ -170,12 +170,6 @@ def _policy_text(entry: Mapping[str, Any]) -> str:
     return str(entry["name"]) + (f" {json.dumps(settings, sort_keys=True)}" if settings else "")
 
 
-def recorded_policies(header: LogHeader) -> tuple[DepthPolicy, BudgetPolicy]:
-    """The run's policies, rebuilt from the header's names and settings (``ConfigError`` for a
-    policy this adaspec does not know)."""
-    return _policies(header, recorded_costs(header))
-
-
 def _policies(header: LogHeader, costs: CostBundle | None
               ) -> tuple[DepthPolicy, BudgetPolicy]:
     policies = header.policies
@@ -232,6 +226,7 @@ def check_recorded_run(header: LogHeader, events: Sequence[Event], path: str
                                target_rows=launch.prepared_target_rows(),
                                max_bucket=launch.seqs_per_shard,
                                context_limit=run.context_limit,
+                               unified=launch.enable_unified_mtp_graph,
                                check_request=functools.partial(check_request, launch=launch)),
               path)
     return run

@@ -372,7 +372,7 @@ class RoundHooks:
 
     @property
     def empty(self) -> bool:
-        """Whether no hook is registered: a move then runs nothing but the table lookup."""
+        """Whether no hook is registered: a move then runs no hook."""
         return not self._registered
 
     def _compile(self) -> None:
