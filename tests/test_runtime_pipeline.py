@@ -596,3 +596,26 @@ def test_a_request_the_host_wrongly_expects_to_end_still_gets_every_token(
         return [r.result().token_ids for r in results]
 
     assert asyncio.run(run()) == target_only
+
+
+def test_a_request_its_prefill_ends_never_joins_a_round(models: ReferenceModels) -> None:
+    # max_tokens=1: the prefill's token is its last, so no round may carry it (its row
+    # would commit nothing); the runtime's batch room goes to the others.
+    runtime = Runtime(config("MTP", 3, 4), models=models)
+    submitted: list[tuple[int, ...]] = []
+
+    async def run() -> list[Any]:
+        await runtime.start()
+        runtime.subscribe(lambda event: submitted.append(event.request_ids)
+                          if isinstance(event, RoundSubmitted) else None)
+        handles = [runtime.submit(list(prompt), SamplingParams(temperature=0.0, max_tokens=n))
+                   for prompt, n in zip(PROMPTS[:4], (1, 8, 1, 8), strict=True)]
+        results = [await handle.result() for handle in handles]
+        await runtime.stop()
+        return results
+
+    results = asyncio.run(run())
+    assert [len(r.token_ids) for r in results] == [1, 8, 1, 8]
+    assert submitted
+    prefill_only = {results[0].request_id, results[2].request_id}
+    assert not any(prefill_only & set(ids) for ids in submitted)

@@ -311,6 +311,9 @@ class Pipeline:
             prompt = len(request.prompt)
             request.end_length = prompt + min(request.params.max_tokens,
                                               self.ctx.context_limit - prompt)
+            if request.end_length == prompt + 1:  # its prefill's token is its last
+                request.ending = True
+                self.ending.append(request)
             admitted.append(request)
             room -= 1
         if admitted:
@@ -671,7 +674,8 @@ class Pipeline:
         for request in self.ending:
             if not request.running:
                 continue
-            if request.last_round <= self.retired_through:
+            if request.last_round <= self.retired_through and \
+                    not self._prefill_pending(request):
                 request.ending = False
                 self._composition += 1
             else:
