@@ -292,6 +292,11 @@ def test_contexts_beyond_the_model_or_without_room_for_progress_are_refused() ->
                                           "most 772"):
         check_contexts([ContextInterval(prefill_tokens=800, min_kv_length=1,
                                         max_kv_length=1024)], 1024, progress)
+    # An interval too short for any prefill names its own length, not an impossible prefill.
+    with pytest.raises(ConfigError, match=r"contexts\[0\]\.max_kv_length=100: expected at "
+                                          "least 253: measuring a point adds up to 252 tokens"):
+        check_contexts([ContextInterval(prefill_tokens=1, min_kv_length=1,
+                                        max_kv_length=100)], 1024, progress)
 
 
 def test_default_contexts_shrink_the_prefill_for_a_short_context() -> None:

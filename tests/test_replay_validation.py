@@ -336,6 +336,14 @@ def failed_in(stage: str, completed: int) -> Callable[[Records], None]:
     return edit
 
 
+def source_under_a_second_label(records: Records) -> None:
+    records[0]["config"]["launch"]["sources"]["num_speculative_tokens"] = "bogus"
+
+
+def default_source_of_a_given_value(records: Records) -> None:
+    records[0]["config"]["launch"]["sources"]["num_speculative_tokens"] = "default"
+
+
 def unknown_header_field(records: Records) -> None:
     records[0]["adaspec_version"] = "0.1.0"
 
@@ -604,6 +612,13 @@ DAMAGE: dict[str, tuple[Callable[[Records], None], int, str]] = {
         request_id_past_int64, 4, 'request_arrived event of request 9223372036854775808: '
         'field "request_id" expected an integer in 2..9223372036854775807 (requests arrive in '
         "increasing id order), got 9223372036854775808"),
+    "a setting given under a second label": (
+        source_under_a_second_label, 1, 'header "config.launch.sources" gives '
+        'speculative_algorithm as "flag" and num_speculative_tokens as "bogus"; a launch gives '
+        "every setting under one label"),
+    "a given setting claimed as its default": (
+        default_source_of_a_given_value, 1, 'header "config.launch.settings.'
+        'num_speculative_tokens" expected 0 (its source says default), got 3'),
     "header with an unknown launch setting": (
         header_unknown_setting, 1, 'header "config.launch.settings" has unknown setting '
         '"num_draft_tokens"; expected every launch setting of this adaspec'),

@@ -31,6 +31,9 @@ def test_request_fields_are_read_into_frozen_params() -> None:
     ("logprobs", True, "logprobs are not supported"),
     ("top_logprobs", 5, "logprobs are not supported"),
     ("prompt_logprobs", 1, "logprobs are not supported"),
+    # 0 still asks for the chosen (or prompt) tokens' own logprobs: not a neutral value.
+    ("logprobs", 0, "logprobs are not supported"),
+    ("prompt_logprobs", 0, "logprobs are not supported"),
     ("min_tokens", 4, "minimum-length stops are not supported"),
     ("logit_bias", {"5": 1.0}, "token bias is not supported"),
     ("presence_penalty", 0.5, "non-neutral penalties are not supported"),
@@ -57,6 +60,12 @@ def test_unsupported_feature_is_refused_by_field(field: str, value: object, why:
 ])
 def test_neutral_values_of_unsupported_features_are_accepted(field: str, value: object) -> None:
     assert SamplingParams.from_request({field: value}) == SamplingParams()
+
+
+def test_a_string_where_a_neutral_number_goes_is_shown_as_a_string() -> None:
+    with pytest.raises(UnsupportedRequest) as info:
+        SamplingParams.from_request({"frequency_penalty": "0"})
+    assert str(info.value).startswith("request field frequency_penalty='0': ")
 
 
 @pytest.mark.parametrize(("fields", "message"), [

@@ -36,9 +36,10 @@ _PENALTY = "non-neutral penalties are not supported (the verifier samples the pl
 UNSUPPORTED_FIELDS: dict[str, tuple[tuple[object, ...], str]] = {
     "seed": ((None,), "per-request seeds are not supported; draws come from the runtime's "
                       "seeded generator so that replay is exact"),
-    "logprobs": ((None, False, 0), "logprobs are not supported"),
+    # logprobs=0 and prompt_logprobs=0 still ask for the chosen tokens' own logprobs.
+    "logprobs": ((None, False), "logprobs are not supported"),
     "top_logprobs": ((None, 0), "logprobs are not supported"),
-    "prompt_logprobs": ((None, 0), "logprobs are not supported"),
+    "prompt_logprobs": ((None,), "logprobs are not supported"),
     "min_tokens": ((None, 0), "minimum-length stops are not supported"),
     "logit_bias": ((None, {}), "token bias is not supported"),
     "presence_penalty": ((None, 0, 0.0), _PENALTY),
@@ -146,7 +147,8 @@ class SamplingParams:
                 neutral, why = UNSUPPORTED_FIELDS[name]
                 value = plain_number(value)  # numpy 0.0 is as neutral as 0.0
                 if not any(value == n and type(value) is type(n) for n in neutral):
-                    raise UnsupportedRequest(name, value, why)
+                    shown = repr(value) if isinstance(value, str) else value
+                    raise UnsupportedRequest(name, shown, why)
             elif name in known:
                 values[name] = tuple(value) if isinstance(value, list) else value
             elif name == "stop_token_ids":

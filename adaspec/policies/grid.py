@@ -122,6 +122,11 @@ def check_contexts(contexts: Sequence[ContextInterval], context_limit: int, prog
                               context.max_kv_length,
                               f"expected at most the model's context limit {context_limit}")
         room = context.max_kv_length - progress
+        if room < 1:  # not even a one-token prefill fits: the interval is what is too short
+            raise ConfigError(f"{setting}: contexts[{index}].max_kv_length",
+                              context.max_kv_length,
+                              f"expected at least {progress + 1}: measuring a point adds up "
+                              f"to {progress} tokens after a prefill of at least one")
         if context.prefill_tokens > room:
             raise ConfigError(f"{setting}: contexts[{index}].prefill_tokens",
                               context.prefill_tokens,

@@ -16,6 +16,7 @@ one run of that launch (``log.check_run``). ``adaspec simulate`` reads a recorde
 the same checks.
 """
 
+import dataclasses
 import functools
 import json
 from collections.abc import Iterable, Mapping, Sequence
@@ -258,6 +259,7 @@ def _recorded_launch(header: LogHeader, path: str) -> LaunchConfig:
     """The launch the header's effective config describes, checked as a launch is: rebuilt
     from the settings that were given (not derived), which must then derive the rest."""
     settings, sources = _launch_section(header.config, path)
+    _check_sources(settings, sources, path)
     given = {name: value for name, value in settings.items() if sources[name] != "derived"}
     try:
         launch = LaunchConfig(**given)
@@ -271,6 +273,31 @@ def _recorded_launch(header: LogHeader, path: str) -> LaunchConfig:
                                 f"{_brief(value)}")
     _check_sections(header.config, launch, path)
     return launch
+
+
+def _check_sources(settings: Mapping[str, Any], sources: Mapping[str, Any], path: str) -> None:
+    """Sources as a launch records them: ``default`` for a setting left at its default,
+    ``derived`` for one resolved from the others, and one label (``flag`` from the command
+    line) for every setting that was given."""
+    defaults = {f.name: f.default for f in dataclasses.fields(LaunchConfig) if f.init}
+    labels: dict[str, str] = {}
+    for name, source in sources.items():
+        if not isinstance(source, str) or not source.isprintable() or not source:
+            raise EventLogError(path, 1, f'header "config.launch.sources.{name}" expected '
+                                f"default, derived or the label of a given setting, got "
+                                f"{_brief(source)}")
+        value, default = settings[name], defaults[name]
+        if source == "default" and (value != default or type(value) is not type(default)):
+            raise EventLogError(path, 1, f'header "config.launch.settings.{name}" expected '
+                                f"{_brief(default)} (its source says default), got "
+                                f"{_brief(value)}")
+        if source not in ("default", "derived"):
+            labels.setdefault(source, name)
+    if len(labels) > 1:
+        (first, one), (second, other) = list(labels.items())[:2]
+        raise EventLogError(path, 1, f'header "config.launch.sources" gives {one} as "{first}" '
+                            f'and {other} as "{second}"; a launch gives every setting under one '
+                            "label")
 
 
 def _check_sections(config: Mapping[str, Any], launch: LaunchConfig, path: str) -> None:
