@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from adaspec.config import SamplingParams, check_request
+from adaspec.config import SamplingParams, check_request, load_config
 from adaspec.config.flags import launch_config_from_settings
 from adaspec.errors import InvalidRequest, UnsupportedRequest
 
@@ -191,3 +191,17 @@ def test_numpy_numbers_are_taken_as_the_python_numbers_they_equal() -> None:
     assert SamplingParams.from_request({"presence_penalty": np.float32(0.0),
                                         "max_tokens": np.int64(16)}) == \
         SamplingParams(max_tokens=16)
+
+
+def test_the_request_check_refuses_arguments_of_the_wrong_kind_naming_them() -> None:
+    config = load_config({})
+    with pytest.raises(TypeError, match=r"^check_request\(launch=EffectiveConf.*\): expected a "
+                                        r"LaunchConfig \(an EffectiveConfig's \.launch\)$"):
+        check_request(SamplingParams(temperature=0, max_tokens=3), config)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^check_request\(params=\{'temperature': 0\}\): "
+                                        r"expected a SamplingParams"):
+        check_request({"temperature": 0}, config.launch)  # type: ignore[arg-type]
+    for settings in ([("speculative_algorithm", "MTP")], "speculative_algorithm=MTP"):
+        with pytest.raises(TypeError, match=r"^load_config\(settings=.*\): expected a mapping "
+                                            r"of launch setting names to values"):
+            load_config(settings)  # type: ignore[arg-type]

@@ -13,7 +13,8 @@ MODELS = CommandFlags(
     about="Identities, sizes and measured quality of the built-in reference models.",
     flags={"json": Flag(help="print one JSON object instead of a table"),
            "measure": Flag(help="also re-measure greedy acceptance on the packaged held-out "
-                                "excerpt (a few seconds)"),
+                                "excerpt (seconds for the small target, minutes for "
+                                "builtin:target-large on a small CPU)"),
            "model": Flag(metavar="BUILTIN", help=f"which built-in target and its drafts: "
                                                  f"{' or '.join(BUILTIN_TARGETS)} (default "
                                                  f"{BUILTIN_TARGET})")})

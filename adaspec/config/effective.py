@@ -5,6 +5,7 @@ result knows where each setting came from, so startup can log it and ``adaspec c
 print it.
 """
 
+import reprlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -150,6 +151,10 @@ def _sources(launch: LaunchConfig, given: Mapping[str, object], label: str) -> d
 
 def load_config(settings: Mapping[str, object], *, label: str = "flag") -> EffectiveConfig:
     """Check a launch completely (flags, rules, files, paths) before anything runs."""
+    if not isinstance(settings, Mapping):
+        raise TypeError(f"load_config(settings={reprlib.repr(settings)}): expected a mapping "
+                        "of launch setting names to values, such as "
+                        "{'speculative_algorithm': 'MTP'}")
     launch = launch_config_from_settings(settings)
     check_cost_table_paths(launch)
     draft_step = load_draft_step_config(launch) if launch.enable_adaptive_draft_step else None

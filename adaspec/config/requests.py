@@ -8,6 +8,7 @@ dropped silently.
 
 import math
 import numbers
+import reprlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
@@ -205,6 +206,12 @@ def _not_number(value: object) -> str:
 
 def check_request(params: SamplingParams, launch: LaunchConfig) -> None:
     """Refuse, before execution, a request this launch cannot decode exactly."""
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"check_request(params={reprlib.repr(params)}): expected a "
+                        "SamplingParams (SamplingParams.from_request reads a dict)")
+    if not isinstance(launch, LaunchConfig):
+        raise TypeError(f"check_request(launch={reprlib.repr(launch)}): expected a "
+                        "LaunchConfig (an EffectiveConfig's .launch)")
     if launch.enable_adaptive_target_verify and params.temperature is None:
         raise UnsupportedRequest("temperature", MISSING,
                                  "required with --enable_adaptive_target_verify=true; give 0 "
