@@ -186,3 +186,11 @@ def test_an_event_log_and_a_trace_on_one_path_are_refused_before_the_models_load
     assert str(raised.value) == (f"ADASPEC_TRACE={path}: expected a file of its own; "
                                  "event_log names it too")
     assert not path.exists()
+
+
+@pytest.mark.parametrize(("device", "shown"), [(1, "1"), (None, "None"), ("tpu", "tpu")])
+def test_reference_models_on_a_device_that_is_no_device_are_refused_naming_it(
+        device: object, shown: str) -> None:
+    with pytest.raises(ConfigError) as raised:
+        load_reference_models(device)  # type: ignore[arg-type]
+    assert str(raised.value).startswith(f"device={shown}: expected a ")

@@ -391,3 +391,21 @@ def test_mermaid_shows_every_declared_transition() -> None:
     body = [line.strip() for line in lines[1:]]
     moves = [f"{m.source} --> {m.dest}: {m.trigger}" for m in ROUND_GRAPH.transitions]
     assert body == ["[*] --> draft", *moves, "retired --> [*]", "failed --> [*]"]
+
+
+def test_hooks_that_could_never_run_are_refused_when_registered() -> None:
+    hooks = RoundHooks()
+    with pytest.raises(TypeError, match=r"^on_transition\(hook=None\): expected a callable"):
+        hooks.on_transition(None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"taking \(machine, source, target, trigger\)$"):
+        hooks.on_transition(lambda: None)  # type: ignore[arg-type,misc]
+    for state in (99, "nope"):
+        with pytest.raises(TypeError, match=rf"^on_enter\(state={state!r}\): expected a "
+                                            "RoundState or one of draft, consensus"):
+            hooks.on_enter(state, lambda *args: None)  # type: ignore[arg-type]
+    assert hooks.empty
+    seen: list[str] = []
+    hooks.on_enter("consensus", lambda machine, source, target, trigger: seen.append(trigger))
+    machine = RoundMachine(0, hooks)
+    machine.fire(DONE_TRIGGERS[0])
+    assert seen == [DONE_TRIGGERS[0]]  # a state's label names it as well as the enum

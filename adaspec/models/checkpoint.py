@@ -262,9 +262,22 @@ def load_target(folder: Path) -> ReferenceTarget:
     return target.eval()
 
 
+def _device_type(device: object) -> str:
+    """The type of a torch device given as a ``torch.device`` or its name; anything else is
+    refused naming ``device``."""
+    if not isinstance(device, torch.device | str):
+        raise ConfigError("device", repr(device), "expected a torch.device or a device name "
+                          "such as cpu, cuda or cuda:0")
+    try:
+        return torch.device(device).type
+    except RuntimeError:
+        raise ConfigError("device", device, "expected a device name such as cpu, cuda or "
+                          "cuda:0") from None
+
+
 def load_models(folder: Path, device: torch.device | str = "cpu") -> ReferenceModels:
     """Load the three checkpoints of a folder onto ``device`` in float32, in eval mode."""
-    require_device(torch.device(device).type)
+    require_device(_device_type(device))
     target_config, target_state = _read(folder / FILES["target"])
     target = ReferenceTarget(TargetConfig(**target_config))
     _restore(target, target_state, "", target_config)

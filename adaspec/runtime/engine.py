@@ -95,9 +95,12 @@ class RuntimeOptions:
     line per window on the ``adaspec.calibration`` logger."""
 
     def __post_init__(self) -> None:
-        seed = self.seed
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < MAX_SEED:
-            raise ConfigError("seed", seed, f"expected an integer in 0..{MAX_SEED - 1}")
+        seed: object = self.seed  # whatever the caller passed, until checked
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) \
+                or not 0 <= int(seed) < MAX_SEED:
+            raise ConfigError("RuntimeOptions.seed", repr(seed), "expected an integer in "
+                              f"0..{MAX_SEED - 1}")
+        object.__setattr__(self, "seed", int(seed))  # a numpy integer is the int it holds
         for name in ("event_log", "trace"):  # a path-like is kept as its str
             object.__setattr__(self, name, _option_path(name, getattr(self, name)))
         _check_protocol("RuntimeOptions.clock", self.clock, Clock,

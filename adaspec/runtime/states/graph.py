@@ -8,6 +8,7 @@ callbacks), while a round must move between stages in microseconds, so ``RoundMa
 lookup table derived from the same declaration. Nothing else in the package names a transition.
 """
 
+import inspect
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -355,14 +356,20 @@ class RoundHooks:
         self._registered: list[tuple[RoundState | None, RoundHook]] = []
         self._by_target: tuple[tuple[RoundHook, ...], ...] = tuple(() for _ in RoundState)
 
-    def on_enter(self, state: RoundState, hook: RoundHook) -> None:
-        """Run ``hook`` on every move into ``state`` (not for a round created in it)."""
-        self._registered.append((state, hook))
+    def on_enter(self, state: RoundState | str, hook: RoundHook) -> None:
+        """Run ``hook`` on every move into ``state`` (a ``RoundState`` or its label, such as
+        ``"verify"``; not for a round created in it)."""
+        if isinstance(state, str) and state.upper() in RoundState.__members__:
+            state = RoundState[state.upper()]
+        if not isinstance(state, RoundState):
+            raise TypeError(f"on_enter(state={state!r}): expected a RoundState or one of "
+                            f"{_listed(s.label for s in RoundState)}")
+        self._registered.append((state, _checked_hook("on_enter", hook)))
         self._compile()
 
     def on_transition(self, hook: RoundHook) -> None:
         """Run ``hook`` on every move of every round."""
-        self._registered.append((None, hook))
+        self._registered.append((None, _checked_hook("on_transition", hook)))
         self._compile()
 
     def remove(self, hook: RoundHook) -> None:
@@ -379,6 +386,21 @@ class RoundHooks:
         self._by_target = tuple(
             tuple(hook for state, hook in self._registered if state is None or state is target)
             for target in RoundState)
+
+
+def _checked_hook(method: str, hook: object) -> RoundHook:
+    """``hook`` when it can be called as ``hook(machine, source, target, trigger)``."""
+    if not callable(hook):
+        raise TypeError(f"{method}(hook={hook!r}): expected a callable, called as "
+                        "hook(machine, source, target, trigger)")
+    try:
+        inspect.signature(hook).bind(None, None, None, None)
+    except TypeError:
+        raise TypeError(f"{method}(hook={getattr(hook, '__qualname__', hook)!r}): expected a "
+                        "callable taking (machine, source, target, trigger)") from None
+    except ValueError:  # a builtin without a signature: its call will tell
+        pass
+    return hook
 
 
 _NO_HOOKS = RoundHooks()
