@@ -102,6 +102,9 @@ def test_event_log_and_trace_flags_write_files_that_replay(
                              "names it too"),
     (["--prompt", "x", "--max_tokens=4", "--temperature=1e-320"],
      "--temperature=1e-320: expected 0 (greedy) or a number in 1e-05..100"),
+    # Below the smallest double it reads as 0.0: refused, never decoded greedily.
+    (["--prompt", "x", "--max_tokens=4", "--temperature=1e-400"],
+     "--temperature=1e-400: a nonzero number below the smallest double"),
     (["--prompt", "x", "--max_tokens=4", "--temperature=1", "--top_k=1e30"],
      "--top_k=1e30: expected an integer in 0..2147483647 (0: off)"),
     (["--prompt", "x", "--max_tokens=4", "--temperature=1", "--top_p=nan"],
@@ -149,6 +152,17 @@ def long_generate(trace: str) -> Iterator[subprocess.Popen[str]]:
         if process.poll() is None:
             process.kill()
             process.communicate()
+
+
+def test_a_prompts_file_with_a_byte_order_mark_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "prompts.txt"
+    path.write_bytes(b"\xef\xbb\xbfROMEO.\n")
+    done = subprocess.run([sys.executable, "-m", "adaspec", "generate", "--max_tokens=4",
+                           "--temperature=0", f"--prompts_file={path}"],
+                          capture_output=True, text=True, timeout=300)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (f"adaspec generate: error: --prompts_file={path}: starts with a "
+                           "byte-order mark; expected UTF-8 text without one\n")
 
 
 def test_a_prompts_file_has_one_prompt_per_newline() -> None:

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from adaspec.config import SamplingParams, check_request, load_config
+from adaspec.config import SamplingParams, check_request, load_config, load_config_from_argv
 from adaspec.config.flags import launch_config_from_settings
 from adaspec.errors import InvalidRequest, UnsupportedRequest
 
@@ -201,7 +201,11 @@ def test_the_request_check_refuses_arguments_of_the_wrong_kind_naming_them() -> 
     with pytest.raises(TypeError, match=r"^check_request\(params=\{'temperature': 0\}\): "
                                         r"expected a SamplingParams"):
         check_request({"temperature": 0}, config.launch)  # type: ignore[arg-type]
-    for settings in ([("speculative_algorithm", "MTP")], "speculative_algorithm=MTP"):
+    for settings in ([("speculative_algorithm", "MTP")], "speculative_algorithm=MTP", {1: 1}):
         with pytest.raises(TypeError, match=r"^load_config\(settings=.*\): expected a mapping "
-                                            r"of launch setting names to values"):
+                                            r"of launch setting names \(str\) to values"):
             load_config(settings)  # type: ignore[arg-type]
+    for argv in ([1, 2], None, "--port=1"):
+        with pytest.raises(TypeError, match=r"^load_config_from_argv\(argv=.*\): expected a "
+                                            r"list of str tokens"):
+            load_config_from_argv(argv)  # type: ignore[arg-type]

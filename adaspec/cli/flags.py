@@ -278,6 +278,11 @@ def sampling_flag(name: str, raw: str) -> int | float:
         value = int(text)
     elif name != "top_k" and DECIMAL.fullmatch(text) and math.isfinite(float(text)):
         value = float(text)  # 1e999 reads as inf: refused with the other non-numbers
+        if value == 0 and any(digit in text.split("e")[0].split("E")[0] for digit in
+                              "123456789"):
+            # 1e-400 reads as 0.0: what was asked for is a tiny number, not greedy decoding.
+            raise ConfigError(f"--{name}", raw, "a nonzero number below the smallest double; "
+                              "expected 0 or a number the field's range allows")
     try:  # the text itself when it is no number: the field's rule refuses it as such
         SamplingParams(**{name: raw if value is None else value})  # type: ignore[arg-type]
     except InvalidRequest as error:

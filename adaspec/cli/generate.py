@@ -149,6 +149,9 @@ MAX_PROMPTS_FILE_BYTES = 64 * 2**20
 
 def _read_prompts_file(name: str) -> str:
     data = read_regular("--prompts_file", name, "UTF-8 text file", MAX_PROMPTS_FILE_BYTES)
+    if data.startswith(b"\xef\xbb\xbf"):  # it would reach the model as three prompt tokens
+        raise ConfigError("--prompts_file", name, "starts with a byte-order mark; expected "
+                          "UTF-8 text without one")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:

@@ -151,9 +151,9 @@ def _sources(launch: LaunchConfig, given: Mapping[str, object], label: str) -> d
 
 def load_config(settings: Mapping[str, object], *, label: str = "flag") -> EffectiveConfig:
     """Check a launch completely (flags, rules, files, paths) before anything runs."""
-    if not isinstance(settings, Mapping):
+    if not isinstance(settings, Mapping) or not all(isinstance(k, str) for k in settings):
         raise TypeError(f"load_config(settings={reprlib.repr(settings)}): expected a mapping "
-                        "of launch setting names to values, such as "
+                        "of launch setting names (str) to values, such as "
                         "{'speculative_algorithm': 'MTP'}")
     launch = launch_config_from_settings(settings)
     check_cost_table_paths(launch)
@@ -168,4 +168,8 @@ def load_config(settings: Mapping[str, object], *, label: str = "flag") -> Effec
 
 def load_config_from_argv(argv: Sequence[str]) -> EffectiveConfig:
     """``load_config`` for launch tokens such as ``["--dp_size=2", "--device", "cuda"]``."""
+    if isinstance(argv, str) or not isinstance(argv, Sequence) or \
+            not all(isinstance(token, str) for token in argv):
+        raise TypeError(f"load_config_from_argv(argv={reprlib.repr(argv)}): expected a list "
+                        "of str tokens, such as ['--dp_size=2', '--device', 'cuda']")
     return load_config(parse_argv(argv))
