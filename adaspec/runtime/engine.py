@@ -258,7 +258,8 @@ class Runtime:
         models = checked or builtin_models(launch, device)
         geometry = BucketGeometry.of(launch)
         # Everything refusable about the costs is refused before any device work.
-        plan, saved = self._cost_source(models, geometry)
+        plan, saved = cost_source(self.config, self.compatibility(models, geometry),
+                                  geometry, models.target.context_limit)
         self._stream = open_stream(launch.device, asyncio.get_running_loop())
         try:
             await self._start_on_stream(models, device, geometry, plan, saved)
@@ -351,11 +352,6 @@ class Runtime:
         return registries
 
     # --- costs -----------------------------------------------------------------------------
-    def _cost_source(self, models: ModelSet, geometry: BucketGeometry
-                     ) -> tuple[CalibrationPlan | None, CostBundle | None]:
-        return cost_source(self.config, self.compatibility(models, geometry), geometry,
-                           models.target.context_limit)
-
     def compatibility(self, models: ModelSet, geometry: BucketGeometry
                       ) -> Compatibility:
         """What a saved table must share with this launch."""
