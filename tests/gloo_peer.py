@@ -17,6 +17,10 @@ from typing import Any
 import torch
 
 from adaspec.errors import AdaspecError
+from adaspec.models import ReferenceModels, load_reference_models
+from adaspec.models.layers import Block
+from adaspec.models.parallel import split_blocks
+from adaspec.models.protocols import ContextRows, VerifyRows
 from adaspec.runtime.devices.collectives import DistributedCollectives
 
 DIED_EXIT_CODE = 3
@@ -64,8 +68,54 @@ def share(comm: DistributedCollectives, args: argparse.Namespace) -> dict[str, A
     return {"installed": json.loads(comm.share_from_first_rank(offered))}
 
 
+def _serve(models: ReferenceModels, prompts: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every serving entry point of the reference models once: prefill, a packed verify, an
+    MTP step after publishing the prompts, a DSpark block."""
+    kv_slots = torch.arange(len(prompts))
+    for model in (models.target, models.mtp):
+        model.allocate(len(prompts))
+    out = models.target.prefill(prompts, kv_slots)
+    anchor = out.last.logits.argmax(-1)
+    rows = VerifyRows.from_requests(
+        [(int(slot), int(length), [int(token)] * 3)
+         for slot, length, token in zip(kv_slots, out.lengths, anchor, strict=True)],
+        num_rows=8, num_reqs=len(prompts), rows_per_req=3, scratch_kv_slot=len(prompts))
+    verified = models.target.verify(rows)
+    models.mtp.publish(ContextRows.of_prompts(out, prompts, kv_slots, anchor))
+    step = models.mtp.step(out.last.hidden, anchor, out.lengths - 1, kv_slots)
+    block = models.dspark.draft(out.last.hidden, anchor, out.lengths - 1, kv_slots, 7)
+    return {"prefill": out.last.logits, "verify": verified.logits, "mtp": step.logits,
+            "dspark": block.confidences, "dspark_tokens": block.token_ids}
+
+
+def _block_parameters(model: torch.nn.Module) -> int:
+    """The projection weights of a model's transformer blocks (what TP splits; the norms
+    stay whole)."""
+    return sum(p.numel() for m in model.modules() if isinstance(m, Block)
+               for p in m.parameters() if p.dim() == 2)
+
+
+def tp_models(comm: DistributedCollectives, args: argparse.Namespace) -> dict[str, Any]:
+    """The reference models split across the TP group against a whole copy in this process:
+    the largest difference of each output, and the parameters each rank keeps."""
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (length,), generator=generator) for length in (40, 17)]
+    whole = _serve(load_reference_models(), prompts)
+    models = load_reference_models()
+    sizes = {}
+    for name in ("target", "mtp", "dspark"):
+        model = getattr(models, name)
+        before = _block_parameters(model)
+        split_blocks(model, comm.tp_rank, comm.tp_size, comm.tp_all_reduce)
+        sizes[name] = [before, _block_parameters(model)]
+    split = _serve(models, prompts)
+    return {"sizes": sizes, "cache_heads": models.target.cache.keys[0].shape[2],
+            "max_diff": {k: (split[k] - whole[k]).abs().max().item() for k in whole},
+            "tokens": split["dspark_tokens"].tolist()}
+
+
 SCENARIOS: dict[str, Scenario] = {"round": round_collectives, "die": die, "hang": hang,
-                                  "share": share}
+                                  "share": share, "tp_models": tp_models}
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

@@ -95,9 +95,9 @@ class ReferenceMtp(nn.Module):
     def allocate(self, num_kv_slots: int) -> None:
         tc = self.head.target.config
         param = self.fuse.proj.weight
-        self.cache = KVCache(1, num_kv_slots, tc.context_limit, self.config.num_heads,
-                             tc.hidden_size // self.config.num_heads, param.device,
-                             param.dtype)
+        attn = self.block.attn  # a TP rank's block holds its own heads only
+        self.cache = KVCache(1, num_kv_slots, tc.context_limit, attn.num_heads, attn.head_dim,
+                             param.device, param.dtype)
 
     def forward(self, hidden: Tensor, next_token_ids: Tensor) -> Tensor:
         """Training: output states ``[B, T, d]`` for whole sequences of (state, next token)."""

@@ -216,9 +216,9 @@ class ReferenceTarget(nn.Module):
     def allocate(self, num_kv_slots: int) -> None:
         """(Re)allocate the KV cache for ``num_kv_slots`` concurrent requests."""
         param = self.embed.weight
-        head_dim = self.config.hidden_size // self.config.num_heads
+        attn = self.blocks[0].attn  # a TP rank's blocks hold its own heads only
         self.cache = KVCache(self.config.num_layers, num_kv_slots, self.config.context_limit,
-                             self.config.num_heads, head_dim, param.device, param.dtype)
+                             attn.num_heads, attn.head_dim, param.device, param.dtype)
 
     # --- training ----------------------------------------------------------------------
     def forward(self, token_ids: Tensor) -> tuple[Tensor, Tensor]:

@@ -50,6 +50,10 @@ class Collectives(Protocol):
         """Overwrite ``tensor`` in place with TP rank 0's values on every TP rank of this DP
         shard, enqueued on the launch device without a host read."""
 
+    def tp_all_reduce(self, tensor: Tensor) -> None:
+        """Sum ``tensor`` in place over the TP ranks of this DP shard (the row-parallel
+        projections of a model split across them), on the launch device."""
+
     def dp_agree_rows(self, num_rows: int) -> int:
         """Return G when every rank (every DP shard and TP rank) chose it; raise
         ``ConsensusMismatch`` with each rank's value otherwise."""
@@ -72,6 +76,9 @@ class LocalCollectives:
 
     def tp_broadcast(self, tensor: Tensor) -> None:
         """TP rank 0 is this process, so the tensor already holds its values."""
+
+    def tp_all_reduce(self, tensor: Tensor) -> None:
+        """One TP rank holds the whole sum already."""
 
     def dp_agree_rows(self, num_rows: int) -> int:
         return num_rows
@@ -212,6 +219,12 @@ class DistributedCollectives:
             return
         with _collective("tp_broadcast", self.tp_group_ranks):
             dist.broadcast(tensor, src=self.tp_group_ranks[0], group=self._tp_group)
+
+    def tp_all_reduce(self, tensor: Tensor) -> None:
+        if self._tp_group is None:
+            return
+        with _collective("tp_all_reduce", self.tp_group_ranks):
+            dist.all_reduce(tensor, group=self._tp_group)
 
     def dp_agree_rows(self, num_rows: int) -> int:
         if self._host_group is None:
