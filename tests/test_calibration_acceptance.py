@@ -39,6 +39,7 @@ from adaspec.runtime.calibration import (
 from adaspec.runtime.engine import Runtime, RuntimeOptions
 from adaspec.runtime.events.bus import EventBus
 from adaspec.runtime.events.types import BudgetDecided, DepthDecided, RoundRetired
+from adaspec.runtime.ranks import ForcedPoint
 from adaspec.runtime.requests import Request
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "own_model.py"
@@ -188,6 +189,9 @@ class AllAccepted:
 
     def cancel(self, request: Request) -> None:
         request.finish("cancelled")
+
+    def force(self, point: ForcedPoint) -> None:
+        """The rounds this stand-in plays are at the point's shape already."""
 
     def play(self) -> None:
         rows = self.width + 1

@@ -117,7 +117,16 @@ SHORT: dict[str, Callable[[str], None]] = {
 }
 """Commands that take seconds: run as written, each with a property of its output."""
 
-FENCED = TOP | set(SHORT) | set(COSTS)
+RANKS_BY_HAND = ("for rank in 0 1; do adaspec generate --nnodes=2 --node_rank=$rank "
+                 "--master_node_addr=127.0.0.1:29500 --speculative_algorithm=MTP "
+                 "--num_speculative_tokens=3 --prompt \"ROMEO.\" --max_tokens 32 --temperature 0 "
+                 "& done; wait")
+RANKS_BY_TORCHRUN = ("torchrun --nproc-per-node=2 -m adaspec generate "
+                     "--speculative_algorithm=MTP --num_speculative_tokens=3 "
+                     "--prompt \"ROMEO.\" --max_tokens 32 --temperature 0")
+RANKS = (RANKS_BY_HAND, RANKS_BY_TORCHRUN)
+
+FENCED = TOP | set(SHORT) | set(COSTS) | set(RANKS)
 
 INLINE = {
     "adaspec bench": "help",  # the full bench: eleven minutes; its --help must parse
@@ -188,6 +197,14 @@ def test_the_costs_block_runs_in_order(tmp_path: Path) -> None:
         assert policy in simulated
     assert "nan" not in simulated.split()
     assert {p.name for p in tmp_path.iterdir()} == LEFT_BEHIND | {"grid.json"}
+
+
+@pytest.mark.parametrize("command", RANKS)
+def test_both_ways_of_starting_two_ranks_run_as_written(command: str, tmp_path: Path) -> None:
+    out = succeeds(command, tmp_path)
+    assert out.count("ROMEO.") == 1  # rank 0 alone prints the result
+    assert "tokens/s" in out
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_gitignore_holds_what_the_readme_commands_leave_behind() -> None:

@@ -43,9 +43,10 @@ from adaspec.cli.flags import (
     CommandFlags,
     Flag,
     check_runnable_here,
+    launch_settings,
     sampling_flag,
 )
-from adaspec.config.flags import coerce, parse_argv
+from adaspec.config.flags import coerce
 from adaspec.config.limits import BUILTIN_TARGET
 from adaspec.config.paths import existing_directory, new_file, path_status
 from adaspec.config.requests import MAX_SEED, MAX_TEMPERATURE, MIN_TEMPERATURE
@@ -393,7 +394,7 @@ def run(argv: Sequence[str]) -> int:
         return 0
     args = split_argv(argv)
     choices = read_choices(args)
-    settings = parse_argv(args.launch_argv)
+    settings = launch_settings(args.launch_argv)
     require_builtin("bench", str(settings.get("model", BUILTIN_TARGET)),
                     None if settings.get("draft_model") is None else str(settings["draft_model"]),
                     "to bench your own, embed the runtime and call "

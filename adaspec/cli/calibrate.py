@@ -18,8 +18,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TextIO
 
-from adaspec.cli.flags import CommandFlags, Flag, check_runnable_here
-from adaspec.config import load_config_from_argv
+from adaspec.cli.flags import CommandFlags, Flag, check_runnable_here, launch_settings
+from adaspec.config import load_config
 from adaspec.errors import MISSING, ConfigError
 from adaspec.policies.bundles import CostBundle
 from adaspec.policies.costs import AdditiveTable, relative_errors
@@ -87,7 +87,7 @@ def run(argv: Sequence[str]) -> int:
     if args.help:
         print(CALIBRATE.help())
         return 0
-    config = load_config_from_argv(args.launch_argv)
+    config = load_config(launch_settings(args.launch_argv))
     launch = config.launch
     # Before the checks of this command: a device this process cannot use is the first thing
     # to say about the launch.

@@ -6,8 +6,8 @@ from dataclasses import MISSING as NO_DEFAULT
 from dataclasses import fields
 
 from adaspec import __version__
-from adaspec.cli.flags import CommandFlags, Flag
-from adaspec.config import RULES, LaunchConfig, load_config_from_argv
+from adaspec.cli.flags import CommandFlags, Flag, launch_settings
+from adaspec.config import RULES, LaunchConfig, load_config
 from adaspec.config.builtin import check_builtin_limits
 from adaspec.config.flags import field_docs, parse_argv
 from adaspec.config.launch import launch_field_types, metavar
@@ -56,7 +56,7 @@ def run(argv: Sequence[str]) -> int:
         lines += [f"always -> {check.__doc__}" for check in CROSS_CHECKS]
         print("\n".join(lines))
         return 0
-    effective = load_config_from_argv(args.launch_argv)
+    effective = load_config(launch_settings(args.launch_argv))
     # A launch of the built-in models is held to what they can draft, so a line that passes
     # here runs; other models are checked against themselves when the runtime starts.
     check_builtin_limits(effective.launch)

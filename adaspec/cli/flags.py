@@ -14,6 +14,7 @@ Kept free of torch: ``adaspec config`` and ``adaspec models --help`` import this
 
 import difflib
 import math
+import os
 import re
 import textwrap
 from collections.abc import Mapping, Sequence
@@ -21,7 +22,8 @@ from dataclasses import dataclass
 
 from adaspec.availability import require_device
 from adaspec.config.builtin import check_builtin_limits
-from adaspec.config.launch import LaunchConfig, launch_field_types
+from adaspec.config.flags import parse_argv
+from adaspec.config.launch import LaunchConfig, launch_field_types, torchrun_settings
 from adaspec.config.requests import SamplingParams
 from adaspec.errors import MISSING, ConfigError, InvalidRequest
 
@@ -296,3 +298,9 @@ def check_runnable_here(launch: LaunchConfig) -> None:
     device this process cannot use (``--device=npu`` without torch_npu, say)."""
     check_builtin_limits(launch)
     require_device(launch.device)
+
+
+def launch_settings(launch_argv: Sequence[str]) -> dict[str, str]:
+    """A command's launch flags, with torchrun's rank and rendezvous when it started this
+    process (``adaspec.config.launch.torchrun_settings``)."""
+    return torchrun_settings(parse_argv(launch_argv), os.environ)

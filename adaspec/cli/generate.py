@@ -19,10 +19,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from adaspec.cli.calibrate import progress_reporter
-from adaspec.cli.flags import CommandFlags, Flag, check_runnable_here, sampling_flag
+from adaspec.cli.flags import (
+    CommandFlags,
+    Flag,
+    check_runnable_here,
+    launch_settings,
+    sampling_flag,
+)
 from adaspec.config import SamplingParams, load_config
 from adaspec.config.builtin import builtin_checkpoints
-from adaspec.config.flags import parse_argv
 from adaspec.config.launch import LaunchConfig
 from adaspec.config.limits import BUILTIN_TARGET
 from adaspec.config.paths import new_file, read_regular
@@ -209,6 +214,9 @@ async def decode(runtime: Runtime, prompts: list[str], params: SamplingParams
     preparation and calibration left out), and the error of an output (event log, trace)
     that could not be written: the results are still there to print."""
     await runtime.start()
+    if not runtime.is_front:  # the same launch line on every rank: this one decodes rank 0's
+        await runtime.serve()
+        return [], 0.0, None
     handles: list[RequestHandle] = []
     try:
         started = time.perf_counter()
@@ -245,7 +253,7 @@ def run(argv: Sequence[str]) -> int:
         return 0
     prompts = read_prompts(args)
     params = sampling_params(args.values)
-    settings = parse_argv(args.launch_argv)
+    settings = launch_settings(args.launch_argv)
     # Before the launch is checked as a whole: what this command cannot run is the first
     # thing to say about a checkpoint path.
     require_builtin("generate", str(settings.get("model", BUILTIN_TARGET)),
@@ -264,8 +272,12 @@ def run(argv: Sequence[str]) -> int:
                              event_log=args.values.get("event_log"),
                              trace=args.values.get("trace"),
                              calibration_progress=progress_reporter(sys.stderr))
-    results, seconds, failed = asyncio.run(decode(Runtime(config, options=options), prompts,
-                                                  params))
+    runtime = Runtime(config, options=options)
+    results, seconds, failed = asyncio.run(decode(runtime, prompts, params))
+    if config.launch.world_size > 1:  # every rank says what it committed: they must agree
+        print(f"rank {runtime.rank}: commit digest {runtime.commit_digest()}", file=sys.stderr)
+    if not runtime.is_front:  # rank 0 prints the results
+        return 0
     rows = [result_dict(p, r) for p, r in zip(prompts, results, strict=True)]
     tokens = sum(len(r.token_ids) for r in results)
     rate = tokens / seconds if seconds > 0 else 0.0

@@ -11,6 +11,7 @@ import functools
 import ipaddress
 import re
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
@@ -66,6 +67,10 @@ class LaunchConfig:
 
     master_node_addr: str = "127.0.0.1:27000"
     """host:port of rank 0's rendezvous for torch.distributed."""
+
+    collective_timeout_s: int = 300
+    """Seconds any collective between ranks may take before the rank fails naming it (a
+    dead or hung peer); rank 0 also sends an empty plan every quarter of it while idle."""
 
     speculative_algorithm: Algorithm = "none"
     """Draft algorithm: MTP (sequential draft steps), DSpark (one parallel block), or none."""
@@ -320,3 +325,37 @@ def valid_host(text: str) -> bool:
         pass
     name = text[:-1] if text.endswith(".") else text
     return 0 < len(name) <= 253 and all(_LABEL.fullmatch(label) for label in name.split("."))
+
+
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""What ``torchrun`` (and any ``env://`` launcher) sets for each process it starts."""
+
+
+def torchrun_settings(settings: Mapping[str, str], environ: Mapping[str, str]
+                      ) -> dict[str, str]:
+    """``settings`` with torchrun's rank, world size and rendezvous as the launch's
+    --node_rank, --nnodes and --master_node_addr, when every variable of ``TORCHRUN_ENV``
+    is set. A flag given as well must say the same, or it is refused naming both."""
+    if not all(name in environ for name in TORCHRUN_ENV):
+        return dict(settings)
+    host = environ["MASTER_ADDR"]
+    if ":" in host and not host.startswith("["):  # an IPv6 literal
+        host = f"[{host}]"
+    from_env = {"node_rank": ("RANK", environ["RANK"]),
+                "nnodes": ("WORLD_SIZE", environ["WORLD_SIZE"]),
+                "master_node_addr": ("MASTER_ADDR:MASTER_PORT",
+                                     f"{host}:{environ['MASTER_PORT']}")}
+    merged = dict(settings)
+    for name, (variable, value) in from_env.items():
+        given = settings.get(name)
+        if given is not None and _normal(given) != _normal(value):
+            raise ConfigError(f"--{name}", given, f"expected {value}, what torchrun set in "
+                              f"{variable}, or leave the flag out under torchrun")
+        merged[name] = value
+    return merged
+
+
+def _normal(text: str) -> str:
+    """A rank or size as the number it spells (``02`` is 2); anything else as given."""
+    stripped = text.strip()
+    return str(int(stripped)) if stripped.isdigit() else stripped

@@ -33,6 +33,7 @@ MAX_SEQS = 65536
 INT_RANGES: dict[str, tuple[int, int]] = {
     "nnodes": (1, 65536),
     "node_rank": (0, 65535),
+    "collective_timeout_s": (1, 86400),
     "port": (1, 65535),
     "num_speculative_tokens": (0, MAX_SPECULATIVE_TOKENS),
     "dp_size": (1, MAX_PARALLEL_SIZE),

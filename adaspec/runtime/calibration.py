@@ -24,6 +24,7 @@ calibration pipeline publishes on its own bus, which is discarded when calibrati
 """
 
 import asyncio
+import functools
 import json
 import logging
 import random
@@ -66,6 +67,7 @@ from adaspec.runtime.events.bus import EventBus
 from adaspec.runtime.events.clock import MonotonicClock
 from adaspec.runtime.events.types import BudgetDecided, DepthDecided, Event, RoundRetired
 from adaspec.runtime.pipeline import Pipeline
+from adaspec.runtime.ranks import ForcedPoint, RankLink
 from adaspec.runtime.requests import Request
 from adaspec.runtime.rounds import DeviceContext
 from adaspec.runtime.states import RoundHooks
@@ -285,6 +287,12 @@ class ForcedDepth:
         return {}
 
 
+def apply_point(forced: ForcedBudget, forced_depth: ForcedDepth, point: ForcedPoint) -> None:
+    """The point a calibration window measures, in both forced policies."""
+    forced.rows, forced_depth.depth = point.rows, point.depth
+    forced.bucket = forced_depth.bucket = point.bucket
+
+
 @dataclass(slots=True)
 class _Recorder:
     """Retirement times of the rounds that ran exactly the point's shape, until ``needed``
@@ -388,8 +396,7 @@ async def measure_window(driver: CalibrationDriver, settings: CalibrationConfig,
                          first_id: int) -> float:
     """Seconds per complete decode interval of one window at (Bcap, d, G), on fresh
     synthetic requests."""
-    driver.forced.rows, driver.forced_depth.depth = rows, depth
-    driver.forced.bucket = driver.forced_depth.bucket = bucket
+    driver.pipeline.force(ForcedPoint(bucket=bucket, depth=depth, rows=rows))
     needed = settings.warmup_steps + settings.window_steps + 1
     recorder = _Recorder(bucket=bucket, rows=rows, depth=depth, needed=needed)
     driver.bus.subscribe(recorder)
@@ -507,19 +514,28 @@ class CalibrationRun:
     geometry: BucketGeometry
     registries: list[BindingRegistry] | None
     seed: int
+    link: RankLink | None = None  # several ranks: the front measures, the others follow it
 
 
 async def calibrate_on_stream(run: CalibrationRun, plan: CalibrationPlan,
                               compatibility: Compatibility, progress: Progress | None = None
-                              ) -> CostBundle:
+                              ) -> CostBundle | None:
     """Drive a calibration pipeline (the runtime's device context, stream and bindings, its
-    own bus and a real clock) over ``plan`` and fit the bundle."""
+    own bus and a real clock) over ``plan`` and fit the bundle. A rank behind the front runs
+    the front's windows in lockstep until the front stops them, and fits nothing (None):
+    every rank installs the front's table."""
     forced, forced_depth, bus = ForcedBudget(), ForcedDepth(), EventBus()
     pipeline = Pipeline(
         launch=run.launch, ctx=run.ctx, stream=run.stream, geometry=run.geometry,
         registries=run.registries, depth_policy=forced_depth, budget_policy=forced, bus=bus,
-        clock=MonotonicClock(), hooks=RoundHooks(), seed=run.seed)
+        clock=MonotonicClock(), hooks=RoundHooks(), seed=run.seed, link=run.link)
+    pipeline.apply_point = functools.partial(apply_point, forced, forced_depth)
     task = asyncio.get_running_loop().create_task(pipeline.run())
+    if run.link is not None and not run.link.front:
+        await task
+        if pipeline.fault is not None:
+            raise pipeline.fault
+        return None
     try:
         driver = CalibrationDriver(pipeline, bus, run.ctx.target.vocab_size, forced,
                                    forced_depth)

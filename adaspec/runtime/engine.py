@@ -7,7 +7,7 @@ itself is ``adaspec.runtime.pipeline``.
 """
 
 import asyncio
-import dataclasses
+import datetime
 import functools
 import itertools
 import json
@@ -30,6 +30,7 @@ from adaspec.config.requests import MAX_SEED, SamplingParams, check_request, che
 from adaspec.errors import ConfigError, InvalidRequest
 from adaspec.models.checkpoint import ReferenceModels, load_reference_models
 from adaspec.models.limits import check_model_limits, check_num_kv_slots
+from adaspec.models.parallel import split_blocks
 from adaspec.models.protocols import ModelSet, has_member, missing_member
 from adaspec.policies.base import BudgetPolicy, DepthPolicy
 from adaspec.policies.bundles import (
@@ -47,15 +48,25 @@ from adaspec.runtime.calibration import (
     cost_source,
 )
 from adaspec.runtime.devices.buckets import BindingRegistry, BucketGeometry
-from adaspec.runtime.devices.collectives import Collectives, LocalCollectives
+from adaspec.runtime.devices.collectives import (
+    Collectives,
+    DistributedCollectives,
+    LocalCollectives,
+)
 from adaspec.runtime.devices.graphs import binding_factory
-from adaspec.runtime.devices.streams import DeviceStream, cpu_threads, open_stream
+from adaspec.runtime.devices.streams import (
+    DeviceStream,
+    cpu_threads,
+    open_stream,
+    share_cores,
+)
 from adaspec.runtime.drafting import Drafting, DSparkDrafting, MtpDrafting, NoDrafting
 from adaspec.runtime.events.bus import EventBus
 from adaspec.runtime.events.clock import Clock, MonotonicClock
 from adaspec.runtime.events.types import RequestArrived
 from adaspec.runtime.kv_slots import KvSlotSampling, KvSlotStates
 from adaspec.runtime.pipeline import Pipeline, RuntimeStatistics
+from adaspec.runtime.ranks import RankLink
 from adaspec.runtime.requests import Request, RequestHandle, check_prompt, prompt_ids
 from adaspec.runtime.rounds import CheckedDrafter, DeviceContext, StageHook
 from adaspec.runtime.states import RoundHooks
@@ -65,6 +76,10 @@ TRACE_ENV = "ADASPEC_TRACE"
 """Environment variable naming a state-trace file when ``RuntimeOptions.trace`` is unset."""
 
 LOG = logging.getLogger("adaspec")
+
+RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=10)
+"""The least time ranks wait for each other to start: loading weights on a busy host may
+take far longer than any collective of a round should."""
 
 ABANDONED = ("stop() was called while the runtime was starting; the start was abandoned: "
              "start it again")
@@ -157,6 +172,32 @@ def builtin_models(launch: LaunchConfig, device: torch.device) -> ReferenceModel
     return load_reference_models(device, name=family)
 
 
+def check_ranks_supported(launch: LaunchConfig) -> None:
+    """What several ranks cannot run yet is refused before anything loads."""
+    if launch.dp_size != 1:
+        raise ConfigError("--dp_size", launch.dp_size,
+                          "expected 1: DP shards in separate processes are not supported yet; "
+                          "use --tp_size to split the model across ranks")
+
+
+LOOPBACK_HOSTS = ("localhost", "127.", "[::1]")
+
+
+def ranks_on_this_host(launch: LaunchConfig) -> int:
+    """How many ranks of the launch run on this host: all of them when the rendezvous is on
+    the loopback (no other host can reach it), else torchrun's LOCAL_WORLD_SIZE, else one
+    (one rank per node, as the specification launches them)."""
+    if launch.master_node_addr.startswith(LOOPBACK_HOSTS):
+        return launch.world_size
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(local) if local.isdigit() and int(local) >= 1 else 1
+
+
+def rank_of(collectives: Collectives) -> int:
+    """A rank's place in the world: DP shard s owns ranks s*tp_size .. (s+1)*tp_size - 1."""
+    return collectives.dp_rank * collectives.tp_size + collectives.tp_rank
+
+
 def require_builtin(command: str, model: str, draft_model: str | None, own: str) -> None:
     """Refuse, before anything runs, what a command that runs only the built-in reference
     models cannot run; ``own`` says how to run one's own models instead."""
@@ -195,7 +236,12 @@ class Runtime:
         self.bus = EventBus()
         self.hooks = RoundHooks()
         self._models = models
-        self._collectives = collectives or LocalCollectives()
+        self._given = collectives  # an engine's own, used as they are, never closed here
+        # In use: the engine's, the ones start() opened (kept once closed: their counts stay
+        # readable), or one rank's.
+        self._collectives: Collectives = collectives or LocalCollectives()
+        self._opened: DistributedCollectives | None = None  # open, and opened by start()
+        self._link: RankLink | None = None
         self._ids = itertools.count()
         self._task: asyncio.Task[None] | None = None
         self._stopping: asyncio.Task[None] | None = None  # the shutdown, once stop is called
@@ -244,10 +290,7 @@ class Runtime:
 
     async def _start(self) -> None:
         launch = self.launch
-        if launch.world_size != 1:
-            raise ConfigError("--nnodes", launch.nnodes,
-                              "expected 1: this runtime drives one rank per process; start "
-                              "one process per rank")
+        check_ranks_supported(launch)
         if launch.device == "cpu":
             cpu_threads()  # a bad ADASPEC_CPU_STREAM or _THREADS is refused before any loading
         require_device(launch.device)  # torch cannot even name "npu" without torch_npu
@@ -255,11 +298,14 @@ class Runtime:
         # The built-in models are checked unloaded; given ones run as checked, read once.
         checked = check_model_limits(launch, self._models)
         device = torch.device(launch.device)
-        models = checked or builtin_models(launch, device)
+        builtin = None if checked is not None else builtin_models(launch, device)
+        models = checked or builtin
+        assert models is not None
         geometry = BucketGeometry.of(launch)
         # Everything refusable about the costs is refused before any device work.
         plan, saved = cost_source(self.config, self.compatibility(models, geometry),
                                   geometry, models.target.context_limit)
+        self._open_ranks(builtin)
         self._stream = open_stream(launch.device, asyncio.get_running_loop())
         try:
             await self._start_on_stream(models, device, geometry, plan, saved)
@@ -268,8 +314,89 @@ class Runtime:
             if self._stream is not None:  # a stop() during the start may have closed it
                 self._stream.close()
                 self._stream = None
+            self._close_ranks()
             self._close_observers()
             raise
+
+    def _open_ranks(self, builtin: ReferenceModels | None) -> None:
+        """Several ranks: rendezvous at --master_node_addr (unless the engine passed its own
+        collectives), split the built-in models across the TP group, and link this rank to
+        the front. One rank needs none of it."""
+        launch = self.launch
+        given = self._given
+        if given is not None and given.tp_size * given.dp_size != launch.world_size:
+            raise ConfigError("--nnodes", launch.nnodes,
+                              f"expected {given.tp_size * given.dp_size}: the collectives "
+                              f"passed to Runtime span tp_size={given.tp_size} x "
+                              f"dp_size={given.dp_size} ranks")
+        self._collectives, self._link = given or LocalCollectives(), None
+        if launch.world_size == 1:
+            return
+        if given is None:
+            timeout = datetime.timedelta(seconds=launch.collective_timeout_s)
+            self._collectives = self._opened = DistributedCollectives(
+                rank=launch.node_rank, world_size=launch.world_size,
+                tp_size=launch.resolved.tp_size, dp_size=launch.dp_size,
+                init_method=f"tcp://{launch.master_node_addr}", device=launch.device,
+                timeout=timeout, rendezvous_timeout=max(timeout, RENDEZVOUS_TIMEOUT))
+        comm = self._collectives
+        if launch.device == "cpu":
+            share_cores(ranks_on_this_host(launch))
+        if builtin is not None:  # an engine's own models come split already
+            for model in (builtin.target, builtin.mtp, builtin.dspark):
+                split_blocks(model, comm.tp_rank, comm.tp_size, comm.tp_all_reduce)
+        self._link = RankLink(comm, rank_of(comm), launch.collective_timeout_s / 4)
+
+    @property
+    def collectives(self) -> Collectives:
+        """The collectives this runtime decodes with (``LocalCollectives`` on one rank)."""
+        return self._collectives
+
+    @property
+    def rank(self) -> int:
+        """This process's rank: in the engine's collectives when it passed its own, else
+        --node_rank."""
+        if self._given is None:
+            return self.launch.node_rank
+        return rank_of(self._given)
+
+    @property
+    def is_front(self) -> bool:
+        """Whether this rank takes requests: rank 0, or the only rank."""
+        return self.rank == 0
+
+    def commit_digest(self) -> str:
+        """With several ranks: a digest of every request this rank ended, in order, with its
+        reason and tokens. Ranks that committed the same tokens have the same digest."""
+        pipeline = self._pipeline
+        if pipeline is None or pipeline.link is None:
+            raise RuntimeStopped("a commit digest is kept only by a runtime started on "
+                                 "several ranks")
+        return pipeline.commits.hexdigest()
+
+    def _rank_file(self, path: str) -> str:
+        """With several ranks on one launch line, each writes its own file: ``run.jsonl``
+        becomes ``run.rank1.jsonl`` on rank 1."""
+        if self.launch.world_size == 1 or path == STDERR:
+            return path
+        root, suffix = os.path.splitext(path)
+        return f"{root}.rank{self.rank}{suffix}"
+
+    async def serve(self) -> None:
+        """A rank other than the front: decode the front's requests until the front stops,
+        then stop. Raises what ended the loop when it faulted (a dead peer, a timeout)."""
+        if self.is_front:
+            raise RuntimeStopped("serve() is for the ranks behind the front; rank 0 takes "
+                                 "requests with submit()")
+        if self._task is None:
+            raise RuntimeStopped("the runtime is not running: await start() first")
+        try:
+            await asyncio.shield(self._task)
+        finally:
+            await self.stop()
+        fault = None if self._pipeline is None else self._pipeline.fault
+        if fault is not None:
+            raise fault
 
     async def _start_on_stream(self, models: ModelSet, device: torch.device,
                                geometry: BucketGeometry, plan: CalibrationPlan | None,
@@ -293,7 +420,7 @@ class Runtime:
             launch=launch, ctx=ctx, stream=self._stream, geometry=geometry,
             registries=registries, depth_policy=depth_policy,
             budget_policy=budget_policy, bus=self.bus, clock=self.clock,
-            hooks=self.hooks, seed=self.options.seed)
+            hooks=self.hooks, seed=self.options.seed, link=self._link)
         self._task = asyncio.get_running_loop().create_task(self._pipeline.run())
 
     def _device_context(self, models: ModelSet, device: torch.device) -> DeviceContext:
@@ -370,28 +497,29 @@ class Runtime:
 
     async def _calibrate(self, ctx: DeviceContext, geometry: BucketGeometry,
                          registries: list[BindingRegistry] | None, plan: CalibrationPlan,
-                         models: ModelSet) -> CostBundle:
+                         models: ModelSet) -> CostBundle | None:
         """Calibrate on this runtime's context, stream and bindings; save the bundle when
-        asked (rank 0 only)."""
+        asked. Only the front fits one (None elsewhere: the other ranks ran its windows in
+        lockstep) and saves it."""
         assert self._stream is not None
         bundle = await calibrate_on_stream(
             CalibrationRun(launch=self.launch, ctx=ctx, stream=self._stream, geometry=geometry,
-                           registries=registries, seed=self.options.seed),
+                           registries=registries, seed=self.options.seed, link=self._link),
             plan, self.compatibility(models, geometry), self.options.calibration_progress)
         output = self.launch.adaptive_target_verify_cost_table_output
-        if output is not None and self._collectives.tp_rank == 0 \
-                and self._collectives.dp_rank == 0:
+        if output is not None and bundle is not None:
             bundle.save(output)
         return bundle
 
-    def _shared(self, bundle: CostBundle) -> CostBundle:
-        """Rank 0's table on every rank: each rank timed its own rounds, but decisions must
-        agree, so all install the same immutable table."""
-        mine = bundle.to_json().encode()
-        data = self._collectives.share_from_first_rank(mine)
-        if data == mine:
+    def _shared(self, bundle: CostBundle | None) -> CostBundle:
+        """Rank 0's table on every rank: decisions must agree, so all install the same
+        immutable table (a rank that loaded a saved one of its own takes rank 0's)."""
+        mine = b"" if bundle is None else bundle.to_json().encode()
+        data = self._collectives.share_from_first_rank(mine, "share_cost_table")
+        if bundle is not None and data == mine:
             return bundle
-        return bundle_from_dict(json.loads(data), source=f"{bundle.source} (rank 0's table)")
+        source = "rank 0's table" if bundle is None else f"{bundle.source} (rank 0's table)"
+        return bundle_from_dict(json.loads(data), source=source)
 
     def effective_log(self, geometry: BucketGeometry) -> dict[str, object]:
         """The startup log line: every effective setting, the costs' source and coverage,
@@ -421,7 +549,7 @@ class Runtime:
                 context_limit=models.target.context_limit, seed=self.options.seed,
                 depth_policy=depth_policy, budget_policy=budget_policy,
                 lag=2 if self.launch.enable_schedule_overlap else 1)
-            writer = EventLogWriter(self.options.event_log, header)
+            writer = EventLogWriter(self._rank_file(self.options.event_log), header)
             self.bus.subscribe(writer.write, first=True)
             self._closers.append(writer)
             self._detach.append(functools.partial(self.bus.unsubscribe, writer.write))
@@ -438,18 +566,19 @@ class Runtime:
     def _trace_path(self) -> tuple[str | None, str]:
         """Where the state trace goes (None: off), and the setting that said so."""
         if self.options.trace:
-            return self.options.trace, "trace"
-        return trace_destination(os.environ.get(TRACE_ENV)), TRACE_ENV
+            return self._rank_file(self.options.trace), "trace"
+        path = trace_destination(os.environ.get(TRACE_ENV))
+        return (None if path is None else self._rank_file(path)), TRACE_ENV
 
     def _check_observer_paths(self) -> None:
         """Refuse an event log or trace path that could not be created, before the models
         load and calibrate rather than after."""
-        if self.options.event_log is not None:
-            new_file("event_log", self.options.event_log)
+        log = None if self.options.event_log is None else self._rank_file(self.options.event_log)
+        if log is not None:
+            new_file("event_log", log)
         trace_path, setting = self._trace_path()
         if trace_path and trace_path != STDERR:
             new_file(setting, trace_path)
-            log = self.options.event_log
             if log is not None and os.path.abspath(log) == os.path.abspath(trace_path):
                 raise ConfigError(setting, trace_path, "expected a file of its own; "
                                   "event_log names it too")
@@ -514,6 +643,7 @@ class Runtime:
         if self._stream is not None:
             self._stream.close()
             self._stream = None
+        self._close_ranks()
         try:
             self._close_observers()
         finally:
@@ -521,6 +651,12 @@ class Runtime:
                 # The closed stream abandons the start (its calibration's requests fail):
                 # wait for it to unwind, so nothing of it runs once stop() returns.
                 await self._start_ended.wait()
+
+    def _close_ranks(self) -> None:
+        """Leave the process groups start() joined (an engine's own collectives stay)."""
+        opened, self._opened = self._opened, None
+        if opened is not None:
+            opened.close()
 
     # --- requests ------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], params: SamplingParams) -> RequestHandle:
@@ -541,15 +677,13 @@ class Runtime:
         if unknown is not None:  # it could never be sampled: the request would never stop
             raise InvalidRequest("stop", unknown, f"expected token ids in 0..{vocab - 1}")
         request = Request(id=next(self._ids), prompt=ids, params=params)
-        self.bus.publish(RequestArrived(time=self.clock.now(), request_id=request.id,
-                                        num_prompt_tokens=len(ids),
-                                        sampling=params_dict(params)))
+        self.bus.publish(RequestArrived.of(request, self.clock.now()))
         pipeline.add(request)
         return RequestHandle(request, self._cancel)
 
     def _running(self) -> Pipeline:
         pipeline = self._pipeline
-        if pipeline is None or self._task is None or pipeline.stopping:
+        if pipeline is None or self._task is None or pipeline.stop_asked:
             raise RuntimeStopped("the runtime is not running: await start() first, and do "
                                  "not submit after stop()")
         if pipeline.fault is not None:
@@ -621,8 +755,4 @@ def _num_kv_slots(model: object) -> object:
 def adaptive_budget(launch: LaunchConfig) -> bool:
     """Whether the budget policy may pick any legal G (adaptive target verify or depth)."""
     return bool(launch.enable_adaptive_target_verify or launch.enable_adaptive_draft_step)
-
-
-def params_dict(params: SamplingParams) -> dict[str, object]:
-    return dataclasses.asdict(params)
 

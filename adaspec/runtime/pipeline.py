@@ -14,8 +14,10 @@ one handler.
 
 import asyncio
 import functools
+import hashlib
 import operator
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, cast
 
@@ -40,6 +42,7 @@ from adaspec.runtime.events.clock import Clock
 from adaspec.runtime.events.types import (
     BudgetDecided,
     DepthDecided,
+    RequestArrived,
     RequestFinished,
     RoundFailed,
     RoundRetired,
@@ -47,6 +50,7 @@ from adaspec.runtime.events.types import (
     StageCompleted,
 )
 from adaspec.runtime.kv_slots import HoldsKvSlot, KvSlotPool
+from adaspec.runtime.ranks import Arrival, FollowerRefused, ForcedPoint, Plan, RankLink
 from adaspec.runtime.requests import Request, RequestFailed
 from adaspec.runtime.rounds import (
     DeviceContext,
@@ -152,7 +156,8 @@ class Pipeline:
     def __init__(self, *, launch: LaunchConfig, ctx: DeviceContext, stream: DeviceStream,
                  geometry: BucketGeometry, registries: list[BindingRegistry] | None,
                  depth_policy: DepthPolicy, budget_policy: BudgetPolicy, bus: EventBus,
-                 clock: Clock, hooks: RoundHooks, seed: int) -> None:
+                 clock: Clock, hooks: RoundHooks, seed: int, link: RankLink | None = None
+                 ) -> None:
         self.ctx = ctx
         self.stream = stream
         self.geometry = geometry
@@ -187,23 +192,55 @@ class Pipeline:
         self.idle = asyncio.Event()  # set while nothing waits, runs or awaits retirement
         self.stopping = False
         self.fault: BaseException | None = None
+        # Several ranks: what reaches the front waits here for the next plan (ranks.py).
+        self.link = link
+        self.arrived: list[Request] = []
+        self.cancelled: list[int] = []
+        self.stop_asked = False
+        self.commits = hashlib.sha256()
+        # Calibration: how its forced policies take a window's point, and the point waiting
+        # for the next plan.
+        self.apply_point: Callable[[ForcedPoint], None] | None = None
+        self.point: ForcedPoint | None = None
 
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        if self.link is not None and not self.link.front:
+            raise FollowerRefused(f"rank {self.link.rank} decodes the requests of rank 0, the "
+                                  f"front; submit them there")
+        (self.waiting if self.link is None else self.arrived).append(request)
         self.idle.clear()
         self.wake.set()
 
     def find(self, request_id: int) -> Request | None:
         """A request that has not ended, by id (ended ones are forgotten)."""
-        return next((r for r in (*self.active, *self.waiting) if r.id == request_id), None)
+        return next((r for r in (*self.active, *self.waiting, *self.arrived)
+                     if r.id == request_id), None)
 
     def cancel(self, request: Request) -> None:
-        """Cancellation between rounds: the request ends now; rounds in flight that include
+        """Cancellation between rounds: the request ends now (with several ranks, at the
+        next plan, so every rank ends it after the same round); rounds in flight that include
         it still run, their tokens for it are dropped, and its KV slot is freed after them."""
-        self._finish(request, "cancelled")
+        if self.link is None:
+            self._finish(request, "cancelled")
+            return
+        if request.id not in self.cancelled:
+            self.cancelled.append(request.id)
+        self.wake.set()
+
+    def force(self, point: ForcedPoint) -> None:
+        """Calibration: measure ``point`` from now on (with several ranks, from the next plan,
+        so every rank decides the same G and depth in the same rounds)."""
+        assert self.apply_point is not None
+        if self.link is None:
+            self.apply_point(point)
+            return
+        self.point = point
+        self.wake.set()
 
     def stop(self) -> None:
-        self.stopping = True
+        if self.link is None:
+            self.stopping = True
+        self.stop_asked = True
         self.wake.set()
 
     # --- the loop ------------------------------------------------------------------------
@@ -234,14 +271,17 @@ class Pipeline:
 
     def fail_all(self, reason: str) -> None:
         """Fail every request that has not ended (the loop can no longer serve them)."""
-        for request in [*self.active, *self.waiting]:
+        for request in [*self.active, *self.waiting, *self.arrived]:
             if request.running:
                 self._fail_request(request, reason)
         self.waiting.clear()
+        self.arrived.clear()
 
     async def _loop(self) -> None:
         while True:
             await self._retire_due()
+            if self.link is not None:
+                await self._agree(self.link)
             self._admit()
             facts = self._batch_facts()
             if facts is not None:
@@ -254,7 +294,43 @@ class Pipeline:
                 return
             self.wake.clear()
             self.idle.set()
-            await self.wake.wait()
+            if self.link is None:
+                await self.wake.wait()
+            elif self.link.front and not (self.arrived or self.cancelled or self.stop_asked
+                                          or self.point):
+                # A follower goes straight to the next plan; the front sends one when
+                # something changes, or an empty one each heartbeat.
+                try:
+                    await asyncio.wait_for(self.wake.wait(), self.link.heartbeat_s)
+                except TimeoutError:
+                    pass
+
+    async def _agree(self, link: RankLink) -> None:
+        """Apply the front's plan: its new requests join ``waiting``, its cancellations end
+        their requests, its stop stops the loop, on every rank at this same point."""
+        proposal = Plan(arrivals=tuple(map(Arrival.of, self.arrived)),
+                        cancels=tuple(self.cancelled), stop=self.stop_asked, point=self.point)
+        plan = await link.agree(proposal)
+        # Taken off only once shared: a plan that failed leaves them for fail_all, and what
+        # came in during the agreement waits for the next plan.
+        arrived = self.arrived[:len(proposal.arrivals)]
+        del self.arrived[:len(proposal.arrivals)], self.cancelled[:len(proposal.cancels)]
+        if self.point is proposal.point:
+            self.point = None
+        if plan.point is not None and self.apply_point is not None:
+            self.apply_point(plan.point)
+        if not link.front:
+            arrived = [a.request() for a in plan.arrivals]
+            if self.bus.listening:  # each rank's event log tells of every request it decodes
+                for request in arrived:
+                    self.publish(RequestArrived.of(request, self.now()))
+        self.waiting.extend(arrived)
+        for request_id in plan.cancels:
+            ended = self.find(request_id)
+            if ended is not None and ended.running:
+                self._finish(ended, "cancelled")
+        if plan.stop:
+            self.stopping = True
 
     async def _retire_due(self) -> None:
         """Retire everything submitted before round ``next_round - lag`` included."""
@@ -694,6 +770,8 @@ class Pipeline:
         self._retire_request(request, "failed")
 
     def _retire_request(self, request: Request, reason: str) -> None:
+        if self.link is not None:  # each rank's record of what it committed, in order
+            self.commits.update(f"{request.id}:{reason}:{request.tokens}\n".encode())
         self.publish(RequestFinished(time=self.now(), request_id=request.id, reason=reason,
                                      num_tokens=len(request.tokens)))
         self._composition += 1

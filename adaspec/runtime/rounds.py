@@ -296,6 +296,8 @@ def prefill(ctx: DeviceContext, inputs: PrefillInputs) -> PrefillResult:
         uniforms = torch.rand(num, generator=generator, dtype=torch.float64, device=ctx.device)
         first = sample_rows(out.last.logits, torch.arange(num, device=ctx.device),
                             inputs.sampling, uniforms)
+    # TP ranks commit TP rank 0's first tokens, as they do every round's sampled ones.
+    ctx.collectives.tp_broadcast(first)
     stopped = (first[:, None] == inputs.stop_token_ids).any(dim=1)
     room = out.lengths < ctx.context_limit - 1
     remaining = inputs.max_tokens - 1

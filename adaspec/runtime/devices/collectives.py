@@ -15,6 +15,7 @@ rank in every shard.
 """
 
 import datetime
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Literal, Protocol
@@ -58,9 +59,9 @@ class Collectives(Protocol):
         """Return G when every rank (every DP shard and TP rank) chose it; raise
         ``ConsensusMismatch`` with each rank's value otherwise."""
 
-    def share_from_first_rank(self, data: bytes) -> bytes:
-        """Rank 0's ``data`` on every rank (the cost table installed everywhere before
-        ready); a startup call on the host, never one of a round."""
+    def share_from_first_rank(self, data: bytes, op: str = "share_from_first_rank") -> bytes:
+        """Rank 0's ``data`` on every rank, on the host: the cost table installed everywhere
+        before ready, and the front's plan once per loop turn. ``op`` names it in errors."""
 
     def close(self) -> None:
         """Release the process groups; calling it again does nothing."""
@@ -83,7 +84,7 @@ class LocalCollectives:
     def dp_agree_rows(self, num_rows: int) -> int:
         return num_rows
 
-    def share_from_first_rank(self, data: bytes) -> bytes:
+    def share_from_first_rank(self, data: bytes, op: str = "share_from_first_rank") -> bytes:
         return data
 
     def close(self) -> None:
@@ -180,6 +181,8 @@ class DistributedCollectives:
         self.dp_group_ranks = tuple(dp_ranks(tp_size, dp_size)[self.tp_rank])
         self._closed = False
         self._groups: list[dist.ProcessGroup] = []
+        self.calls: Counter[str] = Counter()
+        """Collectives issued, by op: what a round costs in collectives, counted."""
         # An engine that already runs torch.distributed keeps its default group: we join it
         # and, on close, destroy only the groups we created.
         self._owns_default_group = not dist.is_initialized()
@@ -217,18 +220,21 @@ class DistributedCollectives:
     def tp_broadcast(self, tensor: Tensor) -> None:
         if self._tp_group is None:
             return
+        self.calls["tp_broadcast"] += 1
         with _collective("tp_broadcast", self.tp_group_ranks):
             dist.broadcast(tensor, src=self.tp_group_ranks[0], group=self._tp_group)
 
     def tp_all_reduce(self, tensor: Tensor) -> None:
         if self._tp_group is None:
             return
+        self.calls["tp_all_reduce"] += 1
         with _collective("tp_all_reduce", self.tp_group_ranks):
             dist.all_reduce(tensor, group=self._tp_group)
 
     def dp_agree_rows(self, num_rows: int) -> int:
         if self._host_group is None:
             return num_rows
+        self.calls["dp_agree_rows"] += 1
         mine = torch.tensor([num_rows], dtype=torch.int64)
         chosen = [torch.empty_like(mine) for _ in range(self.world_size)]
         with _collective("dp_agree_rows", tuple(range(self.world_size))):
@@ -238,11 +244,12 @@ class DistributedCollectives:
             raise ConsensusMismatch("target graph rows G", values)
         return num_rows
 
-    def share_from_first_rank(self, data: bytes) -> bytes:
+    def share_from_first_rank(self, data: bytes, op: str = "share_from_first_rank") -> bytes:
         if self._host_group is None:
             return data
+        self.calls[op] += 1
         box: list[object] = [data if self.rank == 0 else None]
-        with _collective("share_from_first_rank", tuple(range(self.world_size))):
+        with _collective(op, tuple(range(self.world_size))):
             dist.broadcast_object_list(box, src=0, group=self._host_group)
         shared = box[0]
         assert isinstance(shared, bytes)

@@ -153,6 +153,18 @@ def checked_threads(setting: str, raw: object) -> int:
     return int(text)
 
 
+def share_cores(local_ranks: int) -> int | None:
+    """Ranks on one host split its cores: each takes an equal share as its torch intra-op
+    threads (threads that outnumber the cores spin against each other at every parallel
+    region and a collective waits for the slowest). ``ADASPEC_CPU_THREADS`` still wins.
+    Returns the count set, or None when nothing changed."""
+    if local_ranks <= 1 or CPU_THREADS_ENV in os.environ:
+        return None
+    threads = max(1, _available_cores() // local_ranks)
+    torch.set_num_threads(threads)
+    return threads
+
+
 def _available_cores() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))

@@ -8,9 +8,12 @@ made; replay never looks at it.
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from adaspec.policies.base import BudgetContext, DepthContext, RoundFeedback
+
+if TYPE_CHECKING:
+    from adaspec.runtime.requests import Request
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -29,6 +32,11 @@ class RequestArrived(Event):
     request_id: int
     num_prompt_tokens: int
     sampling: Mapping[str, Any]  # the request's SamplingParams as a dict
+
+    @classmethod
+    def of(cls, request: "Request", time: float) -> "RequestArrived":
+        return cls(time=time, request_id=request.id, num_prompt_tokens=len(request.prompt),
+                   sampling=asdict(request.params))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,0 +1,68 @@
+"""Start every rank of one launch line as its own ``adaspec`` process on this host, the way
+the specification launches them (each with its own --node_rank, one rendezvous on the
+loopback), and collect what each printed. A hang fails the test at a hard limit."""
+
+import json
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from gloo_job import PROCESS_LIMIT_S, REPO, peer_environment
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@dataclass(frozen=True, slots=True)
+class RankRun:
+    rank: int
+    returncode: int
+    stdout: str
+    stderr: str
+
+    def json(self) -> dict[str, Any]:
+        data: dict[str, Any] = json.loads(self.stdout)
+        return data
+
+    def digest(self) -> str:
+        """The commit digest the rank printed on stderr."""
+        line = next(line for line in self.stderr.splitlines()
+                    if line.startswith(f"rank {self.rank}: commit digest "))
+        return line.rsplit(" ", 1)[1]
+
+
+def start_ranks(nnodes: int, argv: list[str], program: tuple[str, ...] = ("-m", "adaspec")
+                ) -> list[subprocess.Popen[str]]:
+    """Every rank's process: ``program`` (the adaspec command unless given) with ``argv``
+    and this rank's launch flags."""
+    port = free_port()
+    return [subprocess.Popen(
+        [sys.executable, *program, *argv, f"--nnodes={nnodes}", f"--node_rank={rank}",
+         f"--master_node_addr=127.0.0.1:{port}"], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, env=peer_environment(), cwd=REPO)
+        for rank in range(nnodes)]
+
+
+def finish(ranks: list[subprocess.Popen[str]]) -> list[RankRun]:
+    """Every rank's output once it has exited; any still running at the limit is killed."""
+    runs = []
+    try:
+        for rank, process in enumerate(ranks):
+            out, err = process.communicate(timeout=PROCESS_LIMIT_S)
+            runs.append(RankRun(rank, process.returncode, out, err))
+    finally:
+        for process in ranks:
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
+    return runs
+
+
+def run_ranks(nnodes: int, argv: list[str]) -> list[RankRun]:
+    return finish(start_ranks(nnodes, argv))

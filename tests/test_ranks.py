@@ -1,0 +1,246 @@
+"""Several ranks, one process each, started with the specification's launch flags: the front
+(rank 0) takes the requests and prints the results, the others decode them in lockstep.
+
+Greedy output at TP=2 equals the same launch's target-only output at TP=2 (a row-parallel
+sum rounds differently from the whole model, so TP=1 is not the reference), every rank
+commits the same tokens (their commit digests agree), and each rank writes its own event
+log, in which every rank made the same decisions.
+"""
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from gloo_job import PROCESS_LIMIT_S, peer_environment
+from rank_launch import RankRun, finish, free_port, run_ranks, start_ranks
+
+from adaspec.bench.run import shipped_prompts
+from adaspec.config import load_config
+from adaspec.config.launch import torchrun_settings
+from adaspec.config.requests import SamplingParams
+from adaspec.errors import ConfigError
+from adaspec.runtime.devices.streams import CPU_THREADS_ENV, share_cores
+from adaspec.runtime.engine import Runtime, ranks_on_this_host
+from adaspec.runtime.ranks import Arrival, Plan
+
+# Four domains, each prompt cut short: the prompts' ends differ in how well they draft.
+PROMPTS = [prompt[:90].decode("utf-8", "ignore") for prompt in shipped_prompts()[:4]]
+DECODE = ["generate", "--json", "--max_tokens=24", *(f"--prompt={p}" for p in PROMPTS)]
+
+
+def decoded(runs: list[RankRun]) -> list[list[int]]:
+    """The front's tokens per request, once every rank exited cleanly and all ranks
+    committed the same tokens."""
+    for run in runs:
+        assert run.returncode == 0, run.stderr
+    assert len({run.digest() for run in runs}) == 1
+    assert all(not run.stdout for run in runs[1:])  # the front alone prints results
+    return [r["token_ids"] for r in runs[0].json()["results"]]
+
+
+@pytest.fixture(scope="module")
+def target_only_tp2() -> list[list[int]]:
+    return decoded(run_ranks(2, [*DECODE, "--temperature=0"]))
+
+
+@pytest.mark.parametrize("algorithm", [
+    ["--speculative_algorithm=MTP", "--num_speculative_tokens=3"],
+    ["--speculative_algorithm=DSpark", "--num_speculative_tokens=7"],
+])
+def test_tp2_greedy_speculation_equals_tp2_target_only(
+        target_only_tp2: list[list[int]], algorithm: list[str]) -> None:
+    assert decoded(run_ranks(2, [*DECODE, "--temperature=0", *algorithm])) == target_only_tp2
+
+
+def test_tp2_random_sampling_commits_the_same_tokens_on_every_rank(
+        tmp_path: Path) -> None:
+    runs = run_ranks(2, [*DECODE, "--temperature=0.9", "--top_p=0.95",
+                         "--speculative_algorithm=DSpark", "--num_speculative_tokens=7",
+                         f"--event_log={tmp_path / 'run.jsonl'}"])
+    tokens = decoded(runs)
+    assert [len(t) for t in tokens] == [24] * len(PROMPTS)
+    logs = [read_log(tmp_path / f"run.rank{rank}.jsonl") for rank in range(2)]
+    assert not (tmp_path / "run.jsonl").exists()
+    decisions = [[e for e in log if e["kind"] in ("depth_decided", "budget_decided")]
+                 for log in logs]
+    assert decisions[0]
+    assert strip_times(decisions[0]) == strip_times(decisions[1])
+    for rank in range(2):  # each rank's own log replays on its own
+        replayed = subprocess.run([sys.executable, "-m", "adaspec", "replay",
+                                   str(tmp_path / f"run.rank{rank}.jsonl")],
+                                  capture_output=True, text=True, env=peer_environment(),
+                                  timeout=PROCESS_LIMIT_S, check=False)
+        assert replayed.returncode == 0, replayed.stderr
+        assert "decisions match the log" in replayed.stdout
+
+
+def read_log(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()[1:]]
+
+
+def strip_times(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in e.items() if k != "time"} for e in events]
+
+
+def test_a_plan_travels_as_json_and_comes_back_equal() -> None:
+    plan = Plan(arrivals=(Arrival(id=3, prompt=(1, 2, 255), params=SamplingParams(
+        temperature=0.5, top_k=4, top_p=0.9, min_p=0.1, max_tokens=7, stop=(10, 13))),),
+        cancels=(1, 2), stop=True)
+    assert Plan.decode(plan.encode()) == plan
+    assert Plan.decode(Plan().encode()) == Plan()
+
+
+@pytest.mark.parametrize(("addr", "env", "local"), [
+    ("127.0.0.1:29500", {}, 4), ("localhost:29500", {}, 4), ("[::1]:29500", {}, 4),
+    ("10.0.0.7:29500", {}, 1), ("10.0.0.7:29500", {"LOCAL_WORLD_SIZE": "2"}, 2),
+    ("10.0.0.7:29500", {"LOCAL_WORLD_SIZE": "x"}, 1),
+])
+def test_ranks_on_this_host(monkeypatch: pytest.MonkeyPatch, addr: str, env: dict[str, str],
+                            local: int) -> None:
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    launch = load_config({"nnodes": 4, "master_node_addr": addr}).launch
+    assert ranks_on_this_host(launch) == local
+
+
+def test_ranks_on_one_host_share_its_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = torch.get_num_threads()
+    monkeypatch.delenv(CPU_THREADS_ENV, raising=False)
+    try:
+        assert share_cores(1) is None
+        assert share_cores(10_000) == 1  # never below one thread
+        assert torch.get_num_threads() == 1
+        monkeypatch.setenv(CPU_THREADS_ENV, "2")
+        torch.set_num_threads(before)
+        assert share_cores(4) is None  # the environment's count wins
+        assert torch.get_num_threads() == before
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(("path", "expected"), [
+    ("run.jsonl", "run.rank1.jsonl"), ("/tmp/a.b/run", "/tmp/a.b/run.rank1"), ("-", "-")])
+def test_every_rank_writes_its_own_files(path: str, expected: str) -> None:
+    runtime = Runtime(load_config({"nnodes": 2, "node_rank": 1}))
+    assert runtime.rank == 1
+    assert not runtime.is_front
+    assert runtime._rank_file(path) == expected
+    assert Runtime(load_config({})).is_front
+    assert Runtime(load_config({}))._rank_file(path) == path
+
+
+def test_a_killed_rank_makes_the_front_fail_within_the_timeout_naming_the_collective() -> None:
+    """Rank 1 is killed once its own state trace (on its stderr) shows round 3 under way;
+    the front must then end every request with the collective's one-line error and exit
+    non-zero, well within --collective_timeout_s, instead of hanging."""
+    timeout_s = 20
+    ranks = start_ranks(2, ["generate", "--max_tokens=1000", "--temperature=0",
+                            "--prompt=abc", "--trace=-", f"--collective_timeout_s={timeout_s}",
+                            "--speculative_algorithm=MTP", "--num_speculative_tokens=3"])
+    front, victim = ranks
+    try:
+        assert victim.stderr is not None
+        for line in victim.stderr:  # blocks on the pipe: no sleeping
+            if '"round": 3' in line or '"round":3' in line:
+                break
+        victim.kill()
+        killed = time.monotonic()
+        out, err = front.communicate(timeout=PROCESS_LIMIT_S)
+        elapsed = time.monotonic() - killed
+    finally:
+        finish(ranks)
+    assert front.returncode == 2
+    assert out == ""
+    last = err.strip().splitlines()[-1]
+    # The front meets the dead rank in a round's collective or in the next plan.
+    assert re.match(r"adaspec generate: error: request 0 failed: (round \d+ failed in "
+                    r"\w+|runtime fault): CollectiveError: collective (tp_\w+|plan) over "
+                    r"ranks \[0,1\] failed: ", last), last
+    assert elapsed < timeout_s
+
+
+def test_the_front_takes_requests_cancels_and_stops_for_every_rank() -> None:
+    runs = finish(start_ranks(2, ["--speculative_algorithm=MTP", "--num_speculative_tokens=3"],
+                              program=(str(Path(__file__).with_name("runtime_peer.py")),)))
+    for run in runs:
+        assert run.returncode == 0, run.stderr
+    front, follower = (json.loads(run.stdout) for run in runs)
+    assert follower["submit_error"] == ("FollowerRefused: rank 1 decodes the requests of "
+                                        "rank 0, the front; submit them there")
+    assert front["finish"] == ["length", "cancelled", "length"]
+    assert [len(t) for t in front["tokens"]][::2] == [60, 60]
+    assert front["digest"] == follower["digest"]  # the cancel ended it after the same round
+
+
+def test_torchrun_starts_the_ranks_of_the_same_launch(target_only_tp2: list[list[int]]) -> None:
+    """torchrun's environment stands for --nnodes, --node_rank and --master_node_addr."""
+    process = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+         f"--master-port={free_port()}", "-m", "adaspec", *DECODE, "--temperature=0",
+         "--speculative_algorithm=MTP", "--num_speculative_tokens=3"],
+        capture_output=True, text=True, env=peer_environment(), timeout=PROCESS_LIMIT_S,
+        check=False, cwd=Path(__file__).parents[1])
+    assert process.returncode == 0, process.stderr
+    digests = re.findall(r"^rank ([01]): commit digest (\w+)$", process.stderr, re.MULTILINE)
+    assert sorted(rank for rank, _ in digests) == ["0", "1"]
+    assert len({digest for _, digest in digests}) == 1
+    results = json.loads(process.stdout)["results"]
+    assert [r["token_ids"] for r in results] == target_only_tp2
+
+
+TORCHRUN = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29500"}
+
+
+@pytest.mark.parametrize(("settings", "environ", "expected"), [
+    ({"max_seqs_per_batch": "4"}, {}, {"max_seqs_per_batch": "4"}),
+    ({}, {**TORCHRUN, "MASTER_PORT": "1"}, {
+        "node_rank": "1", "nnodes": "2", "master_node_addr": "10.1.2.3:1"}),
+    ({"nnodes": "02"}, TORCHRUN, {"node_rank": "1", "nnodes": "2",
+                                  "master_node_addr": "10.1.2.3:29500"}),
+    ({}, {**TORCHRUN, "MASTER_ADDR": "::1"}, {"node_rank": "1", "nnodes": "2",
+                                              "master_node_addr": "[::1]:29500"}),
+    ({}, {"RANK": "1", "WORLD_SIZE": "2"}, {}),  # not every variable: not torchrun
+])
+def test_torchrun_environment_becomes_the_rank_flags(
+        settings: dict[str, str], environ: dict[str, str], expected: dict[str, str]) -> None:
+    assert torchrun_settings(settings, environ) == {**settings, **expected}
+
+
+def test_a_rank_flag_that_contradicts_torchrun_is_refused_naming_both() -> None:
+    with pytest.raises(ConfigError, match=r"^--node_rank=0: expected 1, what torchrun set in "
+                                          r"RANK, or leave the flag out under torchrun$"):
+        torchrun_settings({"node_rank": "0"}, TORCHRUN)
+
+
+def test_adaptive_draft_steps_at_tp2_calibrate_in_lockstep_and_add_no_collective(
+        tmp_path: Path) -> None:
+    """Both ranks run the front's calibration windows, install its table and pick the same
+    depth every round from the same feedback: serving issues no collective beyond the
+    round's two broadcasts (confidences, sampled tokens), one per prefill, the model's
+    all-reduces and the plans."""
+    settings = tmp_path / "draft-steps.json"
+    settings.write_text(json.dumps({
+        "version": 1, "policy": {"window_size": 4, "update_interval": 2,
+                                 "switch_min_gain": 0.0},
+        "calibration": {"request_buckets": [1, 2, 4], "warmup_steps": 2, "window_steps": 3,
+                        "windows_per_point": 2}}))
+    runs = finish(start_ranks(2, [
+        "--speculative_algorithm=MTP", "--num_speculative_tokens=3", "--max_seqs_per_batch=4",
+        "--enable_adaptive_draft_step=true", f"--adaptive_draft_step_config={settings}"],
+        program=(str(Path(__file__).with_name("runtime_peer.py")),)))
+    for run in runs:
+        assert run.returncode == 0, run.stderr
+    front, follower = (json.loads(run.stdout) for run in runs)
+    assert front["digest"] == follower["digest"]
+    assert front["calls"] == follower["calls"]
+    assert front["rounds"] == follower["rounds"] > 0
+    calls = front["calls"]
+    assert set(calls) == {"tp_broadcast", "tp_all_reduce", "plan"}
+    assert calls["tp_broadcast"] == 2 * front["rounds"] + 1  # the three arrive in one prefill
