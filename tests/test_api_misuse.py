@@ -16,8 +16,9 @@ from adaspec.config import SamplingParams
 from adaspec.errors import ConfigError, InvalidRequest
 from adaspec.models import load_reference_models
 from adaspec.policies.fixed import FixedDepth, FullBudget
-from adaspec.runtime.engine import Runtime, RuntimeOptions
+from adaspec.runtime.engine import Runtime, RuntimeOptions, WrongLoop
 from adaspec.runtime.events.clock import VirtualClock
+from adaspec.runtime.events.types import RoundSubmitted
 
 
 class Policy:
@@ -194,3 +195,90 @@ def test_reference_models_on_a_device_that_is_no_device_are_refused_naming_it(
     with pytest.raises(ConfigError) as raised:
         load_reference_models(device)  # type: ignore[arg-type]
     assert str(raised.value).startswith(f"device={shown}: expected a ")
+
+
+def test_two_running_runtimes_never_share_model_objects() -> None:
+    """A start reallocates the models' KV caches: a second runtime starting on the models of
+    one that runs would corrupt its requests, so it is refused; once the first stopped, the
+    models are free again."""
+    models = load_reference_models()
+
+    async def scenario() -> None:
+        first = Runtime(config("MTP", 2, 2), models=models)
+        second = Runtime(config("MTP", 2, 2), models=models)
+        await first.start()
+        try:
+            with pytest.raises(ConfigError, match=r"^Runtime\(models=\.\.\.\)\.target="
+                                                  r"ReferenceTarget: expected a model no other "
+                                                  r"running runtime holds"):
+                await second.start()
+        finally:
+            await first.stop()
+        await second.start()  # free once the first stopped
+        handle = second.submit(list(b"ROMEO."), SamplingParams(temperature=0, max_tokens=4))
+        assert len((await handle.result()).token_ids) == 4
+        await second.stop()
+
+    asyncio.run(scenario())
+
+
+def test_submit_and_cancel_from_another_thread_are_refused_naming_the_loop() -> None:
+    """Nothing would wake the runtime's loop for a request queued from a thread: refused."""
+    async def scenario() -> list[str]:
+        runtime = Runtime(config("none", 0, 2))
+        await runtime.start()
+        handle = runtime.submit(list(b"ROMEO."), SamplingParams(temperature=0, max_tokens=8))
+        errors: list[str] = []
+
+        def from_thread() -> None:
+            for call in (lambda: runtime.submit(list(b"a"), SamplingParams(temperature=0,
+                                                                           max_tokens=2)),
+                         lambda: runtime.cancel(handle.request_id), handle.cancel):
+                try:
+                    call()
+                except WrongLoop as error:
+                    errors.append(str(error))
+
+        await asyncio.to_thread(from_thread)
+        assert len((await handle.result()).token_ids) == 8  # the thread's cancel did nothing
+        await runtime.stop()
+        return errors
+
+    errors = asyncio.run(scenario())
+    assert [e.split(" was called")[0] for e in errors] == ["submit()", "cancel()", "cancel()"]
+    assert all(e.endswith("call it on that loop, for example through "
+                          "loop.call_soon_threadsafe or asyncio.run_coroutine_threadsafe")
+               for e in errors)
+
+
+def test_a_batch_never_outgrows_the_graph_batch_limit() -> None:
+    """--acl_graph_decode_batch_size_limit below --max_seqs_per_batch: a round holds at most
+    the largest prepared bucket and the other requests wait, instead of failing the runtime."""
+    launch = config("DSpark", 3, 8, acl_graph_decode_batch_size_limit=3)
+    assert launch.launch.decode_batch_limit == 3
+    sizes: list[int] = []
+
+    async def scenario() -> list[list[int]]:
+        runtime = Runtime(launch)
+        runtime.bus.subscribe(lambda event: sizes.append(len(event.request_ids))
+                              if isinstance(event, RoundSubmitted) else None)
+        await runtime.start()
+        handles = [runtime.submit(list(prompt), SamplingParams(temperature=0, max_tokens=6))
+                   for prompt in (b"A", b"B", b"C", b"D", b"E")]
+        results = [list((await h.result()).token_ids) for h in handles]
+        await runtime.stop()
+        return results
+
+    results = asyncio.run(scenario())
+    assert [len(r) for r in results] == [6] * 5
+    assert max(sizes) == 3
+
+
+def test_load_config_takes_numpy_integers_as_the_ints_they_equal() -> None:
+    launch = config("MTP", np.int64(3), np.int32(4)).launch  # type: ignore[arg-type]
+    assert (launch.num_speculative_tokens, launch.max_seqs_per_batch) == (3, 4)
+    assert type(launch.num_speculative_tokens) is int
+    for wrong in (np.float64(3.0), True):
+        with pytest.raises(ConfigError, match=r"^--num_speculative_tokens=.*: expected an "
+                                              r"integer"):
+            config("MTP", wrong, 4)  # type: ignore[arg-type]

@@ -415,6 +415,13 @@ def test_cli_json_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[s
     (["--requests=0"], "--requests=0: expected an integer in 1..100000"),
     (["--max_seqs_per_batch=4"], "--concurrency=16: expected at most "
                                  "--max_seqs_per_batch=4"),
+    (["--acl_graph_decode_batch_size_limit=8"], "--concurrency=16: expected at most "
+                                                "--acl_graph_decode_batch_size_limit=8: a round "
+                                                "holds no more"),
+    # The longest shipped prompt a quick run sends at concurrency 1 has 379 tokens.
+    (["--quick", "--concurrency=1", "--requests=1", "--max_tokens=646"],
+     "--max_tokens=646: expected at most 645: the context limit 1024 less the 379 tokens of "
+     "the longest shipped prompt this run sends"),
     (["--requests=2"], "--requests=2: expected at least the largest concurrency 16"),
     (["--plot=out.txt"], "--plot=out.txt: expected a .png file name"),
     (["--event_log_dir=/nonexistent/dir"], "--event_log_dir=/nonexistent/dir: expected an "

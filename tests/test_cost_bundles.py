@@ -154,11 +154,37 @@ def test_coverage_gaps_have_no_price() -> None:
     (lambda d: d["settings"].update(draft_width="5"),
      r"settings\.draft_width=5: expected the integer 5, .* got a string"),
     (lambda d: d["settings"].update(request_buckets=[1, 4]),
-     r"settings\.request_buckets=\[1, 4\]: expected a list of values from "
-     r"compatibility\.request_buckets \[1, 2\]"),
+     r"settings\.request_buckets=\[1, 4\]: expected a non-empty, strictly increasing list of "
+     r"values from compatibility\.request_buckets \[1, 2\]"),
     (lambda d: d["settings"].update(target_graph_rows=[3]),
-     r"settings\.target_graph_rows=\[3\]: expected a list of values from "
-     r"compatibility\.target_rows"),
+     r"settings\.target_graph_rows=\[3\]: expected a non-empty, strictly increasing list of "
+     r"values from compatibility\.target_rows"),
+    # Lists calibration records in order, each value once, never empty.
+    (lambda d: d["settings"].update(request_buckets=[2, 1]),
+     r"settings\.request_buckets=\[2, 1\]: expected a non-empty, strictly increasing list"),
+    (lambda d: d["settings"].update(request_buckets=[1, 1]),
+     r"settings\.request_buckets=\[1, 1\]: expected a non-empty, strictly increasing list"),
+    (lambda d: d["settings"].update(request_buckets=[]),
+     r"settings\.request_buckets=\[\]: expected a non-empty, strictly increasing list"),
+    (lambda d: d["settings"].update(target_graph_rows=[12, 1, 1]),
+     r"settings\.target_graph_rows=\[12, 1, 1\]: expected a non-empty, strictly increasing"),
+    (lambda d: d["settings"].update(target_graph_rows=[]),
+     r"settings\.target_graph_rows=\[\]: expected a non-empty, strictly increasing"),
+    (lambda d: d["settings"]["points"].append(d["settings"]["points"][0]),
+     r"settings\.points\[9\]=\[1, 1\]: expected each point once"),
+    (lambda d: d["settings"].update(points=[]),
+     r"settings\.points=\[\]: expected at least one point"),
+    (lambda d: d["settings"]["contexts"][0].update(min_kv_length=True),
+     r"settings\.contexts\[0\]=.*expected an object of exactly the integers max_kv_length, "
+     r"min_kv_length, prefill_tokens"),
+    (lambda d: d["settings"]["contexts"][0].update(max_kv_length=1024.0),
+     r"settings\.contexts\[0\]=.*expected an object of exactly the integers"),
+    # A kind that is no string at all (a list or an object) is named like any other.
+    (lambda d: d["profiles"][0]["table"].update(kind=["additive"]),
+     r"profiles\[0\]\.table\.kind=\['additive'\]: expected sps, additive or "
+     r"log-additive"),
+    (lambda d: d["profiles"][0]["table"].update(kind={}),
+     r"profiles\[0\]\.table\.kind=\{\}: expected sps, additive or log-additive"),
     (lambda d: d["settings"]["points"].append([2, 1]),
      r"settings\.points\[9\]=\[2, 1\]: expected \[Bcap, G\] with Bcap in "
      r"compatibility\.request_buckets and G one of its compatibility\.target_rows"),

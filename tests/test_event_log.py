@@ -114,7 +114,7 @@ def test_header_comes_first_and_holds_what_replay_needs(tmp_path: Path) -> None:
     path = write_log(tmp_path / "run.jsonl")
     first = json.loads(lines_of(path)[0])
     assert list(first)[:2] == ["format", "version"]
-    assert (first["format"], first["version"]) == (FORMAT, VERSION) == ("adaspec-event-log", 3)
+    assert (first["format"], first["version"]) == (FORMAT, VERSION) == ("adaspec-event-log", 4)
     assert first["config"] == CONFIG
     assert first["cost_table"] is None
     assert first["seeds"] == {"run": SEED}
@@ -200,9 +200,9 @@ def test_a_number_beyond_a_double_is_refused(tmp_path: Path) -> None:
 
 def test_another_version_names_both_versions(tmp_path: Path) -> None:
     def edit(lines: list[str]) -> None:
-        lines[0] = lines[0].replace("\"version\":3", "\"version\":2")
+        lines[0] = lines[0].replace("\"version\":4", "\"version\":2")
 
-    read_error(damaged(tmp_path, edit), 1, "log version 2, but this adaspec reads version 3 only")
+    read_error(damaged(tmp_path, edit), 1, "log version 2, but this adaspec reads version 4 only")
 
 
 def test_a_header_with_malformed_policies(tmp_path: Path) -> None:

@@ -405,6 +405,24 @@ def max_tokens_below_what_rounds_gave(records: Records) -> None:
     records[request_event(records, "request_arrived", 2)]["sampling"]["max_tokens"] = 3
 
 
+def verify_length_cut_short(records: Records) -> None:
+    # Round 2 verified 3 drafts of request 0, as prefix allocation of its recorded
+    # confidences within G gives; 2 contradicts the round's own record.
+    fed_back = feedback_of(records, 2)
+    fed_back["verify_lengths"][0] -= 1
+    fed_back["num_accepted"][0] = min(fed_back["num_accepted"][0],
+                                      fed_back["verify_lengths"][0])
+
+
+def execution_size_as_true(records: Records) -> None:
+    records[0]["config"]["execution"]["world_size"] = True  # equal to 1, but no integer
+
+
+def execution_bucket_as_float(records: Records) -> None:
+    buckets = records[0]["config"]["execution"]["prepared_request_buckets"]
+    buckets[-1] = float(buckets[-1])
+
+
 def seeds_renamed(records: Records) -> None:
     records[0]["seeds"] = {"sampling": 0}
 
@@ -595,10 +613,20 @@ DAMAGE: dict[str, tuple[Callable[[Records], None], int, str]] = {
         "prefill's token and the positions the rounds in flight and this one write (lag 2, "
         "w + 1 = 4 each), got 34"),
     "max_tokens below what the rounds gave": (
-        max_tokens_below_what_rounds_gave, 80, "round_retired event of round 5: "
-        "feedback.num_accepted gives request 2 6 tokens (the prefill's and accepted + 1 of each "
-        "round fed back), past its max_tokens=3: a round never verifies more than a request may "
-        "still emit"),
+        # The room that max_tokens leaves already caps request 2's verification at round 2.
+        max_tokens_below_what_rounds_gave, 47, "round_retired event of round 2: field "
+        "\"feedback.verify_lengths\" expected [3, 3, 1], what prefix allocation of G=16 gives "
+        "the recorded confidences within each request's room [3, 3, 1], got [3, 3, 3]"),
+    "a verify length cut short of the allocation": (
+        verify_length_cut_short, 47, "round_retired event of round 2: field "
+        "\"feedback.verify_lengths\" expected [3, 3, 3], what prefix allocation of G=16 gives "
+        "the recorded confidences within each request's room [3, 3, 3], got [2, 3, 3]"),
+    "an execution size given as true": (
+        execution_size_as_true, 1, 'header "config.execution.world_size" expected 1 (what the '
+        "launch settings make it), got true"),
+    "an execution bucket given as a float": (
+        execution_bucket_as_float, 1, 'header "config.execution.prepared_request_buckets" '
+        "expected [1, 2, 4] (what the launch settings make it), got [1, 2, 4.0]"),
     "seeds under another name": (
         seeds_renamed, 1, 'header "seeds" must be {"run": integer in 0..1099511627775} (the '
         'run seed), got {"sampling": 0}'),

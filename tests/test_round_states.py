@@ -335,11 +335,17 @@ def test_a_raising_hook_propagates_and_leaves_the_round_able_to_fail() -> None:
                       "fail")]
 
 
-def test_no_hook_runs_for_the_initial_state_of_a_new_round() -> None:
+def test_a_hook_on_entering_the_initial_state_is_refused_as_it_could_never_run() -> None:
     calls: list[Call] = []
     hooks = RoundHooks()
-    hooks.on_enter(RoundState.DRAFT, recorder(calls, "draft"))
-    RoundMachine(0, hooks)
+    for state in (RoundState.DRAFT, "draft"):
+        with pytest.raises(ValueError, match=r"^on_enter\(state='draft'\): no move ever enters "
+                                             r"it \(a round is created in it\); expected one of "
+                                             r"consensus, pack, .*, failed, or on_transition"):
+            hooks.on_enter(state, recorder(calls, "draft"))
+    assert hooks.empty
+    machine = RoundMachine(0, hooks)
+    machine.fire("draft_done")
     assert calls == []
 
 

@@ -244,7 +244,8 @@ def _level_buckets(settings: Mapping[str, object], levels: Sequence[int]
     if not launch.prepared_request_buckets():
         return {}
     geometry = BucketGeometry.of(launch)
-    return {"request_buckets": sorted({geometry.request_bucket(min(level, launch.seqs_per_shard))
+    return {"request_buckets": sorted({geometry.request_bucket(min(level,
+                                                                   launch.decode_batch_limit))
                                        for level in levels})}
 
 
@@ -325,6 +326,12 @@ def _check_capacity(base: Mapping[str, object], levels: Sequence[int]) -> None:
         raise ConfigError("--concurrency", max(levels), f"expected at most "
                           f"--max_seqs_per_batch={capacity}: requests beyond it would queue "
                           "instead of running concurrently")
+    limit = base.get("acl_graph_decode_batch_size_limit")
+    if limit is not None and max(levels) > int(_typed(limit,
+                                                      "acl_graph_decode_batch_size_limit")):
+        raise ConfigError("--concurrency", max(levels), f"expected at most "
+                          f"--acl_graph_decode_batch_size_limit={limit}: a round holds no "
+                          "more, so requests beyond it would queue")
 
 
 # ---- measuring -----------------------------------------------------------------------------

@@ -46,6 +46,7 @@ from adaspec.cli.flags import (
     launch_settings,
     sampling_flag,
 )
+from adaspec.config.builtin import builtin_checkpoints
 from adaspec.config.flags import coerce
 from adaspec.config.limits import BUILTIN_TARGET
 from adaspec.config.paths import existing_directory, new_file, path_status
@@ -388,6 +389,21 @@ def run_progress(stream: TextIO) -> RunProgress:
     return line
 
 
+def check_room(plan: BenchPlan, arms: Sequence[Arm]) -> None:
+    """Every prompt a run sends has room for --max_tokens in the built-in target's context:
+    refused before anything loads, not when the first request is submitted."""
+    limits = {found[1] for arm in arms
+              if (found := builtin_checkpoints(arm.config.launch)) is not None}
+    if not limits:
+        return
+    limit = min(limits)
+    longest = max(len(prompt) for level in plan.levels for prompt in plan.level_prompts(level))
+    if plan.max_tokens > limit - longest:
+        raise ConfigError("--max_tokens", plan.max_tokens, f"expected at most "
+                          f"{limit - longest}: the context limit {limit} less the {longest} "
+                          "tokens of the longest shipped prompt this run sends")
+
+
 def run(argv: Sequence[str]) -> int:
     if BENCH.parse(argv).help:
         print(BENCH.help())
@@ -412,6 +428,7 @@ def run(argv: Sequence[str]) -> int:
                          event_log_dir=choices.event_log_dir, skipped=skipped,
                          temperatures=choices.temperatures, top_k=choices.top_k,
                          top_p=choices.top_p, min_p=choices.min_p)
+        check_room(plan, arms)
         started, ticks, own = time.perf_counter(), cpu_times(), time.process_time()
         load_start = _load()
         failures: list[AdaspecError] = []

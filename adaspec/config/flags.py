@@ -9,6 +9,7 @@ import ast
 import difflib
 import functools
 import inspect
+import numbers
 import re
 import textwrap
 import typing
@@ -83,11 +84,12 @@ def parse_argv(argv: Sequence[str]) -> dict[str, str]:
 
 
 def coerce(name: str, raw: object, hint: object) -> object:
-    """Turn a flag's text into its typed value; non-text values pass to the type check."""
-    if not isinstance(raw, str):
-        return raw
+    """Turn a flag's text into its typed value; non-text values pass to the type check (an
+    integer of another kind, such as numpy's, as the int it equals)."""
     base = [a for a in typing.get_args(hint) if a is not type(None)]
     target = base[0] if typing.get_origin(hint) is not Literal and base else hint
+    if not isinstance(raw, str):
+        return _native(raw, target)
     if typing.get_origin(target) is Literal:
         # Choices are matched without case (dspark, DSpark); the canonical spelling is kept.
         for choice in typing.get_args(target):
@@ -106,6 +108,14 @@ def coerce(name: str, raw: object, hint: object) -> object:
     if target is str:
         expected = "a non-empty value"
     raise ConfigError(f"--{name}", raw, f"expected {expected}")
+
+
+def _native(raw: object, target: object) -> object:
+    """A value given natively: an integer of another kind (numpy's) as the int it equals;
+    anything else as given, for the type check."""
+    if target is int and not isinstance(raw, bool) and isinstance(raw, numbers.Integral):
+        return int(raw)
+    return raw
 
 
 def launch_config_from_settings(settings: Mapping[str, object]) -> LaunchConfig:

@@ -181,6 +181,14 @@ class LaunchConfig:
         """Most sequences one DP shard decodes at once."""
         return -(-self.max_seqs_per_batch // self.dp_size)
 
+    @property
+    def decode_batch_limit(self) -> int:
+        """Most requests one shard's round holds: ``seqs_per_shard``, and with graphs never
+        more than the largest prepared request bucket (the graph batch limit). Requests
+        beyond it wait for a place."""
+        buckets = self.prepared_request_buckets()
+        return min(self.seqs_per_shard, buckets[-1]) if buckets else self.seqs_per_shard
+
     def prepared_request_buckets(self) -> tuple[int, ...]:
         """The physical draft request buckets (Bcap values) prepared per shard for decode.
 

@@ -472,10 +472,12 @@ ALL_TIERS = "all legal prepared tiers"
 
 
 def _require_members(name: str, values: object, allowed: set[int], source: str) -> None:
-    if (not isinstance(values, list)
-            or not all(type(v) is int and v in allowed for v in values)):
-        raise ConfigError(name, values, f"expected a list of values from {source} "
-                          f"{sorted(allowed)}")
+    """A non-empty, strictly increasing list of integers from ``allowed`` (as calibration
+    records them)."""
+    if (not isinstance(values, list) or not values or not _increasing(values)
+            or not all(v in allowed for v in values)):
+        raise ConfigError(name, values, f"expected a non-empty, strictly increasing list of "
+                          f"values from {source} {sorted(allowed)}")
 
 
 def _check_points(name: str, points: object, captured: Mapping[int, Sequence[int]],
@@ -484,7 +486,12 @@ def _check_points(name: str, points: object, captured: Mapping[int, Sequence[int
     with a depth 1..w (depth)."""
     second = "G one of its compatibility.target_rows" if axis == "rows" else \
         "a depth 1..draft_width"
-    for index, point in enumerate(_list(name, points)):
+    listed = _list(name, points)
+    if not listed:
+        raise ConfigError(name, listed, "expected at least one point")
+    for index, point in enumerate(listed):
+        if point in listed[:index]:
+            raise ConfigError(f"{name}[{index}]", point, "expected each point once")
         if not (isinstance(point, list) and len(point) == 2
                 and all(type(v) is int for v in point)
                 and point[1] in _legal_seconds(point[0], captured, width, {axis})):
@@ -504,6 +511,12 @@ def _legal_seconds(bucket: int, captured: Mapping[int, Sequence[int]], width: in
 def _check_contexts_listed(contexts: object, profiles: Sequence[CostProfile]) -> None:
     """Each profile covers one of the intervals the settings say were calibrated."""
     listed = _list("contexts", contexts)
+    keys = {"prefill_tokens", "min_kv_length", "max_kv_length"}
+    for index, entry in enumerate(listed):
+        if not (isinstance(entry, dict) and set(entry) == keys
+                and all(type(v) is int for v in entry.values())):
+            raise ConfigError(f"contexts[{index}]", entry, "expected an object of exactly the "
+                              f"integers {', '.join(sorted(keys))}")
     for index, profile in enumerate(profiles):
         context = profile.context
         if context.as_dict() not in listed:

@@ -453,7 +453,7 @@ def table_from_dict(data: Mapping[str, object]) -> CostTable:
                 "residual_max_relative"}
     expected = {"sps": {"kind", "rows", "steps_per_second"}, "additive": additive,
                 "log-additive": additive}
-    if kind not in expected:
+    if not isinstance(kind, str) or kind not in expected:  # a list or object is no kind
         raise ConfigError("kind", kind, "expected sps, additive or log-additive")
     keys = set(data)
     if keys != expected[str(kind)]:

@@ -172,6 +172,13 @@ def builtin_models(launch: LaunchConfig, device: torch.device) -> ReferenceModel
     return load_reference_models(device, name=family)
 
 
+MODELS_IN_USE: dict[int, "Runtime"] = {}
+"""The given model objects of every runtime started and not yet stopped, by id: a start
+(re)allocates a model's KV caches, which would corrupt another running runtime's requests."""
+
+MODEL_ROLES = ("target", "mtp", "dspark")
+
+
 def check_ranks_supported(launch: LaunchConfig) -> None:
     """What several ranks cannot run yet is refused before anything loads."""
     if launch.dp_size != 1:
@@ -211,6 +218,16 @@ def require_builtin(command: str, model: str, draft_model: str | None, own: str)
 
 class RuntimeStopped(RuntimeError):
     """The runtime is not running (not started, stopping, or stopped after a fault)."""
+
+
+class WrongLoop(RuntimeError):
+    """A call that must run on the runtime's event loop came from elsewhere (another thread
+    or another loop): nothing would wake the loop for it."""
+
+    def __init__(self, call: str) -> None:
+        super().__init__(f"{call} was called outside the event loop the runtime runs on (from "
+                         "another thread or loop); call it on that loop, for example through "
+                         "loop.call_soon_threadsafe or asyncio.run_coroutine_threadsafe")
 
 
 class Runtime:
@@ -276,6 +293,9 @@ class Runtime:
                 raise RuntimeStopped(ABANDONED) from error
             raise
         finally:
+            if self._task is None:  # the start failed: it holds no models and no ranks
+                self._release_models()
+                self._close_ranks()
             self._starting = False
             ended.set()
 
@@ -297,6 +317,7 @@ class Runtime:
         self._check_observer_paths()
         # The built-in models are checked unloaded; given ones run as checked, read once.
         checked = check_model_limits(launch, self._models)
+        self._hold_models()
         device = torch.device(launch.device)
         builtin = None if checked is not None else builtin_models(launch, device)
         models = checked or builtin
@@ -317,6 +338,26 @@ class Runtime:
             self._close_ranks()
             self._close_observers()
             raise
+
+    def _hold_models(self) -> None:
+        """Refuse models another running runtime holds; else hold them until stop."""
+        if self._models is None:
+            return
+        given = [(role, getattr(self._models, role, None)) for role in MODEL_ROLES]
+        for role, model in given:
+            holder = MODELS_IN_USE.get(id(model)) if model is not None else None
+            if holder is not None and holder is not self:
+                raise ConfigError(f"Runtime(models=...).{role}", type(model).__name__,
+                                  "expected a model no other running runtime holds: a start "
+                                  "reallocates its KV caches under that runtime's requests; "
+                                  "stop it first or give this runtime models of its own")
+        for _, model in given:
+            if model is not None:
+                MODELS_IN_USE[id(model)] = self
+
+    def _release_models(self) -> None:
+        for key in [key for key, holder in MODELS_IN_USE.items() if holder is self]:
+            del MODELS_IN_USE[key]
 
     def _open_ranks(self, builtin: ReferenceModels | None) -> None:
         """Several ranks: rendezvous at --master_node_addr (unless the engine passed its own
@@ -644,6 +685,7 @@ class Runtime:
             self._stream.close()
             self._stream = None
         self._close_ranks()
+        self._release_models()
         try:
             self._close_observers()
         finally:
@@ -668,6 +710,7 @@ class Runtime:
                                  "expected a SamplingParams; build one with SamplingParams(...) "
                                  "or SamplingParams.from_request(fields)")
         pipeline = self._running()
+        self._on_loop("submit()")
         check_request(params, self.launch)
         ids = prompt_ids(prompt)
         check_prompt(pipeline.ctx.target, ids)
@@ -680,6 +723,18 @@ class Runtime:
         self.bus.publish(RequestArrived.of(request, self.clock.now()))
         pipeline.add(request)
         return RequestHandle(request, self._cancel)
+
+    def _on_loop(self, call: str) -> None:
+        """Refuse ``call`` unless it runs on the loop the runtime's round loop runs on."""
+        task = self._task
+        if task is None:
+            return
+        try:
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:  # a thread without a loop
+            running = None
+        if running is not task.get_loop():
+            raise WrongLoop(call)
 
     def _running(self) -> Pipeline:
         pipeline = self._pipeline
@@ -700,12 +755,14 @@ class Runtime:
             raise TypeError(f"cancel(request_id={reprlib.repr(given)}): expected an int "
                             f"request id (RequestHandle.request_id); got "
                             f"{type(given).__name__}")
+        self._on_loop("cancel()")
         if self._pipeline is not None:
             request = self._pipeline.find(int(given))  # a numpy integer as the int it equals
             if request is not None:
                 self._cancel(request)
 
     def _cancel(self, request: Request) -> None:
+        self._on_loop("cancel()")
         if request.running and self._pipeline is not None:
             self._pipeline.cancel(request)
 

@@ -173,7 +173,7 @@ class Pipeline:
         self.lag = 2 if launch.enable_schedule_overlap else 1
         self.split = not launch.enable_unified_mtp_graph
         self.pipelined = launch.enable_task_pipeline
-        self.max_batch = launch.max_seqs_per_batch
+        self.max_batch = launch.decode_batch_limit
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []
         self.kv_slots = KvSlotPool(ctx.states.scratch)

@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
 FORMAT = "adaspec-event-log"
-VERSION = 3
+VERSION = 4
 """Bumped whenever a line's meaning changes; a reader accepts exactly its own version."""
 
 HEADER_KEYS = ("config", "cost_table", "models", "context_limit", "seeds", "lag", "policies")
@@ -821,7 +821,13 @@ class _RunWalk:
         self._expect(line, event, "feedback.round", event.feedback.round, event.round,
                      "the event's round")
         self._check_fed_back(line, event, entry)
+        allocated = self._allocation(event)  # from the tokens of the rounds before this one
         self._count_tokens(line, event)
+        if allocated is not None and list(event.feedback.verify_lengths) != allocated[0]:
+            raise self.fail(line, event, _field(
+                "feedback.verify_lengths", list(event.feedback.verify_lengths),
+                f"{allocated[0]}, what prefix allocation of G={event.feedback.num_rows} gives "
+                f"the recorded confidences within each request's room {allocated[1]}"))
         self.retirements += 1
 
     def _check_fed_back(self, line: int, event: RoundRetired, entry: _Round) -> None:
@@ -842,6 +848,22 @@ class _RunWalk:
             raise self.fail(line, event, _field("feedback.request_ids", list(ids),
                                                 f"every request of the round still running "
                                                 f"(request {running[0]} is)"))
+
+    def _allocation(self, event: RoundRetired) -> tuple[list[int], list[int]] | None:
+        """The verify lengths prefix allocation gives (the top G - B survivals of the
+        recorded confidences, each request within the room it had: what it may still emit
+        and its context, which the tokens fed back before tell exactly), with the rooms.
+        None where that is not known: no drafts, or a request that failed (a failed round's
+        tokens are unknown)."""
+        feedback = event.feedback
+        if not feedback.confidences or not feedback.num_reqs:
+            return None
+        requests = [self.requests[id] for id in feedback.request_ids]
+        if any(r.event is not None and r.event.reason == "failed" for r in requests):
+            return None
+        caps = [room_cap(r.prompt, r.most_tokens, r.params.max_tokens,
+                         self.shape.context_limit, feedback.depth) for r in requests]
+        return prefix_lengths(feedback.confidences, caps, feedback.num_rows), caps
 
     def _count_tokens(self, line: int, event: RoundRetired) -> None:
         """Bound each fed-back request's tokens: a round emits at most accepted + 1, and
@@ -971,6 +993,39 @@ def _sampling(fields: Mapping[str, Any]) -> SamplingParams | str:
         return SamplingParams.from_request(fields)
     except RequestError as error:
         return f"sampling: {error}"
+
+
+def room_cap(prompt: int, generated: int, max_tokens: int, context_limit: int,
+             depth: int) -> int:
+    """The most drafts a request verifies in a round (the device's ``verify_caps``): one less
+    than it may still emit (max_tokens, and the context after its newest token), at most
+    the depth."""
+    anchor = prompt + generated - 1
+    budget = min(max_tokens - generated, context_limit - 1 - anchor)
+    return max(0, min(budget - 1, depth))
+
+
+def prefix_lengths(confidences: Sequence[Sequence[float]], caps: Sequence[int],
+                   num_rows: int) -> list[int]:
+    """Verify lengths by the device's prefix allocation (``runtime.devices.allocation``):
+    survivals as running float64 products, positions within each cap eligible, the top
+    G - B admitted with ties to the lower request, then position."""
+    candidates = []
+    for request, (row, cap) in enumerate(zip(confidences, caps, strict=True)):
+        survival = 1.0
+        for position in range(cap):
+            survival *= min(max(row[position], 0.0), 1.0)
+            candidates.append((-survival, request, position))
+    candidates.sort()
+    admitted = {(request, position)
+                for _, request, position in candidates[:max(0, num_rows - len(caps))]}
+    lengths = []
+    for request, cap in enumerate(caps):
+        length = 0
+        while length < cap and (request, length) in admitted:
+            length += 1
+        lengths.append(length)
+    return lengths
 
 
 def _feedback_problem(feedback: RoundFeedback, shape: RunShape, entry: _Round) -> str | None:

@@ -225,7 +225,7 @@ def check_recorded_run(header: LogHeader, events: Sequence[Event], path: str
     check_run(events, RunShape(width=launch.num_speculative_tokens, lag=lag,
                                dp_size=launch.dp_size, request_buckets=buckets,
                                target_rows=launch.prepared_target_rows(),
-                               max_bucket=launch.seqs_per_shard,
+                               max_bucket=launch.decode_batch_limit,
                                context_limit=run.context_limit,
                                unified=launch.enable_unified_mtp_graph,
                                check_request=functools.partial(check_request, launch=launch)),
@@ -325,15 +325,30 @@ def _check_sections(config: Mapping[str, Any], launch: LaunchConfig, path: str) 
 
 def _first_difference(where: str, expected: object, got: object
                       ) -> tuple[str | None, object, object]:
-    """The key path of the first value that differs, with both values (None: equal)."""
-    if expected == got:
+    """The key path of the first value that differs, with both values (None: equal). Types
+    count: ``true`` is not 1 and ``2.0`` is not 2, as everywhere JSON is read."""
+    if _same(expected, got):
         return None, None, None
     if isinstance(expected, dict) and isinstance(got, dict):
         for key in (*expected, *(key for key in got if key not in expected)):
-            if expected.get(key, _ABSENT) != got.get(key, _ABSENT):
+            if not _same(expected.get(key, _ABSENT), got.get(key, _ABSENT)):
                 return _first_difference(f"{where}.{key}", expected.get(key, _ABSENT),
                                          got.get(key, _ABSENT))
     return where, expected, got
+
+
+def _same(expected: object, got: object) -> bool:
+    """Equal JSON values of equal types, at every depth."""
+    if type(expected) is not type(got):
+        return False
+    if isinstance(expected, dict):
+        assert isinstance(got, dict)
+        return expected.keys() == got.keys() and all(_same(expected[k], got[k])
+                                                      for k in expected)
+    if isinstance(expected, list):
+        assert isinstance(got, list)
+        return len(expected) == len(got) and all(map(_same, expected, got))
+    return expected == got
 
 
 def _launch_section(config: Mapping[str, Any], path: str

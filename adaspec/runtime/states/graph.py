@@ -341,6 +341,10 @@ StageDone = Callable[["RoundMachine", str], None]
 """Called as ``completed(machine, stage)`` once a stage's done trigger moved the round."""
 
 
+ENTERED = tuple(dict.fromkeys(move.dest for move in ROUND_GRAPH.transitions))
+"""The states some move enters: every state but the initial one."""
+
+
 class RoundHooks:
     """The hooks of a runtime, shared by all its rounds, run in registration order.
 
@@ -364,6 +368,10 @@ class RoundHooks:
         if not isinstance(state, RoundState):
             raise TypeError(f"on_enter(state={state!r}): expected a RoundState or one of "
                             f"{_listed(s.label for s in RoundState)}")
+        if state.label not in ENTERED:  # the initial state: a round starts there, never moves in
+            raise ValueError(f"on_enter(state={state.label!r}): no move ever enters it (a round "
+                             f"is created in it); expected one of {_listed(ENTERED)}, or "
+                             "on_transition for every move")
         self._registered.append((state, _checked_hook("on_enter", hook)))
         self._compile()
 
