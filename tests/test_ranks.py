@@ -13,7 +13,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -27,6 +26,7 @@ from adaspec.config.requests import SamplingParams
 from adaspec.errors import ConfigError
 from adaspec.runtime.devices.streams import CPU_THREADS_ENV, share_cores
 from adaspec.runtime.engine import Runtime, ranks_on_this_host
+from adaspec.runtime.events.ranks import Decision, first_difference
 from adaspec.runtime.ranks import Arrival, Plan
 
 # Four domains, each prompt cut short: the prompts' ends differ in how well they draft.
@@ -65,27 +65,34 @@ def test_tp2_random_sampling_commits_the_same_tokens_on_every_rank(
                          f"--event_log={tmp_path / 'run.jsonl'}"])
     tokens = decoded(runs)
     assert [len(t) for t in tokens] == [24] * len(PROMPTS)
-    logs = [read_log(tmp_path / f"run.rank{rank}.jsonl") for rank in range(2)]
     assert not (tmp_path / "run.jsonl").exists()
-    decisions = [[e for e in log if e["kind"] in ("depth_decided", "budget_decided")]
-                 for log in logs]
-    assert decisions[0]
-    assert strip_times(decisions[0]) == strip_times(decisions[1])
+    logs = [str(tmp_path / f"run.rank{rank}.jsonl") for rank in range(2)]
     for rank in range(2):  # each rank's own log replays on its own
-        replayed = subprocess.run([sys.executable, "-m", "adaspec", "replay",
-                                   str(tmp_path / f"run.rank{rank}.jsonl")],
-                                  capture_output=True, text=True, env=peer_environment(),
-                                  timeout=PROCESS_LIMIT_S, check=False)
-        assert replayed.returncode == 0, replayed.stderr
-        assert "decisions match the log" in replayed.stdout
+        assert "decisions match the log" in replay([logs[rank]]).stdout
+    across = replay([logs[0], "--across", logs[1]])
+    decisions = sum(1 for line in Path(logs[0]).read_text().splitlines()
+                    if '"kind":"depth_decided"' in line or '"kind":"budget_decided"' in line)
+    assert f"all 2 ranks made the same {decisions} decisions" in across.stdout
 
 
-def read_log(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines()[1:]]
+def replay(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run([sys.executable, "-m", "adaspec", "replay", *argv],
+                          capture_output=True, text=True, env=peer_environment(),
+                          timeout=PROCESS_LIMIT_S, check=False)
+    assert done.returncode == 0, done.stderr
+    return done
 
 
-def strip_times(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{k: v for k, v in e.items() if k != "time"} for e in events]
+@pytest.mark.parametrize(("other", "difference"), [
+    ([("depth", 0, 3), ("G", 0, 9)], None),
+    ([("depth", 0, 3), ("G", 0, 12)],
+     "decision 2: a has G=9 in round 0, b has G=12 in round 0"),
+    ([("depth", 0, 3)],
+     "a records 2 decisions, b 1: the ranks did not run the same rounds"),
+])
+def test_the_first_decision_two_ranks_disagree_on_is_named(
+        other: list[Decision], difference: str | None) -> None:
+    assert first_difference([("depth", 0, 3), ("G", 0, 9)], other, "a", "b") == difference
 
 
 def test_a_plan_travels_as_json_and_comes_back_equal() -> None:

@@ -134,6 +134,8 @@ INLINE = {
     "adaspec config FLAGS": "placeholder: the config line of More commands runs",
     "adaspec config --rules": "run",
     "adaspec replay": "name: the Costs and calibration block runs it",
+    "adaspec replay run.rank0.jsonl --across run.rank1.jsonl":
+        "tests/test_ranks.py runs it on two ranks' logs",
     "adaspec simulate": "name: the Costs and calibration block runs it",
     "python -m pip install -e .": "install",
     'python -m pip install -e ".[npu]"': "install",
