@@ -282,3 +282,21 @@ def test_load_config_takes_numpy_integers_as_the_ints_they_equal() -> None:
         with pytest.raises(ConfigError, match=r"^--num_speculative_tokens=.*: expected an "
                                               r"integer"):
             config("MTP", wrong, 4)  # type: ignore[arg-type]
+
+
+def test_models_of_a_runtime_left_unstopped_with_its_loop_are_free_again() -> None:
+    models = load_reference_models()
+
+    async def abandon() -> None:
+        await Runtime(config("none", 0, 2), models=models).start()  # never stopped
+
+    async def reuse() -> int:
+        runtime = Runtime(config("none", 0, 2), models=models)
+        await runtime.start()
+        handle = runtime.submit(list(b"ROMEO."), SamplingParams(temperature=0, max_tokens=3))
+        tokens = len((await handle.result()).token_ids)
+        await runtime.stop()
+        return tokens
+
+    asyncio.run(abandon())
+    assert asyncio.run(reuse()) == 3

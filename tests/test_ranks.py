@@ -7,12 +7,15 @@ commits the same tokens (their commit digests agree), and each rank writes its o
 log, in which every rank made the same decisions.
 """
 
+import asyncio
+import datetime
 import json
 import re
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -24,8 +27,15 @@ from adaspec.config import load_config
 from adaspec.config.launch import torchrun_settings
 from adaspec.config.requests import SamplingParams
 from adaspec.errors import ConfigError
+from adaspec.runtime.devices.collectives import LocalCollectives
 from adaspec.runtime.devices.streams import CPU_THREADS_ENV, share_cores
-from adaspec.runtime.engine import Runtime, ranks_on_this_host
+from adaspec.runtime.engine import (
+    Runtime,
+    heartbeat_s,
+    local_rank,
+    rank_device,
+    ranks_on_this_host,
+)
 from adaspec.runtime.events.ranks import Decision, first_difference
 from adaspec.runtime.ranks import Arrival, Plan
 
@@ -179,8 +189,10 @@ def test_the_front_takes_requests_cancels_and_stops_for_every_rank() -> None:
     for run in runs:
         assert run.returncode == 0, run.stderr
     front, follower = (json.loads(run.stdout) for run in runs)
-    assert follower["submit_error"] == ("FollowerRefused: rank 1 decodes the requests of "
-                                        "rank 0, the front; submit them there")
+    assert follower["submit_error"] == ("FollowerRefused: submit: rank 1 decodes the requests "
+                                        "of rank 0, the front; submit there")
+    assert follower["cancel_error"] == ("FollowerRefused: cancel: rank 1 decodes the requests "
+                                        "of rank 0, the front; cancel there")
     assert front["finish"] == ["length", "cancelled", "length"]
     assert [len(t) for t in front["tokens"]][::2] == [60, 60]
     assert front["digest"] == follower["digest"]  # the cancel ended it after the same round
@@ -230,8 +242,8 @@ def test_adaptive_draft_steps_at_tp2_calibrate_in_lockstep_and_add_no_collective
         tmp_path: Path) -> None:
     """Both ranks run the front's calibration windows, install its table and pick the same
     depth every round from the same feedback: serving issues no collective beyond the
-    round's two broadcasts (confidences, sampled tokens), one per prefill, the model's
-    all-reduces and the plans."""
+    round's three broadcasts (confidences, drafts, sampled tokens), one per prefill, the
+    model's all-reduces and the plans."""
     settings = tmp_path / "draft-steps.json"
     settings.write_text(json.dumps({
         "version": 1, "policy": {"window_size": 4, "update_interval": 2,
@@ -250,4 +262,59 @@ def test_adaptive_draft_steps_at_tp2_calibrate_in_lockstep_and_add_no_collective
     assert front["rounds"] == follower["rounds"] > 0
     calls = front["calls"]
     assert set(calls) == {"tp_broadcast", "tp_all_reduce", "plan"}
-    assert calls["tp_broadcast"] == 2 * front["rounds"] + 1  # the three arrive in one prefill
+    # Confidences, drafts and sampled tokens each round; the three arrive in one prefill.
+    assert calls["tp_broadcast"] == 3 * front["rounds"] + 1
+
+
+@pytest.mark.parametrize(("flags", "env", "local"), [
+    ({"nnodes": 4, "node_rank": 3}, {}, 3),  # all four on the loopback: this host
+    ({"nnodes": 4, "node_rank": 3, "master_node_addr": "10.0.0.7:29500"}, {}, 0),
+    ({"nnodes": 4, "node_rank": 3, "master_node_addr": "10.0.0.7:29500"},
+     {"LOCAL_RANK": "1"}, 1),
+])
+def test_each_rank_on_a_host_takes_its_own_local_index(
+        monkeypatch: pytest.MonkeyPatch, flags: dict[str, Any], env: dict[str, str],
+        local: int) -> None:
+    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    launch = load_config(flags).launch
+    assert local_rank(launch) == local
+    assert rank_device(launch) == torch.device("cpu")  # the cpu is shared, never indexed
+
+
+def test_launches_several_ranks_cannot_run_yet_are_refused_before_anything_loads() -> None:
+    for flags, message in (({"nnodes": 2, "dp_size": 2}, r"^--dp_size=2: expected 1: DP "),
+                           ({"nnodes": 2, "cp_size": 2}, r"^--cp_size=2: expected 1: context")):
+        with pytest.raises(ConfigError, match=message):
+            asyncio.run(Runtime(load_config(flags)).start())
+
+
+def test_the_heartbeat_is_a_quarter_of_the_shortest_timeout_in_force() -> None:
+    launch = load_config({"nnodes": 2, "collective_timeout_s": 40}).launch
+    assert heartbeat_s(launch, LocalCollectives()) == 10.0
+
+    class EngineCollectives(LocalCollectives):  # an engine's own, telling a shorter timeout
+        timeout = datetime.timedelta(seconds=8)
+
+    assert heartbeat_s(launch, EngineCollectives()) == 2.0
+
+
+def test_a_round_that_fails_on_one_rank_stops_every_rank() -> None:
+    """A fault injected on rank 1 alone (its stage hook raises in round 3's verify): rank 1
+    stops serving naming the round, and the front's requests end failed with one line each,
+    instead of the front committing rounds the other rank never ran."""
+    runs = finish(start_ranks(2, ["--speculative_algorithm=MTP", "--num_speculative_tokens=3",
+                                  "--collective_timeout_s=10", "--peer_fail_round=3"],
+                              program=(str(Path(__file__).with_name("runtime_peer.py")),)))
+    for run in runs:
+        assert run.returncode == 0, run.stderr
+    front, follower = (json.loads(run.stdout) for run in runs)
+    assert follower["serve_error"].startswith(
+        "RankFault: rank 1: round 3 failed in verify (RuntimeError: injected fault in round 3); "
+        "the ranks can no longer commit alike")
+    assert len(front["errors"]) == 2
+    for error in front["errors"]:
+        assert "\n" not in error
+        assert "CollectiveError: collective " in error

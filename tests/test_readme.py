@@ -120,7 +120,7 @@ SHORT: dict[str, Callable[[str], None]] = {
 RANKS_BY_HAND = ("for rank in 0 1; do adaspec generate --nnodes=2 --node_rank=$rank "
                  "--master_node_addr=127.0.0.1:29500 --speculative_algorithm=MTP "
                  "--num_speculative_tokens=3 --prompt \"ROMEO.\" --max_tokens 32 --temperature 0 "
-                 "& done; wait")
+                 "& done; wait -n && wait -n")
 RANKS_BY_TORCHRUN = ("torchrun --nproc-per-node=2 -m adaspec generate "
                      "--speculative_algorithm=MTP --num_speculative_tokens=3 "
                      "--prompt \"ROMEO.\" --max_tokens 32 --temperature 0")

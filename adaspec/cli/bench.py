@@ -411,6 +411,9 @@ def run(argv: Sequence[str]) -> int:
     args = split_argv(argv)
     choices = read_choices(args)
     settings = launch_settings(args.launch_argv)
+    if coerce("nnodes", settings.get("nnodes", "1"), int) != 1:
+        raise ConfigError("--nnodes", settings["nnodes"], "expected 1: adaspec bench runs one "
+                          "rank (start several with adaspec generate)")
     require_builtin("bench", str(settings.get("model", BUILTIN_TARGET)),
                     None if settings.get("draft_model") is None else str(settings["draft_model"]),
                     "to bench your own, embed the runtime and call "

@@ -110,6 +110,9 @@ def run(argv: Sequence[str]) -> int:
     with _logging_to(sys.stderr):
         asyncio.run(_start_and_stop(runtime))
     assert runtime.costs is not None
+    if not runtime.is_front:  # rank 0 fitted and saved the table every rank installed
+        print(f"rank {runtime.rank}: installed rank 0's cost table (rank 0 saved {output})")
+        return 0
     report = summary(runtime.costs, output, time.perf_counter() - started)
     if "json" in args:
         print(json.dumps(report, indent=2))

@@ -87,6 +87,10 @@ def split_blocks(model: nn.Module, tp_rank: int, tp_size: int, all_reduce: AllRe
     for block in blocks:
         _check_divides("attention heads", block.attn.num_heads, tp_size)
         _check_divides("MLP hidden units", block.mlp.up.weight.shape[0], tp_size)
+        for layer in (block.attn.qkv, block.attn.out, block.mlp.up, block.mlp.down):
+            if layer.bias is not None:  # a split would have to divide or keep it: not built
+                raise ConfigError("--tp_size", tp_size, "expected projections without a "
+                                  "bias: this split keeps weights only")
     for block in blocks:
         split_attention(block.attn, tp_rank, tp_size, all_reduce)
         split_mlp(block.mlp, tp_rank, tp_size, all_reduce)

@@ -15,6 +15,7 @@ import logging
 import numbers
 import os
 import reprlib
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -66,9 +67,9 @@ from adaspec.runtime.events.clock import Clock, MonotonicClock
 from adaspec.runtime.events.types import RequestArrived
 from adaspec.runtime.kv_slots import KvSlotSampling, KvSlotStates
 from adaspec.runtime.pipeline import Pipeline, RuntimeStatistics
-from adaspec.runtime.ranks import RankLink
+from adaspec.runtime.ranks import FollowerRefused, RankLink
 from adaspec.runtime.requests import Request, RequestHandle, check_prompt, prompt_ids
-from adaspec.runtime.rounds import CheckedDrafter, DeviceContext, StageHook
+from adaspec.runtime.rounds import CheckedDrafter, DeviceContext, Lockstep, StageHook
 from adaspec.runtime.states import RoundHooks
 from adaspec.runtime.trace import STDERR, StateTrace, trace_destination
 
@@ -172,9 +173,10 @@ def builtin_models(launch: LaunchConfig, device: torch.device) -> ReferenceModel
     return load_reference_models(device, name=family)
 
 
-MODELS_IN_USE: dict[int, "Runtime"] = {}
+MODELS_IN_USE: dict[int, "weakref.ref[Runtime]"] = {}
 """The given model objects of every runtime started and not yet stopped, by id: a start
-(re)allocates a model's KV caches, which would corrupt another running runtime's requests."""
+(re)allocates a model's KV caches, which would corrupt another running runtime's requests.
+Weak: a runtime dropped unstopped holds nothing."""
 
 MODEL_ROLES = ("target", "mtp", "dspark")
 
@@ -185,6 +187,10 @@ def check_ranks_supported(launch: LaunchConfig) -> None:
         raise ConfigError("--dp_size", launch.dp_size,
                           "expected 1: DP shards in separate processes are not supported yet; "
                           "use --tp_size to split the model across ranks")
+    if launch.cp_size != 1:
+        raise ConfigError("--cp_size", launch.cp_size,
+                          "expected 1: context parallelism is not supported; use --tp_size "
+                          "to split the model across ranks")
 
 
 LOOPBACK_HOSTS = ("localhost", "127.", "[::1]")
@@ -198,6 +204,45 @@ def ranks_on_this_host(launch: LaunchConfig) -> int:
         return launch.world_size
     local = os.environ.get("LOCAL_WORLD_SIZE", "")
     return int(local) if local.isdigit() and int(local) >= 1 else 1
+
+
+def local_rank(launch: LaunchConfig) -> int:
+    """This rank's place among the ranks on its host: torchrun's LOCAL_RANK, else
+    --node_rank modulo the ranks on this host."""
+    local = os.environ.get("LOCAL_RANK", "")
+    if local.isdigit():
+        return int(local)
+    return launch.node_rank % ranks_on_this_host(launch)
+
+
+def rank_device(launch: LaunchConfig) -> torch.device:
+    """The device this rank runs on. Ranks sharing a host each take their own accelerator
+    (the local rank's), made current so the backend's collectives and graphs use it; the
+    cpu is shared."""
+    if launch.device == "cpu" or launch.world_size == 1:
+        return torch.device(launch.device)
+    index = local_rank(launch)
+    module = getattr(torch, launch.device)  # torch.cuda, or torch.npu once torch_npu loaded
+    if index >= module.device_count():
+        raise ConfigError("--node_rank", launch.node_rank,
+                          f"expected a local rank below the {module.device_count()} "
+                          f"{launch.device} devices of this host (one each); it is local "
+                          f"rank {index}")
+    device = torch.device(launch.device, index)
+    module.set_device(device)
+    return device
+
+
+def heartbeat_s(launch: LaunchConfig, collectives: Collectives) -> float:
+    """How often an idle front sends an empty plan: a quarter of the shortest collective
+    timeout in force (--collective_timeout_s, or a shorter one of the engine's collectives
+    when they tell theirs as ``timeout``), so a waiting rank never times out on a quiet
+    front."""
+    seconds = float(launch.collective_timeout_s)
+    theirs = getattr(collectives, "timeout", None)
+    if isinstance(theirs, datetime.timedelta) and theirs.total_seconds() > 0:
+        seconds = min(seconds, theirs.total_seconds())
+    return seconds / 4
 
 
 def rank_of(collectives: Collectives) -> int:
@@ -318,7 +363,7 @@ class Runtime:
         # The built-in models are checked unloaded; given ones run as checked, read once.
         checked = check_model_limits(launch, self._models)
         self._hold_models()
-        device = torch.device(launch.device)
+        device = rank_device(launch)
         builtin = None if checked is not None else builtin_models(launch, device)
         models = checked or builtin
         assert models is not None
@@ -326,7 +371,7 @@ class Runtime:
         # Everything refusable about the costs is refused before any device work.
         plan, saved = cost_source(self.config, self.compatibility(models, geometry),
                                   geometry, models.target.context_limit)
-        self._open_ranks(builtin)
+        await self._open_ranks(builtin)
         self._stream = open_stream(launch.device, asyncio.get_running_loop())
         try:
             await self._start_on_stream(models, device, geometry, plan, saved)
@@ -345,21 +390,30 @@ class Runtime:
             return
         given = [(role, getattr(self._models, role, None)) for role in MODEL_ROLES]
         for role, model in given:
-            holder = MODELS_IN_USE.get(id(model)) if model is not None else None
-            if holder is not None and holder is not self:
+            held = MODELS_IN_USE.get(id(model)) if model is not None else None
+            holder = None if held is None else held()
+            if holder is not None and holder is not self and holder._serving():
                 raise ConfigError(f"Runtime(models=...).{role}", type(model).__name__,
                                   "expected a model no other running runtime holds: a start "
                                   "reallocates its KV caches under that runtime's requests; "
                                   "stop it first or give this runtime models of its own")
         for _, model in given:
             if model is not None:
-                MODELS_IN_USE[id(model)] = self
+                MODELS_IN_USE[id(model)] = weakref.ref(self)
+
+    def _serving(self) -> bool:
+        """Whether this runtime is starting or its loop still runs (a loop that ended with
+        its event loop, unstopped, holds nothing any more)."""
+        task = self._task
+        if task is not None:
+            return not task.done() and not task.get_loop().is_closed()
+        return self._starting
 
     def _release_models(self) -> None:
-        for key in [key for key, holder in MODELS_IN_USE.items() if holder is self]:
+        for key in [key for key, held in MODELS_IN_USE.items() if held() in (self, None)]:
             del MODELS_IN_USE[key]
 
-    def _open_ranks(self, builtin: ReferenceModels | None) -> None:
+    async def _open_ranks(self, builtin: ReferenceModels | None) -> None:
         """Several ranks: rendezvous at --master_node_addr (unless the engine passed its own
         collectives), split the built-in models across the TP group, and link this rank to
         the front. One rank needs none of it."""
@@ -375,7 +429,10 @@ class Runtime:
             return
         if given is None:
             timeout = datetime.timedelta(seconds=launch.collective_timeout_s)
-            self._collectives = self._opened = DistributedCollectives(
+            # In a worker thread: the rendezvous waits for every rank, and the loop (an
+            # engine's, maybe) keeps running meanwhile.
+            self._collectives = self._opened = await asyncio.to_thread(
+                DistributedCollectives,
                 rank=launch.node_rank, world_size=launch.world_size,
                 tp_size=launch.resolved.tp_size, dp_size=launch.dp_size,
                 init_method=f"tcp://{launch.master_node_addr}", device=launch.device,
@@ -386,7 +443,7 @@ class Runtime:
         if builtin is not None:  # an engine's own models come split already
             for model in (builtin.target, builtin.mtp, builtin.dspark):
                 split_blocks(model, comm.tp_rank, comm.tp_size, comm.tp_all_reduce)
-        self._link = RankLink(comm, rank_of(comm), launch.collective_timeout_s / 4)
+        self._link = RankLink(comm, rank_of(comm), heartbeat_s(launch, comm))
 
     @property
     def collectives(self) -> Collectives:
@@ -448,10 +505,10 @@ class Runtime:
         registries = await self._prepare_bindings(models, geometry)
         self._abandoned()  # a stop during the last binding: no calibration on a closed stream
         if saved is not None:
-            self.costs = self._shared(saved)
+            self.costs = await self._shared(saved)
         elif plan is not None:
-            self.costs = self._shared(await self._calibrate(ctx, geometry, registries, plan,
-                                                             models))
+            self.costs = await self._shared(await self._calibrate(ctx, geometry, registries,
+                                                                   plan, models))
         self._abandoned()
         LOG.info(json.dumps(self.effective_log(geometry)))
         # Built once, on the costs just installed: the log's header records these very ones.
@@ -493,7 +550,9 @@ class Runtime:
             check_num_kv_slots(drafter.setting, drafter.model, num_kv_slots, before)
         hidden_size = target.hidden_size if drafting.keeps_hidden else 0
         states = KvSlotStates.allocate(num_kv_slots, hidden_size, target.dtype, device)
-        return DeviceContext(target=target, drafting=drafting, collectives=self._collectives,
+        comm = self._collectives
+        return DeviceContext(target=target, drafting=drafting, collectives=comm,
+                             lockstep=Lockstep(comm.tp_size * comm.dp_size),
                              states=states, sampling=KvSlotSampling.allocate(num_kv_slots, device),
                              device=device, vocab_size=target.vocab_size,
                              hidden_size=target.hidden_size, seed=self.options.seed,
@@ -552,11 +611,12 @@ class Runtime:
             bundle.save(output)
         return bundle
 
-    def _shared(self, bundle: CostBundle | None) -> CostBundle:
+    async def _shared(self, bundle: CostBundle | None) -> CostBundle:
         """Rank 0's table on every rank: decisions must agree, so all install the same
         immutable table (a rank that loaded a saved one of its own takes rank 0's)."""
         mine = b"" if bundle is None else bundle.to_json().encode()
-        data = self._collectives.share_from_first_rank(mine, "share_cost_table")
+        data = await asyncio.to_thread(self._collectives.share_from_first_rank, mine,
+                                       "share_cost_table")
         if bundle is not None and data == mine:
             return bundle
         source = "rank 0's table" if bundle is None else f"{bundle.source} (rank 0's table)"
@@ -684,8 +744,6 @@ class Runtime:
         if self._stream is not None:
             self._stream.close()
             self._stream = None
-        self._close_ranks()
-        self._release_models()
         try:
             self._close_observers()
         finally:
@@ -693,6 +751,9 @@ class Runtime:
                 # The closed stream abandons the start (its calibration's requests fail):
                 # wait for it to unwind, so nothing of it runs once stop() returns.
                 await self._start_ended.wait()
+            # Only then: a start's plan agreement may still be using the process groups.
+            self._close_ranks()
+            self._release_models()
 
     def _close_ranks(self) -> None:
         """Leave the process groups start() joined (an engine's own collectives stay)."""
@@ -711,6 +772,7 @@ class Runtime:
                                  "or SamplingParams.from_request(fields)")
         pipeline = self._running()
         self._on_loop("submit()")
+        self._front_only("submit")
         check_request(params, self.launch)
         ids = prompt_ids(prompt)
         check_prompt(pipeline.ctx.target, ids)
@@ -723,6 +785,13 @@ class Runtime:
         self.bus.publish(RequestArrived.of(request, self.clock.now()))
         pipeline.add(request)
         return RequestHandle(request, self._cancel)
+
+    def _front_only(self, call: str) -> None:
+        """Requests reach the ranks through the front: a rank behind it refuses them before
+        anything is recorded."""
+        if self._link is not None and not self._link.front:
+            raise FollowerRefused(f"{call}: rank {self.rank} decodes the requests of rank 0, "
+                                  f"the front; {call} there")
 
     def _on_loop(self, call: str) -> None:
         """Refuse ``call`` unless it runs on the loop the runtime's round loop runs on."""
@@ -756,6 +825,7 @@ class Runtime:
                             f"request id (RequestHandle.request_id); got "
                             f"{type(given).__name__}")
         self._on_loop("cancel()")
+        self._front_only("cancel")
         if self._pipeline is not None:
             request = self._pipeline.find(int(given))  # a numpy integer as the int it equals
             if request is not None:

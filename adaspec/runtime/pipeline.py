@@ -50,7 +50,14 @@ from adaspec.runtime.events.types import (
     StageCompleted,
 )
 from adaspec.runtime.kv_slots import HoldsKvSlot, KvSlotPool
-from adaspec.runtime.ranks import Arrival, FollowerRefused, ForcedPoint, Plan, RankLink
+from adaspec.runtime.ranks import (
+    Arrival,
+    FollowerRefused,
+    ForcedPoint,
+    Plan,
+    RankFault,
+    RankLink,
+)
 from adaspec.runtime.requests import Request, RequestFailed
 from adaspec.runtime.rounds import (
     DeviceContext,
@@ -622,6 +629,11 @@ class Pipeline:
         self.next_round = max(self.next_round, record.round + self.lag)
         if record.error is not None:
             self._fail_round_requests(record, record.error)
+            if self.link is not None:
+                # The other ranks know nothing of it and would commit the round: this rank
+                # stops, so they fail at their next collective instead of going on alone.
+                raise RankFault(self.link.rank, record.round, record.failed_stage,
+                                record.error)
             return
         assert host is not None
         feedback = self._feedback(record, host)

@@ -81,6 +81,17 @@ class FollowerRefused(AdaspecError):
     """A request given to a rank that only follows the front."""
 
 
+class RankFault(AdaspecError):
+    """A round failed on this rank alone: the others would commit it, so this rank stops
+    serving and they fail at their next collective."""
+
+    def __init__(self, rank: int, round: int, stage: str, error: BaseException) -> None:
+        first_line = str(error).splitlines()[0] if str(error) else ""
+        super().__init__(f"rank {rank}: round {round} failed in {stage} "
+                         f"({type(error).__name__}: {first_line}); the ranks can no longer "
+                         "commit alike")
+
+
 class RankLink:
     """One rank's side of the lockstep: the front proposes each plan, the others follow."""
 
@@ -89,7 +100,6 @@ class RankLink:
         self.rank = rank
         self.front = rank == 0
         self.heartbeat_s = heartbeat_s
-        self.plans = 0  # plans agreed so far (one collective each)
 
     async def agree(self, proposal: Plan) -> Plan:
         """The front's plan on every rank; a follower's ``proposal`` is ignored. Runs in a
@@ -97,5 +107,4 @@ class RankLink:
         data = proposal.encode() if self.front else b""
         shared = await asyncio.to_thread(self.collectives.share_from_first_rank, data,
                                          "plan")
-        self.plans += 1
         return proposal if self.front else Plan.decode(shared)

@@ -10,7 +10,7 @@ device work fails leaves every request's state as the previous round left it.
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -43,6 +43,30 @@ class RoundAbandoned(Exception):
 
     def __init__(self, round_index: int, stage: str) -> None:
         super().__init__(f"round {round_index} {stage} skipped: an earlier stage failed")
+
+
+class Lockstep:
+    """With several ranks, every rank issues the same collectives in the same order. Once
+    device work failed on this rank (a stage, a prefill, a hook), the work after it would
+    skip or reorder its collectives and meet another op on the other ranks, which the
+    backend may answer by aborting the process; so from then on every device work item of
+    this rank is refused before it starts, and the other ranks time out naming the
+    collective they waited in. One rank has nothing to keep in step."""
+
+    __slots__ = ("broken", "ranks")
+
+    def __init__(self, ranks: int = 1) -> None:
+        self.ranks = ranks
+        self.broken: str | None = None
+
+    def check(self, where: str) -> None:
+        if self.broken is not None:
+            raise RuntimeError(f"{where} skipped: {self.broken}")
+
+    def fail(self, where: str, error: BaseException) -> None:
+        if self.ranks > 1 and self.broken is None:
+            self.broken = (f"{where} failed on this rank ({type(error).__name__}), so its "
+                           "collectives are out of step with the other ranks")
 
 
 class StageFailed(Exception):
@@ -95,8 +119,14 @@ def _stage(method: Callable[[W], T]) -> Callable[[W], T]:
 
     @functools.wraps(method)
     def run(work: W) -> T:
-        work._enter(name)
-        return method(work)
+        lockstep = work.ctx.lockstep
+        lockstep.check(f"round {work.inputs.round} {name}")
+        try:
+            work._enter(name)
+            return method(work)
+        except Exception as error:
+            lockstep.fail(f"round {work.inputs.round} {name}", error)
+            raise
 
     return run
 
@@ -115,6 +145,7 @@ class DeviceContext:
     hidden_size: int
     seed: int = 0
     stage_hook: StageHook | None = None
+    lockstep: Lockstep = field(default_factory=Lockstep)
 
     @property
     def context_limit(self) -> int:
@@ -167,7 +198,10 @@ class RoundWork:
 
     @_stage
     def consensus(self) -> None:
+        # TP ranks verify and commit TP rank 0's drafts: a drafter's local output head may
+        # round differently on another rank, and every rank must pack the same rows.
         self.ctx.collectives.tp_broadcast(_have(self.confidences, "confidences"))
+        self.ctx.collectives.tp_broadcast(_have(self.drafts, "drafts"))
 
     @_stage
     def pack(self) -> None:
@@ -286,6 +320,15 @@ def prefill(ctx: DeviceContext, inputs: PrefillInputs) -> PrefillResult:
 
     The first token sits at the prompt's length; a request goes on when that token is not a
     stop token, it may generate more, and the context has room after it."""
+    ctx.lockstep.check("prefill")
+    try:
+        return _prefill(ctx, inputs)
+    except Exception as error:
+        ctx.lockstep.fail("a prefill", error)
+        raise
+
+
+def _prefill(ctx: DeviceContext, inputs: PrefillInputs) -> PrefillResult:
     out = ctx.target.prefill(inputs.prompts, inputs.kv_slots)
     num = len(inputs.prompts)
     check_prefill_output(out, num, max(len(prompt) for prompt in inputs.prompts), ctx)

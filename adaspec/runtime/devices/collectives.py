@@ -175,6 +175,7 @@ class DistributedCollectives:
         _check_timeout("rendezvous_timeout", rendezvous_timeout)
         require_device(device)  # refuses unknown devices; the only path that imports torch_npu
         self.rank, self.world_size = rank, world_size
+        self.timeout = timeout  # what a rank waiting for a peer waits at most
         self.tp_rank, self.tp_size = rank % tp_size, tp_size
         self.dp_rank, self.dp_size = rank // tp_size, dp_size
         self.tp_group_ranks = tuple(shard_ranks(tp_size, dp_size)[self.dp_rank])

@@ -535,6 +535,8 @@ class _RunWalk:
         self.deciding: DepthDecided | BudgetDecided | None = None  # a round not yet submitted
         self.requests: dict[int, _Request] = {}  # by id, in arrival order
         self.retirements = 0  # round_retired events so far
+        # Requests of a failed round: what it committed on the device is unknown.
+        self.in_failed_rounds: set[int] = set()
         self.decided_at = 0  # line of the newest depth_decided event
         self.last_time = -math.inf
         self.handlers: dict[type[Event], Callable[[int, Any], None]] = {
@@ -790,6 +792,7 @@ class _RunWalk:
 
     def _failed(self, line: int, event: RoundFailed) -> None:
         entry = self._end(line, event)
+        self.in_failed_rounds.update(entry.request_ids)
         # A unified round is one unit: its failure names the round. A split round's stages
         # complete in order up to the one that failed, which the failure names.
         if entry.stages == len(STAGES) and not self.shape.unified:
@@ -853,10 +856,12 @@ class _RunWalk:
         """The verify lengths prefix allocation gives (the top G - B survivals of the
         recorded confidences, each request within the room it had: what it may still emit
         and its context, which the tokens fed back before tell exactly), with the rooms.
-        None where that is not known: no drafts, or a request that failed (a failed round's
-        tokens are unknown)."""
+        None where that is not known: no drafts, or a request that was in a failed round
+        (what that round committed on the device is unknown)."""
         feedback = event.feedback
         if not feedback.confidences or not feedback.num_reqs:
+            return None
+        if not self.in_failed_rounds.isdisjoint(feedback.request_ids):
             return None
         requests = [self.requests[id] for id in feedback.request_ids]
         if any(r.event is not None and r.event.reason == "failed" for r in requests):
