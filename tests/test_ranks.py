@@ -83,6 +83,21 @@ def test_tp2_random_sampling_commits_the_same_tokens_on_every_rank(
     decisions = sum(1 for line in Path(logs[0]).read_text().splitlines()
                     if '"kind":"depth_decided"' in line or '"kind":"budget_decided"' in line)
     assert f"all 2 ranks made the same {decisions} decisions" in across.stdout
+    # Logs that are not of distinct ranks of this run are refused, naming the log.
+    again = tmp_path / "again.jsonl"
+    again.write_text(Path(logs[0]).read_text())
+    other = tmp_path / "other.jsonl"
+    lines = Path(logs[1]).read_text().splitlines(keepends=True)
+    header = json.loads(lines[0])
+    header["seeds"]["run"] += 1
+    other.write_text(json.dumps(header, separators=(",", ":")) + "\n" + "".join(lines[1:]))
+    for log, error in ((again, "a log of rank 0 again"), (other, "another run's log: its "
+                                                           "header's launch, models or seed")):
+        refused = subprocess.run([sys.executable, "-m", "adaspec", "replay", logs[0],
+                                  "--across", str(log)], capture_output=True, text=True,
+                                 env=peer_environment(), timeout=PROCESS_LIMIT_S, check=False)
+        assert refused.returncode == 2
+        assert error in refused.stderr
 
 
 def replay(argv: list[str]) -> subprocess.CompletedProcess[str]:
@@ -225,7 +240,6 @@ TORCHRUN = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "10.1.2.3", "MASTER_P
                                   "master_node_addr": "10.1.2.3:29500"}),
     ({}, {**TORCHRUN, "MASTER_ADDR": "::1"}, {"node_rank": "1", "nnodes": "2",
                                               "master_node_addr": "[::1]:29500"}),
-    ({}, {"RANK": "1", "WORLD_SIZE": "2"}, {}),  # not every variable: not torchrun
 ])
 def test_torchrun_environment_becomes_the_rank_flags(
         settings: dict[str, str], environ: dict[str, str], expected: dict[str, str]) -> None:
@@ -236,6 +250,33 @@ def test_a_rank_flag_that_contradicts_torchrun_is_refused_naming_both() -> None:
     with pytest.raises(ConfigError, match=r"^--node_rank=0: expected 1, what torchrun set in "
                                           r"RANK, or leave the flag out under torchrun$"):
         torchrun_settings({"node_rank": "0"}, TORCHRUN)
+    with pytest.raises(ConfigError, match=r"^--node_rank=²: expected 1"):  # no int() of it
+        torchrun_settings({"node_rank": "²"}, TORCHRUN)
+
+
+def test_a_torchrun_environment_set_in_part_is_refused_naming_what_is_missing() -> None:
+    with pytest.raises(ConfigError, match=r"^MASTER_ADDR: expected it beside RANK, WORLD_SIZE "
+                                          r"\(torchrun sets all four\), or none of them"):
+        torchrun_settings({}, {"RANK": "1", "WORLD_SIZE": "2"})
+
+
+@pytest.mark.parametrize(("sizes", "message"), [
+    ({"tp_size": 2.0}, r"^Runtime\(collectives\)\.tp_size=2\.0: expected a non-negative int$"),
+    ({"tp_size": "2"}, r"^Runtime\(collectives\)\.tp_size=2: expected a non-negative int$"),
+    ({"tp_size": 1, "dp_size": 2},
+     r"^Runtime\(collectives\)\.tp_size=1: expected 2, the launch's --tp_size \(--nnodes=2\)"),
+])
+def test_an_engines_collectives_must_hold_the_launchs_layout(
+        sizes: dict[str, object], message: str) -> None:
+    class EngineCollectives(LocalCollectives):  # only the layout matters: refused at start
+        pass
+
+    collectives = EngineCollectives()
+    for name, value in sizes.items():
+        setattr(collectives, name, value)
+    runtime = Runtime(load_config({"nnodes": 2}), collectives=collectives)
+    with pytest.raises(ConfigError, match=message):
+        asyncio.run(runtime.start())
 
 
 def test_adaptive_draft_steps_at_tp2_calibrate_in_lockstep_and_add_no_collective(
@@ -318,3 +359,21 @@ def test_a_round_that_fails_on_one_rank_stops_every_rank() -> None:
     for error in front["errors"]:
         assert "\n" not in error
         assert "CollectiveError: collective " in error
+
+
+def test_a_rank_started_with_another_launch_line_says_which_flag_differs() -> None:
+    port = free_port()
+    line = ["generate", "--nnodes=2", f"--master_node_addr=127.0.0.1:{port}",
+            "--speculative_algorithm=MTP", "--prompt=ab", "--max_tokens=4", "--temperature=0"]
+    ranks = [subprocess.Popen([sys.executable, "-m", "adaspec", *line, f"--node_rank={rank}",
+                               f"--num_speculative_tokens={width}"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=peer_environment())
+             for rank, width in ((0, 3), (1, 2))]
+    front, odd = finish(ranks)
+    assert odd.returncode == 2
+    assert odd.stderr.strip().splitlines()[-1] == (
+        "adaspec generate: error: --num_speculative_tokens=2: expected 3, rank 0's: every rank "
+        "starts with the same launch line (its own --node_rank, --host and --port aside)")
+    assert front.returncode == 2  # the odd rank left: the front's next collective fails
+    assert "CollectiveError" in front.stderr or "collective " in front.stderr

@@ -337,10 +337,11 @@ def test_cli_unknown_policy_in_the_header_exit_2(
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    ([], "LOG: expected exactly one event log path; usage: adaspec replay LOG [--json]"),
+    ([], "LOG: expected exactly one event log path; usage: adaspec replay LOG "
+         "[--across OTHER_LOG ...] [--json]"),
     (["a.jsonl", "b.jsonl"], "LOG=a.jsonl b.jsonl: expected exactly one event log path; "
-                             "usage: adaspec replay LOG [--json]"),
-    (["--yaml", "a.jsonl"], "--yaml: unknown flag; expected --json"),
+                             "usage: adaspec replay LOG [--across OTHER_LOG ...] [--json]"),
+    (["--yaml", "a.jsonl"], "--yaml: unknown flag; expected --json or --across"),
 ])
 def test_cli_usage_errors_exit_2(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
@@ -357,7 +358,8 @@ def test_cli_missing_log_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[st
 
 def test_cli_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--help"]) == 0
-    assert capsys.readouterr().out.startswith("usage: adaspec replay LOG [--json]")
+    assert capsys.readouterr().out.startswith(
+        "usage: adaspec replay LOG [--across OTHER_LOG ...] [--json]")
 
 
 def test_reading_errors_are_event_log_errors(tmp_path: Path) -> None:

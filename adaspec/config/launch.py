@@ -23,7 +23,7 @@ from adaspec.config.limits import (
     GraphBackend,
 )
 from adaspec.config.rules import check_launch_rules
-from adaspec.errors import ConfigError
+from adaspec.errors import MISSING, ConfigError
 
 Device = Literal["cpu", "cuda", "npu"]
 Algorithm = Literal["none", "MTP", "DSpark"]
@@ -309,7 +309,8 @@ def check_field_type(name: str, value: object, hint: object) -> None:
 def parse_host_port(name: str, text: str) -> tuple[str, int]:
     """Split ``host:port`` (IPv6 hosts in brackets) and check the port and the host."""
     host, sep, port = text.rpartition(":")
-    if not sep or not host.strip() or not port.isdigit() or not 1 <= int(port) <= 65535:
+    if not sep or not host.strip() or not (port.isascii() and port.isdigit()) \
+            or len(port) > 5 or not 1 <= int(port) <= 65535:
         raise ConfigError(f"--{name}", text, "expected host:port with a port in 1..65535")
     bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     if not valid_host(bare) or (bare is host and ":" in host):
@@ -344,8 +345,13 @@ def torchrun_settings(settings: Mapping[str, str], environ: Mapping[str, str]
     """``settings`` with torchrun's rank, world size and rendezvous as the launch's
     --node_rank, --nnodes and --master_node_addr, when every variable of ``TORCHRUN_ENV``
     is set. A flag given as well must say the same, or it is refused naming both."""
-    if not all(name in environ for name in TORCHRUN_ENV):
+    present = [name for name in TORCHRUN_ENV if name in environ]
+    if not present:
         return dict(settings)
+    if len(present) < len(TORCHRUN_ENV):  # a launcher half set up: say so, never guess
+        missing = next(name for name in TORCHRUN_ENV if name not in environ)
+        raise ConfigError(missing, MISSING, f"expected it beside {', '.join(present)} (torchrun "
+                          "sets all four), or none of them for a launch by flags")
     host = environ["MASTER_ADDR"]
     if ":" in host and not host.startswith("["):  # an IPv6 literal
         host = f"[{host}]"
@@ -366,4 +372,5 @@ def torchrun_settings(settings: Mapping[str, str], environ: Mapping[str, str]
 def _normal(text: str) -> str:
     """A rank or size as the number it spells (``02`` is 2); anything else as given."""
     stripped = text.strip()
-    return str(int(stripped)) if stripped.isdigit() else stripped
+    digits = stripped.isascii() and stripped.isdigit() and len(stripped) <= 8
+    return str(int(stripped)) if digits else stripped

@@ -24,7 +24,7 @@ import torch
 
 from adaspec.availability import require_device
 from adaspec.config.effective import EffectiveConfig
-from adaspec.config.launch import LaunchConfig
+from adaspec.config.launch import LaunchConfig, launch_field_types
 from adaspec.config.limits import BUILTIN_DRAFTS, BUILTIN_TARGETS
 from adaspec.config.paths import new_file
 from adaspec.config.requests import MAX_SEED, SamplingParams, check_request, check_room
@@ -203,14 +203,23 @@ def ranks_on_this_host(launch: LaunchConfig) -> int:
     if launch.master_node_addr.startswith(LOOPBACK_HOSTS):
         return launch.world_size
     local = os.environ.get("LOCAL_WORLD_SIZE", "")
-    return int(local) if local.isdigit() and int(local) >= 1 else 1
+    return int(local) if _ascii_number(local) and int(local) >= 1 else 1
+
+
+PER_RANK_SETTINGS = ("node_rank", "host", "port")
+"""Launch settings each rank gives its own value."""
+
+
+def _ascii_number(text: str) -> bool:
+    """Digits int() reads: ASCII ones only (``isdigit`` also takes superscripts)."""
+    return text.isascii() and text.isdigit() and len(text) <= 8
 
 
 def local_rank(launch: LaunchConfig) -> int:
     """This rank's place among the ranks on its host: torchrun's LOCAL_RANK, else
     --node_rank modulo the ranks on this host."""
     local = os.environ.get("LOCAL_RANK", "")
-    if local.isdigit():
+    if _ascii_number(local):
         return int(local)
     return launch.node_rank % ranks_on_this_host(launch)
 
@@ -231,6 +240,22 @@ def rank_device(launch: LaunchConfig) -> torch.device:
     device = torch.device(launch.device, index)
     module.set_device(device)
     return device
+
+
+def check_given_layout(collectives: Collectives, launch: LaunchConfig) -> None:
+    """An engine's collectives hold this launch's ranks: integer ranks and sizes, the
+    launch's TP size and DP shards."""
+    for name in ("tp_rank", "tp_size", "dp_rank", "dp_size"):
+        value = getattr(collectives, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"Runtime(collectives).{name}", value,
+                              "expected a non-negative int")
+    for name, theirs, ours in (("tp_size", collectives.tp_size, launch.resolved.tp_size),
+                               ("dp_size", collectives.dp_size, launch.dp_size)):
+        if theirs != ours:
+            raise ConfigError(f"Runtime(collectives).{name}", theirs,
+                              f"expected {ours}, the launch's --{name} (--nnodes="
+                              f"{launch.nnodes})")
 
 
 def heartbeat_s(launch: LaunchConfig, collectives: Collectives) -> float:
@@ -419,11 +444,8 @@ class Runtime:
         the front. One rank needs none of it."""
         launch = self.launch
         given = self._given
-        if given is not None and given.tp_size * given.dp_size != launch.world_size:
-            raise ConfigError("--nnodes", launch.nnodes,
-                              f"expected {given.tp_size * given.dp_size}: the collectives "
-                              f"passed to Runtime span tp_size={given.tp_size} x "
-                              f"dp_size={given.dp_size} ranks")
+        if given is not None:
+            check_given_layout(given, launch)
         self._collectives, self._link = given or LocalCollectives(), None
         if launch.world_size == 1:
             return
@@ -444,6 +466,7 @@ class Runtime:
             for model in (builtin.target, builtin.mtp, builtin.dspark):
                 split_blocks(model, comm.tp_rank, comm.tp_size, comm.tp_all_reduce)
         self._link = RankLink(comm, rank_of(comm), heartbeat_s(launch, comm))
+        await self._check_same_launch(comm)
 
     @property
     def collectives(self) -> Collectives:
@@ -457,6 +480,23 @@ class Runtime:
         if self._given is None:
             return self.launch.node_rank
         return rank_of(self._given)
+
+    async def _check_same_launch(self, comm: Collectives) -> None:
+        """Every rank starts with rank 0's launch line (its own --node_rank, --host and
+        --port aside): ranks that differ would issue different collectives, which the backend
+        may answer by aborting the process. A rank that differs says which flag, and exits;
+        the others then fail at their next collective."""
+        settings = self.config.launch
+        mine = {name: getattr(settings, name) for name in launch_field_types()
+                if name not in PER_RANK_SETTINGS}
+        data = await asyncio.to_thread(comm.share_from_first_rank, json.dumps(mine).encode(),
+                                       "check_launch")
+        theirs = json.loads(data)
+        for name, value in mine.items():
+            if theirs.get(name) != value:
+                raise ConfigError(f"--{name}", value, f"expected {theirs.get(name)}, rank 0's: "
+                                  "every rank starts with the same launch line (its own "
+                                  "--node_rank, --host and --port aside)")
 
     @property
     def is_front(self) -> bool:

@@ -7,14 +7,15 @@ agreed, and where they first did not. The logs must each be sound on their own (
 checks as ``replay``); request ids are not compared (DP shards decode different requests).
 """
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from adaspec.errors import EventLogError
-from adaspec.runtime.events.log import read_event_log
+from adaspec.runtime.events.log import LogHeader, read_event_log
 from adaspec.runtime.events.replay import check_recorded_run
-from adaspec.runtime.events.types import BudgetDecided, DepthDecided, Event
+from adaspec.runtime.events.types import BudgetDecided, DepthDecided, Event, RequestArrived
 
 Decision = tuple[str, int, int]
 """(what, round, value): ``depth`` with d, or ``G`` with the rows the round was bound to."""
@@ -54,22 +55,73 @@ def decisions(events: Sequence[Event]) -> list[Decision]:
     return made
 
 
+PER_RANK = ("node_rank", "host", "port")
+"""Launch settings each rank of one run gives its own value."""
+
+
 def compare_ranks(paths: Sequence[str]) -> RankAgreement:
-    """Read and check each log, then compare their decisions in order."""
-    if len(set(paths)) != len(paths):
-        raise EventLogError(paths[0], 1, "the same log is named twice; expected one log per "
-                                         "rank")
-    made = []
+    """Read and check each log, check they are the logs of distinct ranks of one run, then
+    compare their decisions in order."""
+    made, runs = [], []
     for path in paths:
         header, events = read_event_log(path)
         check_recorded_run(header, events, path)
         made.append(decisions(events))
+        runs.append(_run_of(header, events, path))
+    _check_one_run(paths, runs)
     first, reference = paths[0], made[0]
     for path, other in zip(paths[1:], made[1:], strict=True):
         difference = first_difference(reference, other, first, path)
         if difference is not None:
             return RankAgreement(tuple(paths), len(reference), difference)
     return RankAgreement(tuple(paths), len(reference), None)
+
+
+@dataclass(frozen=True, slots=True)
+class _RankRun:
+    rank: int
+    nnodes: int
+    shared: str  # the header's config but the per-rank settings, models and seed, as JSON
+    arrivals: str  # every request_arrived event but its time, as JSON
+
+
+def _run_of(header: LogHeader, events: Sequence[Event], path: str) -> _RankRun:
+    config = json.loads(json.dumps(header.config))
+    launch = config["launch"]
+    rank, nnodes = launch["settings"]["node_rank"], launch["settings"]["nnodes"]
+    for section in ("settings", "sources"):
+        for name in PER_RANK:
+            launch[section].pop(name, None)
+    shared = json.dumps({"config": config, "models": dict(header.models),
+                         "seed": header.seed, "lag": header.lag}, sort_keys=True)
+    arrivals = json.dumps([{**event.record(), "time": None} for event in events
+                           if isinstance(event, RequestArrived)], sort_keys=True)
+    return _RankRun(rank=rank, nnodes=nnodes, shared=shared, arrivals=arrivals)
+
+
+def _check_one_run(paths: Sequence[str], runs: Sequence[_RankRun]) -> None:
+    """The logs come from distinct ranks of one multi-rank launch that served the same
+    requests (TP ranks all decode every request)."""
+    first, reference = paths[0], runs[0]
+    if reference.nnodes < 2:
+        raise EventLogError(first, 1, "a log of a one-rank run (--nnodes=1); expected the "
+                                      "logs of the ranks of one multi-rank run")
+    if len(paths) > reference.nnodes:
+        raise EventLogError(first, 1, f"{len(paths)} logs of a run of --nnodes="
+                                      f"{reference.nnodes} ranks; expected one log per rank")
+    seen: dict[int, str] = {}
+    for path, run in zip(paths, runs, strict=True):
+        if run.rank in seen:
+            raise EventLogError(path, 1, f"a log of rank {run.rank} again ({seen[run.rank]} "
+                                         "is one); expected one log per rank")
+        seen[run.rank] = path
+        if run.shared != reference.shared:
+            raise EventLogError(path, 1, f"another run's log: its header's launch, models or "
+                                         f"seed differ from {first}'s beyond the per-rank "
+                                         f"--node_rank, --host and --port")
+        if run.arrivals != reference.arrivals:
+            raise EventLogError(path, 1, f"another run's log: its requests differ from "
+                                         f"{first}'s (every rank serves the same requests)")
 
 
 def first_difference(reference: list[Decision], other: list[Decision], first: str,
