@@ -168,6 +168,11 @@ CROSS_CASES = [
      "--master_node_addr=localhost: expected host:port with a port in 1..65535"),
     ("--master_node_addr=10.0.0.1:0",
      "--master_node_addr=10.0.0.1:0: expected host:port with a port in 1..65535"),
+    # Digits int() cannot read (a superscript) or that no port is spelled in (Arabic-Indic).
+    ("--master_node_addr=10.0.0.1:²",
+     "--master_node_addr=10.0.0.1:²: expected host:port with a port in 1..65535"),
+    ("--master_node_addr=10.0.0.1:٣٠٠٠",
+     "--master_node_addr=10.0.0.1:٣٠٠٠: expected host:port with a port in 1..65535"),
     ("--master_node_addr='a b:29500'",
      "--master_node_addr=a b:29500: expected host:port whose host is a hostname (letters, "
      "digits, '-', '_' and '.'-separated labels of at most 63 characters) or an IP address, "
