@@ -309,8 +309,7 @@ def check_field_type(name: str, value: object, hint: object) -> None:
 def parse_host_port(name: str, text: str) -> tuple[str, int]:
     """Split ``host:port`` (IPv6 hosts in brackets) and check the port and the host."""
     host, sep, port = text.rpartition(":")
-    if not sep or not host.strip() or not (port.isascii() and port.isdigit()) \
-            or len(port) > 5 or not 1 <= int(port) <= 65535:
+    if not sep or not host.strip() or not ascii_digits(port, 5) or not 1 <= int(port) <= 65535:
         raise ConfigError(f"--{name}", text, "expected host:port with a port in 1..65535")
     bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     if not valid_host(bare) or (bare is host and ":" in host):
@@ -334,6 +333,16 @@ def valid_host(text: str) -> bool:
         pass
     name = text[:-1] if text.endswith(".") else text
     return 0 < len(name) <= 253 and all(_LABEL.fullmatch(label) for label in name.split("."))
+
+
+PER_RANK_SETTINGS = ("node_rank", "host", "port")
+"""Launch settings each rank of one launch gives its own value; all others are the same."""
+
+
+def ascii_digits(text: str, most: int = 8) -> bool:
+    """Whether ``text`` is at most ``most`` ASCII digits: what int() reads as a count
+    (``isdigit`` alone also takes superscripts, which int() refuses)."""
+    return text.isascii() and text.isdigit() and len(text) <= most
 
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -372,5 +381,4 @@ def torchrun_settings(settings: Mapping[str, str], environ: Mapping[str, str]
 def _normal(text: str) -> str:
     """A rank or size as the number it spells (``02`` is 2); anything else as given."""
     stripped = text.strip()
-    digits = stripped.isascii() and stripped.isdigit() and len(stripped) <= 8
-    return str(int(stripped)) if digits else stripped
+    return str(int(stripped)) if ascii_digits(stripped) else stripped

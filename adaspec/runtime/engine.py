@@ -24,7 +24,12 @@ import torch
 
 from adaspec.availability import require_device
 from adaspec.config.effective import EffectiveConfig
-from adaspec.config.launch import LaunchConfig, launch_field_types
+from adaspec.config.launch import (
+    PER_RANK_SETTINGS,
+    LaunchConfig,
+    ascii_digits,
+    launch_field_types,
+)
 from adaspec.config.limits import BUILTIN_DRAFTS, BUILTIN_TARGETS
 from adaspec.config.paths import new_file
 from adaspec.config.requests import MAX_SEED, SamplingParams, check_request, check_room
@@ -203,23 +208,14 @@ def ranks_on_this_host(launch: LaunchConfig) -> int:
     if launch.master_node_addr.startswith(LOOPBACK_HOSTS):
         return launch.world_size
     local = os.environ.get("LOCAL_WORLD_SIZE", "")
-    return int(local) if _ascii_number(local) and int(local) >= 1 else 1
-
-
-PER_RANK_SETTINGS = ("node_rank", "host", "port")
-"""Launch settings each rank gives its own value."""
-
-
-def _ascii_number(text: str) -> bool:
-    """Digits int() reads: ASCII ones only (``isdigit`` also takes superscripts)."""
-    return text.isascii() and text.isdigit() and len(text) <= 8
+    return int(local) if ascii_digits(local) and int(local) >= 1 else 1
 
 
 def local_rank(launch: LaunchConfig) -> int:
     """This rank's place among the ranks on its host: torchrun's LOCAL_RANK, else
     --node_rank modulo the ranks on this host."""
     local = os.environ.get("LOCAL_RANK", "")
-    if _ascii_number(local):
+    if ascii_digits(local):
         return int(local)
     return launch.node_rank % ranks_on_this_host(launch)
 

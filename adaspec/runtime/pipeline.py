@@ -52,7 +52,6 @@ from adaspec.runtime.events.types import (
 from adaspec.runtime.kv_slots import HoldsKvSlot, KvSlotPool
 from adaspec.runtime.ranks import (
     Arrival,
-    FollowerRefused,
     ForcedPoint,
     Plan,
     RankFault,
@@ -211,9 +210,8 @@ class Pipeline:
         self.point: ForcedPoint | None = None
 
     def add(self, request: Request) -> None:
-        if self.link is not None and not self.link.front:
-            raise FollowerRefused(f"rank {self.link.rank} decodes the requests of rank 0, the "
-                                  f"front; submit them there")
+        # Runtime.submit refuses requests on a rank behind the front (FollowerRefused).
+        assert self.link is None or self.link.front, "requests reach followers by plan"
         (self.waiting if self.link is None else self.arrived).append(request)
         self.idle.clear()
         self.wake.set()

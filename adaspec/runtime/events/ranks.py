@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from adaspec.config.launch import PER_RANK_SETTINGS
 from adaspec.errors import EventLogError
 from adaspec.runtime.events.log import LogHeader, read_event_log
 from adaspec.runtime.events.replay import check_recorded_run
@@ -55,10 +56,6 @@ def decisions(events: Sequence[Event]) -> list[Decision]:
     return made
 
 
-PER_RANK = ("node_rank", "host", "port")
-"""Launch settings each rank of one run gives its own value."""
-
-
 def compare_ranks(paths: Sequence[str]) -> RankAgreement:
     """Read and check each log, check they are the logs of distinct ranks of one run, then
     compare their decisions in order."""
@@ -90,7 +87,7 @@ def _run_of(header: LogHeader, events: Sequence[Event], path: str) -> _RankRun:
     launch = config["launch"]
     rank, nnodes = launch["settings"]["node_rank"], launch["settings"]["nnodes"]
     for section in ("settings", "sources"):
-        for name in PER_RANK:
+        for name in PER_RANK_SETTINGS:
             launch[section].pop(name, None)
     shared = json.dumps({"config": config, "models": dict(header.models),
                          "seed": header.seed, "lag": header.lag}, sort_keys=True)
