@@ -83,10 +83,6 @@ TRACE_ENV = "ADASPEC_TRACE"
 
 LOG = logging.getLogger("adaspec")
 
-RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=10)
-"""The least time ranks wait for each other to start: loading weights on a busy host may
-take far longer than any collective of a round should."""
-
 ABANDONED = ("stop() was called while the runtime was starting; the start was abandoned: "
              "start it again")
 
@@ -454,7 +450,9 @@ class Runtime:
                 rank=launch.node_rank, world_size=launch.world_size,
                 tp_size=launch.resolved.tp_size, dp_size=launch.dp_size,
                 init_method=f"tcp://{launch.master_node_addr}", device=launch.device,
-                timeout=timeout, rendezvous_timeout=max(timeout, RENDEZVOUS_TIMEOUT))
+                # A rank that has not arrived within the timeout is as good as dead: the
+                # others say so in one line instead of waiting on in silence.
+                timeout=timeout, rendezvous_timeout=timeout)
         comm = self._collectives
         if launch.device == "cpu":
             share_cores(ranks_on_this_host(launch))
