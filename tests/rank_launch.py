@@ -66,3 +66,15 @@ def finish(ranks: list[subprocess.Popen[str]]) -> list[RankRun]:
 
 def run_ranks(nnodes: int, argv: list[str]) -> list[RankRun]:
     return finish(start_ranks(nnodes, argv))
+
+
+def front_tokens(runs: list[RankRun], tp_size: int) -> list[list[int]]:
+    """The front's tokens per request, once every rank exited cleanly and the TP ranks of
+    each DP shard committed the same tokens (shards decode different requests)."""
+    for run in runs:
+        assert run.returncode == 0, run.stderr
+    assert all(not run.stdout for run in runs[1:])  # the front alone prints results
+    if tp_size > 1:
+        for first in range(0, len(runs), tp_size):
+            assert len({run.digest() for run in runs[first:first + tp_size]}) == 1
+    return [r["token_ids"] for r in runs[0].json()["results"]]

@@ -34,6 +34,7 @@ from adaspec.runtime.events.types import (
     RoundFailed,
     RoundRetired,
     RoundSubmitted,
+    ShardRetired,
     StageCompleted,
 )
 
@@ -66,6 +67,7 @@ def one_of_each() -> list[Event]:
                                             depth=3, legal_rows=(2, 4, 8), retired_through=-1)),
         StageCompleted(time=2.0, round=0, slot=0, stage="verify"),
         RoundRetired(time=2.5, round=0, slot=0, feedback=feedback),
+        ShardRetired(time=2.75, round=0, slot=0, feedback=feedback),
         RoundFailed(time=3.0, round=1, slot=1, stage="sample", error="RuntimeError",
                     message="device lost", request_ids=(2,)),
         RequestFinished(time=3.5, request_id=1, reason="stop", num_tokens=9),
@@ -219,7 +221,7 @@ def test_a_truncated_last_line_says_it_was_cut_short(tmp_path: Path) -> None:
     def edit(lines: list[str]) -> None:
         lines[-1] = lines[-1][:25]
 
-    read_error(damaged(tmp_path, edit), 9,
+    read_error(damaged(tmp_path, edit), 10,
                r"invalid JSON: Unterminated string starting at: column \d+; the last line is "
                r"cut short "
                r"\(did the run stop before closing the log\?\)")
@@ -242,7 +244,7 @@ def test_an_unknown_event_kind(tmp_path: Path) -> None:
     read_error(damaged(tmp_path, edit), 6, re.escape(
         'unknown event kind "stage_started"; expected one of request_arrived, '
         "request_finished, round_submitted, depth_decided, budget_decided, stage_completed, "
-        "round_retired, round_failed"))
+        "round_retired, shard_retired, round_failed"))
 
 
 def test_a_missing_field(tmp_path: Path) -> None:

@@ -125,8 +125,12 @@ RANKS_BY_TORCHRUN = ("torchrun --nproc-per-node=2 -m adaspec generate "
                      "--speculative_algorithm=MTP --num_speculative_tokens=3 "
                      "--prompt \"ROMEO.\" --max_tokens 32 --temperature 0")
 RANKS = (RANKS_BY_HAND, RANKS_BY_TORCHRUN)
+SPEC_DP2 = next(command for command in fenced_commands()
+                if command.startswith("for rank in 0 1 2 3; do adaspec generate --nnodes=4 "))
+"""The specification's DP=2 line on four ranks: tests/test_data_parallel.py runs its launch
+flags on four ranks (on a small calibration grid); here each rank's line must parse."""
 
-FENCED = TOP | set(SHORT) | set(COSTS) | set(RANKS)
+FENCED = TOP | set(SHORT) | set(COSTS) | set(RANKS) | {SPEC_DP2}
 
 INLINE = {
     "adaspec bench": "help",  # the full bench: eleven minutes; its --help must parse
@@ -206,6 +210,19 @@ def test_both_ways_of_starting_two_ranks_run_as_written(command: str, tmp_path: 
     out = succeeds(command, tmp_path)
     assert out.count("ROMEO.") == 1  # rank 0 alone prints the result
     assert "tokens/s" in out
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_specifications_dp2_line_parses_on_every_rank(tmp_path: Path) -> None:
+    generate = SPEC_DP2.split("do adaspec generate ", 1)[1].split(" & done", 1)[0]
+    flags = generate.split(" --prompt ", 1)[0]
+    from test_data_parallel import SPEC_DP2 as TESTED
+    assert set(TESTED) <= set(flags.split())  # the test runs these very flags
+    for rank in range(4):
+        out = json.loads(succeeds(f"adaspec config {flags.replace('$rank', str(rank))}",
+                                  tmp_path))
+        settings = out["launch"]["settings"]
+        assert (settings["node_rank"], settings["dp_size"], settings["nnodes"]) == (rank, 2, 4)
     assert list(tmp_path.iterdir()) == []
 
 

@@ -379,6 +379,9 @@ class CalibrationDriver:
         self.pipeline, self.bus, self.vocab_size = pipeline, bus, vocab_size
         self.forced, self.forced_depth = forced, forced_depth
         self._next_id = 0
+        # Request buckets are per-shard capacities: a window of bucket 4 with two DP shards
+        # decodes eight requests, four on each (the front assigns them to the least loaded).
+        self.shards = 1 if pipeline.link is None else pipeline.link.dp_size
 
     def submit(self, prompt: list[int], params: SamplingParams) -> Request:
         request = Request(id=self._next_id, prompt=tuple(prompt), params=params)
@@ -403,7 +406,7 @@ async def measure_window(driver: CalibrationDriver, settings: CalibrationConfig,
     params = SamplingParams(temperature=0.0, max_tokens=1 << 20)
     requests = [driver.submit(synthetic_prompt(settings.token_seed, first_id + i,
                                                context.prefill_tokens, driver.vocab_size),
-                              params) for i in range(bucket)]
+                              params) for i in range(bucket * driver.shards)]
     # Requests that all ended (their context filled, or a fault failed them) retire no more
     # rounds, so the wait also ends when they do.
     all_ended = asyncio.ensure_future(asyncio.gather(*(r.done.wait() for r in requests)))
@@ -453,7 +456,7 @@ async def calibrate(driver: CalibrationDriver, plan: CalibrationPlan,
                 depth, rows = plan.shape(axis, bucket, second)
                 seconds = await measure_window(driver, settings, context, bucket, depth, rows,
                                                first_id)
-                first_id += bucket
+                first_id += bucket * driver.shards
                 done += 1
                 samples.setdefault(axis, []).append(CostSample(bucket, second, seconds))
                 report(PointMeasured(done, plan.num_windows, index, window, bucket, rows,

@@ -184,10 +184,6 @@ MODEL_ROLES = ("target", "mtp", "dspark")
 
 def check_ranks_supported(launch: LaunchConfig) -> None:
     """What several ranks cannot run yet is refused before anything loads."""
-    if launch.dp_size != 1:
-        raise ConfigError("--dp_size", launch.dp_size,
-                          "expected 1: DP shards in separate processes are not supported yet; "
-                          "use --tp_size to split the model across ranks")
     if launch.cp_size != 1:
         raise ConfigError("--cp_size", launch.cp_size,
                           "expected 1: context parallelism is not supported; use --tp_size "
@@ -816,7 +812,8 @@ class Runtime:
         if unknown is not None:  # it could never be sampled: the request would never stop
             raise InvalidRequest("stop", unknown, f"expected token ids in 0..{vocab - 1}")
         request = Request(id=next(self._ids), prompt=ids, params=params)
-        self.bus.publish(RequestArrived.of(request, self.clock.now()))
+        if pipeline.link is None:  # with several ranks, once the plan gives it a shard
+            self.bus.publish(RequestArrived.of(request, self.clock.now()))
         pipeline.add(request)
         return RequestHandle(request, self._cancel)
 

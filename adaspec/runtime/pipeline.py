@@ -13,6 +13,7 @@ one handler.
 """
 
 import asyncio
+import enum
 import functools
 import hashlib
 import operator
@@ -47,15 +48,19 @@ from adaspec.runtime.events.types import (
     RoundFailed,
     RoundRetired,
     RoundSubmitted,
+    ShardRetired,
     StageCompleted,
 )
 from adaspec.runtime.kv_slots import HoldsKvSlot, KvSlotPool
 from adaspec.runtime.ranks import (
     Arrival,
+    Delivery,
     ForcedPoint,
     Plan,
     RankFault,
     RankLink,
+    ShardsView,
+    ShardTurn,
 )
 from adaspec.runtime.requests import Request, RequestFailed
 from adaspec.runtime.rounds import (
@@ -84,6 +89,35 @@ class PendingPrefill:
     admitted: list[Request]
     inputs: PrefillInputs  # rides along until retirement: its device memory outlives the work
     round: int
+
+
+class Step(enum.Enum):
+    """What one turn of the loop left to do."""
+
+    BUSY = "busy"  # it ran or retired something: take the next turn at once
+    IDLE = "idle"  # nothing to run: wait for something to change
+    DONE = "done"  # stopped, and nothing is left
+
+
+@dataclass(frozen=True, slots=True)
+class IdleRound:
+    """A round that every other DP shard runs while this one has no request: it decides
+    alike and takes the round's number, and has nothing to run or retire."""
+
+    round: int
+
+
+@dataclass(frozen=True, slots=True)
+class CommonBatch:
+    """What a round's decisions see of its batch: this shard's, or with DP shards every
+    shard's (the common physical graph holds the largest)."""
+
+    num_reqs: int  # B (the largest shard's with DP)
+    bucket: int  # Bcap
+    legal_rows: tuple[int, ...]
+    request_ids: tuple[int, ...]
+    max_kv_length: int
+    shard_sizes: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -185,7 +219,7 @@ class Pipeline:
         self.kv_slots = KvSlotPool(ctx.states.scratch)
         self.ending: list[Request] = []  # left out of rounds until their last round retires
         # Device work not yet retired, in stream order.
-        self.pending: deque[PendingPrefill | RoundRecord] = deque()
+        self.pending: deque[PendingPrefill | RoundRecord | IdleRound] = deque()
         self._legal_rows: dict[int, tuple[int, ...]] = {}
         # Bumped whenever a request joins ``active`` or ends: the batch facts are rebuilt then.
         self._composition = 0
@@ -204,6 +238,15 @@ class Pipeline:
         self.cancelled: list[int] = []
         self.stop_asked = False
         self.commits = hashlib.sha256()
+        # DP shards (ranks.py): the shard's retired feedback until the next turn shares it;
+        # behind the front, what its requests got since; on the front, the requests that
+        # other shards decode, by id.
+        self.sharded = link is not None and link.dp_size > 1
+        self.shard = 0 if link is None else link.shard
+        self.unshared: list[RoundFeedback] = []
+        self.reported: dict[int, int] = {}  # tokens of each request sent to the front
+        self.ended_since: list[Request] = []
+        self.remote: dict[int, tuple[int, Request]] = {}
         # Calibration: how its forced policies take a window's point, and the point waiting
         # for the next plan.
         self.apply_point: Callable[[ForcedPoint], None] | None = None
@@ -218,8 +261,11 @@ class Pipeline:
 
     def find(self, request_id: int) -> Request | None:
         """A request that has not ended, by id (ended ones are forgotten)."""
-        return next((r for r in (*self.active, *self.waiting, *self.arrived)
-                     if r.id == request_id), None)
+        found = next((r for r in (*self.active, *self.waiting, *self.arrived)
+                      if r.id == request_id), None)
+        if found is None and request_id in self.remote:
+            found = self.remote[request_id][1]
+        return found
 
     def cancel(self, request: Request) -> None:
         """Cancellation between rounds: the request ends now (with several ranks, at the
@@ -279,6 +325,10 @@ class Pipeline:
         for request in [*self.active, *self.waiting, *self.arrived]:
             if request.running:
                 self._fail_request(request, reason)
+        for _, request in self.remote.values():
+            if request.running:
+                request.fail(RequestFailed(request.id, reason))
+        self.remote.clear()
         self.waiting.clear()
         self.arrived.clear()
 
@@ -289,32 +339,59 @@ class Pipeline:
                 await self._agree(self.link)
             self._admit()
             facts = self._batch_facts()
-            if facts is not None:
-                await self._submit(facts)
-                continue
-            if self.pending:
-                await self._retire_next()
-                continue
-            if self.stopping and not self.waiting:
+            step = await (self._shard_step(facts) if self.sharded else self._own_step(facts))
+            if step is Step.DONE:
                 return
-            self.wake.clear()
-            self.idle.set()
-            if self.link is None:
-                await self.wake.wait()
-            elif self.link.front and not (self.arrived or self.cancelled or self.stop_asked
-                                          or self.point):
-                # A follower goes straight to the next plan; the front sends one when
-                # something changes, or an empty one each heartbeat.
-                try:
-                    await asyncio.wait_for(self.wake.wait(), self.link.heartbeat_s)
-                except TimeoutError:
-                    pass
+            if step is Step.IDLE:
+                await self._wait()
+
+    async def _own_step(self, facts: BatchFacts | None) -> Step:
+        """One rank, or TP ranks in lockstep: run a round if there is a batch, else retire
+        what the device finished."""
+        if facts is not None:
+            await self._submit(facts, self._own_batch(facts))
+            return Step.BUSY
+        if self.pending:
+            await self._retire_next()
+            return Step.BUSY
+        return Step.DONE if self.stopping and not self.waiting else Step.IDLE
+
+    async def _shard_step(self, facts: BatchFacts | None) -> Step:
+        """DP shards: every shard's turn decides for all of them whether a round runs (an
+        idle shard takes part), whether to retire, and when to stop."""
+        assert self.link is not None
+        view = await self.link.exchange(self._turn(facts))
+        self._take_turns(view)
+        if view.num_reqs:
+            await self._submit(facts, self._common_batch(view))
+            return Step.BUSY
+        if view.pending:  # every shard retires all it has: round numbers stay common
+            while self.pending:
+                await self._retire_next()
+            return Step.BUSY
+        return Step.DONE if self.stopping and not view.waiting else Step.IDLE
+
+    async def _wait(self) -> None:
+        """Nothing to run: wait for a request, a cancellation or the stop (with several
+        ranks, for the next plan)."""
+        self.wake.clear()
+        self.idle.set()
+        if self.link is None:
+            await self.wake.wait()
+        elif self.link.front and not (self.arrived or self.cancelled or self.stop_asked
+                                      or self.point):
+            # A follower goes straight to the next plan; the front sends one when
+            # something changes, or an empty one each heartbeat.
+            try:
+                await asyncio.wait_for(self.wake.wait(), self.link.heartbeat_s)
+            except TimeoutError:
+                pass
 
     async def _agree(self, link: RankLink) -> None:
         """Apply the front's plan: its new requests join ``waiting``, its cancellations end
         their requests, its stop stops the loop, on every rank at this same point."""
-        proposal = Plan(arrivals=tuple(map(Arrival.of, self.arrived)),
-                        cancels=tuple(self.cancelled), stop=self.stop_asked, point=self.point)
+        proposal = Plan(arrivals=self._assign(self.arrived), cancels=tuple(self.cancelled),
+                        stop=self.stop_asked, point=self.point)
         plan = await link.agree(proposal)
         # Taken off only once shared: a plan that failed leaves them for fail_all, and what
         # came in during the agreement waits for the next plan.
@@ -324,18 +401,151 @@ class Pipeline:
             self.point = None
         if plan.point is not None and self.apply_point is not None:
             self.apply_point(plan.point)
-        if not link.front:
-            arrived = [a.request() for a in plan.arrivals]
-            if self.bus.listening:  # each rank's event log tells of every request it decodes
-                for request in arrived:
-                    self.publish(RequestArrived.of(request, self.now()))
-        self.waiting.extend(arrived)
+        self._take_arrivals(plan.arrivals, arrived if link.front else
+                            [a.request() for a in plan.arrivals])
         for request_id in plan.cancels:
             ended = self.find(request_id)
-            if ended is not None and ended.running:
-                self._finish(ended, "cancelled")
+            if ended is not None and ended.running and request_id not in self.remote:
+                self._finish(ended, "cancelled")  # a remote one: its shard's turn ends it
         if plan.stop:
             self.stopping = True
+
+    def _take_arrivals(self, arrivals: tuple[Arrival, ...], requests: list[Request]) -> None:
+        """This shard's arrivals join ``waiting``; the front keeps the others' handles, whose
+        shards' turns bring their tokens."""
+        mine = []
+        for request, arrival in zip(requests, arrivals, strict=True):
+            if arrival.shard == self.shard:
+                mine.append(request)
+            elif self.link is not None and self.link.front:
+                self.remote[request.id] = (arrival.shard, request)
+        if self.bus.listening:  # each rank's event log tells of every request it decodes
+            for request in mine:
+                self.publish(RequestArrived.of(request, self.now()))
+        self.waiting.extend(mine)
+
+    # --- DP shards (ranks.py) --------------------------------------------------------------
+    def _assign(self, arrivals: list[Request]) -> tuple[Arrival, ...]:
+        """The front puts each arrival on the shard with the fewest requests not ended
+        (ties: the lowest shard)."""
+        if not self.sharded:
+            return tuple(map(Arrival.of, arrivals))
+        assert self.link is not None
+        load = [0] * self.link.dp_size
+        ending = set(self.cancelled)  # their shards end them at this very plan
+
+        def counts(request: Request) -> bool:
+            return request.running and request.id not in ending
+
+        load[self.shard] = sum(map(counts, (*self.active, *self.waiting)))
+        for shard, request in self.remote.values():
+            load[shard] += counts(request)
+        assigned = []
+        for request in arrivals:
+            shard = load.index(min(load))
+            load[shard] += 1
+            assigned.append(Arrival.of(request, shard))
+        return tuple(assigned)
+
+    def _turn(self, facts: BatchFacts | None) -> ShardTurn:
+        """This shard's turn: its feedback retired since the last one, its next batch, and
+        (behind the front) what its requests got."""
+        retired, self.unshared = tuple(self.unshared), []
+        return ShardTurn(shard=self.shard, retired=retired,
+                         deliveries=() if self.shard == 0 else self._deliveries(),
+                         request_ids=() if facts is None else facts.request_ids,
+                         max_kv_length=0 if facts is None else self._kv_bound(facts.batch),
+                         waiting=len(self.waiting), pending=bool(self.pending))
+
+    def _deliveries(self) -> tuple[Delivery, ...]:
+        out = []
+        ended, self.ended_since = self.ended_since, []
+        for request in (*self.active, *ended):
+            sent = self.reported.get(request.id, 0)
+            if len(request.tokens) == sent and request.running:
+                continue
+            end = "" if request.running else request.finish_reason or "failed"
+            error = request.error
+            message = getattr(error, "reason", str(error)) if error is not None else ""
+            out.append(Delivery(id=request.id, tokens=tuple(request.tokens[sent:]),
+                                rounds=request.rounds, verified=request.verified,
+                                accepted=request.accepted, end=end, message=message))
+            if request.running:
+                self.reported[request.id] = len(request.tokens)
+            else:
+                self.reported.pop(request.id, None)
+        return tuple(out)
+
+    def _take_turns(self, view: ShardsView) -> None:
+        """Observe every shard's retired feedback (each rank in the same order) and, on the
+        front, hand other shards' requests what they got."""
+        front = self.link is not None and self.link.front
+        for feedback in view.retired():
+            self.depth_policy.observe(feedback)
+            self.budget_policy.observe(feedback)
+            if front and feedback.shard != self.shard:
+                self._count_remote(feedback)
+            if self.bus.listening:
+                slot = feedback.round % 2 if self.lag == 2 else 0
+                kind = RoundRetired if feedback.shard == self.shard else ShardRetired
+                self.publish(kind(time=self.now(), round=feedback.round, slot=slot,
+                                  feedback=feedback))
+        if self.remote:
+            for turn in view.turns:
+                for delivery in turn.deliveries:
+                    self._deliver_remote(delivery)
+
+    def _count_remote(self, feedback: RoundFeedback) -> None:
+        """The front's statistics count every shard's requests: another shard's round adds
+        its request-rounds, drafts and rows (its rounds are the front's own rounds)."""
+        counters = self.counters
+        counters.request_rounds += feedback.num_reqs
+        counters.drafted_verified += sum(feedback.verify_lengths)
+        counters.drafted_accepted += sum(feedback.num_accepted)
+        counters.rows_verified += feedback.num_rows
+        counters.outcomes.update(zip(feedback.verify_lengths, feedback.num_accepted,
+                                     strict=True))
+
+    def _deliver_remote(self, delivery: Delivery) -> None:
+        entry = self.remote.get(delivery.id)
+        if entry is None:
+            return
+        request = entry[1]
+        request.rounds, request.verified = delivery.rounds, delivery.verified
+        request.accepted = delivery.accepted
+        if delivery.tokens:
+            request.emit(list(delivery.tokens))
+            self.counters.tokens_generated += len(delivery.tokens)
+        if not delivery.end:
+            return
+        del self.remote[delivery.id]
+        if delivery.end == "failed":
+            request.fail(RequestFailed(request.id, delivery.message))
+            self.counters.requests_failed += 1
+        else:
+            request.finish(delivery.end)
+            self.counters.requests_finished += 1
+        self.wake.set()
+
+    def _common_batch(self, view: ShardsView) -> CommonBatch:
+        """The decisions' view of a round every shard runs: the common graph's bucket holds
+        the largest shard's batch."""
+        num_reqs = view.num_reqs
+        bucket = self.geometry.request_bucket(num_reqs)
+        return CommonBatch(num_reqs=num_reqs, bucket=bucket, legal_rows=self._rows_of(bucket),
+                           request_ids=view.request_ids, max_kv_length=view.max_kv_length,
+                           shard_sizes=view.sizes)
+
+    def _own_batch(self, facts: BatchFacts) -> CommonBatch:
+        return CommonBatch(num_reqs=len(facts.batch), bucket=facts.bucket,
+                           legal_rows=facts.legal_rows, request_ids=facts.request_ids,
+                           max_kv_length=self._kv_bound(facts.batch))
+
+    def _rows_of(self, bucket: int) -> tuple[int, ...]:
+        legal_rows = self._legal_rows.get(bucket)
+        if legal_rows is None:
+            legal_rows = self._legal_rows[bucket] = self.geometry.legal_rows(bucket)
+        return legal_rows
 
     async def _retire_due(self) -> None:
         """Retire everything submitted before round ``next_round - lag`` included."""
@@ -350,6 +560,10 @@ class Pipeline:
         entry = self.pending.popleft()
         if isinstance(entry, PendingPrefill):
             await self._retire_prefill(entry.completion, entry.admitted)
+        elif isinstance(entry, IdleRound):
+            self.in_flight.discard(entry.round)
+            self.retired_through = entry.round
+            self.next_round = max(self.next_round, entry.round + self.lag)
         else:
             await self._retire_round(entry)
         # A KV slot is reused only once no round in flight includes its request: such a
@@ -369,15 +583,16 @@ class Pipeline:
 
     def _derive_facts(self, batch: list[Request]) -> BatchFacts:
         bucket = self.geometry.request_bucket(len(batch))
-        legal_rows = self._legal_rows.get(bucket)
-        if legal_rows is None:
-            legal_rows = self._legal_rows[bucket] = self.geometry.legal_rows(bucket)
-        padded = [r.kv_slot for r in batch] + [self.ctx.states.scratch] * (bucket - len(batch))
-        return BatchFacts(batch=batch, bucket=bucket,
-                          kv_slots=torch.tensor(padded, dtype=torch.int64, device=self.ctx.device),
-                          request_ids=tuple(r.id for r in batch), legal_rows=legal_rows,
+        return BatchFacts(batch=batch, bucket=bucket, kv_slots=self._padded(batch, bucket),
+                          request_ids=tuple(r.id for r in batch),
+                          legal_rows=self._rows_of(bucket),
                           all_greedy=not any(r.params.temperature for r in batch),
                           any_stop=any(r.params.stop for r in batch))
+
+    def _padded(self, batch: list[Request], bucket: int) -> torch.Tensor:
+        """[Bcap] the batch's KV slots, padded with the scratch KV slot."""
+        padded = [r.kv_slot for r in batch] + [self.ctx.states.scratch] * (bucket - len(batch))
+        return torch.tensor(padded, dtype=torch.int64, device=self.ctx.device)
 
     def _admit(self) -> None:
         if not self.waiting:
@@ -437,14 +652,25 @@ class Pipeline:
                 self._finish(request, "stop" if stop else "length")
 
     # --- decisions and submission ----------------------------------------------------------
-    async def _submit(self, facts: BatchFacts) -> None:
+    async def _submit(self, facts: BatchFacts | None, common: CommonBatch) -> None:
+        """Decide round n from ``common`` and run it on this shard's batch ``facts`` (None:
+        the shard is idle while other shards run the round)."""
         number = self.next_round
         self.next_round += 1
         slot = number % 2 if self.lag == 2 else 0
-        batch, bucket = facts.batch, facts.bucket
-        depth = self._decide_depth(number, slot, facts)
-        num_rows, verify = self._decide_rows(number, slot, facts, depth)
-        inputs = RoundInputs(round=number, kv_slots=facts.kv_slots, depth=depth, num_rows=num_rows,
+        bucket = common.bucket
+        depth = self._decide_depth(number, slot, common)
+        num_rows, verify = self._decide_rows(number, slot, common, depth)
+        if facts is None:
+            if self.bus.listening:
+                self.publish(RoundSubmitted(time=self.now(), round=number, slot=slot,
+                                            request_ids=(), num_reqs_bucket=bucket))
+            self.in_flight.add(number)
+            self.pending.append(IdleRound(number))
+            return
+        batch = facts.batch
+        kv_slots = facts.kv_slots if bucket == facts.bucket else self._padded(batch, bucket)
+        inputs = RoundInputs(round=number, kv_slots=kv_slots, depth=depth, num_rows=num_rows,
                              all_greedy=facts.all_greedy, verify=verify,
                              any_stop=facts.any_stop)
         record = RoundRecord(round=number, slot=slot, batch=batch, num_reqs_bucket=bucket,
@@ -478,11 +704,11 @@ class Pipeline:
         longest: int = max(map(CONTEXT_LENGTH, batch))
         return min(longest + 1 + self.lag * (self.width + 1), self.ctx.target.context_limit)
 
-    def _decide_depth(self, number: int, slot: int, facts: BatchFacts) -> int:
-        context = DepthContext(round=number, num_reqs=len(facts.batch),
-                               num_reqs_bucket=facts.bucket, width=self.width,
+    def _decide_depth(self, number: int, slot: int, common: CommonBatch) -> int:
+        context = DepthContext(round=number, num_reqs=common.num_reqs,
+                               num_reqs_bucket=common.bucket, width=self.width,
                                retired_through=self.retired_through,
-                               max_kv_length=self._kv_bound(facts.batch))
+                               max_kv_length=common.max_kv_length)
         depth = self.depth_policy.decide(context)
         if not (self.width == 0 and depth == 0) and not 1 <= depth <= self.width:
             raise AdaspecError(f"depth policy {self.depth_policy.name} chose depth {depth}; "
@@ -492,14 +718,15 @@ class Pipeline:
                                       context=context, depth=depth))
         return depth
 
-    def _decide_rows(self, number: int, slot: int, facts: BatchFacts, depth: int
+    def _decide_rows(self, number: int, slot: int, common: CommonBatch, depth: int
                      ) -> tuple[int, Binding]:
-        batch, bucket, legal_rows = facts.batch, facts.bucket, facts.legal_rows
-        context = BudgetContext(round=number, num_reqs=len(batch), num_reqs_bucket=bucket,
+        bucket, legal_rows = common.bucket, common.legal_rows
+        context = BudgetContext(round=number, num_reqs=common.num_reqs, num_reqs_bucket=bucket,
                                 width=self.width, depth=depth, legal_rows=legal_rows,
                                 retired_through=self.retired_through,
-                                request_ids=facts.request_ids,
-                                max_kv_length=self._kv_bound(batch))
+                                request_ids=common.request_ids,
+                                max_kv_length=common.max_kv_length,
+                                shard_sizes=common.shard_sizes)
         chosen = self.budget_policy.decide(context)
         if chosen not in legal_rows:
             raise AdaspecError(f"budget policy {self.budget_policy.name} chose G={chosen}; "
@@ -637,10 +864,13 @@ class Pipeline:
         feedback = self._feedback(record, host)
         if self.ending:
             self._check_ending()
-        self.depth_policy.observe(feedback)
-        self.budget_policy.observe(feedback)
         self.counters.rounds_retired += 1
         self.counters.rows_verified += record.num_rows
+        if self.sharded:  # observed once every shard's turn shared it
+            self.unshared.append(feedback)
+            return
+        self.depth_policy.observe(feedback)
+        self.budget_policy.observe(feedback)
         if self.bus.listening:
             self.publish(RoundRetired(time=self.now(), round=record.round, slot=record.slot,
                                       feedback=feedback))
@@ -681,7 +911,7 @@ class Pipeline:
             verify_lengths=column(lengths), num_accepted=column(accepted),
             confidences=() if confidences is None else tuple(map(tuple, column(confidences))),
             request_ids=record.request_ids if every else
-            tuple(record.request_ids[i] for i in rows))
+            tuple(record.request_ids[i] for i in rows), shard=self.shard)
 
     def _deliver(self, record: RoundRecord, rows: "range | list[int]", lengths: list[int],
                  accepted: list[int], host: RetiredRound) -> None:
@@ -787,6 +1017,8 @@ class Pipeline:
         self._composition += 1
         if request in self.active:
             self.active.remove(request)
+        if self.sharded and self.shard != 0:
+            self.ended_since.append(request)
         self.kv_slots.hold(request)
         self.wake.set()
 

@@ -12,6 +12,15 @@ A plan travels as JSON over the host group's broadcast: it holds only ints, floa
 lists. While the front has nothing to do it still sends an empty plan every
 ``heartbeat_s``, so a rank that waits for the next plan can tell a quiet front from a dead
 one by the collective timeout.
+
+With DP shards the ranks no longer decode the same requests: the front assigns each
+arrival to a shard in the plan, and each shard's state (its batch, what its rounds
+retired) is its own. So once per loop turn, after admission, every rank also gathers every
+shard's ``ShardTurn``: the feedback its rounds retired, the batch its next round holds and
+whether it still has work. From that every rank observes the same feedback in the same
+order (round, then shard) and builds the same decision contexts, so every shard decides the
+same depth and G, and every rank agrees whether a round runs at all, and when to stop. The
+front takes the tokens of the requests other shards decode from their turns.
 """
 
 import asyncio
@@ -20,6 +29,7 @@ from dataclasses import asdict, dataclass
 
 from adaspec.config.requests import SamplingParams
 from adaspec.errors import AdaspecError
+from adaspec.policies.base import RoundFeedback
 from adaspec.runtime.devices.collectives import Collectives
 from adaspec.runtime.requests import Request
 
@@ -31,10 +41,11 @@ class Arrival:
     id: int
     prompt: tuple[int, ...]
     params: SamplingParams
+    shard: int = 0  # the DP shard the front assigned it to
 
     @classmethod
-    def of(cls, request: Request) -> "Arrival":
-        return cls(id=request.id, prompt=request.prompt, params=request.params)
+    def of(cls, request: Request, shard: int = 0) -> "Arrival":
+        return cls(id=request.id, prompt=request.prompt, params=request.params, shard=shard)
 
     def request(self) -> Request:
         return Request(id=self.id, prompt=self.prompt, params=self.params)
@@ -60,7 +71,7 @@ class Plan:
     point: ForcedPoint | None = None  # calibration: the next window's point
 
     def encode(self) -> bytes:
-        return json.dumps({"arrivals": [[a.id, list(a.prompt), asdict(a.params)]
+        return json.dumps({"arrivals": [[a.id, list(a.prompt), asdict(a.params), a.shard]
                                         for a in self.arrivals],
                            "cancels": list(self.cancels), "stop": self.stop,
                            "point": None if self.point is None else asdict(self.point)}
@@ -70,11 +81,96 @@ class Plan:
     def decode(cls, data: bytes) -> "Plan":
         raw = json.loads(data)
         arrivals = tuple(Arrival(id=number, prompt=tuple(prompt),
-                                 params=SamplingParams(**{**params, "stop": tuple(params["stop"])}))
-                         for number, prompt, params in raw["arrivals"])
+                                 params=SamplingParams(**{**params, "stop": tuple(params["stop"])}),
+                                 shard=shard)
+                         for number, prompt, params, shard in raw["arrivals"])
         point = None if raw["point"] is None else ForcedPoint(**raw["point"])
         return cls(arrivals=arrivals, cancels=tuple(raw["cancels"]), stop=raw["stop"],
                    point=point)
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """What a request that a shard behind the front decodes got since that shard's last turn:
+    its new tokens and its counts so far, and its end once it ended."""
+
+    id: int
+    tokens: tuple[int, ...]
+    rounds: int
+    verified: int
+    accepted: int
+    end: str = ""  # "" while it runs, else its finish reason ("failed": ``message`` says why)
+    message: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ShardTurn:
+    """What one DP shard tells every rank once per loop turn, after admission."""
+
+    shard: int
+    retired: tuple[RoundFeedback, ...] = ()  # its rounds retired since its last turn
+    deliveries: tuple[Delivery, ...] = ()  # for the front (empty on the front's own shard)
+    request_ids: tuple[int, ...] = ()  # its next round's batch; empty: the shard is idle
+    max_kv_length: int = 0  # the KV bound of that batch (``Pipeline._kv_bound``)
+    waiting: int = 0  # requests it holds that no round includes yet
+    pending: bool = False  # device work it has not retired yet
+
+    def encode(self) -> bytes:
+        return json.dumps({"shard": self.shard,
+                           "retired": [f.as_dict() for f in self.retired],
+                           "deliveries": [asdict(d) for d in self.deliveries],
+                           "request_ids": list(self.request_ids),
+                           "max_kv_length": self.max_kv_length, "waiting": self.waiting,
+                           "pending": self.pending}).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> "ShardTurn":
+        raw = json.loads(data)
+        return cls(shard=raw["shard"],
+                   retired=tuple(map(RoundFeedback.from_dict, raw["retired"])),
+                   deliveries=tuple(Delivery(**{**d, "tokens": tuple(d["tokens"])})
+                                    for d in raw["deliveries"]),
+                   request_ids=tuple(raw["request_ids"]), max_kv_length=raw["max_kv_length"],
+                   waiting=raw["waiting"], pending=raw["pending"])
+
+
+@dataclass(frozen=True, slots=True)
+class ShardsView:
+    """Every shard's turn, in shard order: what every rank decides the next round from."""
+
+    turns: tuple[ShardTurn, ...]
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """Every shard's B for the next round."""
+        return tuple(len(turn.request_ids) for turn in self.turns)
+
+    @property
+    def num_reqs(self) -> int:
+        """The largest B: the common physical graph must hold it (0: no round runs)."""
+        return max(self.sizes)
+
+    @property
+    def request_ids(self) -> tuple[int, ...]:
+        return tuple(id for turn in self.turns for id in turn.request_ids)
+
+    @property
+    def max_kv_length(self) -> int:
+        return max(turn.max_kv_length for turn in self.turns)
+
+    @property
+    def pending(self) -> bool:
+        return any(turn.pending for turn in self.turns)
+
+    @property
+    def waiting(self) -> bool:
+        return any(turn.waiting for turn in self.turns)
+
+    def retired(self) -> list[RoundFeedback]:
+        """Every shard's retired feedback in the order each rank observes it: by round, then
+        by shard."""
+        return sorted((f for turn in self.turns for f in turn.retired),
+                      key=lambda f: (f.round, f.shard))
 
 
 class FollowerRefused(AdaspecError):
@@ -100,6 +196,8 @@ class RankLink:
         self.rank = rank
         self.front = rank == 0
         self.heartbeat_s = heartbeat_s
+        self.shard, self.dp_size = collectives.dp_rank, collectives.dp_size
+        self.tp_size = collectives.tp_size
 
     async def agree(self, proposal: Plan) -> Plan:
         """The front's plan on every rank; a follower's ``proposal`` is ignored. Runs in a
@@ -108,3 +206,12 @@ class RankLink:
         shared = await asyncio.to_thread(self.collectives.share_from_first_rank, data,
                                          "plan")
         return proposal if self.front else Plan.decode(shared)
+
+    async def exchange(self, turn: ShardTurn) -> ShardsView:
+        """Every shard's turn on every rank. The TP ranks of a shard hold the same state, so
+        only its TP rank 0 sends one; the others send nothing."""
+        data = turn.encode() if self.rank % self.tp_size == 0 else b""
+        gathered = await asyncio.to_thread(self.collectives.gather_from_every_rank, data,
+                                           "shard_turn")
+        return ShardsView(tuple(ShardTurn.decode(gathered[shard * self.tp_size])
+                                for shard in range(self.dp_size)))

@@ -3,11 +3,11 @@
 Lagged inputs alone do not make every rank decide the same thing. In the consensus state the
 TP ranks of a DP shard adopt TP rank 0's draft confidences, so prefix allocation admits the
 same rows everywhere; in the sample state they adopt its sampled target token ids, so every
-rank commits the same tokens; in the pack state every rank checks that all picked the same
-padded target graph rows G (DP shards share one G; comparing every rank also catches a TP rank
-that diverged). A rank that diverged would issue different collectives later and
-hang the job, so divergence and dead peers surface here as ``ConsensusMismatch`` and
-``CollectiveError`` instead.
+rank commits the same tokens. Between rounds the host agrees on the front's plan and, with
+DP shards, gathers what every shard retired, so all decide one G from the same feedback
+(``dp_agree_rows`` checks a G against every rank's). A rank that diverged would issue
+different collectives later and hang the job, so divergence and dead peers surface here as
+``ConsensusMismatch`` and ``CollectiveError`` instead.
 
 Rank layout: world = dp_size * tp_size; DP shard s owns the ranks s*tp_size .. s*tp_size +
 tp_size - 1; the TP rank is rank % tp_size; the DP group of a rank is the ranks with its TP
@@ -63,6 +63,11 @@ class Collectives(Protocol):
         """Rank 0's ``data`` on every rank, on the host: the cost table installed everywhere
         before ready, and the front's plan once per loop turn. ``op`` names it in errors."""
 
+    def gather_from_every_rank(self, data: bytes, op: str = "gather_from_every_rank"
+                               ) -> list[bytes]:
+        """Every rank's ``data``, in rank order, on every rank, on the host: what each DP
+        shard retired and will decode next, once per loop turn. Only DP shards need it."""
+
     def close(self) -> None:
         """Release the process groups; calling it again does nothing."""
 
@@ -86,6 +91,10 @@ class LocalCollectives:
 
     def share_from_first_rank(self, data: bytes, op: str = "share_from_first_rank") -> bytes:
         return data
+
+    def gather_from_every_rank(self, data: bytes, op: str = "gather_from_every_rank"
+                               ) -> list[bytes]:
+        return [data]
 
     def close(self) -> None:
         """Nothing was opened."""
@@ -255,6 +264,17 @@ class DistributedCollectives:
         shared = box[0]
         assert isinstance(shared, bytes)
         return shared
+
+    def gather_from_every_rank(self, data: bytes, op: str = "gather_from_every_rank"
+                               ) -> list[bytes]:
+        if self._host_group is None:
+            return [data]
+        self.calls[op] += 1
+        gathered: list[object] = [None] * self.world_size
+        with _collective(op, tuple(range(self.world_size))):
+            dist.all_gather_object(gathered, data, group=self._host_group)
+        assert all(isinstance(item, bytes) for item in gathered)
+        return gathered  # type: ignore[return-value]
 
     def close(self) -> None:
         """Destroy the process groups this object created: all of them when it created the

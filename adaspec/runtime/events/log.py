@@ -45,6 +45,7 @@ from adaspec.runtime.events.types import (
     RoundFailed,
     RoundRetired,
     RoundSubmitted,
+    ShardRetired,
     StageCompleted,
     event_from_record,
 )
@@ -460,6 +461,7 @@ class RunShape:
     context_limit: int  # the target's: every prompt leaves room for one generated token
     unified: bool  # a round runs as one unit (its failure names no stage)
     check_request: Callable[[SamplingParams], None]  # RequestError for what it cannot run
+    shard: int = 0  # the DP shard whose rank wrote the log
 
     def legal_rows(self, bucket: int) -> Sequence[int]:
         """The G a round of bucket Bcap may verify (``BucketGeometry.legal_rows``): every
@@ -534,6 +536,10 @@ class _RunWalk:
         self.last_round = -1  # the newest round decided
         self.deciding: DepthDecided | BudgetDecided | None = None  # a round not yet submitted
         self.requests: dict[int, _Request] = {}  # by id, in arrival order
+        # DP: every round decided here, as another shard's feedback of it must match, and
+        # the (round, shard) pairs whose feedback arrived already.
+        self.decided: dict[int, tuple[_Round, BudgetContext]] = {}
+        self.shard_retired: set[tuple[int, int]] = set()
         self.retirements = 0  # round_retired events so far
         # Requests of a failed round: what it committed on the device is unknown.
         self.in_failed_rounds: set[int] = set()
@@ -543,6 +549,7 @@ class _RunWalk:
             DepthDecided: self._depth, BudgetDecided: self._budget,
             RoundSubmitted: self._submitted, StageCompleted: self._stage,
             RoundRetired: self._retired, RoundFailed: self._failed,
+            ShardRetired: self._shard_retired,
             RequestArrived: self._arrived, RequestFinished: self._finished}
 
     def fail(self, line: int, event: Event, reason: str) -> EventLogError:
@@ -649,23 +656,32 @@ class _RunWalk:
         self._check_slot(line, event)
         self._expect(line, event, "num_reqs_bucket", event.num_reqs_bucket,
                      context.num_reqs_bucket, "the bucket of its decisions")
-        if context.request_ids and not context.shard_sizes:
-            self._expect(line, event, "request_ids", list(event.request_ids),
-                         list(context.request_ids), "the request ids of its budget context")
+        batches = dict(context.batches())
+        own = batches.get(self.shape.shard, ())
+        if context.request_ids:
+            self._expect(line, event, "request_ids", list(event.request_ids), list(own),
+                         "the request ids of its budget context" + (
+                             f" for shard {self.shape.shard}" if context.shard_sizes else ""))
+        count = len(own) if context.shard_sizes else context.num_reqs
         if len(set(event.request_ids)) != len(event.request_ids) or \
-                len(event.request_ids) != context.num_reqs:
+                len(event.request_ids) != count:
             raise self.fail(line, event, _field("request_ids", list(event.request_ids),
-                                                f"{context.num_reqs} distinct ids (B of its "
+                                                f"{count} distinct ids (B of its "
                                                 "decisions)"))
+        entry = _Round(line, event.slot, count, event.num_reqs_bucket, event.request_ids,
+                       depth=context.depth, num_rows=self.deciding.bound_rows)
+        self.decided[event.round] = (entry, context)
+        self.deciding = None
+        if not event.request_ids:  # an idle DP shard: the other shards run the round
+            self.ended[event.round] = line
+            self.newest_ended = max(self.newest_ended, event.round)
+            return
         for id in event.request_ids:
             # A request cancelled (or failed) while its round was being decided is still
             # submitted with it; the round then drops its tokens.
             self._check_running(line, event, id, ended_after=self.decided_at)
         self._check_kv_bound(line, event, context)
-        self.in_flight[event.round] = _Round(
-            line, event.slot, context.num_reqs, event.num_reqs_bucket, event.request_ids,
-            depth=context.depth, num_rows=self.deciding.bound_rows)
-        self.deciding = None
+        self.in_flight[event.round] = entry
 
     def _check_kv_bound(self, line: int, event: RoundSubmitted, context: BudgetContext
                         ) -> None:
@@ -684,7 +700,7 @@ class _RunWalk:
                                 f"{bound} (context.max_kv_length)")
         high = max(min(self.requests[id].prompt + self.requests[id].most_tokens + ahead, limit)
                    for id in event.request_ids)
-        if bound > high:
+        if bound > high and not context.shard_sizes:  # DP: another shard's may be longer
             raise self.fail(line, event, _field(
                 "context.max_kv_length", bound, f"at most {high}: the longest prompt and the "
                 "tokens fed back so far, plus the prefill's token and the positions the "
@@ -787,7 +803,8 @@ class _RunWalk:
         self._expect(line, event, "slot", event.slot, entry.slot, "the slot it was submitted on")
         del self.in_flight[event.round]
         self.ended[event.round] = line
-        self.newest_ended = event.round
+        # An idle DP shard's round ended at its submission, maybe after this one.
+        self.newest_ended = max(self.newest_ended, event.round)
         return entry
 
     def _failed(self, line: int, event: RoundFailed) -> None:
@@ -823,6 +840,8 @@ class _RunWalk:
             raise self.fail(line, event, problem)
         self._expect(line, event, "feedback.round", event.feedback.round, event.round,
                      "the event's round")
+        self._expect(line, event, "feedback.shard", event.feedback.shard, self.shape.shard,
+                     "the shard of the rank that wrote the log")
         self._check_fed_back(line, event, entry)
         allocated = self._allocation(event)  # from the tokens of the rounds before this one
         self._count_tokens(line, event)
@@ -832,6 +851,34 @@ class _RunWalk:
                 f"{allocated[0]}, what prefix allocation of G={event.feedback.num_rows} gives "
                 f"the recorded confidences within each request's room {allocated[1]}"))
         self.retirements += 1
+
+    def _shard_retired(self, line: int, event: ShardRetired) -> None:
+        """Another DP shard's feedback of a round decided here: its shard's part of the
+        round's budget context, once per round and shard."""
+        feedback, shape = event.feedback, self.shape
+        if shape.dp_size == 1:
+            raise self.fail(line, event, "a run with one DP shard (dp_size 1) has no other "
+                            "shard to retire rounds")
+        if event.round not in self.decided:
+            raise self.fail(line, event, f"round {event.round} was never decided here (every "
+                            "shard decides every round)")
+        if not 0 <= feedback.shard < shape.dp_size or feedback.shard == shape.shard:
+            raise self.fail(line, event, _field("feedback.shard", feedback.shard, "another "
+                                                f"shard than {shape.shard} in "
+                                                f"{_range(0, shape.dp_size - 1)}"))
+        if (event.round, feedback.shard) in self.shard_retired:
+            raise self.fail(line, event, f"shard {feedback.shard} retired round {event.round} "
+                            "already; a round ends once on each shard")
+        decided, context = self.decided[event.round]
+        self._expect(line, event, "slot", event.slot, decided.slot, "the round's slot")
+        self._expect(line, event, "feedback.round", feedback.round, event.round,
+                     "the event's round")
+        ids = dict(context.batches()).get(feedback.shard, ())
+        entry = dataclasses.replace(decided, num_reqs=len(ids), request_ids=ids)
+        problem = _feedback_problem(feedback, shape, entry)
+        if problem is not None:
+            raise self.fail(line, event, problem)
+        self.shard_retired.add((event.round, feedback.shard))
 
     def _check_fed_back(self, line: int, event: RoundRetired, entry: _Round) -> None:
         """The feedback holds every request of the round still running, and none that

@@ -4,7 +4,8 @@ Every rank decides the draft depth d and the target graph rows G of every round 
 feedback the ranks share; a rank that decided otherwise would issue other collectives. Each
 rank's log records its own decisions, so comparing the logs of one run says whether they
 agreed, and where they first did not. The logs must each be sound on their own (the same
-checks as ``replay``); request ids are not compared (DP shards decode different requests).
+checks as ``replay``). Ranks of one DP shard must have served the same requests; shards
+decode different ones, so their logs are compared by decisions only.
 """
 
 import json
@@ -78,6 +79,7 @@ def compare_ranks(paths: Sequence[str]) -> RankAgreement:
 class _RankRun:
     rank: int
     nnodes: int
+    shard: int  # node_rank // tp_size
     shared: str  # the header's config but the per-rank settings, models and seed, as JSON
     arrivals: str  # every request_arrived event but its time, as JSON
 
@@ -86,6 +88,8 @@ def _run_of(header: LogHeader, events: Sequence[Event], path: str) -> _RankRun:
     config = json.loads(json.dumps(header.config))
     launch = config["launch"]
     rank, nnodes = launch["settings"]["node_rank"], launch["settings"]["nnodes"]
+    settings = launch["settings"]
+    tp_size = settings.get("tp_size") or nnodes // (settings["dp_size"] * settings["cp_size"])
     for section in ("settings", "sources"):
         for name in PER_RANK_SETTINGS:
             launch[section].pop(name, None)
@@ -93,12 +97,13 @@ def _run_of(header: LogHeader, events: Sequence[Event], path: str) -> _RankRun:
                          "seed": header.seed, "lag": header.lag}, sort_keys=True)
     arrivals = json.dumps([{**event.record(), "time": None} for event in events
                            if isinstance(event, RequestArrived)], sort_keys=True)
-    return _RankRun(rank=rank, nnodes=nnodes, shared=shared, arrivals=arrivals)
+    return _RankRun(rank=rank, nnodes=nnodes, shard=rank // max(1, tp_size), shared=shared,
+                    arrivals=arrivals)
 
 
 def _check_one_run(paths: Sequence[str], runs: Sequence[_RankRun]) -> None:
-    """The logs come from distinct ranks of one multi-rank launch that served the same
-    requests (TP ranks all decode every request)."""
+    """The logs come from distinct ranks of one multi-rank launch, and ranks of one DP shard
+    served the same requests (its TP ranks all decode every request of the shard)."""
     first, reference = paths[0], runs[0]
     if reference.nnodes < 2:
         raise EventLogError(first, 1, "a log of a one-rank run (--nnodes=1); expected the "
@@ -107,6 +112,7 @@ def _check_one_run(paths: Sequence[str], runs: Sequence[_RankRun]) -> None:
         raise EventLogError(first, 1, f"{len(paths)} logs of a run of --nnodes="
                                       f"{reference.nnodes} ranks; expected one log per rank")
     seen: dict[int, str] = {}
+    shards: dict[int, tuple[str, _RankRun]] = {}
     for path, run in zip(paths, runs, strict=True):
         if run.rank in seen:
             raise EventLogError(path, 1, f"a log of rank {run.rank} again ({seen[run.rank]} "
@@ -116,9 +122,11 @@ def _check_one_run(paths: Sequence[str], runs: Sequence[_RankRun]) -> None:
             raise EventLogError(path, 1, f"another run's log: its header's launch, models or "
                                          f"seed differ from {first}'s beyond the per-rank "
                                          f"--node_rank, --host and --port")
-        if run.arrivals != reference.arrivals:
+        other, same_shard = shards.setdefault(run.shard, (path, run))
+        if run.arrivals != same_shard.arrivals:
             raise EventLogError(path, 1, f"another run's log: its requests differ from "
-                                         f"{first}'s (every rank serves the same requests)")
+                                         f"{other}'s (the ranks of one DP shard serve the "
+                                         "same requests)")
 
 
 def first_difference(reference: list[Decision], other: list[Decision], first: str,

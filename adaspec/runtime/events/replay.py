@@ -42,7 +42,13 @@ from adaspec.policies.bundles import (
 )
 from adaspec.policies.registry import make_budget_policy, make_depth_policy
 from adaspec.runtime.events.log import LogHeader, RunShape, check_run, read_event_log
-from adaspec.runtime.events.types import BudgetDecided, DepthDecided, Event, RoundRetired
+from adaspec.runtime.events.types import (
+    BudgetDecided,
+    DepthDecided,
+    Event,
+    RoundRetired,
+    ShardRetired,
+)
 
 Decision = Literal["depth", "budget"]
 
@@ -228,7 +234,8 @@ def check_recorded_run(header: LogHeader, events: Sequence[Event], path: str
                                max_bucket=launch.decode_batch_limit,
                                context_limit=run.context_limit,
                                unified=launch.enable_unified_mtp_graph,
-                               check_request=functools.partial(check_request, launch=launch)),
+                               check_request=functools.partial(check_request, launch=launch),
+                               shard=launch.node_rank // launch.resolved.tp_size),
               path)
     return run
 
@@ -455,7 +462,7 @@ class _Walk:
         self.lag_violations: list[LagViolation] = []
 
     def step(self, index: int, event: Event) -> None:
-        if isinstance(event, RoundRetired):
+        if isinstance(event, RoundRetired | ShardRetired):
             self.depth_policy.observe(event.feedback)
             self.budget_policy.observe(event.feedback)
             self.newest_observed = max(self.newest_observed, event.round)

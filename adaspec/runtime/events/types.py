@@ -103,6 +103,17 @@ class RoundRetired(Event):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ShardRetired(Event):
+    """Another DP shard's round retired (its feedback came with that shard's turn): every
+    shard's policies observe it now, after the rounds and shards before it."""
+
+    kind: ClassVar[str] = "shard_retired"
+    round: int
+    slot: int
+    feedback: RoundFeedback
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RoundFailed(Event):
     kind: ClassVar[str] = "round_failed"
     round: int
@@ -115,7 +126,7 @@ class RoundFailed(Event):
 
 EVENT_TYPES: dict[str, type[Event]] = {cls.kind: cls for cls in (
     RequestArrived, RequestFinished, RoundSubmitted, DepthDecided, BudgetDecided,
-    StageCompleted, RoundRetired, RoundFailed)}
+    StageCompleted, RoundRetired, ShardRetired, RoundFailed)}
 
 def event_from_record(record: Mapping[str, Any]) -> Event:
     """Rebuild an event from ``Event.record`` output. Raises ``KeyError`` for an unknown kind

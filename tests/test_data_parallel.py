@@ -1,0 +1,134 @@
+"""DP shards in separate processes: the front assigns each request to the least loaded
+shard, every shard decodes its own, and every rank observes every shard's retired feedback
+in one order, so all shards decide the same depth and G every round.
+
+Greedy output with DP equals one rank's (each shard runs the whole model, or its TP split),
+request by request; every shard's event log replays on its own, holds its own requests and
+its own allocation of the common G, and the logs agree decision by decision.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gloo_job import PROCESS_LIMIT_S, peer_environment
+from rank_launch import front_tokens, run_ranks
+from test_ranks import DECODE
+
+from adaspec.policies.base import RoundFeedback
+from adaspec.runtime.ranks import Delivery, ShardsView, ShardTurn
+
+MTP = ["--speculative_algorithm=MTP", "--num_speculative_tokens=3"]
+# A small calibration grid: adaptive verify calibrates at startup on every launch.
+CALIBRATION = {"request_buckets": [1, 2], "warmup_steps": 1, "window_steps": 2,
+               "windows_per_point": 1}
+
+
+def replay(argv: list[str]) -> str:
+    done = subprocess.run([sys.executable, "-m", "adaspec", "replay", *argv],
+                          capture_output=True, text=True, env=peer_environment(),
+                          timeout=PROCESS_LIMIT_S, check=False)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def events(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()[1:]]
+
+
+@pytest.fixture(scope="module")
+def one_rank() -> list[list[int]]:
+    """Target-only greedy output of one rank: what every greedy launch must give."""
+    return front_tokens(run_ranks(1, [*DECODE, "--temperature=0"]), 1)
+
+
+def test_dp2_greedy_speculation_equals_one_rank(one_rank: list[list[int]]) -> None:
+    runs = run_ranks(2, [*DECODE, "--temperature=0", "--dp_size=2", *MTP])
+    assert front_tokens(runs, 1) == one_rank
+    assert runs[0].digest() != runs[1].digest()  # each shard ended its own requests
+
+
+def test_dp2_adaptive_verify_decides_one_g_and_each_shard_allocates_its_own_rows(
+        one_rank: list[list[int]], tmp_path: Path) -> None:
+    settings = tmp_path / "calibration.json"
+    settings.write_text(json.dumps(CALIBRATION))
+    runs = run_ranks(2, [*DECODE, "--temperature=0", "--dp_size=2",
+                         "--speculative_algorithm=DSpark", "--num_speculative_tokens=7",
+                         "--enable_adaptive_target_verify=true", "--max_seqs_per_batch=4",
+                         f"--adaptive_target_verify_calibration={settings}",
+                         f"--event_log={tmp_path / 'run.jsonl'}"])
+    assert front_tokens(runs, 1) == one_rank
+    logs = [tmp_path / f"run.rank{rank}.jsonl" for rank in range(2)]
+    for log in logs:  # each shard's log replays on its own: its allocation checked too
+        assert "decisions match the log" in replay([str(log)])
+    assert "all 2 ranks made the same" in replay([str(logs[0]), "--across", str(logs[1])])
+    shards = [events(log) for log in logs]
+    arrived = [{e["request_id"] for e in shard if e["kind"] == "request_arrived"}
+               for shard in shards]
+    assert arrived == [{0, 2}, {1, 3}]  # least loaded first: the shards alternate
+    rows = [[(e["round"], e["bound_rows"], e["context"]["shard_sizes"])
+             for e in shard if e["kind"] == "budget_decided"] for shard in shards]
+    assert rows[0] == rows[1]  # one G and one context every round, on both shards
+    assert all(len(sizes) == 2 for _, _, sizes in rows[0])
+    # Each shard verifies its own requests' rows of the common G.
+    for shard, own in zip(shards, arrived, strict=True):
+        retired = [e["feedback"] for e in shard if e["kind"] == "round_retired"]
+        assert retired
+        assert all(set(f["request_ids"]) <= own for f in retired)
+        others = [e["feedback"] for e in shard if e["kind"] == "shard_retired"]
+        assert others
+        assert all(not set(f["request_ids"]) & own for f in others)
+
+
+SPEC_DP2 = ("--speculative_algorithm=DSpark --num_speculative_tokens=7 "
+            "--enable_adaptive_target_verify=true --enable_graph=true "
+            "--python_graph_backend=eager_buckets --disable_graph_warmup=false "
+            "--enable_schedule_overlap=true --enable_task_pipeline=true "
+            "--enable_unified_mtp_graph=false --dp_size=2 --cp_size=1 --max_seqs_per_batch=16 "
+            "--acl_graph_decode_batch_size_limit=16").split()
+"""The specification's DP=2 launch line (the CPU's graph backend for aclgraph)."""
+
+
+def test_the_specifications_dp2_line_runs_on_four_ranks_equal_to_tp2(tmp_path: Path) -> None:
+    """TP=2 x DP=2: each shard is a TP=2 group, so greedy output equals TP=2 target-only
+    output (a row-parallel sum rounds as at TP=2, not as one rank). Calibration runs on a
+    small grid in place of the default one."""
+    tp2 = front_tokens(run_ranks(2, [*DECODE, "--temperature=0"]), 2)
+    grid = tmp_path / "calibration.json"
+    grid.write_text(json.dumps(CALIBRATION))
+    runs = run_ranks(4, [*DECODE, "--temperature=0", *SPEC_DP2,
+                         f"--adaptive_target_verify_calibration={grid}",
+                         f"--event_log={tmp_path / 'run.jsonl'}"])
+    assert front_tokens(runs, 2) == tp2
+    logs = [str(tmp_path / f"run.rank{rank}.jsonl") for rank in range(4)]
+    across = [arg for log in logs[1:] for arg in ("--across", log)]
+    assert "all 4 ranks made the same" in replay([logs[0], *across])
+
+
+def test_a_shard_turn_travels_as_json_and_comes_back_equal() -> None:
+    feedback = RoundFeedback(round=4, num_reqs=1, num_reqs_bucket=2, width=3, depth=3,
+                             num_rows=6, verify_lengths=(3,), num_accepted=(2,),
+                             confidences=((0.9, 0.5, 0.25),), request_ids=(7,), shard=1)
+    turn = ShardTurn(shard=1, retired=(feedback,), deliveries=(
+        Delivery(id=7, tokens=(1, 2, 3), rounds=2, verified=5, accepted=4),
+        Delivery(id=9, tokens=(), rounds=0, verified=0, accepted=0, end="failed",
+                 message="prefill failed")), request_ids=(7, 11), max_kv_length=40,
+        waiting=2, pending=True)
+    assert ShardTurn.decode(turn.encode()) == turn
+
+
+def test_every_rank_observes_retired_feedback_by_round_then_shard() -> None:
+    def feedback(round: int, shard: int) -> RoundFeedback:
+        return RoundFeedback(round=round, num_reqs=0, num_reqs_bucket=1, width=3, depth=3,
+                             num_rows=1, verify_lengths=(), num_accepted=(), shard=shard)
+
+    view = ShardsView((ShardTurn(shard=0, retired=(feedback(3, 0), feedback(4, 0)),
+                                 request_ids=(1,), max_kv_length=9),
+                       ShardTurn(shard=1, retired=(feedback(3, 1),), request_ids=(2, 5),
+                                 max_kv_length=30, waiting=1)))
+    assert [(f.round, f.shard) for f in view.retired()] == [(3, 0), (3, 1), (4, 0)]
+    assert (view.sizes, view.num_reqs, view.request_ids) == ((1, 2), 2, (1, 2, 5))
+    assert (view.max_kv_length, view.waiting, view.pending) == (30, True, False)
