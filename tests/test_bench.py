@@ -422,7 +422,7 @@ def test_cli_json_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[s
     (["--quick", "--concurrency=1", "--requests=1", "--max_tokens=646"],
      "--max_tokens=646: expected at most 645: the context limit 1024 less the 379 tokens of "
      "the longest shipped prompt this run sends"),
-    (["--nnodes=2"], "--nnodes=2: expected 1: adaspec bench runs one rank"),
+    (["--nnodes=3", "--dp_size=2"], "--nnodes=3: expected a multiple of dp_size*cp_size=2"),
     (["--requests=2"], "--requests=2: expected at least the largest concurrency 16"),
     (["--plot=out.txt"], "--plot=out.txt: expected a .png file name"),
     (["--event_log_dir=/nonexistent/dir"], "--event_log_dir=/nonexistent/dir: expected an "

@@ -132,3 +132,16 @@ def test_every_rank_observes_retired_feedback_by_round_then_shard() -> None:
     assert [(f.round, f.shard) for f in view.retired()] == [(3, 0), (3, 1), (4, 0)]
     assert (view.sizes, view.num_reqs, view.request_ids) == ((1, 2), 2, (1, 2, 5))
     assert (view.max_kv_length, view.waiting, view.pending) == (30, True, False)
+
+
+def test_the_bench_runs_dp2_beside_its_dp1_twin_on_the_same_cores() -> None:
+    runs = run_ranks(2, ["bench", "--json", "--dp_size=2", *MTP, "--arms=none,fixed:3",
+                         "--concurrency=2", "--requests=2", "--max_tokens=8", "--passes=1"])
+    for run in runs:
+        assert run.returncode == 0, run.stderr
+    assert not runs[1].stdout  # the front alone reports
+    report = runs[0].json()
+    arms = {entry["arm"] for entry in report["arms"]}
+    assert arms == {"none", "fixed:3", "none@dp1", "fixed:3@dp1"}
+    assert report["greedy_outputs_identical"] is True  # DP=2 and DP=1 decode alike
+    assert report["ranks_on_this_host"] == 2

@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +22,16 @@ import pytest
 import torch
 from gloo_job import PROCESS_LIMIT_S, peer_environment
 from rank_launch import RankRun, finish, free_port, run_ranks, start_ranks
+from scipy.stats import chisquare
 
 from adaspec.bench.run import shipped_prompts
 from adaspec.config import load_config
 from adaspec.config.launch import torchrun_settings
 from adaspec.config.requests import SamplingParams
 from adaspec.errors import ConfigError
+from adaspec.models import load_reference_models
 from adaspec.runtime.devices.collectives import LocalCollectives
+from adaspec.runtime.devices.sampling import target_probs
 from adaspec.runtime.devices.streams import CPU_THREADS_ENV, share_cores
 from adaspec.runtime.engine import (
     Runtime,
@@ -100,6 +104,53 @@ def test_tp2_random_sampling_commits_the_same_tokens_on_every_rank(
         assert error in refused.stderr
 
 
+def exact_first_pairs(prompt: bytes, top_k: int) -> dict[tuple[int, int], float]:
+    """P(token 1, token 2) of a request at temperature 1 with ``top_k``: the filtered target
+    distribution after the prompt, then after the prompt and each possible token 1 (the
+    whole model in this process)."""
+    target = load_reference_models().target
+
+    def filtered(logits: torch.Tensor) -> torch.Tensor:
+        rows = logits.shape[0]
+        return target_probs(logits, torch.ones(rows), torch.full((rows,), top_k),
+                            torch.ones(rows), torch.zeros(rows))
+
+    ids = torch.tensor(list(prompt))
+    with torch.no_grad():
+        first = filtered(target.forward(ids[None])[0][:, -1])[0]
+        tokens = torch.nonzero(first).flatten()
+        extended = torch.cat([ids.expand(len(tokens), -1), tokens[:, None]], dim=1)
+        second = filtered(target.forward(extended)[0][:, -1])
+    return {(int(t1), t2): float(first[t1] * p) for t1, row in zip(tokens, second, strict=True)
+            for t2, p in enumerate(row.tolist()) if p > 0}
+
+
+def test_tp2_random_sampling_keeps_the_target_distribution(tmp_path: Path) -> None:
+    """Tokens 1 and 2 of 600 seeded requests of one prompt at TP=2 (token 1 from the prefill,
+    token 2 from the first speculative round, DSpark width 7), against the exact filtered
+    target probabilities: a one-sample chi-square over the cells with an expected count of
+    at least 5 (the rest pooled) must give p > 1e-3, and no pair of probability zero may
+    occur. A TP split rounds differently from the whole model by about 1e-7, far below what
+    600 samples resolve."""
+    prompt = b"ROMEO. But soft, what light through yonder window breaks? It is the"
+    count, top_k = 600, 40
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_bytes((prompt + b"\n") * count)
+    runs = run_ranks(2, ["generate", "--json", f"--prompts_file={prompts}", "--max_tokens=2",
+                         "--temperature=1", f"--top_k={top_k}", "--max_seqs_per_batch=16",
+                         "--speculative_algorithm=DSpark", "--num_speculative_tokens=7"])
+    observed = Counter(tuple(tokens) for tokens in decoded(runs))  # every rank committed alike
+    exact = exact_first_pairs(prompt, top_k)
+    assert set(observed) <= set(exact)  # nothing the filters remove ever came out
+    cells = sorted(exact, key=exact.__getitem__, reverse=True)
+    kept = [cell for cell in cells if exact[cell] * count >= 5]
+    assert len(kept) >= 5  # the test has cells to compare
+    rest = [cell for cell in cells if exact[cell] * count < 5]
+    seen = [observed[cell] for cell in kept] + [sum(observed[cell] for cell in rest)]
+    expected = [exact[cell] * count for cell in kept] + [sum(exact[c] for c in rest) * count]
+    assert chisquare(seen, [e * sum(seen) / sum(expected) for e in expected]).pvalue > 1e-3
+
+
 def replay(argv: list[str]) -> subprocess.CompletedProcess[str]:
     done = subprocess.run([sys.executable, "-m", "adaspec", "replay", *argv],
                           capture_output=True, text=True, env=peer_environment(),
@@ -168,14 +219,20 @@ def test_every_rank_writes_its_own_files(path: str, expected: str) -> None:
     assert Runtime(load_config({}))._rank_file(path) == path
 
 
-def test_a_killed_rank_makes_the_front_fail_within_the_timeout_naming_the_collective() -> None:
+@pytest.mark.parametrize(("layout", "collectives"), [
+    ([], r"tp_\w+|plan"),  # TP=2: met in a round's broadcast or the next plan
+    (["--dp_size=2", "--prompt=xyz"], r"plan|shard_turn"),  # DP=2: met between rounds
+])
+def test_a_killed_rank_makes_the_front_fail_within_the_timeout_naming_the_collective(
+        layout: list[str], collectives: str) -> None:
     """Rank 1 is killed once its own state trace (on its stderr) shows round 3 under way;
     the front must then end every request with the collective's one-line error and exit
     non-zero, well within --collective_timeout_s, instead of hanging."""
     timeout_s = 20
     ranks = start_ranks(2, ["generate", "--max_tokens=1000", "--temperature=0",
                             "--prompt=abc", "--trace=-", f"--collective_timeout_s={timeout_s}",
-                            "--speculative_algorithm=MTP", "--num_speculative_tokens=3"])
+                            "--speculative_algorithm=MTP", "--num_speculative_tokens=3",
+                            *layout])
     front, victim = ranks
     try:
         assert victim.stderr is not None
@@ -192,8 +249,8 @@ def test_a_killed_rank_makes_the_front_fail_within_the_timeout_naming_the_collec
     assert out == ""
     last = err.strip().splitlines()[-1]
     # The front meets the dead rank in a round's collective or in the next plan.
-    assert re.match(r"adaspec generate: error: request 0 failed: (round \d+ failed in "
-                    r"\w+|runtime fault): CollectiveError: collective (tp_\w+|plan) over "
+    assert re.match(r"adaspec generate: error: request \d failed: (round \d+ failed in "
+                    rf"\w+|runtime fault): CollectiveError: collective ({collectives}) over "
                     r"ranks \[0,1\] failed: ", last), last
     assert elapsed < timeout_s
 

@@ -42,7 +42,7 @@ import contextlib
 import itertools
 import json
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -94,8 +94,32 @@ measured in seconds; the full run calibrates with the defaults)."""
 
 @dataclass(frozen=True, slots=True)
 class Arm:
-    name: str  # plain | none | fixed:K | adaptive-verify | adaptive-depth
+    name: str  # plain | none | fixed:K | adaptive-verify | adaptive-depth, each maybe @dp1
     config: EffectiveConfig  # plain: the target-only launch (its model and device)
+    threads: int | None = None  # torch threads its runs take (None: as they are)
+
+    @property
+    def on_ranks(self) -> bool:
+        """Whether every rank of a multi-rank launch runs the arm (the plain loop and the
+        DP=1 twins run on the front alone)."""
+        return self.name != PLAIN and self.config.launch.world_size > 1
+
+
+DP1 = "@dp1"
+"""The suffix of an arm's DP=1 twin: the same arm on the front alone."""
+
+
+def dp1_twins(settings: Mapping[str, object], arms: Sequence[Arm], *,
+              widths: Sequence[int] | None, quick: bool, levels: Sequence[int],
+              scratch: Path, temperatures: Sequence[float], cores: int) -> tuple[Arm, ...]:
+    """With DP shards of one rank each, every arm again on the front alone (DP=1), with all
+    ``cores`` of the host as its torch threads: the DP shards use them all too, so the two
+    are compared on the same cores."""
+    one = {**settings, "nnodes": 1, "node_rank": 0, "dp_size": 1}
+    names = [arm.name for arm in arms if arm.name != PLAIN]
+    twins, _ = plan_arms(one, widths=widths, names=names, quick=quick, levels=levels,
+                         scratch=scratch, temperatures=temperatures)
+    return tuple(Arm(name=arm.name + DP1, config=arm.config, threads=cores) for arm in twins)
 
 
 @dataclass(frozen=True, slots=True)
@@ -473,7 +497,9 @@ async def run_bench(plan: BenchPlan, models: Callable[[], ReferenceModels] | Non
             raise _cannot_sample(arm.name, plan.temperatures, why, "in the plan")
     async with contextlib.AsyncExitStack() as stack:
         runtimes: dict[str, Runtime | PlainArm] = {}
-        for arm in plan.arms:
+        # Arms on every rank start first, in plan order as on the other ranks (serve_arms):
+        # a long start on the front alone would keep the others waiting in a rendezvous.
+        for arm in sorted(plan.arms, key=lambda arm: not arm.on_ranks):
             made = models() if models is not None else None
             if arm.name == PLAIN:
                 runtimes[arm.name] = PlainArm.start(arm, made, max(plan.levels))
@@ -543,6 +569,7 @@ async def _passes(plan: BenchPlan, runtimes: Mapping[str, "Runtime | PlainArm"],
                   progress: RunProgress | None) -> list[RunRecord]:
     records: list[RunRecord] = []
     names = [arm.name for arm in plan.arms]
+    arms = {arm.name: arm for arm in plan.arms}
     for number in range(plan.passes):
         order = pass_order(names, number)
         for level in plan.levels:
@@ -550,15 +577,47 @@ async def _passes(plan: BenchPlan, runtimes: Mapping[str, "Runtime | PlainArm"],
                 record = RunRecord(arm=name, level=level, passed=number)
                 runtime = runtimes[name]
                 cpu = time.process_time()
-                if isinstance(runtime, PlainArm):
-                    runtime.run(plan, level, record)
-                else:
-                    await _run_runtime(runtime, plan, level, record)
+                with _threads(arms[name].threads):
+                    if isinstance(runtime, PlainArm):
+                        runtime.run(plan, level, record)
+                    else:
+                        await _run_runtime(runtime, plan, level, record)
                 record.cpu_seconds = time.process_time() - cpu
                 records.append(record)
                 if progress is not None:
                     progress(record, len(records), plan.total_runs)
     return records
+
+
+@contextlib.contextmanager
+def _threads(count: int | None) -> Iterator[None]:
+    """Torch's intra-op threads set to ``count`` while a run lasts (unchanged: None)."""
+    if count is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+async def serve_arms(plan: BenchPlan) -> None:
+    """A rank behind the front: start the arms that run on every rank, in the front's order,
+    and decode the front's requests for all of them until the front stops them."""
+    async with contextlib.AsyncExitStack() as stack:
+        runtimes = []
+        for arm in plan.arms:
+            if not arm.on_ranks:
+                continue
+            runtime = Runtime(arm.config, options=_options(plan, arm, None))
+            await runtime.start()
+            stack.push_async_callback(runtime.stop)
+            runtimes.append(runtime)
+        async with asyncio.TaskGroup() as serving:
+            for runtime in runtimes:
+                serving.create_task(runtime.serve())
 
 
 async def _run_runtime(runtime: Runtime, plan: BenchPlan, level: int,

@@ -32,9 +32,11 @@ from adaspec.bench.run import (
     BenchPlan,
     RunProgress,
     RunRecord,
+    dp1_twins,
     event_log_name,
     plan_arms,
     run_bench,
+    serve_arms,
     shipped_prompts,
 )
 from adaspec.bench.statistics import summarise
@@ -52,13 +54,14 @@ from adaspec.config.limits import BUILTIN_TARGET
 from adaspec.config.paths import existing_directory, new_file, path_status
 from adaspec.config.requests import MAX_SEED, MAX_TEMPERATURE, MIN_TEMPERATURE
 from adaspec.errors import AdaspecError, ConfigError
-from adaspec.runtime.devices.streams import cpu_threads
-from adaspec.runtime.engine import require_builtin
+from adaspec.runtime.devices.streams import available_cores, cpu_threads
+from adaspec.runtime.engine import ranks_on_this_host, require_builtin
 
 ABOUT = (
     "Runs the target alone in a plain loop (no runtime), no speculation, every fixed width and "
     "the adaptive modes the launch allows on the shipped prompt set at several concurrency "
-    "levels, greedy unless --temperature says otherwise, in one process, and compares "
+    "levels, greedy unless --temperature says otherwise, in one process (rank 0 of a "
+    "multi-rank launch, the other ranks serving its arms), and compares "
     "tokens/s, TPOT, acceptance and verified rows. Greedy outputs must be identical in every "
     "arm; random-target acceptance and speed differ from greedy ones, so sampled requests get "
     "their own figures and no token-equality verdict. Launch flags are those of `adaspec "
@@ -67,7 +70,10 @@ ABOUT = (
     "only; --arms picks the arms.\n\n"
     "Two regimes ship: --model=builtin:target (default) has verified rows nearly free on a "
     "CPU, as an accelerator at low load; with --model=builtin:target-large --concurrency=1,64 "
-    "verified rows cost at 64 requests, as at high load.")
+    "verified rows cost at 64 requests, as at high load.\n\n"
+    "With DP shards of one rank each (--nnodes=D --dp_size=D) every arm also runs on rank 0 "
+    "alone with all the host's cores (ARM@dp1), so DP=D and DP=1 are compared side by side "
+    "on the same cores.")
 
 BENCH = CommandFlags(
     command="bench",
@@ -411,9 +417,6 @@ def run(argv: Sequence[str]) -> int:
     args = split_argv(argv)
     choices = read_choices(args)
     settings = launch_settings(args.launch_argv)
-    if coerce("nnodes", settings.get("nnodes", "1"), int) != 1:
-        raise ConfigError("--nnodes", settings["nnodes"], "expected 1: adaspec bench runs one "
-                          "rank (start several with adaspec generate)")
     require_builtin("bench", str(settings.get("model", BUILTIN_TARGET)),
                     None if settings.get("draft_model") is None else str(settings["draft_model"]),
                     "to bench your own, embed the runtime and call "
@@ -423,6 +426,12 @@ def run(argv: Sequence[str]) -> int:
                                   quick=choices.quick, levels=choices.levels,
                                   scratch=Path(scratch), temperatures=choices.temperatures)
         check_arms(settings, arms, skipped)
+        launch = arms[0].config.launch
+        front = launch.node_rank == 0
+        if front and launch.dp_size > 1 and launch.resolved.tp_size == 1:
+            arms += dp1_twins(settings, arms, widths=choices.widths, quick=choices.quick,
+                              levels=choices.levels, scratch=Path(scratch),
+                              temperatures=choices.temperatures, cores=available_cores())
         check_outputs(choices, [arm.name for arm in arms])
         threads = torch_threads(arms)  # a bad ADASPEC_CPU_THREADS is refused before any run
         plan = BenchPlan(arms=arms, levels=choices.levels, prompts=shipped_prompts(),
@@ -432,6 +441,9 @@ def run(argv: Sequence[str]) -> int:
                          temperatures=choices.temperatures, top_k=choices.top_k,
                          top_p=choices.top_p, min_p=choices.min_p)
         check_room(plan, arms)
+        if not front:  # the same launch line on every rank: this one serves the front's runs
+            asyncio.run(serve_arms(plan))
+            return 0
         started, ticks, own = time.perf_counter(), cpu_times(), time.process_time()
         load_start = _load()
         failures: list[AdaspecError] = []
@@ -445,13 +457,14 @@ def run(argv: Sequence[str]) -> int:
     report["cpu_steal_share"] = steal_share(ticks, ticks_after)
     report["cpu_share_of_other_processes"] = others_share(ticks, ticks_after,
                                                           time.process_time() - own)
+    report["ranks_on_this_host"] = ranks_on_this_host(launch)
     report["load_average"] = None if load_start is None or load_end is None else {
         "start": load_start, "end": load_end}
     # The plain loop runs on this thread with torch's own setting; the runtime arms' cpu
     # stream keeps it too (loop stream) or its own (ADASPEC_CPU_THREADS, the worker stream).
     report["torch_threads"] = threads
-    report["busy_warning"] = busy_warning(
-        report["cpu_share_of_other_processes"],
+    report["busy_warning"] = busy_warning(  # the other ranks' work is not another's
+        None if report["ranks_on_this_host"] > 1 else report["cpu_share_of_other_processes"],
         None if load_start is None or load_end is None else (load_start, load_end))
     if choices.as_json:
         print(json.dumps(report, indent=2))
@@ -525,7 +538,10 @@ def _steady_line(report: dict[str, Any]) -> str:
 
 def _others(report: dict[str, Any]) -> str:
     share = report.get("cpu_share_of_other_processes")
-    return "" if share is None else f", by other processes: {100 * share:.1f} %"
+    ranks = report.get("ranks_on_this_host", 1)
+    among = f" (the launch's {ranks - 1} other rank(s) on this host among them)" \
+        if ranks > 1 else ""
+    return "" if share is None else f", by other processes{among}: {100 * share:.1f} %"
 
 
 def print_table(report: dict[str, Any], out: TextIO) -> None:

@@ -137,7 +137,7 @@ def cpu_threads(environ: Mapping[str, str] | None = None, stream: str | None = N
     if raw is not None:
         return checked_threads(CPU_THREADS_ENV, raw)
     if (stream or kind) == "worker":
-        return max(1, _available_cores() - 1)
+        return max(1, available_cores() - 1)
     return torch.get_num_threads()
 
 
@@ -160,12 +160,12 @@ def share_cores(local_ranks: int) -> int | None:
     Returns the count set, or None when nothing changed."""
     if local_ranks <= 1 or CPU_THREADS_ENV in os.environ:
         return None
-    threads = max(1, _available_cores() // local_ranks)
+    threads = max(1, available_cores() // local_ranks)
     torch.set_num_threads(threads)
     return threads
 
 
-def _available_cores() -> int:
+def available_cores() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
