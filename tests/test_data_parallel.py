@@ -65,6 +65,16 @@ def test_dp2_adaptive_verify_decides_one_g_and_each_shard_allocates_its_own_rows
     for log in logs:  # each shard's log replays on its own: its allocation checked too
         assert "decisions match the log" in replay([str(log)])
     assert "all 2 ranks made the same" in replay([str(logs[0]), "--across", str(logs[1])])
+    # A shard's log re-evaluates as the DP run it was: every shard's requests each round.
+    simulated = subprocess.run([sys.executable, "-m", "adaspec", "simulate", "--json",
+                                f"--workload={logs[1]}", "--policy=adaptive-verify"],
+                               capture_output=True, text=True, env=peer_environment(),
+                               timeout=PROCESS_LIMIT_S, check=False)
+    assert simulated.returncode == 0, simulated.stderr
+    fed_back = {e["round"] for e in events(logs[1]) if e["kind"] in ("round_retired",
+                                                                     "shard_retired")
+                and e["feedback"]["num_reqs"]}
+    assert json.loads(simulated.stdout)["rounds"] == len(fed_back)
     shards = [events(log) for log in logs]
     arrived = [{e["request_id"] for e in shard if e["kind"] == "request_arrived"}
                for shard in shards]

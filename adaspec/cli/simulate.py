@@ -118,14 +118,15 @@ def _read_text(path: str) -> str:
 def _workload_of_run(run: "RecordedRun", events: Sequence["Event"], path: str) -> Workload:
     """Where the run verified fewer drafts than the width and all of them were accepted, the
     full-width acceptance is unknown: the recorded count stands in as a lower bound and the
-    request is marked censored."""
-    from adaspec.runtime.events.types import BudgetDecided, RoundRetired
+    request is marked censored. A DP shard's log holds every shard's feedback (its own
+    rounds' and the others'): a round of the workload holds every shard's requests."""
+    from adaspec.runtime.events.types import BudgetDecided, RoundRetired, ShardRetired
 
     width = run.launch.num_speculative_tokens
     kv = {e.round: e.context.max_kv_length for e in events if isinstance(e, BudgetDecided)}
-    rounds = []
+    by_round: dict[int, list[WorkloadRequest]] = {}
     for event in events:
-        if not isinstance(event, RoundRetired):
+        if not isinstance(event, RoundRetired | ShardRetired):
             continue
         feedback = event.feedback
         if feedback.num_reqs == 0:  # every entry had finished in an earlier round
@@ -133,16 +134,19 @@ def _workload_of_run(run: "RecordedRun", events: Sequence["Event"], path: str) -
         if not feedback.confidences or not feedback.request_ids:
             raise ConfigError("--workload", path, f"round {feedback.round} records no "
                               "confidences or request ids; the run cannot be re-evaluated")
-        requests = tuple(
+        by_round.setdefault(feedback.round, []).extend(
             WorkloadRequest(id=rid, confidences=tuple(conf), accepted=accepted,
-                            censored=accepted == length < width)
+                            censored=accepted == length < width, shard=feedback.shard)
             for rid, conf, accepted, length in zip(
                 feedback.request_ids, feedback.confidences, feedback.num_accepted,
                 feedback.verify_lengths, strict=True))
-        rounds.append(WorkloadRound(requests=requests, kv_length=kv.get(feedback.round)))
+    rounds = [WorkloadRound(requests=tuple(sorted(requests, key=lambda r: r.shard)),
+                            kv_length=kv.get(number))
+              for number, requests in sorted(by_round.items())]
     if not rounds:
         raise ConfigError("--workload", path, "the event log has no retired round")
-    return Workload(width=width, rounds=tuple(rounds), name=path, source=path)
+    return Workload(width=width, rounds=tuple(rounds), name=path, source=path,
+                    dp_size=run.launch.dp_size)
 
 
 def _costs(path: str | None, run: "RecordedRun | None", log: str) -> CostBundle:
