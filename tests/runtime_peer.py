@@ -81,10 +81,15 @@ async def one_sided_fault(runtime: Runtime) -> dict[str, Any]:
     return {"errors": errors}
 
 
+LOG_FLAG = "--peer_event_log="
+"""The peer's own flag: the event log every rank writes (its rank in the file name)."""
+
+
 async def main(argv: list[str]) -> None:
     failing = [arg for arg in argv if arg.startswith(FAIL_FLAG)]
-    argv = [arg for arg in argv if not arg.startswith(FAIL_FLAG)]
-    options = RuntimeOptions()
+    logs = [arg[len(LOG_FLAG):] for arg in argv if arg.startswith(LOG_FLAG)]
+    argv = [arg for arg in argv if not arg.startswith((FAIL_FLAG, LOG_FLAG))]
+    options = RuntimeOptions(event_log=logs[0] if logs else None)
     config = load_config_from_argv(argv)
     if failing and config.launch.node_rank != 0:
         options = RuntimeOptions(stage_hook=injected_fault(int(failing[0][len(FAIL_FLAG):])))

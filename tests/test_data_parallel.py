@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from gloo_job import PROCESS_LIMIT_S, peer_environment
-from rank_launch import front_tokens, run_ranks
+from rank_launch import finish, front_tokens, run_ranks, start_ranks
 from test_ranks import DECODE
 
 from adaspec.policies.base import RoundFeedback
@@ -116,6 +116,26 @@ def test_the_specifications_dp2_line_runs_on_four_ranks_equal_to_tp2(tmp_path: P
     logs = [str(tmp_path / f"run.rank{rank}.jsonl") for rank in range(4)]
     across = [arg for log in logs[1:] for arg in ("--across", log)]
     assert "all 4 ranks made the same" in replay([logs[0], *across])
+
+
+def test_a_request_cancelled_on_another_shard_ends_there_and_every_log_replays(
+        tmp_path: Path) -> None:
+    """The front cancels request 1, which shard 1 decodes, once its first tokens arrived:
+    it ends cancelled, the others decode to their length, and each shard's log (the
+    cancel recorded after the rounds whose tokens it kept) replays."""
+    log = tmp_path / "run.jsonl"
+    runs = finish(start_ranks(2, [*MTP, "--dp_size=2", f"--peer_event_log={log}"],
+                              program=(str(Path(__file__).with_name("runtime_peer.py")),)))
+    for run in runs:
+        assert run.returncode == 0, run.stderr
+    front = json.loads(runs[0].stdout)
+    assert front["finish"] == ["length", "cancelled", "length"]
+    logs = [str(tmp_path / f"run.rank{rank}.jsonl") for rank in range(2)]
+    for path in logs:
+        assert "decisions match the log" in replay([path])
+    assert "all 2 ranks made the same" in replay([logs[0], "--across", logs[1]])
+    ended = [e for e in events(Path(logs[1])) if e["kind"] == "request_finished"]
+    assert {e["request_id"]: e["reason"] for e in ended} == {1: "cancelled"}
 
 
 def test_a_shard_turn_travels_as_json_and_comes_back_equal() -> None:

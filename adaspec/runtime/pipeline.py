@@ -483,13 +483,14 @@ class Pipeline:
         for feedback in view.retired():
             self.depth_policy.observe(feedback)
             self.budget_policy.observe(feedback)
-            if front and feedback.shard != self.shard:
+            if feedback.shard == self.shard:
+                continue  # its round_retired event was published as it retired
+            if front:
                 self._count_remote(feedback)
             if self.bus.listening:
                 slot = feedback.round % 2 if self.lag == 2 else 0
-                kind = RoundRetired if feedback.shard == self.shard else ShardRetired
-                self.publish(kind(time=self.now(), round=feedback.round, slot=slot,
-                                  feedback=feedback))
+                self.publish(ShardRetired(time=self.now(), round=feedback.round, slot=slot,
+                                          feedback=feedback))
         if self.remote:
             for turn in view.turns:
                 for delivery in turn.deliveries:
@@ -866,11 +867,11 @@ class Pipeline:
             self._check_ending()
         self.counters.rounds_retired += 1
         self.counters.rows_verified += record.num_rows
-        if self.sharded:  # observed once every shard's turn shared it
+        if self.sharded:  # observed once every shard's turn shared it (_take_turns)
             self.unshared.append(feedback)
-            return
-        self.depth_policy.observe(feedback)
-        self.budget_policy.observe(feedback)
+        else:
+            self.depth_policy.observe(feedback)
+            self.budget_policy.observe(feedback)
         if self.bus.listening:
             self.publish(RoundRetired(time=self.now(), round=record.round, slot=record.slot,
                                       feedback=feedback))

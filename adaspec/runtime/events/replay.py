@@ -34,7 +34,7 @@ from adaspec.errors import (
     ReplayMismatch,
     show_value,
 )
-from adaspec.policies.base import BudgetPolicy, DepthPolicy
+from adaspec.policies.base import BudgetPolicy, DepthPolicy, RoundFeedback
 from adaspec.policies.bundles import (
     Compatibility,
     CostBundle,
@@ -443,6 +443,7 @@ def _replayed(header: LogHeader, events: Sequence[Event], run: RecordedRun,
     walk = _Walk(depth_policy, budget_policy, run.lag)
     for index, event in enumerate(events):
         walk.step(index, event)
+    walk.observe_retired()
     return walk.report(header.policies)
 
 
@@ -460,14 +461,15 @@ class _Walk:
         self.num_observed = 0
         self.divergences: list[Divergence] = []
         self.lag_violations: list[LagViolation] = []
+        self.retired: list[RoundFeedback] = []  # not yet observed
 
     def step(self, index: int, event: Event) -> None:
         if isinstance(event, RoundRetired | ShardRetired):
-            self.depth_policy.observe(event.feedback)
-            self.budget_policy.observe(event.feedback)
-            self.newest_observed = max(self.newest_observed, event.round)
-            self.num_observed += 1
-        elif isinstance(event, DepthDecided):
+            self.retired.append(event.feedback)
+            return
+        if isinstance(event, DepthDecided | BudgetDecided):
+            self.observe_retired()
+        if isinstance(event, DepthDecided):
             replayed = self.depth_policy.decide(event.context)
             self._check(index, event.round, "depth", event.context.retired_through,
                         event.depth, replayed)
@@ -489,6 +491,18 @@ class _Walk:
             self.lag_violations.append(LagViolation(
                 round=round, decision=decision, newest_feedback=newest, allowed=allowed,
                 from_context=retired_through > allowed, event_index=index))
+
+    def observe_retired(self) -> None:
+        """The policies observe what retired since the last decision as the runtime did: by
+        round, then by shard. A DP shard logs its own round when it retires and the other
+        shards' rounds when their turns arrive, but every rank observes them in that one
+        order (one shard's log is in that order already)."""
+        for feedback in sorted(self.retired, key=lambda f: (f.round, f.shard)):
+            self.depth_policy.observe(feedback)
+            self.budget_policy.observe(feedback)
+            self.newest_observed = max(self.newest_observed, feedback.round)
+            self.num_observed += 1
+        self.retired.clear()
 
     def report(self, recorded: Mapping[str, Any]) -> ReplayReport:
         depth = _entry(self.depth_policy)
