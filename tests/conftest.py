@@ -58,3 +58,12 @@ def dspark5_batch4_costs(tmp_path_factory: pytest.TempPathFactory) -> str:
 
     asyncio.run(run())
     return str(output)
+
+
+@pytest.fixture(scope="session")
+def target_only_tp2() -> list[list[int]]:
+    """Target-only greedy output of the rank tests' prompts at TP=2 (two local ranks): what
+    every greedy launch whose shards are TP=2 groups must give."""
+    from rank_launch import DECODE, front_tokens, run_ranks
+
+    return front_tokens(run_ranks(2, [*DECODE, "--temperature=0"]), 2)

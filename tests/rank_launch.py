@@ -11,6 +11,13 @@ from typing import Any
 
 from gloo_job import PROCESS_LIMIT_S, REPO, peer_environment
 
+from adaspec.bench.run import shipped_prompts
+
+# Four domains, each prompt cut short: the prompts' ends differ in how well they draft.
+PROMPTS = [prompt[:90].decode("utf-8", "ignore") for prompt in shipped_prompts()[:4]]
+DECODE = ["generate", "--json", "--max_tokens=24", *(f"--prompt={p}" for p in PROMPTS)]
+"""The rank tests' generate command (one rank's output is the reference for each layout)."""
+
 
 def free_port() -> int:
     with socket.socket() as sock:

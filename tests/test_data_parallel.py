@@ -8,6 +8,7 @@ its own allocation of the common G, and the logs agree decision by decision.
 """
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,9 +16,9 @@ from typing import Any
 
 import pytest
 from gloo_job import PROCESS_LIMIT_S, peer_environment
-from rank_launch import finish, front_tokens, run_ranks, start_ranks
-from test_ranks import DECODE
+from rank_launch import DECODE, finish, front_tokens, run_ranks, start_ranks
 
+from adaspec.errors import ConsensusMismatch
 from adaspec.policies.base import RoundFeedback
 from adaspec.runtime.ranks import Delivery, ShardsView, ShardTurn
 
@@ -43,12 +44,6 @@ def events(path: Path) -> list[dict[str, Any]]:
 def one_rank() -> list[list[int]]:
     """Target-only greedy output of one rank: what every greedy launch must give."""
     return front_tokens(run_ranks(1, [*DECODE, "--temperature=0"]), 1)
-
-
-def test_dp2_greedy_speculation_equals_one_rank(one_rank: list[list[int]]) -> None:
-    runs = run_ranks(2, [*DECODE, "--temperature=0", "--dp_size=2", *MTP])
-    assert front_tokens(runs, 1) == one_rank
-    assert runs[0].digest() != runs[1].digest()  # each shard ended its own requests
 
 
 def test_dp2_adaptive_verify_decides_one_g_and_each_shard_allocates_its_own_rows(
@@ -102,17 +97,17 @@ SPEC_DP2 = ("--speculative_algorithm=DSpark --num_speculative_tokens=7 "
 """The specification's DP=2 launch line (the CPU's graph backend for aclgraph)."""
 
 
-def test_the_specifications_dp2_line_runs_on_four_ranks_equal_to_tp2(tmp_path: Path) -> None:
+def test_the_specifications_dp2_line_runs_on_four_ranks_equal_to_tp2(
+        target_only_tp2: list[list[int]], tmp_path: Path) -> None:
     """TP=2 x DP=2: each shard is a TP=2 group, so greedy output equals TP=2 target-only
     output (a row-parallel sum rounds as at TP=2, not as one rank). Calibration runs on a
     small grid in place of the default one."""
-    tp2 = front_tokens(run_ranks(2, [*DECODE, "--temperature=0"]), 2)
     grid = tmp_path / "calibration.json"
     grid.write_text(json.dumps(CALIBRATION))
     runs = run_ranks(4, [*DECODE, "--temperature=0", *SPEC_DP2,
                          f"--adaptive_target_verify_calibration={grid}",
                          f"--event_log={tmp_path / 'run.jsonl'}"])
-    assert front_tokens(runs, 2) == tp2
+    assert front_tokens(runs, 2) == target_only_tp2
     logs = [str(tmp_path / f"run.rank{rank}.jsonl") for rank in range(4)]
     across = [arg for log in logs[1:] for arg in ("--across", log)]
     assert "all 4 ranks made the same" in replay([logs[0], *across])
@@ -148,6 +143,17 @@ def test_a_shard_turn_travels_as_json_and_comes_back_equal() -> None:
                  message="prefill failed")), request_ids=(7, 11), max_kv_length=40,
         waiting=2, pending=True)
     assert ShardTurn.decode(turn.encode()) == turn
+
+
+def test_shards_that_decided_a_round_differently_are_stopped_naming_the_values() -> None:
+    alike = ShardsView((ShardTurn(shard=0, decided=(7, 3, 12)),
+                        ShardTurn(shard=1, decided=(7, 3, 12))))
+    alike.check_decided()
+    apart = ShardsView((ShardTurn(shard=0, decided=(7, 3, 12)),
+                        ShardTurn(shard=1, decided=(7, 3, 16))))
+    with pytest.raises(ConsensusMismatch, match=re.escape(
+            "ranks disagree on each shard's newest (round, depth, G): [7, 3, 12, 7, 3, 16]")):
+        apart.check_decided()
 
 
 def test_every_rank_observes_retired_feedback_by_round_then_shard() -> None:

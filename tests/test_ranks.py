@@ -21,10 +21,9 @@ from typing import Any
 import pytest
 import torch
 from gloo_job import PROCESS_LIMIT_S, peer_environment
-from rank_launch import RankRun, finish, free_port, run_ranks, start_ranks
+from rank_launch import DECODE, PROMPTS, RankRun, finish, free_port, run_ranks, start_ranks
 from scipy.stats import chisquare
 
-from adaspec.bench.run import shipped_prompts
 from adaspec.config import load_config
 from adaspec.config.launch import torchrun_settings
 from adaspec.config.requests import SamplingParams
@@ -43,10 +42,6 @@ from adaspec.runtime.engine import (
 from adaspec.runtime.events.ranks import Decision, first_difference
 from adaspec.runtime.ranks import Arrival, Plan
 
-# Four domains, each prompt cut short: the prompts' ends differ in how well they draft.
-PROMPTS = [prompt[:90].decode("utf-8", "ignore") for prompt in shipped_prompts()[:4]]
-DECODE = ["generate", "--json", "--max_tokens=24", *(f"--prompt={p}" for p in PROMPTS)]
-
 
 def decoded(runs: list[RankRun]) -> list[list[int]]:
     """The front's tokens per request, once every rank exited cleanly and all ranks
@@ -56,11 +51,6 @@ def decoded(runs: list[RankRun]) -> list[list[int]]:
     assert len({run.digest() for run in runs}) == 1
     assert all(not run.stdout for run in runs[1:])  # the front alone prints results
     return [r["token_ids"] for r in runs[0].json()["results"]]
-
-
-@pytest.fixture(scope="module")
-def target_only_tp2() -> list[list[int]]:
-    return decoded(run_ranks(2, [*DECODE, "--temperature=0"]))
 
 
 @pytest.mark.parametrize("algorithm", [

@@ -1,6 +1,7 @@
 """Lossless: greedy speculative decoding through the runtime gives exactly the tokens of
-target-only greedy decoding, for MTP and DSpark at every width 1..7, batches of 1, 4 and 16
-with staggered arrivals and different max_tokens; random sampling keeps the target's
+target-only greedy decoding, for MTP and DSpark at every width 1..7 at batches of 1 and 4,
+and at the widths the launches use (1, 3, 5, 7) at batch 16 on all 200 prompts, with
+staggered arrivals and different max_tokens; random sampling keeps the target's
 distribution of the first round's tokens."""
 
 import functools
@@ -13,6 +14,7 @@ from adaspec.config import SamplingParams
 from adaspec.models import ReferenceModels, load_reference_models
 
 WIDTHS = range(1, 8)
+WIDE_WIDTHS = (1, 3, 5, 7)  # at batch 16 on all 200 prompts (the kernels take any width)
 SMALL_SUBSET = 24  # prompts decoded at batch 1 and 4 (all 200 at batch 16)
 
 
@@ -32,7 +34,7 @@ def target_only(count: int) -> tuple[tuple[int, ...], ...]:
     return tuple(r.token_ids for r in results)
 
 
-@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("width", WIDE_WIDTHS)
 @pytest.mark.parametrize("algorithm", ["MTP", "DSpark"])
 def test_greedy_speculation_equals_target_only_on_200_prompts(
         models: ReferenceModels, algorithm: str, width: int) -> None:

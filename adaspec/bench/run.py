@@ -491,10 +491,7 @@ async def run_bench(plan: BenchPlan, models: Callable[[], ReferenceModels] | Non
     the plan's temperatures is refused before any arm starts (``sampling_refusal``). An
     event log that could not be written whole is reported when its arm stops: into
     ``output_failures`` when given (the records are returned all the same), else raised."""
-    for arm in plan.arms:
-        why = sampling_refusal(arm, plan.temperatures)
-        if why is not None:
-            raise _cannot_sample(arm.name, plan.temperatures, why, "in the plan")
+    check_sampling(plan)
     async with contextlib.AsyncExitStack() as stack:
         runtimes: dict[str, Runtime | PlainArm] = {}
         # Arms on every rank start first, in plan order as on the other ranks (serve_arms):
@@ -511,6 +508,13 @@ async def run_bench(plan: BenchPlan, models: Callable[[], ReferenceModels] | Non
             stack.push_async_callback(_stop, runtime, output_failures)
             runtimes[arm.name] = runtime
         return await _passes(plan, runtimes, run_progress)
+
+
+def check_sampling(plan: BenchPlan) -> None:
+    for arm in plan.arms:
+        why = sampling_refusal(arm, plan.temperatures)
+        if why is not None:
+            raise _cannot_sample(arm.name, plan.temperatures, why, "in the plan")
 
 
 async def _stop(runtime: Runtime, output_failures: list[AdaspecError] | None) -> None:
@@ -582,7 +586,8 @@ async def _passes(plan: BenchPlan, runtimes: Mapping[str, "Runtime | PlainArm"],
                         runtime.run(plan, level, record)
                     else:
                         await _run_runtime(runtime, plan, level, record)
-                record.cpu_seconds = time.process_time() - cpu
+                # Other ranks' CPU is not this process's: an arm on every rank has no figure.
+                record.cpu_seconds = 0.0 if arms[name].on_ranks else time.process_time() - cpu
                 records.append(record)
                 if progress is not None:
                     progress(record, len(records), plan.total_runs)
@@ -605,7 +610,9 @@ def _threads(count: int | None) -> Iterator[None]:
 
 async def serve_arms(plan: BenchPlan) -> None:
     """A rank behind the front: start the arms that run on every rank, in the front's order,
-    and decode the front's requests for all of them until the front stops them."""
+    and decode the front's requests for all of them until the front stops them. What the
+    front refuses before it starts is refused here too: no rank waits for a front that left."""
+    check_sampling(plan)
     async with contextlib.AsyncExitStack() as stack:
         runtimes = []
         for arm in plan.arms:

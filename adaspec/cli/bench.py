@@ -12,6 +12,7 @@ reference models); the fixed arms drop the adaptive flags, the adaptive arms kee
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -367,8 +368,9 @@ def torch_threads(arms: Sequence[Arm]) -> dict[str, int]:
     for the arms that run them."""
     stream = cpu_threads()  # checked even when no arm opens a stream: never silently ignored
     threads = {}
-    if any(arm.name == PLAIN for arm in arms):
-        threads["plain"] = torch.get_num_threads()
+    plain = next((arm for arm in arms if arm.name == PLAIN), None)
+    if plain is not None:
+        threads["plain"] = plain.threads or torch.get_num_threads()
     if any(arm.name != PLAIN and arm.config.launch.device == "cpu" for arm in arms):
         threads["cpu_stream"] = stream
     return threads
@@ -428,6 +430,11 @@ def run(argv: Sequence[str]) -> int:
         check_arms(settings, arms, skipped)
         launch = arms[0].config.launch
         front = launch.node_rank == 0
+        if front and launch.world_size > 1:
+            # Starting the ranks shares the host's cores among them; the arms on the front
+            # alone keep them all.
+            arms = tuple(dataclasses.replace(arm, threads=available_cores())
+                         if arm.name == PLAIN else arm for arm in arms)
         if front and launch.dp_size > 1 and launch.resolved.tp_size == 1:
             arms += dp1_twins(settings, arms, widths=choices.widths, quick=choices.quick,
                               levels=choices.levels, scratch=Path(scratch),

@@ -375,13 +375,13 @@ class CalibrationDriver:
     """Submits synthetic requests to a calibration pipeline and reads its retirements."""
 
     def __init__(self, pipeline: Pipeline, bus: EventBus, vocab_size: int,
-                 forced: ForcedBudget, forced_depth: ForcedDepth) -> None:
+                 forced: ForcedBudget, forced_depth: ForcedDepth, shards: int = 1) -> None:
         self.pipeline, self.bus, self.vocab_size = pipeline, bus, vocab_size
         self.forced, self.forced_depth = forced, forced_depth
         self._next_id = 0
         # Request buckets are per-shard capacities: a window of bucket 4 with two DP shards
         # decodes eight requests, four on each (the front assigns them to the least loaded).
-        self.shards = 1 if pipeline.link is None else pipeline.link.dp_size
+        self.shards = shards
 
     def submit(self, prompt: list[int], params: SamplingParams) -> Request:
         request = Request(id=self._next_id, prompt=tuple(prompt), params=params)
@@ -541,7 +541,8 @@ async def calibrate_on_stream(run: CalibrationRun, plan: CalibrationPlan,
         return None
     try:
         driver = CalibrationDriver(pipeline, bus, run.ctx.target.vocab_size, forced,
-                                   forced_depth)
+                                   forced_depth,
+                                   shards=1 if run.link is None else run.link.dp_size)
         samples = await calibrate(driver, plan, progress)
     finally:
         pipeline.stop()

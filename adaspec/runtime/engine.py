@@ -788,6 +788,8 @@ class Runtime:
     def _close_ranks(self) -> None:
         """Leave the process groups start() joined (an engine's own collectives stay)."""
         opened, self._opened = self._opened, None
+        if self._link is not None:
+            self._link.close()
         if opened is not None:
             opened.close()
 

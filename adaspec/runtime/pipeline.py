@@ -10,6 +10,10 @@ enqueues the round's stages: back to back as one stream item by default, so one 
 a round reaches the loop and moves the round through all its states in order (one
 completion per stage with the task pipeline off). A failed stage fails the round through
 one handler.
+
+With DP shards (ranks.py) the policies observe a round's feedback at the next loop turn
+instead, once every shard's turn brought its own, so that every shard observes the same
+feedback in the same order; each shard still logs its own round as it retires.
 """
 
 import asyncio
@@ -247,6 +251,7 @@ class Pipeline:
         self.reported: dict[int, int] = {}  # tokens of each request sent to the front
         self.ended_since: list[Request] = []
         self.remote: dict[int, tuple[int, Request]] = {}
+        self.decided: tuple[int, int, int] = (-1, 0, 0)  # the newest round's (n, d, G)
         # Calibration: how its forced policies take a window's point, and the point waiting
         # for the next plan.
         self.apply_point: Callable[[ForcedPoint], None] | None = None
@@ -269,8 +274,10 @@ class Pipeline:
 
     def cancel(self, request: Request) -> None:
         """Cancellation between rounds: the request ends now (with several ranks, at the
-        next plan, so every rank ends it after the same round); rounds in flight that include
-        it still run, their tokens for it are dropped, and its KV slot is freed after them."""
+        next plan, so every rank ends it after the same round; one that another DP shard
+        decodes ends on the front when that shard's turn says so); rounds in flight that
+        include it still run, their tokens for it are dropped, and its KV slot is freed after
+        them."""
         if self.link is None:
             self._finish(request, "cancelled")
             return
@@ -322,12 +329,15 @@ class Pipeline:
 
     def fail_all(self, reason: str) -> None:
         """Fail every request that has not ended (the loop can no longer serve them)."""
-        for request in [*self.active, *self.waiting, *self.arrived]:
+        for request in [*self.active, *self.waiting]:
             if request.running:
                 self._fail_request(request, reason)
-        for _, request in self.remote.values():
+        # No rank recorded these (the front's waiting for the next plan, other shards'
+        # requests): each ends without an event of this rank's.
+        for request in [*self.arrived, *(request for _, request in self.remote.values())]:
             if request.running:
                 request.fail(RequestFailed(request.id, reason))
+                self.counters.requests_failed += 1
         self.remote.clear()
         self.waiting.clear()
         self.arrived.clear()
@@ -361,6 +371,7 @@ class Pipeline:
         idle shard takes part), whether to retire, and when to stop."""
         assert self.link is not None
         view = await self.link.exchange(self._turn(facts))
+        view.check_decided()
         self._take_turns(view)
         if view.num_reqs:
             await self._submit(facts, self._common_batch(view))
@@ -369,7 +380,12 @@ class Pipeline:
             while self.pending:
                 await self._retire_next()
             return Step.BUSY
-        return Step.DONE if self.stopping and not view.waiting else Step.IDLE
+        if self.stopping and not view.waiting:
+            # Every shard has ended all it held; a handle still open here would wait forever.
+            self.fail_all("runtime stopped: its shard ended without reporting the request")
+            return Step.DONE
+        return Step.IDLE
+
 
     async def _wait(self) -> None:
         """Nothing to run: wait for a request, a cancellation or the stop (with several
@@ -388,8 +404,9 @@ class Pipeline:
                 pass
 
     async def _agree(self, link: RankLink) -> None:
-        """Apply the front's plan: its new requests join ``waiting``, its cancellations end
-        their requests, its stop stops the loop, on every rank at this same point."""
+        """Apply the front's plan: its new requests of this shard join ``waiting``, its
+        cancellations end this shard's requests, its stop stops the loop, on every rank at
+        this same point."""
         proposal = Plan(arrivals=self._assign(self.arrived), cancels=tuple(self.cancelled),
                         stop=self.stop_asked, point=self.point)
         plan = await link.agree(proposal)
@@ -455,7 +472,8 @@ class Pipeline:
                          deliveries=() if self.shard == 0 else self._deliveries(),
                          request_ids=() if facts is None else facts.request_ids,
                          max_kv_length=0 if facts is None else self._kv_bound(facts.batch),
-                         waiting=len(self.waiting), pending=bool(self.pending))
+                         waiting=len(self.waiting), pending=bool(self.pending),
+                         decided=self.decided)
 
     def _deliveries(self) -> tuple[Delivery, ...]:
         out = []
@@ -498,7 +516,8 @@ class Pipeline:
 
     def _count_remote(self, feedback: RoundFeedback) -> None:
         """The front's statistics count every shard's requests: another shard's round adds
-        its request-rounds, drafts and rows (its rounds are the front's own rounds)."""
+        its request-rounds, drafts and rows (every shard takes part in every round, so the
+        front counts each round once: rows per round sum over the shards)."""
         counters = self.counters
         counters.request_rounds += feedback.num_reqs
         counters.drafted_verified += sum(feedback.verify_lengths)
@@ -562,9 +581,8 @@ class Pipeline:
         if isinstance(entry, PendingPrefill):
             await self._retire_prefill(entry.completion, entry.admitted)
         elif isinstance(entry, IdleRound):
-            self.in_flight.discard(entry.round)
-            self.retired_through = entry.round
-            self.next_round = max(self.next_round, entry.round + self.lag)
+            self._round_ended(entry.round)
+            self.counters.rounds_retired += 1
         else:
             await self._retire_round(entry)
         # A KV slot is reused only once no round in flight includes its request: such a
@@ -666,14 +684,17 @@ class Pipeline:
             if self.bus.listening:
                 self.publish(RoundSubmitted(time=self.now(), round=number, slot=slot,
                                             request_ids=(), num_reqs_bucket=bucket))
+            self.counters.rounds_submitted += 1  # a round this shard took part in
             self.in_flight.add(number)
             self.pending.append(IdleRound(number))
+            self.decided = (number, depth, num_rows)
             return
         batch = facts.batch
         kv_slots = facts.kv_slots if bucket == facts.bucket else self._padded(batch, bucket)
         inputs = RoundInputs(round=number, kv_slots=kv_slots, depth=depth, num_rows=num_rows,
                              all_greedy=facts.all_greedy, verify=verify,
                              any_stop=facts.any_stop)
+        self.decided = (number, depth, num_rows)
         record = RoundRecord(round=number, slot=slot, batch=batch, num_reqs_bucket=bucket,
                              depth=depth, num_rows=num_rows,
                              machine=RoundMachine(number, self.hooks, slot,
@@ -848,11 +869,7 @@ class Pipeline:
             host = await record.retired
         except Exception:  # the failure handler has the cause
             host = None
-        self.in_flight.discard(record.round)
-        self.retired_through = record.round
-        # An idle loop retires rounds early; numbering the next round past them keeps the
-        # lag rule: no decision for round n ever follows the feedback of round n-1.
-        self.next_round = max(self.next_round, record.round + self.lag)
+        self._round_ended(record.round)
         if record.error is not None:
             self._fail_round_requests(record, record.error)
             if self.link is not None:
@@ -875,6 +892,13 @@ class Pipeline:
         if self.bus.listening:
             self.publish(RoundRetired(time=self.now(), round=record.round, slot=record.slot,
                                       feedback=feedback))
+
+    def _round_ended(self, number: int) -> None:
+        self.in_flight.discard(number)
+        self.retired_through = number
+        # An idle loop retires rounds early; numbering the next round past them keeps the
+        # lag rule: no decision for round n ever follows the feedback of round n-1.
+        self.next_round = max(self.next_round, number + self.lag)
 
     def _fail_round_requests(self, record: RoundRecord, error: BaseException) -> None:
         stage = record.failed_stage

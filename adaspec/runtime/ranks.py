@@ -4,9 +4,9 @@ Each rank runs its own pipeline loop. What a loop decides (which requests join, 
 when it stops) must be the same on every rank, or the ranks would issue different
 collectives and hang. Requests, cancellations and the stop reach the front only, so once
 per loop turn the front shares a ``Plan`` with every rank, and every rank applies it at
-the same point of its loop. Everything else a loop decides follows from state the ranks
-already share: the same admitted requests, the same tokens (TP rank 0's draws are
-broadcast in the round) and therefore the same feedback for the policies.
+the same point of its loop. Within a DP shard everything else a loop decides follows from
+state its TP ranks already share: the same admitted requests, the same tokens (TP rank 0's
+draws are broadcast in the round) and therefore the same feedback for the policies.
 
 A plan travels as JSON over the host group's broadcast: it holds only ints, floats and
 lists. While the front has nothing to do it still sends an empty plan every
@@ -25,10 +25,11 @@ front takes the tokens of the requests other shards decode from their turns.
 
 import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 from adaspec.config.requests import SamplingParams
-from adaspec.errors import AdaspecError
+from adaspec.errors import AdaspecError, ConsensusMismatch
 from adaspec.policies.base import RoundFeedback
 from adaspec.runtime.devices.collectives import Collectives
 from adaspec.runtime.requests import Request
@@ -114,6 +115,7 @@ class ShardTurn:
     max_kv_length: int = 0  # the KV bound of that batch (``Pipeline._kv_bound``)
     waiting: int = 0  # requests it holds that no round includes yet
     pending: bool = False  # device work it has not retired yet
+    decided: tuple[int, int, int] = (-1, 0, 0)  # its newest round's (n, depth, G)
 
     def encode(self) -> bytes:
         return json.dumps({"shard": self.shard,
@@ -121,7 +123,7 @@ class ShardTurn:
                            "deliveries": [asdict(d) for d in self.deliveries],
                            "request_ids": list(self.request_ids),
                            "max_kv_length": self.max_kv_length, "waiting": self.waiting,
-                           "pending": self.pending}).encode()
+                           "pending": self.pending, "decided": list(self.decided)}).encode()
 
     @classmethod
     def decode(cls, data: bytes) -> "ShardTurn":
@@ -131,7 +133,8 @@ class ShardTurn:
                    deliveries=tuple(Delivery(**{**d, "tokens": tuple(d["tokens"])})
                                     for d in raw["deliveries"]),
                    request_ids=tuple(raw["request_ids"]), max_kv_length=raw["max_kv_length"],
-                   waiting=raw["waiting"], pending=raw["pending"])
+                   waiting=raw["waiting"], pending=raw["pending"],
+                   decided=tuple(raw["decided"]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +169,15 @@ class ShardsView:
     def waiting(self) -> bool:
         return any(turn.waiting for turn in self.turns)
 
+    def check_decided(self) -> None:
+        """Every shard decided its newest round's depth and G alike. A shard that diverged
+        (a bug) is stopped here, before it runs another round unlike the others: no
+        collective inside a round spans the shards, so nothing else would notice."""
+        if len({turn.decided for turn in self.turns}) > 1:
+            raise ConsensusMismatch("each shard's newest (round, depth, G)",
+                                    tuple(value for turn in self.turns
+                                          for value in turn.decided))
+
     def retired(self) -> list[RoundFeedback]:
         """Every shard's retired feedback in the order each rank observes it: by round, then
         by shard."""
@@ -198,20 +210,35 @@ class RankLink:
         self.heartbeat_s = heartbeat_s
         self.shard, self.dp_size = collectives.dp_rank, collectives.dp_size
         self.tp_size = collectives.tp_size
+        # Its own worker thread: a follower waits there for the front most of the time, and
+        # several runtimes in one process (the bench's arms) would otherwise fill the
+        # default executor with waits and hold back the runtime that has work.
+        self._worker = ThreadPoolExecutor(max_workers=1,
+                                          thread_name_prefix=f"adaspec-rank{rank}")
+
+    def close(self) -> None:
+        """Let the worker thread go once its collective returned (a failed or closed process
+        group ends it)."""
+        self._worker.shutdown(wait=False, cancel_futures=True)
+
+    async def _off_loop(self, op: str, data: bytes, share: bool) -> "bytes | list[bytes]":
+        call = self.collectives.share_from_first_rank if share else \
+            self.collectives.gather_from_every_rank
+        return await asyncio.get_running_loop().run_in_executor(self._worker, call, data, op)
 
     async def agree(self, proposal: Plan) -> Plan:
         """The front's plan on every rank; a follower's ``proposal`` is ignored. Runs in a
         worker thread: a follower waits here for the front, and the loop stays free."""
         data = proposal.encode() if self.front else b""
-        shared = await asyncio.to_thread(self.collectives.share_from_first_rank, data,
-                                         "plan")
+        shared = await self._off_loop("plan", data, share=True)
+        assert isinstance(shared, bytes)
         return proposal if self.front else Plan.decode(shared)
 
     async def exchange(self, turn: ShardTurn) -> ShardsView:
         """Every shard's turn on every rank. The TP ranks of a shard hold the same state, so
         only its TP rank 0 sends one; the others send nothing."""
         data = turn.encode() if self.rank % self.tp_size == 0 else b""
-        gathered = await asyncio.to_thread(self.collectives.gather_from_every_rank, data,
-                                           "shard_turn")
+        gathered = await self._off_loop("shard_turn", data, share=False)
+        assert isinstance(gathered, list)
         return ShardsView(tuple(ShardTurn.decode(gathered[shard * self.tp_size])
                                 for shard in range(self.dp_size)))
