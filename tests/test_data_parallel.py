@@ -11,6 +11,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +132,34 @@ def test_a_request_cancelled_on_another_shard_ends_there_and_every_log_replays(
     assert "all 2 ranks made the same" in replay([logs[0], "--across", logs[1]])
     ended = [e for e in events(Path(logs[1])) if e["kind"] == "request_finished"]
     assert {e["request_id"]: e["reason"] for e in ended} == {1: "cancelled"}
+
+
+def test_a_killed_rank_among_four_is_named_by_every_other_rank() -> None:
+    """Rank 3 (TP rank 1 of shard 1) is killed once its state trace shows round 3 under way:
+    the three others exit non-zero within --collective_timeout_s, each with one line that
+    names the collective it met the failure in and rank 3 as the one that stopped."""
+    timeout_s = 20
+    ranks = start_ranks(4, ["generate", "--max_tokens=1000", "--temperature=0", "--prompt=abc",
+                            "--prompt=xyz", "--trace=-", "--dp_size=2", *MTP,
+                            f"--collective_timeout_s={timeout_s}"])
+    victim = ranks[3]
+    try:
+        assert victim.stderr is not None
+        for line in victim.stderr:  # blocks on the pipe: no sleeping
+            if '"round": 3' in line or '"round":3' in line:
+                break
+        victim.kill()
+        killed = time.monotonic()
+        ended = [process.communicate(timeout=PROCESS_LIMIT_S) for process in ranks[:3]]
+        elapsed = time.monotonic() - killed
+    finally:
+        finish(ranks)
+    assert elapsed < timeout_s
+    for process, (_, err) in zip(ranks[:3], ended, strict=True):
+        assert process.returncode != 0
+        last = err.strip().splitlines()[-1]
+        assert re.search(r"collective \w+ over ranks \[[0-3,]+\] failed: "
+                         r".*; rank 3 stopped$", last), last
 
 
 def test_a_shard_turn_travels_as_json_and_comes_back_equal() -> None:

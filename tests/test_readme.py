@@ -120,7 +120,7 @@ SHORT: dict[str, Callable[[str], None]] = {
 RANKS_BY_HAND = ("for rank in 0 1; do adaspec generate --nnodes=2 --node_rank=$rank "
                  "--master_node_addr=127.0.0.1:29500 --speculative_algorithm=MTP "
                  "--num_speculative_tokens=3 --prompt \"ROMEO.\" --max_tokens 32 --temperature 0 "
-                 "& done; wait -n && wait -n")
+                 "& pid[$rank]=$!; done; wait ${pid[0]} && wait ${pid[1]}")
 RANKS_BY_TORCHRUN = ("torchrun --nproc-per-node=2 -m adaspec generate "
                      "--speculative_algorithm=MTP --num_speculative_tokens=3 "
                      "--prompt \"ROMEO.\" --max_tokens 32 --temperature 0")
@@ -214,7 +214,7 @@ def test_both_ways_of_starting_two_ranks_run_as_written(command: str, tmp_path: 
 
 
 def test_the_specifications_dp2_line_parses_on_every_rank(tmp_path: Path) -> None:
-    generate = SPEC_DP2.split("do adaspec generate ", 1)[1].split(" & done", 1)[0]
+    generate = SPEC_DP2.split("do adaspec generate ", 1)[1].split(" & pid", 1)[0]
     flags = generate.split(" --prompt ", 1)[0]
     from test_data_parallel import SPEC_DP2 as TESTED
     assert set(TESTED) <= set(flags.split())  # the test runs these very flags

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from adaspec.availability import require_device
 from adaspec.errors import CollectiveError, ConfigError, ConsensusMismatch
+from adaspec.runtime.devices.liveness import Liveness
 
 Device = Literal["cpu", "cuda", "npu"]
 
@@ -113,12 +114,18 @@ def backend_reason(error: BaseException) -> str:
 
 
 @contextmanager
-def _collective(op: str, group: tuple[int, ...]) -> Iterator[None]:
-    """Re-raise a backend failure (dead peer, timeout, broken transport) as CollectiveError."""
+def _collective(op: str, group: tuple[int, ...], liveness: Liveness | None = None
+                ) -> Iterator[None]:
+    """Re-raise a backend failure (dead peer, timeout, broken transport) as CollectiveError,
+    naming the peers that stopped when the heartbeats tell."""
     try:
         yield
     except (RuntimeError, ValueError) as error:  # DistError and its kinds are RuntimeErrors
-        raise CollectiveError(op, group, backend_reason(error)) from error
+        reason = backend_reason(error)
+        stopped = [] if liveness is None else liveness.stopped_peers(group)
+        if stopped:
+            reason += f"; rank {', '.join(map(str, stopped))} stopped"
+        raise CollectiveError(op, group, reason) from error
 
 
 def _check_layout(rank: int, world_size: int, tp_size: int, dp_size: int) -> None:
@@ -190,6 +197,7 @@ class DistributedCollectives:
         self.tp_group_ranks = tuple(shard_ranks(tp_size, dp_size)[self.dp_rank])
         self.dp_group_ranks = tuple(dp_ranks(tp_size, dp_size)[self.tp_rank])
         self._closed = False
+        self._liveness: Liveness | None = None
         self._groups: list[dist.ProcessGroup] = []
         self.calls: Counter[str] = Counter()
         """Collectives issued, by op: what a round costs in collectives, counted."""
@@ -204,6 +212,10 @@ class DistributedCollectives:
         else:
             _check_existing_group(rank, world_size)
         try:
+            if self._owns_default_group and init_method.startswith("tcp://"):
+                host, _, port = init_method.removeprefix("tcp://").rpartition(":")
+                self._liveness = Liveness(host.strip("[]"), int(port), rank, world_size,
+                                          min(1.0, timeout.total_seconds() / 8))
             self._tp_group = self._subgroup(shard_ranks(tp_size, dp_size), None, timeout)
             # G is compared over every rank, not only across DP shards: a TP rank that
             # decided differently would hang later collectives just the same.
@@ -231,14 +243,14 @@ class DistributedCollectives:
         if self._tp_group is None:
             return
         self.calls["tp_broadcast"] += 1
-        with _collective("tp_broadcast", self.tp_group_ranks):
+        with _collective("tp_broadcast", self.tp_group_ranks, self._liveness):
             dist.broadcast(tensor, src=self.tp_group_ranks[0], group=self._tp_group)
 
     def tp_all_reduce(self, tensor: Tensor) -> None:
         if self._tp_group is None:
             return
         self.calls["tp_all_reduce"] += 1
-        with _collective("tp_all_reduce", self.tp_group_ranks):
+        with _collective("tp_all_reduce", self.tp_group_ranks, self._liveness):
             dist.all_reduce(tensor, group=self._tp_group)
 
     def dp_agree_rows(self, num_rows: int) -> int:
@@ -247,7 +259,7 @@ class DistributedCollectives:
         self.calls["dp_agree_rows"] += 1
         mine = torch.tensor([num_rows], dtype=torch.int64)
         chosen = [torch.empty_like(mine) for _ in range(self.world_size)]
-        with _collective("dp_agree_rows", tuple(range(self.world_size))):
+        with _collective("dp_agree_rows", tuple(range(self.world_size)), self._liveness):
             dist.all_gather(chosen, mine, group=self._host_group)
         values = tuple(int(value) for value in torch.cat(chosen).tolist())
         if len(set(values)) > 1:
@@ -259,7 +271,7 @@ class DistributedCollectives:
             return data
         self.calls[op] += 1
         box: list[object] = [data if self.rank == 0 else None]
-        with _collective(op, tuple(range(self.world_size))):
+        with _collective(op, tuple(range(self.world_size)), self._liveness):
             dist.broadcast_object_list(box, src=0, group=self._host_group)
         shared = box[0]
         assert isinstance(shared, bytes)
@@ -271,7 +283,7 @@ class DistributedCollectives:
             return [data]
         self.calls[op] += 1
         gathered: list[object] = [None] * self.world_size
-        with _collective(op, tuple(range(self.world_size))):
+        with _collective(op, tuple(range(self.world_size)), self._liveness):
             dist.all_gather_object(gathered, data, group=self._host_group)
         assert all(isinstance(item, bytes) for item in gathered)
         return gathered  # type: ignore[return-value]
@@ -282,14 +294,19 @@ class DistributedCollectives:
         if self._closed:
             return
         self._closed = True
+        liveness, self._liveness = self._liveness, None
         if not dist.is_initialized():
+            if liveness is not None:
+                liveness.close()
             return
         with _collective("destroy_process_group", tuple(range(self.world_size))):
+            for group in self._groups:  # wakes the ranks still waiting in them
+                dist.destroy_process_group(group)
+            if liveness is not None:
+                liveness.linger()  # the store outlives the survivors' probes
+                liveness.close()
             if self._owns_default_group:
                 dist.destroy_process_group()
-                return
-            for group in self._groups:
-                dist.destroy_process_group(group)
 
     def __enter__(self) -> "DistributedCollectives":
         return self

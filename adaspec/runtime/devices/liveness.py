@@ -1,0 +1,106 @@
+"""Which peer stopped: every rank's heartbeat in the rendezvous store.
+
+A failed collective tells a rank that the group broke, not which rank broke it: gloo reports
+a closed connection or a timeout. So each rank keeps a counter in the store that
+``init_process_group`` opened at ``--master_node_addr`` (rank 0 hosts it) and bumps it every
+``beat_s``. A rank whose collective failed reads every peer's counter twice, a few beats
+apart: a peer whose counter did not move has stopped (died, or hangs with its process
+frozen). When the store itself cannot be reached, rank 0, which hosts it, is the one gone.
+The reads wait a few beats only after a failure; serving pays one small store write per beat.
+
+The first rank to find the stopped peers writes them down (``VERDICT``) and every later
+one reads them: a rank whose collective failed only because another survivor left after
+its own failure must not blame that survivor. So rank 0, whose exit would take the store
+along, closes its process groups first (waking the ranks still waiting on it), waits a few
+beats for every survivor to read the verdict, and only then lets the store go.
+"""
+
+import datetime
+import threading
+import time
+from collections.abc import Sequence
+
+from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, unstubbed
+
+PREFIX = "adaspec/alive/"
+VERDICT = "adaspec/stopped"
+READ = "adaspec/read"
+BEATS_TO_WAIT = 3
+
+
+class Liveness:
+    """This rank's heartbeat, and the probe that names the peers that stopped."""
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int, beat_s: float) -> None:
+        self.host, self.port, self.rank, self.beat_s = host, port, rank, beat_s
+        self.world_size = world_size
+        self.told: list[int] | None = None  # the verdict this rank read or wrote
+        self._stopped = threading.Event()
+        self._store: TCPStore | None = self._connect()
+        self._thread = threading.Thread(target=self._beat, name=f"adaspec-alive{rank}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _connect(self) -> TCPStore:
+        return TCPStore(self.host, self.port, is_master=False,
+                             timeout=datetime.timedelta(seconds=max(2.0, 2 * self.beat_s)),
+                             wait_for_workers=False)
+
+    def _beat(self) -> None:
+        count = 0
+        while not self._stopped.is_set() and self._store is not None:
+            try:
+                self._store.set(f"{PREFIX}{self.rank}", str(count))
+            except Exception:  # the store's host (rank 0) is gone: nothing left to tell
+                return
+            count += 1
+            self._stopped.wait(self.beat_s)
+
+    def stopped_peers(self, group: Sequence[int]) -> list[int]:
+        """The peers of ``group`` whose heartbeat stopped (empty when all still beat)."""
+        peers = [rank for rank in group if rank != self.rank]
+        try:
+            store = self._connect()
+            if store.check([VERDICT]):
+                told = _ranks(store.get(VERDICT))
+            else:
+                before = _counters(store, range(self.world_size))
+                time.sleep(BEATS_TO_WAIT * self.beat_s)  # only ever after a failure
+                after = _counters(store, range(self.world_size))
+                told = [rank for rank in range(self.world_size)
+                        if rank != self.rank and before[rank] == after[rank]]
+                store.set(VERDICT, ",".join(map(str, told)))
+            store.add(READ, 1)
+        except Exception:  # no store: its host, rank 0, is gone
+            return [0] if 0 in peers else []
+        self.told = told
+        return [rank for rank in told if rank in peers]
+
+    def linger(self) -> None:
+        """Rank 0, once a failure was seen: wait (a few beats at most) until every survivor
+        read the verdict, so the store outlives their probes."""
+        if self.rank != 0 or self.told is None:
+            return
+        survivors = self.world_size - len(self.told)
+        deadline = time.monotonic() + (BEATS_TO_WAIT + 3) * self.beat_s
+        try:
+            store = self._connect()
+            while store.add(READ, 0) < survivors and time.monotonic() < deadline:
+                self._stopped.wait(self.beat_s / 4)
+        except Exception:  # nothing to wait for without a store
+            return
+
+    def close(self) -> None:
+        """Stop beating and let go of the store (its host may be closing it)."""
+        self._stopped.set()
+        self._thread.join(timeout=2 * self.beat_s + 1)
+        self._store = None
+
+
+def _ranks(text: bytes) -> list[int]:
+    return [int(rank) for rank in text.decode().split(",") if rank]
+
+
+def _counters(store: TCPStore, ranks: Sequence[int]) -> dict[int, bytes | None]:
+    keys = {rank: f"{PREFIX}{rank}" for rank in ranks}
+    return {rank: store.get(key) if store.check([key]) else None for rank, key in keys.items()}
