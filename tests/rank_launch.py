@@ -6,6 +6,7 @@ import json
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +70,17 @@ def finish(ranks: list[subprocess.Popen[str]]) -> list[RankRun]:
                 process.kill()
                 process.communicate()
     return runs
+
+
+def kill_at_round(victim: subprocess.Popen[str], number: int) -> float:
+    """Kill ``victim`` once its state trace (``--trace=-``, on its stderr) shows round
+    ``number`` under way; the monotonic time of the kill."""
+    assert victim.stderr is not None
+    for line in victim.stderr:  # blocks on the pipe: no sleeping
+        if f'"round": {number}' in line or f'"round":{number}' in line:
+            break
+    victim.kill()
+    return time.monotonic()
 
 
 def run_ranks(nnodes: int, argv: list[str]) -> list[RankRun]:

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from gloo_job import PROCESS_LIMIT_S, peer_environment
-from rank_launch import DECODE, finish, front_tokens, run_ranks, start_ranks
+from rank_launch import DECODE, finish, front_tokens, kill_at_round, run_ranks, start_ranks
 
 from adaspec.errors import ConsensusMismatch
 from adaspec.policies.base import RoundFeedback
@@ -142,14 +142,8 @@ def test_a_killed_rank_among_four_is_named_by_every_other_rank() -> None:
     ranks = start_ranks(4, ["generate", "--max_tokens=1000", "--temperature=0", "--prompt=abc",
                             "--prompt=xyz", "--trace=-", "--dp_size=2", *MTP,
                             f"--collective_timeout_s={timeout_s}"])
-    victim = ranks[3]
     try:
-        assert victim.stderr is not None
-        for line in victim.stderr:  # blocks on the pipe: no sleeping
-            if '"round": 3' in line or '"round":3' in line:
-                break
-        victim.kill()
-        killed = time.monotonic()
+        killed = kill_at_round(ranks[3], 3)
         ended = [process.communicate(timeout=PROCESS_LIMIT_S) for process in ranks[:3]]
         elapsed = time.monotonic() - killed
     finally:

@@ -21,7 +21,16 @@ from typing import Any
 import pytest
 import torch
 from gloo_job import PROCESS_LIMIT_S, peer_environment
-from rank_launch import DECODE, PROMPTS, RankRun, finish, free_port, run_ranks, start_ranks
+from rank_launch import (
+    DECODE,
+    PROMPTS,
+    RankRun,
+    finish,
+    free_port,
+    kill_at_round,
+    run_ranks,
+    start_ranks,
+)
 from scipy.stats import chisquare
 
 from adaspec.config import load_config
@@ -225,12 +234,7 @@ def test_a_killed_rank_makes_the_front_fail_within_the_timeout_naming_the_collec
                             *layout])
     front, victim = ranks
     try:
-        assert victim.stderr is not None
-        for line in victim.stderr:  # blocks on the pipe: no sleeping
-            if '"round": 3' in line or '"round":3' in line:
-                break
-        victim.kill()
-        killed = time.monotonic()
+        killed = kill_at_round(victim, 3)
         out, err = front.communicate(timeout=PROCESS_LIMIT_S)
         elapsed = time.monotonic() - killed
     finally:
