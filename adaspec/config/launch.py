@@ -177,6 +177,11 @@ class LaunchConfig:
         return self.nnodes
 
     @property
+    def dp_rank(self) -> int:
+        """The DP shard of --node_rank: shard s owns ranks s*tp_size .. (s+1)*tp_size - 1."""
+        return self.node_rank // self.resolved.tp_size
+
+    @property
     def seqs_per_shard(self) -> int:
         """Most sequences one DP shard decodes at once."""
         return -(-self.max_seqs_per_batch // self.dp_size)

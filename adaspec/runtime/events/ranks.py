@@ -63,9 +63,9 @@ def compare_ranks(paths: Sequence[str]) -> RankAgreement:
     made, runs = [], []
     for path in paths:
         header, events = read_event_log(path)
-        check_recorded_run(header, events, path)
+        recorded = check_recorded_run(header, events, path)
         made.append(decisions(events))
-        runs.append(_run_of(header, events, path))
+        runs.append(_run_of(header, events, recorded.launch.dp_rank))
     _check_one_run(paths, runs)
     first, reference = paths[0], made[0]
     for path, other in zip(paths[1:], made[1:], strict=True):
@@ -79,17 +79,15 @@ def compare_ranks(paths: Sequence[str]) -> RankAgreement:
 class _RankRun:
     rank: int
     nnodes: int
-    shard: int  # node_rank // tp_size
+    shard: int  # its DP shard
     shared: str  # the header's config but the per-rank settings, models and seed, as JSON
     arrivals: str  # every request_arrived event but its time, as JSON
 
 
-def _run_of(header: LogHeader, events: Sequence[Event], path: str) -> _RankRun:
+def _run_of(header: LogHeader, events: Sequence[Event], shard: int) -> _RankRun:
     config = json.loads(json.dumps(header.config))
     launch = config["launch"]
     rank, nnodes = launch["settings"]["node_rank"], launch["settings"]["nnodes"]
-    settings = launch["settings"]
-    tp_size = settings.get("tp_size") or nnodes // (settings["dp_size"] * settings["cp_size"])
     for section in ("settings", "sources"):
         for name in PER_RANK_SETTINGS:
             launch[section].pop(name, None)
@@ -97,8 +95,7 @@ def _run_of(header: LogHeader, events: Sequence[Event], path: str) -> _RankRun:
                          "seed": header.seed, "lag": header.lag}, sort_keys=True)
     arrivals = json.dumps([{**event.record(), "time": None} for event in events
                            if isinstance(event, RequestArrived)], sort_keys=True)
-    return _RankRun(rank=rank, nnodes=nnodes, shard=rank // max(1, tp_size), shared=shared,
-                    arrivals=arrivals)
+    return _RankRun(rank=rank, nnodes=nnodes, shard=shard, shared=shared, arrivals=arrivals)
 
 
 def _check_one_run(paths: Sequence[str], runs: Sequence[_RankRun]) -> None:

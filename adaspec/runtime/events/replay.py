@@ -235,7 +235,7 @@ def check_recorded_run(header: LogHeader, events: Sequence[Event], path: str
                                context_limit=run.context_limit,
                                unified=launch.enable_unified_mtp_graph,
                                check_request=functools.partial(check_request, launch=launch),
-                               shard=launch.node_rank // launch.resolved.tp_size),
+                               shard=launch.dp_rank),
               path)
     return run
 
