@@ -511,6 +511,7 @@ async def run_bench(plan: BenchPlan, models: Callable[[], ReferenceModels] | Non
 
 
 def check_sampling(plan: BenchPlan) -> None:
+    """Every arm can run the plan's temperatures (``sampling_refusal``), or none starts."""
     for arm in plan.arms:
         why = sampling_refusal(arm, plan.temperatures)
         if why is not None:

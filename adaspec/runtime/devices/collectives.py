@@ -231,7 +231,7 @@ class DistributedCollectives:
         if len(groups[0]) == 1:
             return None
         mine: dist.ProcessGroup | None = None
-        with _collective("new_group", tuple(range(self.world_size))):
+        with _collective("new_group", tuple(range(self.world_size)), self._liveness):
             for ranks in groups:
                 group = dist.new_group(list(ranks), timeout=timeout, backend=backend)
                 if self.rank in ranks:

@@ -37,6 +37,9 @@ class Liveness:
         self.told: list[int] | None = None  # the verdict this rank read or wrote
         self._stopped = threading.Event()
         self._store: TCPStore | None = self._connect()
+        # The probe's own connection, made now: one made after a failure would retry (and
+        # log every retry) against a store whose host may be gone.
+        self._probe: TCPStore | None = self._connect()
         self._thread = threading.Thread(target=self._beat, name=f"adaspec-alive{rank}",
                                         daemon=True)
         self._thread.start()
@@ -59,8 +62,9 @@ class Liveness:
     def stopped_peers(self, group: Sequence[int]) -> list[int]:
         """The peers of ``group`` whose heartbeat stopped (empty when all still beat)."""
         peers = [rank for rank in group if rank != self.rank]
+        store = self._probe
         try:
-            store = self._connect()
+            assert store is not None, "probed after close"
             if store.check([VERDICT]):
                 told = _ranks(store.get(VERDICT))
             else:
@@ -83,9 +87,10 @@ class Liveness:
             return
         survivors = self.world_size - len(self.told)
         deadline = time.monotonic() + (BEATS_TO_WAIT + 3) * self.beat_s
+        store = self._probe
         try:
-            store = self._connect()
-            while store.add(READ, 0) < survivors and time.monotonic() < deadline:
+            while store is not None and store.add(READ, 0) < survivors \
+                    and time.monotonic() < deadline:
                 self._stopped.wait(self.beat_s / 4)
         except Exception:  # nothing to wait for without a store
             return
@@ -94,7 +99,7 @@ class Liveness:
         """Stop beating and let go of the store (its host may be closing it)."""
         self._stopped.set()
         self._thread.join(timeout=2 * self.beat_s + 1)
-        self._store = None
+        self._store = self._probe = None
 
 
 def _ranks(text: bytes) -> list[int]:
