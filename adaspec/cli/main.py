@@ -28,6 +28,7 @@ commands:
   config    check a launch line and print its effective configuration as JSON
   models    identities, sizes and measured quality of the built-in reference models
   generate  decode prompts with the built-in models (speculative or target alone)
+  serve     an OpenAI-compatible HTTP server (completions, streaming, metrics)
   calibrate measure and fit the costs of adaptive target verify, save the bundle
   simulate  evaluate policies offline on a workload (or an event log) and a cost bundle
   states    print the round state graph as a mermaid diagram
@@ -49,7 +50,8 @@ def _subcommand(name: str) -> Callable[[Sequence[str]], int]:
 
 COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     name: _subcommand(name) for name in
-    ("config", "models", "generate", "calibrate", "bench", "simulate", "states", "replay")}
+    ("config", "models", "generate", "serve", "calibrate", "bench", "simulate", "states",
+     "replay")}
 
 
 def run(argv: Sequence[str]) -> int:

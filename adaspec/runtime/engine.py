@@ -526,6 +526,17 @@ class Runtime:
         if fault is not None:
             raise fault
 
+    async def ended(self) -> None:
+        """Return once the round loop has ended: after ``stop()``, or on a fault (a dead
+        peer, a failed round the loop cannot go on from), which is raised here."""
+        task = self._task
+        if task is None:
+            raise RuntimeStopped("the runtime is not running: await start() first")
+        await asyncio.wait({task})  # a caller cancelled here leaves the loop running
+        fault = None if self._pipeline is None else self._pipeline.fault
+        if fault is not None:
+            raise fault
+
     async def _start_on_stream(self, models: ModelSet, device: torch.device,
                                geometry: BucketGeometry, plan: CalibrationPlan | None,
                                saved: CostBundle | None) -> None:
@@ -798,12 +809,23 @@ class Runtime:
         """Queue a request. Refused before execution, with a one-line error naming the field,
         when the launch cannot decode it exactly or the prompt does not fit. ``prompt`` holds
         token ids in order: a list or tuple of ints, bytes, or a 1-d integer array."""
+        ids = self.check(prompt, params)
+        self._on_loop("submit()")
+        pipeline = self._running()
+        request = Request(id=next(self._ids), prompt=ids, params=params)
+        if pipeline.link is None:  # with several ranks, once the plan gives it a shard
+            self.bus.publish(RequestArrived.of(request, self.clock.now()))
+        pipeline.add(request)
+        return RequestHandle(request, self._cancel)
+
+    def check(self, prompt: Sequence[int], params: SamplingParams) -> tuple[int, ...]:
+        """Refuse what ``submit`` would refuse, queuing nothing, and return the prompt's token
+        ids: a caller with several prompts checks them all before it submits any."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequest("params", params,
                                  "expected a SamplingParams; build one with SamplingParams(...) "
                                  "or SamplingParams.from_request(fields)")
         pipeline = self._running()
-        self._on_loop("submit()")
         self._front_only("submit")
         check_request(params, self.launch)
         ids = prompt_ids(prompt)
@@ -813,11 +835,7 @@ class Runtime:
         unknown = next((token for token in params.stop if token >= vocab), None)
         if unknown is not None:  # it could never be sampled: the request would never stop
             raise InvalidRequest("stop", unknown, f"expected token ids in 0..{vocab - 1}")
-        request = Request(id=next(self._ids), prompt=ids, params=params)
-        if pipeline.link is None:  # with several ranks, once the plan gives it a shard
-            self.bus.publish(RequestArrived.of(request, self.clock.now()))
-        pipeline.add(request)
-        return RequestHandle(request, self._cancel)
+        return ids
 
     def _front_only(self, call: str) -> None:
         """Requests reach the ranks through the front: a rank behind it refuses them before

@@ -1,0 +1,109 @@
+"""``adaspec serve``: an OpenAI-compatible HTTP server over the runtime.
+
+    adaspec serve [LAUNCH FLAGS] [--served_model_name NAME] [--max_queued_requests N]
+                  [--seed S] [--event_log FILE] [--trace FILE]
+
+It listens on the launch's ``--host``/``--port`` (rank 0 of a multi-rank launch; the other
+ranks decode its requests) and logs one JSON line per event on stderr: listening, ready, one
+per completion request, draining, stopped. See ``adaspec.serve`` for the routes.
+"""
+
+import asyncio
+import sys
+from collections.abc import Sequence
+
+from adaspec.cli.calibrate import progress_reporter
+from adaspec.cli.flags import CommandFlags, Flag, check_runnable_here, launch_settings
+from adaspec.cli.generate import check_outputs
+from adaspec.config import load_config
+from adaspec.config.limits import BUILTIN_TARGET
+from adaspec.config.requests import MAX_SEED
+from adaspec.errors import ConfigError
+from adaspec.models.tokenizer import ByteTokenizer
+from adaspec.runtime.engine import Runtime, RuntimeOptions, require_builtin
+
+MAX_QUEUED_REQUESTS = 1 << 16
+
+SERVE = CommandFlags(
+    command="serve",
+    usage="[LAUNCH FLAGS] [--served_model_name NAME] [--max_queued_requests N] [--seed S] "
+          "[--event_log FILE] [--trace FILE]",
+    about="Serves the OpenAI completions API (POST /v1/completions, streamed or whole; GET "
+          "/v1/models, /health, /metrics) over the runtime, on the launch's --host and --port "
+          "(default 127.0.0.1:8000), with the built-in reference models (byte-level: a "
+          "prompt's token ids are its UTF-8 bytes). /health answers 503 until the models are "
+          "loaded, the graphs prepared and the costs calibrated. SIGTERM or Ctrl-C drains: "
+          "requests in flight end, new ones get 503; a second signal cancels them. Launch "
+          "flags are those of `adaspec config --help`.",
+    flags={
+        "served_model_name": Flag(metavar="NAME", help="the model name requests give "
+                                  "(default: the --model value)"),
+        "max_queued_requests": Flag(metavar="N", help="most requests in flight, waiting "
+                                    "or decoding; beyond, a request gets 429 (default 1024)"),
+        "seed": Flag(metavar="S", help="seed of every random draw (default 0)"),
+        "event_log": Flag(metavar="FILE", help="write the event log here (the file must "
+                          "not exist)"),
+        "trace": Flag(metavar="FILE", help="write the state trace here (the file must not "
+                      "exist)"),
+    },
+    launch=True)
+
+
+def _integer(name: str, raw: str | None, default: int, low: int, high: int) -> int:
+    if raw is None:
+        return default
+    text = raw.strip()
+    if not (text.isascii() and text.isdigit() and len(text) <= 18) or \
+            not low <= int(text) <= high:
+        raise ConfigError(f"--{name}", raw, f"expected an integer in {low}..{high}")
+    return int(text)
+
+
+def _model_name(raw: str | None, model: str) -> str:
+    if raw is None:
+        return model
+    if not raw.strip() or not raw.isprintable() or len(raw) > 256:
+        raise ConfigError("--served_model_name", raw, "expected a printable name of 1..256 "
+                          "characters")
+    return raw
+
+
+def run(argv: Sequence[str]) -> int:
+    from adaspec.serve.app import ServeSettings
+    from adaspec.serve.server import json_logger, serve_http
+
+    parsed = SERVE.parse(argv)
+    if parsed.help:
+        print(SERVE.help())
+        return 0
+    settings = launch_settings(parsed.launch_argv)
+    require_builtin("serve", str(settings.get("model", BUILTIN_TARGET)),
+                    None if settings.get("draft_model") is None else str(settings["draft_model"]),
+                    "embed the runtime to serve your own")
+    config = load_config(settings)
+    launch = config.launch
+    serve = ServeSettings(
+        model_name=_model_name(parsed.get("served_model_name"), launch.model),
+        max_queued_requests=_integer("max_queued_requests", parsed.get("max_queued_requests"),
+                                     1024, 1, MAX_QUEUED_REQUESTS),
+        temperature_required=launch.enable_adaptive_target_verify)
+    seed = _integer("seed", parsed.get("seed"), 0, 0, MAX_SEED - 1)
+    outputs = {name: value for name, value in parsed.given if name in ("event_log", "trace")}
+    check_outputs(outputs, launch)
+    check_runnable_here(launch)
+    options = RuntimeOptions(seed=seed, event_log=outputs.get("event_log"),
+                             trace=outputs.get("trace"),
+                             calibration_progress=progress_reporter(sys.stderr))
+    runtime = Runtime(config, options=options)
+    log = json_logger(sys.stderr)
+    if launch.node_rank != 0:  # the same launch line on every rank: rank 0 serves HTTP
+        asyncio.run(_follow(runtime))
+        return 0
+    asyncio.run(serve_http(runtime, ByteTokenizer(), serve, host=launch.host,
+                           port=launch.port, log=log))
+    return 0
+
+
+async def _follow(runtime: Runtime) -> None:
+    await runtime.start()
+    await runtime.serve()

@@ -1,0 +1,389 @@
+"""The HTTP routes of ``adaspec serve`` (aiohttp), on the event loop the runtime runs on.
+
+    POST /v1/completions   OpenAI completions, streamed as server-sent events or whole
+    GET  /v1/models        the one model served
+    GET  /health           200 once ready; 503 while starting, draining or failed
+    GET  /metrics          Prometheus text
+
+A completion request is checked whole (every field, every prompt against the model) before
+any of it is queued. A client that goes away cancels its requests: aiohttp cancels the
+handler, and the handler cancels what it submitted.
+"""
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from adaspec.errors import InvalidRequest, UnsupportedRequest
+from adaspec.models.tokenizer import Tokenizer
+from adaspec.runtime.engine import Runtime
+from adaspec.runtime.requests import RequestFailed, RequestHandle
+from adaspec.serve.metrics import CONTENT_TYPE, ServerMetrics
+from adaspec.serve.protocol import (
+    MAX_BODY_BYTES,
+    ApiError,
+    CompletionJob,
+    bad_field,
+    parse_body,
+    read_completion,
+    refused,
+)
+from adaspec.serve.text import CompletionText
+
+STARTING, READY, DRAINING, FAILED = "starting", "ready", "draining", "failed"
+CLIENT_GONE = 499
+"""The status logged for a request whose client went away before its answer (nginx's)."""
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass(slots=True)
+class ServeSettings:
+    model_name: str
+    max_queued_requests: int
+    temperature_required: bool
+
+
+@dataclass(slots=True)
+class Choice:
+    """One prompt's completion while it runs, and its figures once it ends."""
+
+    index: int
+    handle: RequestHandle
+    text: CompletionText
+    prompt_tokens: int
+    arrived: float
+    first_token: float | None = None
+    last_token: float | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    rounds: int = 0
+    verified: int = 0
+    accepted: int = 0
+
+    def extension(self) -> dict[str, Any]:
+        """adaspec's own figures of the completion (AL counts the residual or bonus)."""
+        al = (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
+        return {"acceptance_length": round(al, 4), "drafted_accepted": self.accepted,
+                "drafted_verified": self.verified, "rounds": self.rounds}
+
+
+@dataclass(slots=True)
+class Completion:
+    """One HTTP completion request: its choices, and what its log line says."""
+
+    id: str
+    arrived: float
+    stream: bool
+    choices: list[Choice] = field(default_factory=list)
+    status: int = 200
+
+
+class CompletionServer:
+    """The routes' state: the runtime, the served model, counters and the drain."""
+
+    def __init__(self, runtime: Runtime, tokenizer: Tokenizer, settings: ServeSettings,
+                 log: Any = None) -> None:
+        self.runtime = runtime
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self.metrics = ServerMetrics(runtime)
+        self.log = log or structlog.get_logger("adaspec.serve")
+        self.state = STARTING
+        self.failure = ""
+        self.queued = 0  # requests submitted that have not ended
+        self.handlers = 0  # completion handlers running
+        self.drained = asyncio.Event()
+        self.drained.set()
+        self.in_flight: set[RequestHandle] = set()
+        self.created = int(time.time())
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._errors])
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics_text)
+        return app
+
+    # --- plain routes --------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        body: dict[str, Any] = {"status": self.state}
+        if self.failure:
+            body["error"] = self.failure
+        return web.json_response(body, status=200 if self.state == READY else 503)
+
+    async def models(self, request: web.Request) -> web.Response:
+        card: dict[str, Any] = {"id": self.settings.model_name, "object": "model",
+                                "created": self.created, "owned_by": "adaspec"}
+        if self.state == READY:
+            card["max_model_len"] = self.runtime.context_limit
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.text(), headers={"Content-Type": CONTENT_TYPE})
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Every refusal in OpenAI's error shape, aiohttp's own (404, 405, 413) included."""
+        try:
+            return await handler(request)
+        except ApiError as error:
+            return error_response(error)
+        except web.HTTPRequestEntityTooLarge:
+            return error_response(too_large())
+        except web.HTTPException as error:
+            if error.status < 400:
+                raise
+            return error_response(ApiError(error.status, f"{request.method} {request.path}: "
+                                           f"{error.reason}", kind="invalid_request_error"))
+
+    # --- completions ---------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        completion = Completion(id=f"cmpl-{uuid.uuid4().hex}", arrived=time.perf_counter(),
+                                stream=False)
+        self.handlers += 1
+        self.drained.clear()
+        error_text = None
+        try:
+            return await self._complete(request, completion)
+        except ApiError as error:
+            completion.status, error_text = error.status, error.message
+            raise
+        except asyncio.CancelledError:  # aiohttp cancels the handler of a client gone away
+            completion.status, error_text = CLIENT_GONE, "the client went away"
+            raise
+        finally:
+            self.metrics.http_requests.labels(str(completion.status)).inc()
+            self._log(completion, error_text)
+            self.handlers -= 1
+            if not self.handlers:
+                self.drained.set()
+
+    async def _complete(self, request: web.Request, completion: Completion
+                        ) -> web.StreamResponse:
+        self._check_open()
+        job = read_completion(parse_body(await self._body(request)), self.settings.model_name,
+                              temperature_required=self.settings.temperature_required)
+        completion.stream = job.stream
+        prompts = [self._prompt_ids(job, index) for index in range(len(job.prompts))]
+        self._check_room(len(prompts))
+        handles = [self.runtime.submit(ids, job.params) for ids in prompts]
+        self.in_flight.update(handles)
+        self.queued += len(handles)
+        self.metrics.waiting.inc(len(handles))
+        completion.choices = [
+            Choice(index=i, handle=h, prompt_tokens=len(ids), arrived=completion.arrived,
+                   text=CompletionText(self.tokenizer.detokenizer(), job.stop_strings))
+            for i, (h, ids) in enumerate(zip(handles, prompts, strict=True))]
+        try:
+            if job.stream:
+                return await self._stream(request, job, completion)
+            return await self._whole(job, completion)
+        finally:
+            for choice in completion.choices:
+                if not choice.handle.done:  # the client went away, or a choice failed
+                    choice.handle.cancel()
+                    choice.finish_reason = choice.finish_reason or "cancelled"
+            self._ended(completion)
+
+    def _check_open(self) -> None:
+        if self.state == READY:
+            return
+        if self.state == STARTING:
+            raise ApiError(503, "the server is starting (loading models, preparing graphs, "
+                           "calibrating); retry once GET /health answers 200",
+                           kind="service_unavailable", retry_after=1)
+        raise ApiError(503, f"the server is {self.state}; it takes no new requests",
+                       kind="service_unavailable", retry_after=1)
+
+    async def _body(self, request: web.Request) -> bytes:
+        if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
+            raise too_large()
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise too_large() from None
+
+    def _prompt_ids(self, job: CompletionJob, index: int) -> tuple[int, ...]:
+        field_name = "prompt" if len(job.prompts) == 1 else f"prompt[{index}]"
+        prompt = job.prompts[index]
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        try:
+            return self.runtime.check(ids, job.params)
+        except (InvalidRequest, UnsupportedRequest) as error:
+            if error.field == "prompt":
+                shown = prompt if isinstance(prompt, str) else error.value
+                raise bad_field(field_name, shown, error.expected) from None
+            raise refused(error) from None
+
+    def _check_room(self, count: int) -> None:
+        limit = self.settings.max_queued_requests
+        if count > limit:
+            raise bad_field("prompt", f"{count} prompts", f"expected at most {limit} (the "
+                            "server's --max_queued_requests)")
+        if self.queued + count > limit:
+            raise ApiError(429, f"the queue is full: {self.queued} requests in flight, at most "
+                           f"{limit} (--max_queued_requests); retry later",
+                           kind="rate_limit_exceeded", code="queue_full", retry_after=1)
+
+    async def _whole(self, job: CompletionJob, completion: Completion) -> web.Response:
+        await asyncio.gather(*(self._run(choice, None) for choice in completion.choices))
+        failed = next((c for c in completion.choices if c.error is not None), None)
+        if failed is not None:
+            raise ApiError(500, f"the request failed: {failed.error}", kind="server_error")
+        body = self._chunk(completion, [
+            {"index": c.index, "text": c.text.text, "logprobs": None,
+             "finish_reason": c.finish_reason, "adaspec": c.extension()}
+            for c in completion.choices])
+        body["usage"] = usage(completion)
+        return web.json_response(body, dumps=_dumps)
+
+    async def _stream(self, request: web.Request, job: CompletionJob, completion: Completion
+                      ) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        pieces: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        tasks = [asyncio.ensure_future(self._run(c, pieces)) for c in completion.choices]
+        try:
+            async for piece in _until_all_end(pieces, len(tasks)):
+                await response.write(_event(self._chunk(completion, [piece])))
+            failed = next((c for c in completion.choices if c.error is not None), None)
+            if failed is not None:
+                error = ApiError(500, f"the request failed: {failed.error}",
+                                 kind="server_error")
+                await response.write(_event(error.body()))
+            elif job.include_usage:
+                final = self._chunk(completion, [])
+                final["usage"] = usage(completion)
+                await response.write(_event(final))
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except ConnectionError:  # the client went away mid-stream: its requests are cancelled
+            completion.status = CLIENT_GONE
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return response
+
+    async def _run(self, choice: Choice,
+                   pieces: "asyncio.Queue[dict[str, Any] | None] | None") -> None:
+        """Follow one request to its end; with ``pieces``, queue each text piece to stream
+        (and ``None`` once the request has ended)."""
+        try:
+            async for chunk in choice.handle:
+                now = time.perf_counter()
+                if choice.first_token is None:
+                    choice.first_token = now
+                    self.metrics.waiting.dec()
+                    self.metrics.running.inc()
+                choice.last_token = now
+                text = choice.text.feed(chunk)
+                if text and pieces is not None:
+                    pieces.put_nowait({"index": choice.index, "text": text, "logprobs": None,
+                                       "finish_reason": None})
+                if choice.text.stopped:
+                    choice.handle.cancel()
+                    break
+            result = await choice.handle.result()
+            choice.rounds, choice.verified = result.rounds, result.verified
+            choice.accepted = result.accepted
+            choice.finish_reason = "stop" if choice.text.stopped else result.finish_reason
+            rest = choice.text.finish()
+        except RequestFailed as error:
+            choice.error, choice.finish_reason, rest = error.reason, "error", ""
+        if pieces is not None:
+            if choice.error is None:
+                pieces.put_nowait({"index": choice.index, "text": rest, "logprobs": None,
+                                   "finish_reason": choice.finish_reason,
+                                   "adaspec": choice.extension()})
+            pieces.put_nowait(None)  # this choice has ended
+
+    def _chunk(self, completion: Completion, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": completion.id, "object": "text_completion",
+                "created": self.created, "model": self.settings.model_name,
+                "choices": choices}
+
+    def cancel_all(self) -> None:
+        """End every request in flight between rounds (a second signal while draining)."""
+        for handle in list(self.in_flight):
+            handle.cancel()
+
+    def _ended(self, completion: Completion) -> None:
+        self.queued -= len(completion.choices)
+        self.in_flight.difference_update(choice.handle for choice in completion.choices)
+        for choice in completion.choices:
+            if choice.first_token is None:
+                self.metrics.waiting.dec()
+            else:
+                self.metrics.running.dec()
+                self.metrics.ttft.observe(choice.first_token - choice.arrived)
+                assert choice.last_token is not None
+                if choice.text.num_tokens > 1:
+                    self.metrics.tpot.observe((choice.last_token - choice.first_token)
+                                              / (choice.text.num_tokens - 1))
+                self.metrics.e2e.observe(choice.last_token - choice.arrived)
+            self.metrics.finished.labels(choice.finish_reason or "cancelled").inc()
+
+    def _log(self, completion: Completion, error: str | None = None) -> None:
+        ended = time.perf_counter()
+        choices = completion.choices
+        rounds = sum(c.rounds for c in choices)
+        firsts = [c.first_token for c in choices if c.first_token is not None]
+        self.log.info(
+            "completion", id=completion.id, status=completion.status, stream=completion.stream,
+            prompts=len(choices), prompt_tokens=sum(c.prompt_tokens for c in choices),
+            completion_tokens=sum(c.text.num_tokens for c in choices),
+            acceptance_length=round((sum(c.accepted for c in choices) + rounds) / rounds, 4)
+            if rounds else None,
+            drafted_accepted=sum(c.accepted for c in choices),
+            drafted_verified=sum(c.verified for c in choices),
+            ttft_s=round(min(firsts) - completion.arrived, 6) if firsts else None,
+            e2e_s=round(ended - completion.arrived, 6),
+            finish_reasons=[c.finish_reason for c in choices], error=error)
+
+
+async def _until_all_end(pieces: "asyncio.Queue[dict[str, Any] | None]", count: int
+                         ) -> AsyncIterator[dict[str, Any]]:
+    """The queued pieces until ``count`` ends (``None``) have come."""
+    ended = 0
+    while ended < count:
+        piece = await pieces.get()
+        if piece is None:
+            ended += 1
+        else:
+            yield piece
+
+
+def usage(completion: Completion) -> dict[str, int]:
+    prompt = sum(c.prompt_tokens for c in completion.choices)
+    generated = sum(c.text.num_tokens for c in completion.choices)
+    return {"prompt_tokens": prompt, "completion_tokens": generated,
+            "total_tokens": prompt + generated}
+
+
+def too_large() -> ApiError:
+    return ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes",
+                    kind="invalid_request_error")
+
+
+def error_response(error: ApiError) -> web.Response:
+    headers = {} if error.retry_after is None else {"Retry-After": str(error.retry_after)}
+    return web.json_response(error.body(), status=error.status, headers=headers)
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def _event(value: dict[str, Any]) -> bytes:
+    return b"data: " + _dumps(value).encode("utf-8") + b"\n\n"

@@ -1,0 +1,297 @@
+"""The OpenAI completions request as adaspec reads it, and the error shape it answers with.
+
+Every field is either read, accepted only at its neutral value, or refused by name before
+anything is queued: a field the server does not implement is never ignored.
+"""
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from adaspec.config.requests import MAX_STOP_TOKENS, UNSUPPORTED_FIELDS, SamplingParams
+from adaspec.errors import InvalidRequest, UnsupportedRequest, show_value
+
+MAX_BODY_BYTES = 8 * 2**20
+"""The largest request body read; a larger one is answered 413 unread."""
+
+MAX_PROMPTS = 256
+"""Most prompts one completion request may hold."""
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+
+DEFAULT_MAX_TOKENS = 16
+"""OpenAI's default for ``max_tokens``."""
+
+DEFAULT_TEMPERATURE = 1.0
+"""OpenAI's default for ``temperature``, where the launch does not require it."""
+
+
+class ApiError(Exception):
+    """An answer other than 200, in OpenAI's error shape: ``message`` names the parameter
+    (``param``), the value and what is expected."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 kind: str = "invalid_request_error", code: str | None = None,
+                 retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.kind = kind
+        self.code = code
+        self.retry_after = retry_after
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.code}}
+
+
+def bad_field(param: str, value: object, expected: str) -> ApiError:
+    return ApiError(400, f"{param}={show_value(value)}: {expected}", param=param)
+
+
+def refused(error: InvalidRequest | UnsupportedRequest) -> ApiError:
+    """A runtime refusal as a 400 naming the field it names."""
+    return bad_field(error.field, error.value, error.expected)
+
+
+# Fields the server reads, besides those of ``SamplingParams``.
+_READ = ("model", "prompt", "stream", "stream_options", "n", "best_of", "echo", "suffix",
+         "user", "stop_token_ids")
+_SAMPLING = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "stop")
+# Accepted only at these values: name -> (neutral values, why).
+_NEUTRAL: dict[str, tuple[tuple[object, ...], str]] = {
+    "n": ((None, 1), "one completion per prompt is supported; expected 1"),
+    "best_of": ((None, 1), "best-of sampling is not supported; expected 1"),
+    "echo": ((None, False), "echoing the prompt is not supported; expected false"),
+    "suffix": ((None,), "suffixes (insertion) are not supported"),
+    **UNSUPPORTED_FIELDS,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionJob:
+    """A checked completion request: one or more prompts decoded with the same sampling."""
+
+    prompts: tuple[str | tuple[int, ...], ...]  # text, or token ids
+    params: SamplingParams
+    stop_strings: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    user: str | None
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object; anything else is a 400 saying what is wrong."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ApiError(400, "the request body is not UTF-8; expected a JSON object") from None
+    try:
+        body = json.loads(text, parse_constant=_no_constant, object_pairs_hook=_no_duplicates)
+    except json.JSONDecodeError as error:
+        raise ApiError(400, f"the request body is not valid JSON ({error.msg} at line "
+                       f"{error.lineno} column {error.colno}); expected a JSON object") from None
+    except RecursionError:
+        raise ApiError(400, "the request body nests too deeply; expected a JSON object of "
+                       "completion parameters") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body is a JSON {_json_kind(body)}; expected a JSON "
+                       "object of completion parameters")
+    return body
+
+
+def _no_constant(name: str) -> object:
+    raise ApiError(400, f"the request body holds {name}, which is not JSON; expected finite "
+                   "numbers")
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    body: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in body:
+            raise ApiError(400, f"{key}: given twice in one JSON object; expected each "
+                           "parameter once", param=key)
+        body[key] = value
+    return body
+
+
+def _json_kind(value: object) -> str:
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, str):
+        return "string"
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    return "number"
+
+
+def read_completion(body: Mapping[str, Any], model: str, *,
+                    temperature_required: bool) -> CompletionJob:
+    """Check every field of a completions request; the first wrong one is refused by name."""
+    for name, value in body.items():
+        _check_known(name, value)
+    given = body.get("model")
+    if given is None:
+        raise ApiError(400, f"model: missing; expected the served model's name, {model!r}",
+                       param="model")
+    if given != model:
+        raise ApiError(404, f"model={show_value(given)}: no such model; this server serves "
+                       f"{model!r}", param="model", code="model_not_found")
+    stream = _flag(body, "stream")
+    include_usage = _stream_options(body.get("stream_options"), stream)
+    prompts = _prompts(body.get("prompt"))
+    stop_strings, stop_ids = _stops(body.get("stop"), body.get("stop_token_ids"))
+    params = _sampling(body, stop_ids, temperature_required)
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise bad_field("user", user, "expected a string")
+    return CompletionJob(prompts=prompts, params=params, stop_strings=stop_strings,
+                         stream=stream, include_usage=include_usage, user=user)
+
+
+def _check_known(name: str, value: object) -> None:
+    if name in _NEUTRAL:
+        neutral, why = _NEUTRAL[name]
+        if not any(value == n and type(value) is type(n) for n in neutral):
+            raise ApiError(400, f"{name}={show_value(value)}: {why}", param=name)
+    elif name not in _READ and name not in _SAMPLING:
+        raise ApiError(400, f"{name}: unknown parameter; expected one of "
+                       f"{', '.join(sorted({*_READ, *_SAMPLING}))}", param=name)
+
+
+def _flag(body: Mapping[str, Any], name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise bad_field(name, value, "expected true or false")
+    return value
+
+
+def _stream_options(options: object, stream: bool) -> bool:
+    if options is None:
+        return False
+    if not stream:
+        raise bad_field("stream_options", options, "allowed only with \"stream\": true")
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise bad_field("stream_options", options, "expected {\"include_usage\": true|false}")
+    usage = options.get("include_usage", False)
+    if not isinstance(usage, bool):
+        raise bad_field("stream_options.include_usage", usage, "expected true or false")
+    return usage
+
+
+PROMPT_EXPECTED = ("expected a string, an array of token ids, or an array of (at most "
+                   f"{MAX_PROMPTS}) strings or arrays of token ids")
+
+
+def _prompts(prompt: object) -> tuple[str | tuple[int, ...], ...]:
+    if prompt is None:
+        raise ApiError(400, f"prompt: missing; {PROMPT_EXPECTED}", param="prompt")
+    if isinstance(prompt, str):
+        return (_text(prompt, "prompt"),)
+    if not isinstance(prompt, list) or not prompt:
+        raise bad_field("prompt", prompt, PROMPT_EXPECTED)
+    if all(_is_id(token) for token in prompt):
+        return (tuple(prompt),)
+    if len(prompt) > MAX_PROMPTS:
+        raise bad_field("prompt", f"{len(prompt)} prompts", PROMPT_EXPECTED)
+    prompts: list[str | tuple[int, ...]] = []
+    for index, item in enumerate(prompt):
+        field = f"prompt[{index}]"
+        if isinstance(item, str):
+            prompts.append(_text(item, field))
+        elif isinstance(item, list) and item and all(_is_id(token) for token in item):
+            prompts.append(tuple(item))
+        else:
+            raise bad_field(field, item, "expected a non-empty string or a non-empty array "
+                            "of token ids")
+    return tuple(prompts)
+
+
+def _is_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _text(text: str, field: str) -> str:
+    if not text:
+        raise bad_field(field, text, "expected a non-empty string")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate escape in the JSON ("\ud800")
+        raise bad_field(field, text, "expected text without lone UTF-16 surrogates") from None
+    return text
+
+
+def _stops(stop: object, stop_token_ids: object) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """Stop strings (matched on the text, left out of it) and stop token ids (kept, as the
+    runtime keeps them), from ``stop`` and ``stop_token_ids``."""
+    items: list[object]
+    if stop is None:
+        items = []
+    elif isinstance(stop, str):
+        items = [stop]
+    elif isinstance(stop, list):
+        items = list(stop)
+    else:
+        raise bad_field("stop", stop, "expected a string or an array of strings and token ids")
+    strings = tuple(item for item in items if isinstance(item, str))
+    ids = [item for item in items if not isinstance(item, str)]
+    if any(not _is_id(i) for i in ids):
+        raise bad_field("stop", stop, "expected a string or an array of strings and token ids")
+    _check_stop_strings(strings)
+    if stop_token_ids is not None:
+        if not isinstance(stop_token_ids, list) or not all(_is_id(i) for i in stop_token_ids):
+            raise bad_field("stop_token_ids", stop_token_ids, "expected an array of token ids")
+        ids.extend(stop_token_ids)
+    if len(ids) > MAX_STOP_TOKENS:
+        raise bad_field("stop_token_ids", f"{len(ids)} token ids",
+                        f"expected at most {MAX_STOP_TOKENS} stop token ids in all")
+    return strings, tuple(ids)  # type: ignore[arg-type]
+
+
+def _check_stop_strings(strings: tuple[str, ...]) -> None:
+    if len(strings) > MAX_STOP_STRINGS:
+        raise bad_field("stop", f"{len(strings)} strings",
+                        f"expected at most {MAX_STOP_STRINGS} stop strings")
+    for text in strings:
+        if not text or len(text) > MAX_STOP_STRING_CHARS:
+            raise bad_field("stop", text, f"expected stop strings of 1..{MAX_STOP_STRING_CHARS} "
+                            "characters")
+        _text(text, "stop")
+
+
+def _sampling(body: Mapping[str, Any], stop_ids: tuple[int, ...],
+              temperature_required: bool) -> SamplingParams:
+    values: dict[str, object] = {name: body[name] for name in
+                                 ("temperature", "top_k", "top_p", "min_p", "max_tokens")
+                                 if body.get(name) is not None}
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int | float) or \
+                not math.isfinite(value):
+            raise bad_field(name, value, "expected a number")
+    values.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
+    if "temperature" not in values:
+        if temperature_required:
+            raise ApiError(400, "temperature: missing; this server verifies a budget chosen "
+                           "per round (adaptive target verify) and needs every request's "
+                           "temperature: 0 for greedy decoding, above 0 to sample",
+                           param="temperature")
+        values["temperature"] = DEFAULT_TEMPERATURE
+    if isinstance(values.get("top_k"), int) and values["top_k"] == -1:
+        values["top_k"] = 0  # vLLM's spelling of "off"
+    try:
+        params = SamplingParams(stop=stop_ids, **values)  # type: ignore[arg-type]
+    except (InvalidRequest, UnsupportedRequest) as error:
+        raise refused(error) from None
+    if params.greedy and (params.top_k or params.top_p < 1.0 or params.min_p):
+        name = "top_k" if params.top_k else "top_p" if params.top_p < 1.0 else "min_p"
+        raise bad_field(name, values[name], "filters sampled requests only; expected a "
+                        "positive temperature with it")
+    return params

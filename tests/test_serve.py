@@ -1,0 +1,414 @@
+"""``adaspec serve`` as a client meets it: a real server process on 127.0.0.1, the official
+``openai`` client and raw HTTP, refusals, metrics, disconnects, a full queue and a drain."""
+
+import asyncio
+import json
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from gloo_job import PROCESS_LIMIT_S, REPO, peer_environment
+from prometheus_client.parser import text_string_to_metric_families
+from rank_launch import PROMPTS, free_port
+from serve_process import MODEL, Served, start_server
+
+ADAPTIVE = ["--speculative_algorithm=DSpark", "--num_speculative_tokens=5",
+            "--enable_adaptive_target_verify=true", "--max_seqs_per_batch=4"]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def adaptive_flags(dspark5_batch4_costs: str) -> list[str]:
+    return [*ADAPTIVE, f"--adaptive_target_verify_cost_table={dspark5_batch4_costs}"]
+
+
+@pytest.fixture(scope="module")
+def server(adaptive_flags: list[str]) -> Iterator[Served]:
+    served = start_server(*adaptive_flags)
+    try:
+        yield served
+    finally:
+        assert served.stop() == 0, served.other
+    assert served.events("stopped")
+
+
+@pytest.fixture(scope="module")
+def reference(adaptive_flags: list[str]) -> list[str]:
+    """What ``adaspec generate`` prints for the held-out prompts, greedy, on the same launch."""
+    done = subprocess.run(
+        [sys.executable, "-m", "adaspec", "generate", "--json", f"--max_tokens={MAX_TOKENS}",
+         "--temperature=0", *adaptive_flags, *(f"--prompt={p}" for p in PROMPTS)],
+        capture_output=True, text=True, env=peer_environment(), cwd=REPO,
+        timeout=PROCESS_LIMIT_S, check=False)
+    assert done.returncode == 0, done.stderr
+    return [row["text"] for row in json.loads(done.stdout)["results"]]
+
+
+def metrics(served: Served) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    status, headers, body = served.request("GET", "/metrics")
+    assert status == 200
+    assert headers["content-type"].startswith("text/plain")
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(body.decode())
+            for sample in family.samples}
+
+
+# --- the official client ----------------------------------------------------------------------
+async def _through_openai(url: str) -> tuple[list[Any], list[str], list[Any]]:
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+    async def streamed(prompt: str, temperature: float) -> str:
+        stream = await client.completions.create(model=MODEL, prompt=prompt, stream=True,
+                                                 max_tokens=MAX_TOKENS, temperature=temperature)
+        return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
+
+    def whole(prompt: str, temperature: float) -> Any:
+        return client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS,
+                                         temperature=temperature)
+
+    # Greedy and random requests side by side, so they share batches.
+    results = await asyncio.gather(
+        *(whole(p, 0.0) for p in PROMPTS), *(streamed(p, 0.0) for p in PROMPTS),
+        *(whole(p, 0.8) for p in PROMPTS), *(streamed(p, 0.8) for p in PROMPTS))
+    await client.close()
+    count = len(PROMPTS)
+    return list(results[:count]), list(results[count:2 * count]), list(results[2 * count:])
+
+
+def test_the_openai_client_gets_the_text_generate_gives_streamed_or_not(
+        server: Served, reference: list[str]) -> None:
+    whole, streamed, sampled = asyncio.run(_through_openai(server.url))
+    assert [r.choices[0].text for r in whole] == reference
+    assert streamed == reference
+    for response in whole:
+        assert response.usage.completion_tokens == MAX_TOKENS
+        assert response.choices[0].finish_reason == "length"
+        extra = response.choices[0].model_extra["adaspec"]
+        assert extra["rounds"] >= 1
+        assert 0 <= extra["drafted_accepted"] <= extra["drafted_verified"]
+        assert extra["acceptance_length"] == pytest.approx(
+            (extra["drafted_accepted"] + extra["rounds"]) / extra["rounds"], abs=1e-4)
+    for result in sampled:  # random requests end as asked too
+        text = result if isinstance(result, str) else result.choices[0].text
+        assert len(text.encode("utf-8", "surrogatepass")) >= 1
+
+
+def test_a_batch_of_prompts_answers_one_choice_per_prompt_in_order(
+        server: Served, reference: list[str]) -> None:
+    status, body = server.post({"model": MODEL, "prompt": PROMPTS, "max_tokens": MAX_TOKENS,
+                                "temperature": 0})
+    assert status == 200, body
+    assert [c["index"] for c in body["choices"]] == list(range(len(PROMPTS)))
+    assert [c["text"] for c in body["choices"]] == reference
+    assert body["usage"]["completion_tokens"] == MAX_TOKENS * len(PROMPTS)
+    token_ids = list(PROMPTS[0].encode("utf-8"))  # the same prompt as token ids
+    status, body = server.post({"model": MODEL, "prompt": token_ids, "max_tokens": MAX_TOKENS,
+                                "temperature": 0})
+    assert status == 200
+    assert body["choices"][0]["text"] == reference[0]
+
+
+def test_a_stop_string_cuts_the_text_before_it_streamed_or_not(
+        server: Served, reference: list[str]) -> None:
+    text = reference[0]
+    stop = text[10:13]
+    expected = text[:text.index(stop)]
+    request = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS,
+               "temperature": 0, "stop": [stop, "never appears"]}
+    status, body = server.post(request)
+    assert status == 200, body
+    assert body["choices"][0]["text"] == expected
+    assert body["choices"][0]["finish_reason"] == "stop"
+    # Its tokens are counted through the one that completed the stop string.
+    assert body["usage"]["completion_tokens"] == len((expected + stop).encode("utf-8"))
+    status, _, raw = server.request("POST", "/v1/completions", {**request, "stream": True})
+    assert status == 200
+    chunks = [json.loads(line[6:]) for line in raw.decode().split("\n\n")
+              if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == expected
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert raw.decode().endswith("data: [DONE]\n\n")
+
+
+# --- refusals -------------------------------------------------------------------------------
+def _base(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": "abc", "max_tokens": 4, "temperature": 0, **fields}
+
+
+REFUSED = [  # (body, status, param named)
+    (_base(logprobs=2), 400, "logprobs"),
+    (_base(seed=7), 400, "seed"),
+    (_base(logit_bias={"65": 5}), 400, "logit_bias"),
+    (_base(presence_penalty=0.5), 400, "presence_penalty"),
+    (_base(frequency_penalty=1), 400, "frequency_penalty"),
+    (_base(response_format={"type": "json_object"}), 400, "response_format"),
+    (_base(n=2), 400, "n"),
+    (_base(best_of=3), 400, "best_of"),
+    (_base(echo=True), 400, "echo"),
+    (_base(suffix="!"), 400, "suffix"),
+    (_base(tools=[]), 400, "tools"),
+    (_base(model=None), 400, "model"),
+    (_base(model="gpt-4"), 404, "model"),
+    (_base(prompt=None), 400, "prompt"),
+    (_base(prompt=""), 400, "prompt"),
+    (_base(prompt=[]), 400, "prompt"),
+    (_base(prompt=[65, 300]), 400, "prompt"),
+    (_base(prompt=["ok", 5]), 400, "prompt[1]"),
+    (_base(prompt=["ok", "x" * 1100]), 400, "prompt[1]"),
+    (_base(prompt="\ud800"), 400, "prompt"),
+    (_base(max_tokens=0), 400, "max_tokens"),
+    (_base(max_tokens=2000), 400, "max_tokens"),
+    (_base(max_tokens=1.5), 400, "max_tokens"),
+    (_base(temperature=-1), 400, "temperature"),
+    (_base(temperature="hot"), 400, "temperature"),
+    (_base(temperature=None), 400, "temperature"),  # required with adaptive verify
+    (_base(temperature=0.7, top_p=0), 400, "top_p"),
+    (_base(temperature=0.7, top_k=1.5), 400, "top_k"),
+    (_base(temperature=0.7, min_p=2), 400, "min_p"),
+    (_base(top_k=5), 400, "top_k"),  # a filter on a greedy request would do nothing
+    (_base(stop=5), 400, "stop"),
+    (_base(stop=[""]), 400, "stop"),
+    (_base(stop=[1000]), 400, "stop"),
+    (_base(stop_token_ids=["a"]), 400, "stop_token_ids"),
+    (_base(stream="yes"), 400, "stream"),
+    (_base(stream_options={"include_usage": True}), 400, "stream_options"),
+    (_base(stream=True, stream_options={"x": 1}), 400, "stream_options"),
+    (_base(user=5), 400, "user"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "param"), REFUSED,
+                         ids=[f"{p}-{i}" for i, (_, _, p) in enumerate(REFUSED)])
+def test_every_unsupported_or_wrong_field_is_refused_naming_it(
+        server: Served, body: dict[str, Any], status: int, param: str) -> None:
+    got, answer = server.post(body)
+    assert got == status, answer
+    error = answer["error"]
+    assert error["param"] == param
+    assert error["message"].startswith(param)
+    assert "\n" not in error["message"]
+
+
+MALFORMED = [
+    (b'{"model": "builtin:target", "prompt": "a"', "not valid JSON"),
+    (b'[1, 2]', "JSON array"),
+    (b'{"model": "builtin:target", "prompt": "a", "max_tokens": NaN}', "NaN"),
+    (b'{"prompt": "a", "prompt": "b"}', "given twice"),
+    (b'\xff\xfe{}', "not UTF-8"),
+    (b'[' * 100_000 + b']' * 100_000, "nests too deeply"),
+    (b'', "not valid JSON"),
+]
+
+
+@pytest.mark.parametrize(("raw", "words"), MALFORMED)
+def test_a_malformed_body_is_a_400_saying_what_is_wrong(
+        server: Served, raw: bytes, words: str) -> None:
+    status, _, body = server.request("POST", "/v1/completions", raw)
+    assert status == 400
+    assert words in json.loads(body)["error"]["message"]
+
+
+def test_an_oversized_body_is_a_413_and_wrong_routes_answer_in_the_error_shape(
+        server: Served) -> None:
+    status, _, body = server.request("POST", "/v1/completions", b"x" * (9 * 2**20))
+    assert status == 413
+    assert "larger than" in json.loads(body)["error"]["message"]
+    for method, path, code in (("GET", "/v1/completions", 405), ("POST", "/v1/chat", 404),
+                               ("POST", "/health", 405)):
+        status, _, body = server.request(method, path)
+        assert status == code
+        assert path in json.loads(body)["error"]["message"]
+
+
+def test_models_and_health_describe_the_served_model(server: Served) -> None:
+    status, _, body = server.request("GET", "/v1/models")
+    assert status == 200
+    card = json.loads(body)["data"]
+    assert [(c["id"], c["max_model_len"]) for c in card] == [(MODEL, 1024)]
+    status, _, body = server.request("GET", "/health")
+    assert (status, json.loads(body)) == (200, {"status": "ready"})
+
+
+# --- metrics --------------------------------------------------------------------------------
+def _counter(table: dict[Any, float], name: str, **labels: str) -> float:
+    return table.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def test_metrics_parse_and_agree_with_what_the_requests_were_told(server: Served) -> None:
+    before = metrics(server)
+    answers = [server.post(_base(prompt=p, max_tokens=12, temperature=t))[1]
+               for p in PROMPTS for t in (0, 0.9)]
+    after = metrics(server)
+
+    def delta(name: str, **labels: str) -> float:
+        return _counter(after, name, **labels) - _counter(before, name, **labels)
+
+    choices = [a["choices"][0] for a in answers]
+    assert delta("adaspec_tokens_generated_total") == sum(
+        a["usage"]["completion_tokens"] for a in answers)
+    assert delta("adaspec_drafted_accepted_total") == sum(
+        c["adaspec"]["drafted_accepted"] for c in choices)
+    assert delta("adaspec_drafted_verified_total") == sum(
+        c["adaspec"]["drafted_verified"] for c in choices)
+    assert delta("adaspec_requests_finished_total") == len(answers)
+    assert delta("adaspec_http_requests_total", status="200") == len(answers)
+    assert delta("adaspec_completions_finished_total", reason="length") == len(answers)
+    assert delta("adaspec_time_to_first_token_seconds_count") == len(answers)
+    by_rows = sum(v for (name, _), v in after.items() if name == "adaspec_rounds_by_rows_total")
+    by_depth = sum(v for (name, _), v in after.items()
+                   if name == "adaspec_rounds_by_depth_total")
+    assert by_rows == by_depth == _counter(after, "adaspec_rounds_retired_total")
+    for position in range(1, 6):  # every position: accepted at most what was verified
+        assert 0 <= _counter(after, "adaspec_position_accepted_total",
+                             position=str(position)) <= _counter(
+            after, "adaspec_position_verified_total", position=str(position))
+    assert _counter(after, "adaspec_requests_running") == 0
+    assert _counter(after, "adaspec_requests_waiting") == 0
+    logged = {line["id"] for line in server.events("completion")}
+    assert all(a["id"] in logged for a in answers)
+
+
+# --- load, disconnects, a full queue, a drain -----------------------------------------------------
+def _rss_kib(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("VmRSS:")).split()[1])
+
+
+async def _load(url: str, count: int, concurrency: int, first: int) -> list[int]:
+    """``count`` requests, ``concurrency`` at a time, every other one sampled: statuses."""
+    limit = asyncio.Semaphore(concurrency)
+    async with aiohttp.ClientSession() as session:
+        async def one(index: int) -> int:
+            body = _base(prompt=PROMPTS[index % len(PROMPTS)][:40], max_tokens=8,
+                         temperature=0.8 if index % 2 else 0, stream=index % 3 == 0)
+            async with limit, session.post(f"{url}/v1/completions", json=body) as response:
+                await response.read()
+                return response.status
+        return list(await asyncio.gather(*(one(first + i) for i in range(count))))
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
+def test_500_mixed_requests_at_concurrency_32_end_without_error_in_flat_memory(
+        server: Served) -> None:
+    warm = asyncio.run(_load(server.url, 100, 32, 0))
+    rss = _rss_kib(server.process.pid)
+    rest = asyncio.run(_load(server.url, 400, 32, 100))
+    grown = _rss_kib(server.process.pid) - rss
+    assert warm + rest == [200] * 500
+    assert grown < 32 * 1024, f"the server grew {grown} KiB over 400 requests"
+
+
+@pytest.fixture
+def small_server() -> Iterator[Served]:
+    """One request decodes at a time (two KV slots) and one may be in flight."""
+    served = start_server("--max_seqs_per_batch=1", "--max_queued_requests=1",
+                          "--speculative_algorithm=MTP", "--num_speculative_tokens=3")
+    try:
+        yield served
+    finally:
+        assert served.stop() == 0, served.other
+
+
+def _open_stream(served: Served, max_tokens: int) -> socket.socket:
+    """A streamed request whose first event has come; the socket is left open."""
+    body = json.dumps(_base(prompt="Once upon a time", max_tokens=max_tokens, stream=True))
+    sock = socket.create_connection(("127.0.0.1", served.port), timeout=PROCESS_LIMIT_S)
+    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                 f"\r\nContent-Length: {len(body)}\r\n\r\n{body}".encode())
+    seen = b""
+    while b"data: {" not in seen:
+        seen += sock.recv(4096)
+    return sock
+
+
+def test_a_client_gone_mid_stream_cancels_its_request_and_frees_its_kv_slot(
+        small_server: Served) -> None:
+    for number in range(1, 4):  # more than the two KV slots: a leaked one would hang the next
+        _open_stream(small_server, 900).close()
+        small_server.wait_for("completion", number)
+    gone = small_server.events("completion")
+    assert [line["status"] for line in gone] == [499] * 3
+    assert all(line["finish_reasons"] == ["cancelled"] for line in gone)
+    status, body = small_server.post(_base(max_tokens=5))
+    assert status == 200
+    assert body["usage"]["completion_tokens"] == 5
+    table = metrics(small_server)
+    assert _counter(table, "adaspec_completions_finished_total", reason="cancelled") == 3
+    assert _counter(table, "adaspec_tokens_generated_total") < 3 * 900
+
+
+def test_a_full_queue_answers_429_with_retry_after(small_server: Served) -> None:
+    sock = _open_stream(small_server, 600)
+    status, headers, body = small_server.request("POST", "/v1/completions",
+                                                 _base(max_tokens=2))
+    assert status == 429
+    assert headers["retry-after"] == "1"
+    assert "--max_queued_requests" in json.loads(body)["error"]["message"]
+    sock.close()
+
+
+def test_sigterm_lets_the_stream_in_flight_end_refuses_new_requests_and_exits_0(
+        small_server: Served) -> None:
+    sock = _open_stream(small_server, 300)
+    small_server.process.send_signal(signal.SIGTERM)
+    small_server.wait_for("draining", 1)
+    status, headers, body = small_server.request("POST", "/v1/completions", _base())
+    assert status == 503
+    assert "retry-after" in headers
+    status, _, body = small_server.request("GET", "/health")
+    assert (status, json.loads(body)["status"]) == (503, "draining")
+    received = b""
+    while not received.endswith(b"data: [DONE]\n\n") and b"0\r\n\r\n" not in received:
+        piece = sock.recv(65536)
+        if not piece:
+            break
+        received += piece
+    sock.close()
+    assert b"data: [DONE]" in received
+    assert small_server.process.wait(timeout=PROCESS_LIMIT_S) == 0
+    finished = small_server.events("completion")
+    assert finished[-1]["completion_tokens"] == 300
+    assert finished[-1]["status"] == 200
+
+
+# --- several ranks --------------------------------------------------------------------------
+async def _concurrently(url: str, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    async with aiohttp.ClientSession() as session:
+        async def one(body: dict[str, Any]) -> dict[str, Any]:
+            async with session.post(f"{url}/v1/completions", json=body) as response:
+                answer: dict[str, Any] = await response.json()
+                assert response.status == 200, answer
+                return answer
+        return list(await asyncio.gather(*(one(body) for body in bodies)))
+
+
+def test_rank_0_serves_http_while_the_other_dp_shard_decodes_its_share(
+        reference: list[str]) -> None:
+    rendezvous = f"--master_node_addr=127.0.0.1:{free_port()}"
+    common = ["--nnodes=2", "--dp_size=2", "--speculative_algorithm=MTP",
+              "--num_speculative_tokens=3", rendezvous]
+    follower = subprocess.Popen([sys.executable, "-m", "adaspec", "serve", *common,
+                                 "--node_rank=1"], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, env=peer_environment(),
+                                cwd=REPO)
+    try:
+        front = start_server(*common, "--node_rank=0")
+        answers = asyncio.run(_concurrently(front.url, [
+            _base(prompt=p, max_tokens=MAX_TOKENS) for p in PROMPTS]))
+        assert [a["choices"][0]["text"] for a in answers] == reference
+        table = metrics(front)
+        assert _counter(table, "adaspec_requests_finished_total") == len(PROMPTS)
+        assert front.stop() == 0, front.other
+        _, errors = follower.communicate(timeout=PROCESS_LIMIT_S)
+        assert follower.returncode == 0, errors
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+            follower.communicate()

@@ -1,0 +1,129 @@
+"""The server's parts on their own: stop strings over a stream of byte tokens, the request
+reader, and a server whose runtime has not started yet (on a real socket)."""
+
+import socket
+import subprocess
+import sys
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from gloo_job import PROCESS_LIMIT_S, REPO, peer_environment
+from rank_launch import free_port
+
+from adaspec.config import load_config
+from adaspec.models.tokenizer import ByteTokenizer
+from adaspec.runtime.engine import Runtime
+from adaspec.serve.app import CompletionServer, ServeSettings
+from adaspec.serve.protocol import ApiError, parse_body, read_completion
+from adaspec.serve.text import CompletionText
+
+
+def _pieces(text: str, stops: list[str], sizes: list[int]) -> tuple[list[str], CompletionText]:
+    """Feed ``text``'s UTF-8 bytes in chunks of ``sizes`` (cycled); the pieces sent."""
+    tokens = list(text.encode("utf-8"))
+    completion = CompletionText(ByteTokenizer().detokenizer(), stops)
+    pieces, start, index = [], 0, 0
+    while start < len(tokens) and not completion.stopped:
+        size = sizes[index % len(sizes)]
+        pieces.append(completion.feed(tokens[start:start + size]))
+        start, index = start + size, index + 1
+    pieces.append(completion.finish())
+    return pieces, completion
+
+
+@pytest.mark.parametrize("sizes", [[1], [2], [3, 1], [7], [100]])
+def test_the_text_stops_before_the_first_stop_string_however_the_tokens_come(
+        sizes: list[int]) -> None:
+    pieces, completion = _pieces("ab café, then the END and more END", ["END", "é,"], sizes)
+    assert "".join(pieces) == completion.text == "ab caf"
+    assert completion.stopped
+    assert completion.num_tokens == len("ab café,".encode())  # through the stop's last byte
+
+
+@pytest.mark.parametrize("sizes", [[1], [2], [5]])
+def test_text_that_only_begins_a_stop_string_is_sent_once_it_cannot_be_one(
+        sizes: list[int]) -> None:
+    pieces, completion = _pieces("EN, ENDING? no: E", ["ENDS"], sizes)
+    assert "".join(pieces) == "EN, ENDING? no: E"
+    assert not completion.stopped
+    for count in range(1, len(pieces)):  # never sends what may begin the stop string
+        assert not "".join(pieces[:count]).endswith(("E", "EN", "END"))
+
+
+def test_split_and_invalid_utf8_reads_as_one_decode_would() -> None:
+    tokens = list("日本".encode()) + [0xFF, 0x41]
+    completion = CompletionText(ByteTokenizer().detokenizer(), [])
+    text = "".join(completion.feed([token]) for token in tokens) + completion.finish()
+    assert text == bytes(tokens).decode("utf-8", "replace")
+    assert completion.num_tokens == len(tokens)
+
+
+def test_the_reader_keeps_openai_defaults_where_the_launch_allows_them() -> None:
+    job = read_completion({"model": "m", "prompt": "hi"}, "m", temperature_required=False)
+    assert (job.params.temperature, job.params.max_tokens) == (1.0, 16)
+    assert not job.stream
+    job = read_completion({"model": "m", "prompt": [[1, 2], "x"], "stop": ["a", 7],
+                           "stop_token_ids": [9], "top_k": -1, "temperature": 0.5},
+                          "m", temperature_required=True)
+    assert job.prompts == ((1, 2), "x")
+    assert job.stop_strings == ("a",)
+    assert job.params.stop == (7, 9)
+    assert job.params.top_k == 0  # vLLM's -1: off
+
+
+def test_json_constants_and_scalars_are_no_request() -> None:
+    for raw, words in ((b"Infinity", "not JSON"), (b"1", "JSON number"), (b"null", "null")):
+        with pytest.raises(ApiError, match=words) as info:
+            parse_body(raw)
+        assert info.value.status == 400
+
+
+@pytest.mark.asyncio
+async def test_a_server_still_starting_says_so_and_refuses_completions() -> None:
+    runtime = Runtime(load_config({}))  # never started
+    server = CompletionServer(runtime, ByteTokenizer(), ServeSettings(
+        model_name="m", max_queued_requests=4, temperature_required=False))
+    async with TestClient(TestServer(server.app())) as client:
+        health = await client.get("/health")
+        assert (health.status, await health.json()) == (503, {"status": "starting"})
+        refused = await client.post("/v1/completions", json={"model": "m", "prompt": "a"})
+        assert refused.status == 503
+        assert refused.headers["Retry-After"] == "1"
+        assert "starting" in (await refused.json())["error"]["message"]
+        scraped = await client.get("/metrics")  # nothing counted yet, but it answers
+        assert scraped.status == 200
+        assert "adaspec_http_requests_total" in await scraped.text()
+
+
+def _serve(*flags: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "adaspec", "serve", *flags],
+                          capture_output=True, text=True, env=peer_environment(), cwd=REPO,
+                          timeout=PROCESS_LIMIT_S, check=False)
+
+
+@pytest.mark.parametrize(("flags", "words"), [
+    (["--max_queued_requests=0"], "--max_queued_requests=0: expected an integer in 1..65536"),
+    (["--served_model_name= "], "--served_model_name=' ': expected a printable name"),
+    (["--seed=-1"], "--seed=-1: expected an integer in 0.."),
+    (["--port=0"], "--port=0"),
+    (["--model=/models/llama"], "--model="),
+    (["--max_queued=3"], "did you mean --max_queued_requests"),
+])
+def test_bad_serve_flags_get_one_line_before_anything_listens(
+        flags: list[str], words: str) -> None:
+    done = _serve(*flags)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert words in done.stderr
+
+
+def test_a_port_in_use_is_named_before_any_model_loads() -> None:
+    port = free_port()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        done = _serve(f"--port={port}")
+    assert done.returncode == 2
+    lines = [line for line in done.stderr.splitlines() if not line.startswith("{")]
+    assert lines == [f"adaspec serve: error: --port={port}: cannot listen on 127.0.0.1:{port}: "
+                     "Address already in use"], done.stderr
