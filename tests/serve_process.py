@@ -100,9 +100,12 @@ def _read(served: Served) -> None:
 
 def start_server(*flags: str, program: tuple[str, ...] = ("-m", "adaspec", "serve"),
                  port: int | None = None) -> Served:
-    """``adaspec serve`` with ``flags`` on a free port, once ready."""
+    """``adaspec serve`` with ``flags`` on a free port (or on ``port``, which the flags
+    already give, when it is given), once ready."""
+    given = port is not None
     port = port or free_port()
-    process = subprocess.Popen([sys.executable, *program, f"--port={port}", *flags],
+    own = [] if given else [f"--port={port}"]
+    process = subprocess.Popen([sys.executable, *program, *own, *flags],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                env=peer_environment(), cwd=REPO)
     served = Served(process=process, port=port)

@@ -9,6 +9,7 @@ Commands run in a fresh temporary folder, with this checkout first on ``PYTHONPA
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tomllib
@@ -130,7 +131,13 @@ SPEC_DP2 = next(command for command in fenced_commands()
 """The specification's DP=2 line on four ranks: tests/test_data_parallel.py runs its launch
 flags on four ranks (on a small calibration grid); here each rank's line must parse."""
 
-FENCED = TOP | set(SHORT) | set(COSTS) | set(RANKS) | {SPEC_DP2}
+SERVE = "adaspec serve --speculative_algorithm=DSpark --num_speculative_tokens=5"
+CURL = ("curl -s http://127.0.0.1:8000/v1/completions -d '{\"model\": \"builtin:target\", "
+        "\"prompt\": \"ROMEO.\", \"max_tokens\": 32, \"temperature\": 0}'")
+BENCH_URL = "adaspec bench --url http://127.0.0.1:8000 --quick"
+SERVING = (SERVE, CURL, BENCH_URL)
+
+FENCED = TOP | set(SHORT) | set(COSTS) | set(RANKS) | {SPEC_DP2} | set(SERVING)
 
 INLINE = {
     "adaspec bench": "help",  # the full bench: eleven minutes; its --help must parse
@@ -144,6 +151,9 @@ INLINE = {
     "python -m pip install -e .": "install",
     'python -m pip install -e ".[npu]"': "install",
     "python examples/own_model.py": "tests/test_examples.py runs it",
+    "python benchmarks/serve_overhead.py": "a benchmark: the README quotes its figure",
+    "adaspec serve": "name: the Serving block runs it",
+    "adaspec bench --url URL": "placeholder: the Serving block runs it on a URL",
 }
 
 
@@ -223,6 +233,26 @@ def test_the_specifications_dp2_line_parses_on_every_rank(tmp_path: Path) -> Non
                                   tmp_path))
         settings = out["launch"]["settings"]
         assert (settings["node_rank"], settings["dp_size"], settings["nnodes"]) == (rank, 2, 4)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_serving_block_runs_as_written(tmp_path: Path) -> None:
+    """The server as written (on the default port 8000), then the curl line and the bench
+    against it, then a drain."""
+    from serve_process import start_server
+
+    served = start_server(program=(*shlex.split(SERVE.replace("adaspec", "-m adaspec", 1)),),
+                          port=8000)
+    try:
+        answer = json.loads(succeeds(CURL, tmp_path))
+        assert answer["choices"][0]["finish_reason"] == "length"
+        assert answer["usage"]["completion_tokens"] == 32
+        table = succeeds(BENCH_URL, tmp_path).splitlines()
+        assert table[0].startswith("bench of http://127.0.0.1:8000 (model builtin:target)")
+        assert [row.split()[:3] for row in table[2:]] == [["1", "4", "0"], ["4", "4", "0"],
+                                                         ["16", "16", "0"]]
+    finally:
+        assert served.stop() == 0, served.other
     assert list(tmp_path.iterdir()) == []
 
 

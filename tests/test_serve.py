@@ -412,3 +412,52 @@ def test_rank_0_serves_http_while_the_other_dp_shard_decodes_its_share(
         if follower.poll() is None:
             follower.kill()
             follower.communicate()
+
+
+# --- adaspec bench --url -----------------------------------------------------------------------
+def _bench(*flags: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "adaspec", "bench", *flags],
+                          capture_output=True, text=True, env=peer_environment(), cwd=REPO,
+                          timeout=PROCESS_LIMIT_S, check=False)
+
+
+def test_bench_url_reports_latency_percentiles_and_tokens_per_level(server: Served) -> None:
+    done = _bench(f"--url={server.url}/v1", "--concurrency=1,3", "--requests=3",
+                  "--max_tokens=8", "--temperature=0,0.8", "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert (report["model"], report["url"]) == (MODEL, server.url)
+    assert [level["concurrency"] for level in report["levels"]] == [1, 3]
+    for level in report["levels"]:
+        assert (level["requests"], level["errors"], level["tokens"]) == (3, 0, 24)
+        assert level["tokens_per_second"] > 0
+        for figure in ("ttft_ms", "tpot_ms", "e2e_ms"):
+            cuts = level[figure]
+            assert 0 < cuts["p50"] <= cuts["p90"] <= cuts["p99"]
+        assert level["ttft_ms"]["p50"] <= level["e2e_ms"]["p50"]
+    table = _bench(f"--url={server.url}", "--concurrency=2", "--requests=2", "--max_tokens=4")
+    assert table.returncode == 0, table.stderr
+    assert table.stdout.splitlines()[2].split()[:3] == ["2", "2", "0"]
+
+
+def test_bench_url_counts_refused_requests_as_failures_and_exits_1(server: Served) -> None:
+    done = _bench(f"--url={server.url}", "--concurrency=1", "--requests=1",
+                  "--max_tokens=1000")
+    assert done.returncode == 1
+    assert "failed: request 0: HTTP 400: max_tokens=1000" in done.stdout
+
+
+@pytest.mark.parametrize(("flags", "words"), [
+    (["--url=http://127.0.0.1:9", "--widths=3"], "--widths=3: configures the runtime"),
+    (["--url=http://127.0.0.1:9", "--speculative_algorithm=MTP"],
+     "--speculative_algorithm=MTP: a launch flag"),
+    (["--url=ftp://x"], "--url=ftp://x: expected a server's base URL"),
+    (["--url=http://127.0.0.1:99999"], "expected a port in 1..65535"),
+    (["--served_model_name=m"], "--served_model_name=m: names a server's model"),
+    ([f"--url=http://127.0.0.1:{free_port()}"], "cannot reach"),
+])
+def test_bench_url_refuses_what_does_not_apply_in_one_line(flags: list[str], words: str) -> None:
+    done = _bench(*flags)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert words in done.stderr

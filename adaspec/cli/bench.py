@@ -49,6 +49,7 @@ from adaspec.cli.flags import (
     launch_settings,
     sampling_flag,
 )
+from adaspec.config import SamplingParams
 from adaspec.config.builtin import builtin_checkpoints
 from adaspec.config.flags import coerce
 from adaspec.config.limits import BUILTIN_TARGET
@@ -114,6 +115,13 @@ BENCH = CommandFlags(
                                           "acceptance, written after the report is printed "
                                           "(needs matplotlib: pip install 'adaspec[plot]')"),
         "json": Flag(help="print one JSON object instead of the table"),
+        "url": Flag(metavar="URL", help="bench a running OpenAI-compatible server instead "
+                    "(adaspec serve or another; http://HOST:PORT): tokens/s and TTFT, TPOT "
+                    "and end-to-end latency percentiles per concurrency level; only "
+                    "--concurrency, --requests, --max_tokens, --temperature, the filters, "
+                    "--quick, --json and --served_model_name apply"),
+        "served_model_name": Flag(metavar="NAME", help="with --url: the model requests name "
+                                  "(default: the one the server lists)"),
     })
 
 
@@ -412,12 +420,27 @@ def check_room(plan: BenchPlan, arms: Sequence[Arm]) -> None:
                           "tokens of the longest shipped prompt this run sends")
 
 
+def _run_url(argv: Sequence[str], args: BenchArgs, choices: Choices) -> int:
+    from adaspec.cli.bench_url import refuse_runtime_flags, run_url
+
+    if "url" not in args.values:
+        raise ConfigError("--served_model_name", args.values["served_model_name"],
+                          "names a server's model; expected --url with it")
+    refuse_runtime_flags(BENCH.parse(argv).given, args.launch_argv)
+    params = SamplingParams(temperature=0.0, top_k=choices.top_k, top_p=choices.top_p,
+                            min_p=choices.min_p, max_tokens=choices.max_tokens)
+    return run_url(args.values["url"], args.values.get("served_model_name"),
+                   requests_per_level(choices), choices.temperatures, params, choices.as_json)
+
+
 def run(argv: Sequence[str]) -> int:
     if BENCH.parse(argv).help:
         print(BENCH.help())
         return 0
     args = split_argv(argv)
     choices = read_choices(args)
+    if "url" in args.values or "served_model_name" in args.values:
+        return _run_url(argv, args, choices)
     settings = launch_settings(args.launch_argv)
     require_builtin("bench", str(settings.get("model", BUILTIN_TARGET)),
                     None if settings.get("draft_model") is None else str(settings["draft_model"]),

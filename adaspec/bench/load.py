@@ -1,0 +1,223 @@
+"""A closed-loop load of completion requests against a target: an OpenAI-compatible server
+over HTTP (``adaspec bench --url``), or a runtime in this process, driven the same way so the
+two can be read side by side.
+
+C clients each send a request, wait for its last token, and send the next, until the level's
+requests are done. A request's time to first token (TTFT) runs from its send to its first
+non-empty text, its time per output token (TPOT) over the tokens after the first, and its
+end-to-end time to its last token; tokens/s is the level's tokens over its wall time.
+"""
+
+import asyncio
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import aiohttp
+
+from adaspec.config import SamplingParams
+from adaspec.errors import AdaspecError
+from adaspec.models.tokenizer import ByteTokenizer
+from adaspec.runtime.engine import Runtime
+
+
+class LoadError(AdaspecError):
+    """The target cannot be measured (unreachable, no such model, no usage reported)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """One request as its client saw it."""
+
+    tokens: int
+    ttft_s: float
+    e2e_s: float
+    text: str
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.tokens - 1)
+
+
+@dataclass(slots=True)
+class LevelRun:
+    """One concurrency level's requests: their timings in send order, and the failures."""
+
+    concurrency: int
+    seconds: float = 0.0
+    timings: list[Timing | None] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def done(self) -> list[Timing]:
+        return [t for t in self.timings if t is not None]
+
+    @property
+    def tokens(self) -> int:
+        return sum(t.tokens for t in self.done)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        done = self.done
+        return {
+            "concurrency": self.concurrency, "requests": len(self.timings),
+            "errors": len(self.errors), "first_errors": self.errors[:3],
+            "tokens": self.tokens, "seconds": round(self.seconds, 4),
+            "tokens_per_second": round(self.tokens_per_second, 2),
+            "ttft_ms": percentiles([t.ttft_s for t in done]),
+            "tpot_ms": percentiles([t.tpot_s for t in done if t.tpot_s is not None]),
+            "e2e_ms": percentiles([t.e2e_s for t in done]),
+        }
+
+
+def percentiles(seconds: Sequence[float]) -> dict[str, float | None]:
+    """p50, p90 and p99 in milliseconds (None without samples)."""
+    if not seconds:
+        return {"p50": None, "p90": None, "p99": None}
+    if len(seconds) == 1:
+        only = round(1000 * seconds[0], 3)
+        return {"p50": only, "p90": only, "p99": only}
+    cuts = statistics.quantiles(seconds, n=100, method="inclusive")
+    return {"p50": round(1000 * cuts[49], 3), "p90": round(1000 * cuts[89], 3),
+            "p99": round(1000 * cuts[98], 3)}
+
+
+class Target(Protocol):
+    async def complete(self, prompt: str, params: SamplingParams) -> Timing: ...
+
+
+class RuntimeTarget:
+    """A started runtime in this process, over the built-in models' byte tokens."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self.tokenizer = ByteTokenizer()
+
+    async def complete(self, prompt: str, params: SamplingParams) -> Timing:
+        sent = time.perf_counter()
+        handle = self.runtime.submit(self.tokenizer.encode(prompt), params)
+        first = None
+        async for _ in handle:
+            first = first if first is not None else time.perf_counter()
+        result = await handle.result()
+        ended = time.perf_counter()
+        return Timing(tokens=len(result.token_ids), ttft_s=(first or ended) - sent,
+                      e2e_s=ended - sent, text=self.tokenizer.decode(result.token_ids))
+
+
+class HttpTarget:
+    """An OpenAI-compatible server's ``/v1/completions``, streamed, with the usage chunk
+    (``stream_options.include_usage``) as the count of tokens."""
+
+    def __init__(self, url: str, model: str, session: aiohttp.ClientSession) -> None:
+        self.endpoint = url.rstrip("/") + "/v1/completions"
+        self.model = model
+        self.session = session
+
+    def body(self, prompt: str, params: SamplingParams) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": self.model, "prompt": prompt,
+                                "max_tokens": params.max_tokens,
+                                "temperature": params.temperature or 0.0, "stream": True,
+                                "stream_options": {"include_usage": True}}
+        if params.top_k:
+            body["top_k"] = params.top_k
+        if params.top_p < 1.0:
+            body["top_p"] = params.top_p
+        if params.min_p:
+            body["min_p"] = params.min_p
+        return body
+
+    async def complete(self, prompt: str, params: SamplingParams) -> Timing:
+        sent = time.perf_counter()
+        first, pieces, tokens = None, [], None
+        async with self.session.post(self.endpoint, json=self.body(prompt, params)) as response:
+            if response.status != 200:
+                raise LoadError(f"HTTP {response.status}: {await _error_text(response)}")
+            async for line in response.content:
+                event = _sse_data(line)
+                if event is None:
+                    continue
+                if "error" in event:
+                    raise LoadError(f"error event: {event['error']}")
+                for choice in event.get("choices") or ():
+                    if choice.get("text"):
+                        first = first if first is not None else time.perf_counter()
+                        pieces.append(choice["text"])
+                if event.get("usage"):
+                    tokens = event["usage"]["completion_tokens"]
+        ended = time.perf_counter()
+        if tokens is None:
+            raise LoadError("the stream ended without a usage chunk; the server must support "
+                            "stream_options.include_usage")
+        return Timing(tokens=tokens, ttft_s=(first or ended) - sent, e2e_s=ended - sent,
+                      text="".join(pieces))
+
+
+def _sse_data(line: bytes) -> dict[str, Any] | None:
+    """A server-sent event's JSON data; None for anything else (blank lines, [DONE])."""
+    if not line.startswith(b"data:"):
+        return None
+    data = line[5:].strip()
+    if data == b"[DONE]" or not data:
+        return None
+    try:
+        event = json.loads(data)
+    except ValueError:
+        raise LoadError(f"a stream event is not JSON: {data[:80]!r}") from None
+    return event if isinstance(event, dict) else None
+
+
+async def _error_text(response: aiohttp.ClientResponse) -> str:
+    raw = await response.text(errors="replace")
+    try:
+        return str(json.loads(raw)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return raw[:200]
+
+
+async def closed_loop(target: Target, requests: Sequence[tuple[str, SamplingParams]],
+                      concurrency: int) -> LevelRun:
+    """``concurrency`` clients over the requests, in order; a failed request is counted and
+    its client goes on."""
+    run = LevelRun(concurrency=concurrency, timings=[None] * len(requests))
+    queue = list(enumerate(requests))
+
+    async def client() -> None:
+        while queue:
+            index, (prompt, params) = queue.pop(0)
+            try:
+                run.timings[index] = await target.complete(prompt, params)
+            except (LoadError, aiohttp.ClientError, AdaspecError) as error:
+                run.errors.append(f"request {index}: {error}")
+
+    started = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    run.seconds = time.perf_counter() - started
+    return run
+
+
+async def served_model(url: str, session: aiohttp.ClientSession) -> str:
+    """The one model a server lists at ``/v1/models``."""
+    try:
+        async with session.get(url.rstrip("/") + "/v1/models") as response:
+            if response.status != 200:
+                raise LoadError(f"GET /v1/models answered HTTP {response.status}")
+            data = await response.json(content_type=None)
+    except aiohttp.ClientError as error:
+        raise LoadError(f"cannot reach {url}: {error}") from None
+    except ValueError:
+        raise LoadError("GET /v1/models did not answer JSON") from None
+    names = [str(m.get("id")) for m in data.get("data", []) if isinstance(m, dict)] \
+        if isinstance(data, dict) else []
+    if len(names) != 1:
+        raise LoadError(f"the server lists {len(names)} models ({', '.join(names)}); name "
+                        "one with --served_model_name")
+    return names[0]

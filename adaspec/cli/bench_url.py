@@ -1,0 +1,126 @@
+"""``adaspec bench --url URL``: the closed-loop bench against a running OpenAI-compatible
+server (``adaspec serve`` or another), on the shipped prompts, so servers can be compared on
+the same requests. It reports, per concurrency level, tokens/s and the TTFT, TPOT and
+end-to-end latency percentiles; the exit status is 1 when any request failed."""
+
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+
+from adaspec.bench.load import HttpTarget, LevelRun, LoadError, closed_loop, served_model
+from adaspec.bench.run import shipped_prompts
+from adaspec.config import SamplingParams
+from adaspec.errors import ConfigError
+
+URL_FLAGS = ("url", "served_model_name", "quick", "concurrency", "requests", "max_tokens",
+             "temperature", "top_k", "top_p", "min_p", "json")
+"""The bench flags that mean something against a server; the others configure the runtime
+this process would run, which a server has already."""
+
+
+def check_url(raw: str) -> str:
+    """A server's base URL (``http://host:port``; a trailing ``/v1``, as OpenAI clients take
+    it, is dropped)."""
+    parts = urlsplit(raw.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or \
+            parts.fragment:
+        raise ConfigError("--url", raw, "expected a server's base URL such as "
+                          "http://127.0.0.1:8000")
+    try:
+        parts.port  # noqa: B018  # a port out of range raises here
+    except ValueError:
+        raise ConfigError("--url", raw, "expected a port in 1..65535") from None
+    path = parts.path.rstrip("/").removesuffix("/v1")
+    return f"{parts.scheme}://{parts.netloc}{path}"
+
+
+def refuse_runtime_flags(given: Sequence[tuple[str, str]], launch_argv: Sequence[str]) -> None:
+    for name, value in given:
+        if name not in URL_FLAGS:
+            raise ConfigError(f"--{name}", value or True, "configures the runtime this bench "
+                              "would start; with --url the server runs its own")
+    if launch_argv:
+        name, equals, value = launch_argv[0].partition("=")
+        if not equals:
+            value = launch_argv[1] if len(launch_argv) > 1 else ""
+        raise ConfigError(name, value, "a launch flag; with --url the server's launch is its "
+                          "own")
+
+
+def level_requests(count: int, temperatures: Sequence[float], params: SamplingParams
+                   ) -> list[tuple[str, SamplingParams]]:
+    """Request i sends prompt i // m at the (i mod m)-th of the m temperatures."""
+    prompts = [p.decode("utf-8") for p in shipped_prompts()]
+    m = len(temperatures)
+    return [(prompts[(i // m) % len(prompts)],
+             _at(params, temperatures[i % m])) for i in range(count)]
+
+
+def _at(params: SamplingParams, temperature: float) -> SamplingParams:
+    if temperature == 0:
+        return SamplingParams(temperature=0.0, max_tokens=params.max_tokens)
+    return SamplingParams(temperature=temperature, top_k=params.top_k, top_p=params.top_p,
+                          min_p=params.min_p, max_tokens=params.max_tokens)
+
+
+async def bench_url(url: str, model: str | None, levels: dict[int, int],
+                    temperatures: Sequence[float], params: SamplingParams
+                    ) -> tuple[str, list[LevelRun]]:
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
+    connector = aiohttp.TCPConnector(limit=max(levels))
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        name = model or await served_model(url, session)
+        target = HttpTarget(url, name, session)
+        runs = [await closed_loop(target, level_requests(count, temperatures, params), level)
+                for level, count in levels.items()]
+    return name, runs
+
+
+def report_text(url: str, model: str, runs: Sequence[LevelRun], header: str) -> str:
+    lines = [f"bench of {url} (model {model}): {header}",
+             f"{'C':>4} {'requests':>8} {'errors':>6} {'tok/s':>9}   "
+             f"{'TTFT ms p50':>11} {'p90':>7} {'p99':>7}   {'TPOT ms p50':>11} {'p90':>7} "
+             f"{'p99':>7}   {'E2E ms p50':>10} {'p90':>8} {'p99':>8}"]
+    for run in runs:
+        s = run.summary()
+        cells = [_ms(s[k][p]) for k in ("ttft_ms", "tpot_ms", "e2e_ms")
+                 for p in ("p50", "p90", "p99")]
+        lines.append(f"{run.concurrency:>4} {s['requests']:>8} {s['errors']:>6} "
+                     f"{s['tokens_per_second']:>9.1f}   {cells[0]:>11} {cells[1]:>7} "
+                     f"{cells[2]:>7}   {cells[3]:>11} {cells[4]:>7} {cells[5]:>7}   "
+                     f"{cells[6]:>10} {cells[7]:>8} {cells[8]:>8}")
+        for error in s["first_errors"]:
+            lines.append(f"     failed: {error}")
+    return "\n".join(lines)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def run_url(raw_url: str, model: str | None, levels: dict[int, int],
+            temperatures: Sequence[float], params: SamplingParams, as_json: bool) -> int:
+    url = check_url(raw_url)
+    started = time.perf_counter()
+    try:
+        name, runs = asyncio.run(bench_url(url, model, levels, temperatures, params))
+    except LoadError as error:
+        raise ConfigError("--url", raw_url, str(error)) from None
+    kinds = ", ".join("greedy" if t == 0 else f"temperature {t:g}" for t in temperatures)
+    header = (f"{params.max_tokens} tokens per request, {kinds}, "
+              f"{time.perf_counter() - started:.1f} s")
+    if as_json:
+        report: dict[str, Any] = {"url": url, "model": name, "max_tokens": params.max_tokens,
+                                  "temperatures": list(temperatures),
+                                  "levels": [run.summary() for run in runs]}
+        print(json.dumps(report, indent=2))
+    else:
+        print(report_text(url, name, runs, header))
+    sys.stdout.flush()
+    return 1 if any(run.errors for run in runs) else 0
