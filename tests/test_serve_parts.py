@@ -59,12 +59,12 @@ def test_split_and_invalid_utf8_reads_as_one_decode_would() -> None:
 
 
 def test_the_reader_keeps_openai_defaults_where_the_launch_allows_them() -> None:
-    job = read_completion({"model": "m", "prompt": "hi"}, "m", temperature_required=False)
+    job = read_completion({"model": "m", "prompt": "hi"}, "m", temperature_rule=None)
     assert (job.params.temperature, job.params.max_tokens) == (1.0, 16)
     assert not job.stream
     job = read_completion({"model": "m", "prompt": [[1, 2], "x"], "stop": ["a", 7],
                            "stop_token_ids": [9], "top_k": -1, "temperature": 0.5},
-                          "m", temperature_required=True)
+                          "m", temperature_rule="adaptive verify")
     assert job.prompts == ((1, 2), "x")
     assert job.stop_strings == ("a",)
     assert job.params.stop == (7, 9)
@@ -82,7 +82,7 @@ def test_json_constants_and_scalars_are_no_request() -> None:
 async def test_a_server_still_starting_says_so_and_refuses_completions() -> None:
     runtime = Runtime(load_config({}))  # never started
     server = CompletionServer(runtime, ByteTokenizer(), ServeSettings(
-        model_name="m", max_queued_requests=4, temperature_required=False))
+        model_name="m", max_queued_requests=4, temperature_rule=None))
     async with TestClient(TestServer(server.app())) as client:
         health = await client.get("/health")
         assert (health.status, await health.json()) == (503, {"status": "starting"})

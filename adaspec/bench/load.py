@@ -147,18 +147,35 @@ class HttpTarget:
                     continue
                 if "error" in event:
                     raise LoadError(f"error event: {event['error']}")
-                for choice in event.get("choices") or ():
-                    if choice.get("text"):
-                        first = first if first is not None else time.perf_counter()
-                        pieces.append(choice["text"])
+                for text in _texts(event):
+                    first = first if first is not None else time.perf_counter()
+                    pieces.append(text)
                 if event.get("usage"):
-                    tokens = event["usage"]["completion_tokens"]
+                    tokens = _completion_tokens(event["usage"])
         ended = time.perf_counter()
         if tokens is None:
             raise LoadError("the stream ended without a usage chunk; the server must support "
                             "stream_options.include_usage")
         return Timing(tokens=tokens, ttft_s=(first or ended) - sent, e2e_s=ended - sent,
                       text="".join(pieces))
+
+
+def _texts(event: dict[str, Any]) -> list[str]:
+    """The non-empty texts of a completion chunk's choices."""
+    choices = event.get("choices") or []
+    if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+        raise LoadError(f"a stream event's choices are not a list of objects: {choices!r:.80}")
+    texts = [c.get("text") for c in choices]
+    if not all(isinstance(t, str | None) for t in texts):
+        raise LoadError("a stream event's choice text is not a string")
+    return [t for t in texts if t]
+
+
+def _completion_tokens(usage: object) -> int:
+    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+        raise LoadError(f"the usage chunk holds no completion_tokens count: {usage!r:.80}")
+    return tokens
 
 
 def _sse_data(line: bytes) -> dict[str, Any] | None:

@@ -16,6 +16,7 @@ from adaspec.cli.calibrate import progress_reporter
 from adaspec.cli.flags import CommandFlags, Flag, check_runnable_here, launch_settings
 from adaspec.cli.generate import check_outputs
 from adaspec.config import load_config
+from adaspec.config.launch import LaunchConfig
 from adaspec.config.limits import BUILTIN_TARGET
 from adaspec.config.requests import MAX_SEED
 from adaspec.errors import ConfigError
@@ -68,6 +69,17 @@ def _model_name(raw: str | None, model: str) -> str:
     return raw
 
 
+def temperature_rule(launch: LaunchConfig) -> str | None:
+    """Why this launch needs each request's temperature given (the runtime's own rules)."""
+    if launch.enable_adaptive_target_verify:
+        return ("this server verifies a budget chosen each round (adaptive target verify) and "
+                "needs every request's temperature: 0 for greedy decoding, above 0 to sample")
+    if launch.enable_unified_mtp_graph:
+        return ("this server captures greedy rounds only (unified MTP graphs); expected "
+                "temperature 0")
+    return None
+
+
 def run(argv: Sequence[str]) -> int:
     from adaspec.serve.app import ServeSettings
     from adaspec.serve.server import json_logger, serve_http
@@ -86,7 +98,7 @@ def run(argv: Sequence[str]) -> int:
         model_name=_model_name(parsed.get("served_model_name"), launch.model),
         max_queued_requests=_integer("max_queued_requests", parsed.get("max_queued_requests"),
                                      1024, 1, MAX_QUEUED_REQUESTS),
-        temperature_required=launch.enable_adaptive_target_verify)
+        temperature_rule=temperature_rule(launch))
     seed = _integer("seed", parsed.get("seed"), 0, 0, MAX_SEED - 1)
     outputs = {name: value for name, value in parsed.given if name in ("event_log", "trace")}
     check_outputs(outputs, launch)

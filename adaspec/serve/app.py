@@ -23,7 +23,7 @@ from aiohttp import web
 
 from adaspec.errors import InvalidRequest, UnsupportedRequest
 from adaspec.models.tokenizer import Tokenizer
-from adaspec.runtime.engine import Runtime
+from adaspec.runtime.engine import Runtime, RuntimeStopped
 from adaspec.runtime.requests import RequestFailed, RequestHandle
 from adaspec.serve.metrics import CONTENT_TYPE, ServerMetrics
 from adaspec.serve.protocol import (
@@ -48,7 +48,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 class ServeSettings:
     model_name: str
     max_queued_requests: int
-    temperature_required: bool
+    temperature_rule: str | None
+    """Why the launch needs every request's temperature; None: OpenAI's default applies."""
 
 
 @dataclass(slots=True)
@@ -82,6 +83,7 @@ class Completion:
     id: str
     arrived: float
     stream: bool
+    created: int = field(default_factory=lambda: int(time.time()))
     choices: list[Choice] = field(default_factory=list)
     status: int = 200
 
@@ -171,11 +173,11 @@ class CompletionServer:
                         ) -> web.StreamResponse:
         self._check_open()
         job = read_completion(parse_body(await self._body(request)), self.settings.model_name,
-                              temperature_required=self.settings.temperature_required)
+                              temperature_rule=self.settings.temperature_rule)
         completion.stream = job.stream
         prompts = [self._prompt_ids(job, index) for index in range(len(job.prompts))]
         self._check_room(len(prompts))
-        handles = [self.runtime.submit(ids, job.params) for ids in prompts]
+        handles = self._submit(prompts, job)
         self.in_flight.update(handles)
         self.queued += len(handles)
         self.metrics.waiting.inc(len(handles))
@@ -218,11 +220,28 @@ class CompletionServer:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         try:
             return self.runtime.check(ids, job.params)
+        except RuntimeStopped as error:
+            raise ApiError(503, f"the runtime stopped: {error}", kind="service_unavailable",
+                           retry_after=1) from None
         except (InvalidRequest, UnsupportedRequest) as error:
             if error.field == "prompt":
                 shown = prompt if isinstance(prompt, str) else error.value
                 raise bad_field(field_name, shown, error.expected) from None
             raise refused(error) from None
+
+    def _submit(self, prompts: list[tuple[int, ...]], job: CompletionJob
+                ) -> list[RequestHandle]:
+        """Every prompt's request, or none of them."""
+        handles: list[RequestHandle] = []
+        try:
+            for ids in prompts:
+                handles.append(self.runtime.submit(ids, job.params))
+        except RuntimeStopped as error:  # a fault between the check and the submit
+            for handle in handles:
+                handle.cancel()
+            raise ApiError(503, f"the runtime stopped: {error}", kind="service_unavailable",
+                           retry_after=1) from None
+        return handles
 
     def _check_room(self, count: int) -> None:
         limit = self.settings.max_queued_requests
@@ -250,10 +269,10 @@ class CompletionServer:
                       ) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
-        await response.prepare(request)
         pieces: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         tasks = [asyncio.ensure_future(self._run(c, pieces)) for c in completion.choices]
         try:
+            await response.prepare(request)
             async for piece in _until_all_end(pieces, len(tasks)):
                 await response.write(_event(self._chunk(completion, [piece])))
             failed = next((c for c in completion.choices if c.error is not None), None)
@@ -280,37 +299,45 @@ class CompletionServer:
         """Follow one request to its end; with ``pieces``, queue each text piece to stream
         (and ``None`` once the request has ended)."""
         try:
-            async for chunk in choice.handle:
-                now = time.perf_counter()
-                if choice.first_token is None:
-                    choice.first_token = now
-                    self.metrics.waiting.dec()
-                    self.metrics.running.inc()
-                choice.last_token = now
-                text = choice.text.feed(chunk)
-                if text and pieces is not None:
-                    pieces.put_nowait({"index": choice.index, "text": text, "logprobs": None,
-                                       "finish_reason": None})
-                if choice.text.stopped:
-                    choice.handle.cancel()
-                    break
-            result = await choice.handle.result()
-            choice.rounds, choice.verified = result.rounds, result.verified
-            choice.accepted = result.accepted
-            choice.finish_reason = "stop" if choice.text.stopped else result.finish_reason
-            rest = choice.text.finish()
+            await self._follow(choice, pieces)
         except RequestFailed as error:
-            choice.error, choice.finish_reason, rest = error.reason, "error", ""
+            choice.error, choice.finish_reason = error.reason, "error"
+        except Exception as error:  # adaspec's bug: the request ends, the server goes on
+            choice.error, choice.finish_reason = f"{type(error).__name__}: {error}", "error"
+            self.log.exception("completion_bug", request_id=choice.handle.request_id)
+        finally:
+            if pieces is not None:
+                pieces.put_nowait(None)  # this choice has ended, whatever ended it
+
+    async def _follow(self, choice: Choice,
+                      pieces: "asyncio.Queue[dict[str, Any] | None] | None") -> None:
+        async for chunk in choice.handle:
+            now = time.perf_counter()
+            if choice.first_token is None:
+                choice.first_token = now
+                self.metrics.waiting.dec()
+                self.metrics.running.inc()
+            choice.last_token = now
+            text = choice.text.feed(chunk)
+            if text and pieces is not None:
+                pieces.put_nowait({"index": choice.index, "text": text, "logprobs": None,
+                                   "finish_reason": None})
+            if choice.text.stopped:
+                choice.handle.cancel()
+                break
+        result = await choice.handle.result()
+        choice.rounds, choice.verified = result.rounds, result.verified
+        choice.accepted = result.accepted
+        choice.finish_reason = "stop" if choice.text.stopped else result.finish_reason
+        rest = choice.text.finish()
         if pieces is not None:
-            if choice.error is None:
-                pieces.put_nowait({"index": choice.index, "text": rest, "logprobs": None,
-                                   "finish_reason": choice.finish_reason,
-                                   "adaspec": choice.extension()})
-            pieces.put_nowait(None)  # this choice has ended
+            pieces.put_nowait({"index": choice.index, "text": rest, "logprobs": None,
+                               "finish_reason": choice.finish_reason,
+                               "adaspec": choice.extension()})
 
     def _chunk(self, completion: Completion, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": completion.id, "object": "text_completion",
-                "created": self.created, "model": self.settings.model_name,
+                "created": completion.created, "model": self.settings.model_name,
                 "choices": choices}
 
     def cancel_all(self) -> None:

@@ -132,8 +132,9 @@ def _json_kind(value: object) -> str:
 
 
 def read_completion(body: Mapping[str, Any], model: str, *,
-                    temperature_required: bool) -> CompletionJob:
-    """Check every field of a completions request; the first wrong one is refused by name."""
+                    temperature_rule: str | None) -> CompletionJob:
+    """``temperature_rule``: why this launch needs every request's temperature (None: it
+    defaults to OpenAI's 1)."""
     for name, value in body.items():
         _check_known(name, value)
     given = body.get("model")
@@ -147,7 +148,7 @@ def read_completion(body: Mapping[str, Any], model: str, *,
     include_usage = _stream_options(body.get("stream_options"), stream)
     prompts = _prompts(body.get("prompt"))
     stop_strings, stop_ids = _stops(body.get("stop"), body.get("stop_token_ids"))
-    params = _sampling(body, stop_ids, temperature_required)
+    params = _sampling(body, stop_ids, temperature_rule)
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise bad_field("user", user, "expected a string")
@@ -268,7 +269,7 @@ def _check_stop_strings(strings: tuple[str, ...]) -> None:
 
 
 def _sampling(body: Mapping[str, Any], stop_ids: tuple[int, ...],
-              temperature_required: bool) -> SamplingParams:
+              temperature_rule: str | None) -> SamplingParams:
     values: dict[str, object] = {name: body[name] for name in
                                  ("temperature", "top_k", "top_p", "min_p", "max_tokens")
                                  if body.get(name) is not None}
@@ -278,10 +279,8 @@ def _sampling(body: Mapping[str, Any], stop_ids: tuple[int, ...],
             raise bad_field(name, value, "expected a number")
     values.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
     if "temperature" not in values:
-        if temperature_required:
-            raise ApiError(400, "temperature: missing; this server verifies a budget chosen "
-                           "per round (adaptive target verify) and needs every request's "
-                           "temperature: 0 for greedy decoding, above 0 to sample",
+        if temperature_rule is not None:
+            raise ApiError(400, f"temperature: missing; {temperature_rule}",
                            param="temperature")
         values["temperature"] = DEFAULT_TEMPERATURE
     if isinstance(values.get("top_k"), int) and values["top_k"] == -1:
