@@ -249,6 +249,40 @@ def test_a_killed_rank_makes_the_front_fail_within_the_timeout_naming_the_collec
     assert elapsed < timeout_s
 
 
+def _follower(address: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "adaspec", "generate", "--nnodes=2", "--node_rank=1",
+         f"--master_node_addr={address}", "--collective_timeout_s=2", "--prompt=abc",
+         "--max_tokens=4", "--temperature=0"], capture_output=True, text=True,
+        env=peer_environment(), timeout=PROCESS_LIMIT_S, check=False)
+
+
+def test_a_rank_whose_rendezvous_is_not_there_says_so_in_one_line() -> None:
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    done = _follower(address)
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        f"adaspec generate: error: collective init_process_group over ranks [0,1] failed: "
+        f"nothing listens at {address} after 2 s; is rank 0 started, with this "
+        "--master_node_addr?"], done.stderr
+
+
+def test_a_rank_whose_rendezvous_port_holds_another_service_says_so_instead_of_waiting(
+        ) -> None:
+    import socket
+
+    with socket.socket() as other:  # accepts connections, never answers
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        done = _follower(f"127.0.0.1:{port}")
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        f"adaspec generate: error: collective init_process_group over ranks [0,1] failed: "
+        f"127.0.0.1:{port} accepts connections but no rendezvous store answered there within "
+        "2 s; is another service on that port?"], done.stderr
+
+
 def test_the_front_takes_requests_cancels_and_stops_for_every_rank() -> None:
     runs = finish(start_ranks(2, ["--speculative_algorithm=MTP", "--num_speculative_tokens=3"],
                               program=(str(Path(__file__).with_name("runtime_peer.py")),)))

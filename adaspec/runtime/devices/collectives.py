@@ -15,6 +15,9 @@ rank in every shard.
 """
 
 import datetime
+import socket
+import threading
+import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -23,6 +26,7 @@ from typing import Literal, Protocol
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, unstubbed
 
 from adaspec.availability import require_device
 from adaspec.errors import CollectiveError, ConfigError, ConsensusMismatch
@@ -128,6 +132,44 @@ def _collective(op: str, group: tuple[int, ...], liveness: Liveness | None = Non
         raise CollectiveError(op, group, reason) from error
 
 
+def await_rendezvous(init_method: str, world_size: int, timeout: datetime.timedelta) -> None:
+    """Before a rank other than 0 joins, wait until rank 0's rendezvous store answers at the
+    ``tcp://`` address, within ``timeout``. c10d would wait in silence on a listener that is
+    no store (another service on the port), and print pages of C++ stack frames while
+    nothing listens; either is one CollectiveError here, saying which it was."""
+    host, _, port = init_method.removeprefix("tcp://").rpartition(":")
+    host = host.strip("[]")
+    deadline = time.monotonic() + timeout.total_seconds()
+    group = tuple(range(world_size))
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=1.0).close()
+            break
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise CollectiveError("init_process_group", group, (
+                    f"nothing listens at {host}:{port} after {timeout.total_seconds():g} s; "
+                    "is rank 0 started, with this --master_node_addr?")) from None
+            time.sleep(0.1)
+    answered: list[object] = []
+
+    def handshake() -> None:
+        try:
+            store = TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                             timeout=timeout)
+            answered.append(store)
+        except (RuntimeError, ValueError) as error:
+            answered.append(error)
+
+    worker = threading.Thread(target=handshake, name="adaspec-rendezvous-check", daemon=True)
+    worker.start()
+    worker.join(max(1.0, deadline - time.monotonic()))
+    if not answered or not isinstance(answered[0], TCPStore):
+        raise CollectiveError("init_process_group", group, (
+            f"{host}:{port} accepts connections but no rendezvous store answered there within "
+            f"{timeout.total_seconds():g} s; is another service on that port?"))
+
+
 def _check_layout(rank: int, world_size: int, tp_size: int, dp_size: int) -> None:
     for name, size in (("tp_size", tp_size), ("dp_size", dp_size)):
         if size < 1:
@@ -205,6 +247,8 @@ class DistributedCollectives:
         # and, on close, destroy only the groups we created.
         self._owns_default_group = not dist.is_initialized()
         if self._owns_default_group:
+            if rank != 0 and init_method.startswith("tcp://"):
+                await_rendezvous(init_method, world_size, rendezvous_timeout)
             with _collective("init_process_group", tuple(range(world_size))):
                 dist.init_process_group(DEVICE_BACKENDS[device], init_method=init_method,
                                         rank=rank, world_size=world_size,
