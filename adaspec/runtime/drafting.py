@@ -140,7 +140,7 @@ class DSparkDrafting:
                                                   self.context_limit, self.scratch_kv_slot)
         block = self.drafter.draft(states.hidden, states.anchor_ids, positions, call_kv_slots,
                                    self.width)
-        return block.token_ids, block.confidences
+        return block.token_ids, clean_confidences(block.confidences)
 
     def after_prefill(self, prefill: PrefillOutput, prompts: list[Tensor], kv_slots: Tensor,
                       first_token_ids: Tensor) -> None:
@@ -150,6 +150,13 @@ class DSparkDrafting:
     def after_commit(self, out: TargetOutput, packed: PackedRows, result: CommitResult) -> None:
         if self.context is not None:
             self.context.after_commit(out, packed, result)
+
+
+def clean_confidences(confidences: Tensor) -> Tensor:
+    """A drafter's confidences as the runtime uses, retires and logs them: clamped into
+    [0, 1], NaN read as 0 (no confidence), so the allocation, the policies' feedback and the
+    event log see the same numbers, and a replay of the log reproduces the run."""
+    return torch.nan_to_num(confidences, nan=0.0, posinf=1.0, neginf=0.0).clamp(0.0, 1.0)
 
 
 class MtpDrafting:
@@ -182,7 +189,7 @@ class MtpDrafting:
         if depth:
             drafts[:, :depth] = torch.stack(tokens, 1)
             confidences[:, :depth] = torch.stack(probs, 1).to(confidences.dtype)
-        return drafts, confidences
+        return drafts, clean_confidences(confidences)
 
     def after_prefill(self, prefill: PrefillOutput, prompts: list[Tensor], kv_slots: Tensor,
                       first_token_ids: Tensor) -> None:
