@@ -444,19 +444,33 @@ def test_a_round_that_fails_on_one_rank_stops_every_rank() -> None:
         assert "CollectiveError: collective " in error
 
 
-def test_a_rank_started_with_another_launch_line_says_which_flag_differs() -> None:
+@pytest.mark.parametrize(("first", "second", "named"), [
+    (["--num_speculative_tokens=3"], ["--num_speculative_tokens=2"],
+     "--num_speculative_tokens=2: expected 3"),
+    (["--prompt=ab"], ["--prompt=cd", "--prompt=ef"], "--prompt=['cd', 'ef']: expected ab"),
+    ([], ["--seed=5"], "--seed=5: expected (not given)"),
+])
+def test_a_rank_started_with_another_command_line_says_which_flag_differs(
+        first: list[str], second: list[str], named: str) -> None:
+    """Rank 0 alone reads the prompts and the sampling flags: a rank given others would
+    silently decode rank 0's, so it is refused like a launch flag that differs."""
     port = free_port()
     line = ["generate", "--nnodes=2", f"--master_node_addr=127.0.0.1:{port}",
-            "--speculative_algorithm=MTP", "--prompt=ab", "--max_tokens=4", "--temperature=0"]
+            "--speculative_algorithm=MTP", "--max_tokens=4", "--temperature=0"]
+    own = [["--num_speculative_tokens=3", "--prompt=ab"], ["--num_speculative_tokens=3",
+                                                         "--prompt=ab"]]
+    for rank, flags in enumerate((first, second)):
+        names = {flag.split("=", 1)[0] for flag in flags}
+        own[rank] = [f for f in own[rank] if f.split("=", 1)[0] not in names] + flags
     ranks = [subprocess.Popen([sys.executable, "-m", "adaspec", *line, f"--node_rank={rank}",
-                               f"--num_speculative_tokens={width}"],
+                               *own[rank]],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env=peer_environment())
-             for rank, width in ((0, 3), (1, 2))]
+             for rank in (0, 1)]
     front, odd = finish(ranks)
     assert odd.returncode == 2
     assert odd.stderr.strip().splitlines()[-1] == (
-        "adaspec generate: error: --num_speculative_tokens=2: expected 3, rank 0's: every rank "
-        "starts with the same launch line (its own --node_rank, --host and --port aside)")
+        f"adaspec generate: error: {named}, rank 0's: every rank starts with the same "
+        "command line (its own --node_rank, --host and --port aside)")
     assert front.returncode == 2  # the odd rank left: the front's next collective fails
     assert "CollectiveError" in front.stderr or "collective " in front.stderr

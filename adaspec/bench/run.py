@@ -137,6 +137,8 @@ class BenchPlan:
     top_k: int = 0  # the target filters of every request (greedy requests ignore them)
     top_p: float = 1.0
     min_p: float = 0.0
+    command_flags: tuple[tuple[str, str], ...] = ()
+    """The bench command's own flags: with several ranks, every rank's must be rank 0's."""
 
     def level_requests(self, level: int) -> list[tuple[bytes, float]]:
         """The level's requests in order, as (prompt, temperature). With m temperatures,
@@ -557,7 +559,8 @@ def _options(plan: BenchPlan, arm: Arm, progress: Progress | None) -> RuntimeOpt
     log = None
     if plan.event_log_dir is not None:
         log = str(Path(plan.event_log_dir) / event_log_name(arm.name))
-    return RuntimeOptions(seed=plan.seed, event_log=log, calibration_progress=progress)
+    return RuntimeOptions(seed=plan.seed, event_log=log, calibration_progress=progress,
+                          command_flags=plan.command_flags)
 
 
 def pass_order(names: Sequence[str], number: int) -> list[str]:

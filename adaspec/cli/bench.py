@@ -469,7 +469,8 @@ def run(argv: Sequence[str]) -> int:
                          passes=choices.passes, seed=choices.seed,
                          event_log_dir=choices.event_log_dir, skipped=skipped,
                          temperatures=choices.temperatures, top_k=choices.top_k,
-                         top_p=choices.top_p, min_p=choices.min_p)
+                         top_p=choices.top_p, min_p=choices.min_p,
+                         command_flags=BENCH.parse(argv).given)
         check_room(plan, arms)
         if not front:  # the same launch line on every rank: this one serves the front's runs
             asyncio.run(serve_arms(plan))

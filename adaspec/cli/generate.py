@@ -271,7 +271,8 @@ def run(argv: Sequence[str]) -> int:
     options = RuntimeOptions(seed=seed,
                              event_log=args.values.get("event_log"),
                              trace=args.values.get("trace"),
-                             calibration_progress=progress_reporter(sys.stderr))
+                             calibration_progress=progress_reporter(sys.stderr),
+                             command_flags=GENERATE.parse(argv).given)
     runtime = Runtime(config, options=options)
     results, seconds, failed = asyncio.run(decode(runtime, prompts, params))
     if config.launch.world_size > 1:  # every rank says what it committed: they must agree

@@ -105,7 +105,8 @@ def run(argv: Sequence[str]) -> int:
     check_runnable_here(launch)
     options = RuntimeOptions(seed=seed, event_log=outputs.get("event_log"),
                              trace=outputs.get("trace"),
-                             calibration_progress=progress_reporter(sys.stderr))
+                             calibration_progress=progress_reporter(sys.stderr),
+                             command_flags=parsed.given)
     runtime = Runtime(config, options=options)
     log = json_logger(sys.stderr)
     if launch.node_rank != 0:  # the same launch line on every rank: rank 0 serves HTTP

@@ -110,6 +110,10 @@ class RuntimeOptions:
     calibration_progress: Progress | None = None
     """Called after each calibration window (a progress bar); default: one structured log
     line per window on the ``adaspec.calibration`` logger."""
+    command_flags: tuple[tuple[str, str], ...] = ()
+    """The (name, value) flags of the command that runs the runtime, other than launch flags
+    (``--prompt``, ``--max_tokens``, ...): with several ranks, each rank's must equal rank
+    0's, as its launch flags must, since rank 0 alone reads them."""
 
     def __post_init__(self) -> None:
         seed: object = self.seed  # whatever the caller passed, until checked
@@ -120,6 +124,13 @@ class RuntimeOptions:
         object.__setattr__(self, "seed", int(seed))  # a numpy integer is the int it holds
         for name in ("event_log", "trace"):  # a path-like is kept as its str
             object.__setattr__(self, name, _option_path(name, getattr(self, name)))
+        flags: object = self.command_flags
+        if not isinstance(flags, Sequence) or isinstance(flags, str) or not all(
+                isinstance(pair, Sequence) and len(pair) == 2
+                and all(isinstance(part, str) for part in pair) for pair in flags):
+            raise ConfigError("RuntimeOptions.command_flags", flags, "expected (name, value) "
+                              "pairs of strings")
+        object.__setattr__(self, "command_flags", tuple(tuple(pair) for pair in flags))
         _check_protocol("RuntimeOptions.clock", self.clock, Clock,
                         "a Clock (adaspec.runtime.events.clock: now() returns seconds) or None")
         for name, called in (("stage_hook", "(round, stage)"),
@@ -272,6 +283,24 @@ def require_builtin(command: str, model: str, draft_model: str | None, own: str)
     if draft_model is not None and not draft_model.startswith("builtin:"):
         raise ConfigError("--draft_model", draft_model, f"adaspec {command} runs the built-in "
                           f"drafts of the built-in target; {own}")
+
+
+SAME_LINE = ("every rank starts with the same command line (its own --node_rank, --host and "
+             "--port aside)")
+
+
+def command_values(flags: Sequence[tuple[str, str]]) -> dict[str, list[str]]:
+    """A command's flags by name, every value of a repeated one in order."""
+    values: dict[str, list[str]] = {}
+    for name, value in flags:
+        values.setdefault(name, []).append(value)
+    return values
+
+
+def _given(values: list[str] | None) -> object:
+    if values is None:
+        return "(not given)"
+    return values[0] if len(values) == 1 else values
 
 
 class RuntimeStopped(RuntimeError):
@@ -479,14 +508,24 @@ class Runtime:
         settings = self.config.launch
         mine = {name: getattr(settings, name) for name in launch_field_types()
                 if name not in PER_RANK_SETTINGS}
-        data = await asyncio.to_thread(comm.share_from_first_rank, json.dumps(mine).encode(),
+        command = command_values(self.options.command_flags)
+        line = {"launch": mine, "command": command, "seed": self.options.seed}
+        data = await asyncio.to_thread(comm.share_from_first_rank, json.dumps(line).encode(),
                                        "check_launch")
         theirs = json.loads(data)
         for name, value in mine.items():
-            if theirs.get(name) != value:
-                raise ConfigError(f"--{name}", value, f"expected {theirs.get(name)}, rank 0's: "
-                                  "every rank starts with the same launch line (its own "
-                                  "--node_rank, --host and --port aside)")
+            if theirs["launch"].get(name) != value:
+                raise ConfigError(f"--{name}", value, f"expected {theirs['launch'].get(name)}, "
+                                  f"rank 0's: {SAME_LINE}")
+        for name in sorted(set(command) | set(theirs["command"])):
+            if command.get(name) != theirs["command"].get(name):
+                raise ConfigError(f"--{name}", _given(command.get(name)),
+                                  f"expected {_given(theirs['command'].get(name))}, rank 0's: "
+                                  f"{SAME_LINE}")
+        if theirs["seed"] != self.options.seed:
+            raise ConfigError("RuntimeOptions.seed", self.options.seed,
+                              f"expected {theirs['seed']}, rank 0's: every rank draws from "
+                              "the same seed")
 
     @property
     def is_front(self) -> bool:
