@@ -5,6 +5,7 @@ option accepted only to fail every request later."""
 import asyncio
 import os
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -13,7 +14,7 @@ import torch
 from runtime_helpers import config
 
 from adaspec.config import SamplingParams
-from adaspec.errors import ConfigError, InvalidRequest
+from adaspec.errors import ConfigError, DeviceLayerError, InvalidRequest
 from adaspec.models import load_reference_models
 from adaspec.policies.fixed import FixedDepth, FullBudget
 from adaspec.runtime.engine import Runtime, RuntimeOptions, WrongLoop
@@ -300,3 +301,34 @@ def test_models_of_a_runtime_left_unstopped_with_its_loop_are_free_again() -> No
 
     asyncio.run(abandon())
     assert asyncio.run(reuse()) == 3
+
+
+class RaisingVerify:
+    """The reference target with a verify that raises: an embedder's bug, faked because it is
+    what the test is about."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def verify(self, rows: Any) -> Any:
+        return 1 / 0
+
+
+def test_a_target_whose_verify_raises_at_start_is_named_in_one_line() -> None:
+    models = load_reference_models()
+    runtime = Runtime(config("MTP", 3, 2), models=SimpleNamespace(
+        target=RaisingVerify(models.target), mtp=models.mtp, dspark=None))
+
+    async def start() -> None:
+        try:
+            await runtime.start()
+        finally:
+            await runtime.stop()
+
+    with pytest.raises(DeviceLayerError) as info:
+        asyncio.run(start())
+    assert str(info.value) == ("preparing the graph bindings at start: the target's verify "
+                               "raised ZeroDivisionError: division by zero")

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 from conftest import launch, rejection
 
-from adaspec.config import LaunchConfig, load_config_from_argv
+from adaspec.config import LaunchConfig, load_config, load_config_from_argv
 from adaspec.config.flags import field_docs, launch_config_from_settings, parse_argv
 from adaspec.config.launch import launch_field_types
 from adaspec.errors import ConfigError
@@ -135,3 +135,10 @@ def test_a_host_that_is_no_hostname_or_ip_address_is_refused(host: str, shown: s
                                   "node-1.cluster.local", "host_1", "node.", "x" * 63])
 def test_hostnames_and_ip_addresses_are_taken_as_host(host: str) -> None:
     assert load_config_from_argv([f"--host={host}"]).launch.host == host
+
+
+def test_a_setting_named_with_the_flags_dashes_says_to_drop_them() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config({"--port": 1})
+    assert str(info.value) == ("--port=1: unknown setting; settings are named without dashes: "
+                               "port")

@@ -109,6 +109,9 @@ def test_event_log_and_trace_flags_write_files_that_replay(
      "--top_k=1e30: expected an integer in 0..2147483647 (0: off)"),
     (["--prompt", "x", "--max_tokens=4", "--temperature=1", "--top_p=nan"],
      "--top_p=nan: expected a number in (0, 1]"),
+    # Text that is no number is refused with the range, not as "not a str".
+    (["--prompt", "x", "--max_tokens=4", "--temperature=nan"],
+     "--temperature=nan: expected 0 (greedy) or a number in 1e-05..100"),
     (["--prompt", "x", "--max_tokens=0", "--temperature=0"],
      "--max_tokens=0: expected an integer in 1.."),
     (["--prompt", "x", "--max_tokens=4", "--temperature=0", "--num_speculative_tokens=9"],

@@ -285,8 +285,10 @@ def sampling_flag(name: str, raw: str) -> int | float:
             # 1e-400 reads as 0.0: what was asked for is a tiny number, not greedy decoding.
             raise ConfigError(f"--{name}", raw, "a nonzero number below the smallest double; "
                               "expected 0 or a number the field's range allows")
-    try:  # the text itself when it is no number: the field's rule refuses it as such
-        SamplingParams(**{name: raw if value is None else value})  # type: ignore[arg-type]
+    # Text that is no finite number is refused with the field's range: NaN stands for it, as
+    # the text itself would be called "not a str".
+    try:
+        SamplingParams(**{name: math.nan if value is None else value})  # type: ignore[arg-type]
     except InvalidRequest as error:
         raise ConfigError(f"--{name}", raw, error.expected) from None
     assert value is not None

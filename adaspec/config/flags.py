@@ -47,6 +47,10 @@ def retired_name_error(setting: str, name: str, value: object) -> ConfigError:
 def _unknown_flag(name: str, value: object) -> ConfigError:
     if name in RETIRED_NAMES:
         return retired_name_error(f"--{name}", name, value)
+    if name.startswith("-") and name.lstrip("-") in launch_field_types():
+        # load_config({"--port": 1}): a setting's name is the flag's without its dashes.
+        return ConfigError(name, value, f"unknown setting; settings are named without dashes: "
+                           f"{name.lstrip('-')}")
     close = difflib.get_close_matches(name, launch_field_types(), n=1)
     hint = f"did you mean --{close[0]}?" if close else "see `adaspec config --help`"
     return ConfigError(f"--{name}", value, f"unknown flag; {hint}")

@@ -33,7 +33,7 @@ from adaspec.config.launch import (
 from adaspec.config.limits import BUILTIN_DRAFTS, BUILTIN_TARGETS
 from adaspec.config.paths import new_file
 from adaspec.config.requests import MAX_SEED, SamplingParams, check_request, check_room
-from adaspec.errors import ConfigError, InvalidRequest
+from adaspec.errors import AdaspecError, ConfigError, DeviceLayerError, InvalidRequest
 from adaspec.models.checkpoint import ReferenceModels, load_reference_models
 from adaspec.models.limits import check_model_limits, check_num_kv_slots
 from adaspec.models.parallel import split_blocks
@@ -653,7 +653,14 @@ class Runtime:
             self._abandoned()
             assert self._stream is not None  # a stop closes it only with _stopping set
             registry = BindingRegistry(geometry, make)
-            await self._stream.enqueue(functools.partial(registry.prepare, pairs))
+            try:
+                await self._stream.enqueue(functools.partial(registry.prepare, pairs))
+            except AdaspecError:
+                raise
+            except Exception as error:  # the model's own failure, named in one line
+                raise DeviceLayerError(f"preparing the graph bindings at start: the target's "
+                                       f"verify raised {type(error).__name__}: {error}"
+                                       ) from error
             registry.seal()
             registries.append(registry)
         return registries
