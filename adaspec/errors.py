@@ -26,14 +26,14 @@ class AdaspecError(Exception):
             cls.__str__ = _one_line(own)  # type: ignore[method-assign]
 
     def __str__(self) -> str:
-        return _printable(super().__str__())
+        return printable(super().__str__())
 
 
 def _one_line(method: Callable[[Any], str]) -> Callable[[Any], str]:
     """A subclass's own ``__str__``, its control characters escaped."""
     @functools.wraps(method)
     def __str__(self: Any) -> str:
-        return _printable(method(self))
+        return printable(method(self))
 
     __str__._one_line = True  # type: ignore[attr-defined]
     return __str__
@@ -65,7 +65,7 @@ def show_value(value: object) -> str:
     return text
 
 
-def _printable(text: str) -> str:
+def printable(text: str) -> str:
     """Escape control characters (a newline in a JSON key, say) so a message stays one line."""
     return text if text.isprintable() else repr(text)[1:-1]
 

@@ -177,6 +177,7 @@ REFUSED = [  # (body, status, param named)
     (_base(stop=[""]), 400, "stop"),
     (_base(stop=[1000]), 400, "stop"),
     (_base(stop_token_ids=["a"]), 400, "stop_token_ids"),
+    (_base(stop_token_ids=[999]), 400, "stop_token_ids"),  # named as given, not as "stop"
     (_base(stream="yes"), 400, "stream"),
     (_base(stream_options={"include_usage": True}), 400, "stream_options"),
     (_base(stream=True, stream_options={"x": 1}), 400, "stream_options"),
@@ -213,6 +214,38 @@ def test_a_malformed_body_is_a_400_saying_what_is_wrong(
     status, _, body = server.request("POST", "/v1/completions", raw)
     assert status == 400
     assert words in json.loads(body)["error"]["message"]
+
+
+def test_a_key_with_a_newline_is_named_on_one_line(server: Served) -> None:
+    status, body = server.post(b'{"model": "builtin:target", "prompt": "a", "fo\\no": 1}')
+    assert status == 400
+    assert body["error"]["message"].startswith("fo\\no: unknown parameter")
+    assert "\n" not in body["error"]["message"]
+
+
+def test_a_body_that_does_not_match_its_content_encoding_is_a_400(server: Served) -> None:
+    status, _, body = server.request("POST", "/v1/completions", _base(),
+                                     headers={"Content-Encoding": "gzip"})
+    assert status == 400
+    assert "the request body cannot be read" in json.loads(body)["error"]["message"]
+
+
+def test_malformed_http_is_answered_without_a_traceback_in_the_log(server: Served) -> None:
+    before = len(server.events("http_error"))
+    with socket.create_connection(("127.0.0.1", server.port), timeout=PROCESS_LIMIT_S) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n")
+        assert sock.recv(65536).startswith(b"HTTP/1.")
+    server.wait_for("http_error", before + 1)
+    assert not any("Traceback" in line for line in server.other)
+
+
+def test_a_stop_string_the_last_flush_completes_ends_the_text_as_stop(server: Served) -> None:
+    request = _base(prompt="\u00ff\u00ff\u00ff\u20ac\u20ac\u20ac", max_tokens=1)
+    status, body = server.post(request)  # one byte that begins a character: U+FFFD at the end
+    assert (status, body["choices"][0]["text"]) == (200, "\ufffd")
+    status, body = server.post({**request, "stop": "\ufffd"})
+    assert status == 200
+    assert (body["choices"][0]["text"], body["choices"][0]["finish_reason"]) == ("", "stop")
 
 
 def test_an_oversized_body_is_a_413_and_wrong_routes_answer_in_the_error_shape(
@@ -354,6 +387,16 @@ def test_a_full_queue_answers_429_with_retry_after(small_server: Served) -> None
     sock.close()
 
 
+def test_a_client_stalled_mid_body_does_not_hold_the_drain(small_server: Served) -> None:
+    with socket.create_connection(("127.0.0.1", small_server.port),
+                                  timeout=PROCESS_LIMIT_S) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n"
+                     b"\r\n{\"mod")
+        small_server.process.send_signal(signal.SIGTERM)
+        assert small_server.process.wait(timeout=PROCESS_LIMIT_S) == 0
+    small_server.wait_for("stopped", 1)
+
+
 def test_sigterm_lets_the_stream_in_flight_end_refuses_new_requests_and_exits_0(
         small_server: Served) -> None:
     sock = _open_stream(small_server, 300)
@@ -453,6 +496,7 @@ def test_bench_url_counts_refused_requests_as_failures_and_exits_1(server: Serve
      "--speculative_algorithm=MTP: a launch flag"),
     (["--url=ftp://x"], "--url=ftp://x: expected a server's base URL"),
     (["--url=http://127.0.0.1:99999"], "expected a port in 1..65535"),
+    (["--url=http://[::1"], "--url=http://[::1: expected a server's base URL"),
     (["--served_model_name=m"], "--served_model_name=m: names a server's model"),
     ([f"--url=http://127.0.0.1:{free_port()}"], "cannot reach"),
 ])

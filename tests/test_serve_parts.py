@@ -108,6 +108,7 @@ def _serve(*flags: str) -> subprocess.CompletedProcess[str]:
     (["--port=0"], "--port=0"),
     (["--model=/models/llama"], "--model="),
     (["--max_queued=3"], "did you mean --max_queued_requests"),
+    (["--host=256.1.1.1"], "--host=256.1.1.1: cannot"),
 ])
 def test_bad_serve_flags_get_one_line_before_anything_listens(
         flags: list[str], words: str) -> None:

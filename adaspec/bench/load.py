@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import aiohttp
 
 from adaspec.config import SamplingParams
-from adaspec.errors import AdaspecError
+from adaspec.errors import AdaspecError, printable
 from adaspec.models.tokenizer import ByteTokenizer
 from adaspec.runtime.engine import Runtime
 
@@ -193,11 +193,13 @@ def _sse_data(line: bytes) -> dict[str, Any] | None:
 
 
 async def _error_text(response: aiohttp.ClientResponse) -> str:
+    """OpenAI's error message, or the start of whatever else the body holds, on one line."""
     raw = await response.text(errors="replace")
     try:
-        return str(json.loads(raw)["error"]["message"])
+        text = str(json.loads(raw)["error"]["message"])
     except (ValueError, KeyError, TypeError):
-        return raw[:200]
+        text = " ".join(raw.split())[:120] + " (not an OpenAI error body)"
+    return printable(text)
 
 
 async def closed_loop(target: Target, requests: Sequence[tuple[str, SamplingParams]],
@@ -214,6 +216,9 @@ async def closed_loop(target: Target, requests: Sequence[tuple[str, SamplingPara
                 run.timings[index] = await target.complete(prompt, params)
             except (LoadError, aiohttp.ClientError, AdaspecError) as error:
                 run.errors.append(f"request {index}: {error}")
+            except TimeoutError:
+                run.errors.append(f"request {index}: no data from the server for "
+                                  f"{READ_TIMEOUT_S} s")
 
     started = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))
@@ -221,15 +226,31 @@ async def closed_loop(target: Target, requests: Sequence[tuple[str, SamplingPara
     return run
 
 
+MODELS_TIMEOUT_S = 30
+"""The longest ``GET /v1/models`` may take: a server answers it at once."""
+
+READ_TIMEOUT_S = 300
+"""The longest a request may go without a byte from the server (its TTFT included) before it
+counts as failed."""
+
+
+def client_timeout() -> aiohttp.ClientTimeout:
+    return aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=READ_TIMEOUT_S)
+
+
 async def served_model(url: str, session: aiohttp.ClientSession) -> str:
     """The one model a server lists at ``/v1/models``."""
     try:
-        async with session.get(url.rstrip("/") + "/v1/models") as response:
+        async with session.get(url.rstrip("/") + "/v1/models",
+                               timeout=aiohttp.ClientTimeout(total=MODELS_TIMEOUT_S)
+                               ) as response:
             if response.status != 200:
                 raise LoadError(f"GET /v1/models answered HTTP {response.status}")
             data = await response.json(content_type=None)
     except aiohttp.ClientError as error:
         raise LoadError(f"cannot reach {url}: {error}") from None
+    except TimeoutError:
+        raise LoadError(f"GET /v1/models got no answer within {MODELS_TIMEOUT_S} s") from None
     except ValueError:
         raise LoadError("GET /v1/models did not answer JSON") from None
     names = [str(m.get("id")) for m in data.get("data", []) if isinstance(m, dict)] \

@@ -13,7 +13,14 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from adaspec.bench.load import HttpTarget, LevelRun, LoadError, closed_loop, served_model
+from adaspec.bench.load import (
+    HttpTarget,
+    LevelRun,
+    LoadError,
+    client_timeout,
+    closed_loop,
+    served_model,
+)
 from adaspec.bench.run import shipped_prompts
 from adaspec.config import SamplingParams
 from adaspec.errors import ConfigError
@@ -27,7 +34,10 @@ this process would run, which a server has already."""
 def check_url(raw: str) -> str:
     """A server's base URL (``http://host:port``; a trailing ``/v1``, as OpenAI clients take
     it, is dropped)."""
-    parts = urlsplit(raw.strip())
+    try:
+        parts = urlsplit(raw.strip())
+    except ValueError as error:  # an unclosed IPv6 bracket
+        raise ConfigError("--url", raw, f"expected a server's base URL ({error})") from None
     if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or \
             parts.fragment:
         raise ConfigError("--url", raw, "expected a server's base URL such as "
@@ -72,9 +82,8 @@ def _at(params: SamplingParams, temperature: float) -> SamplingParams:
 async def bench_url(url: str, model: str | None, levels: dict[int, int],
                     temperatures: Sequence[float], params: SamplingParams
                     ) -> tuple[str, list[LevelRun]]:
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
     connector = aiohttp.TCPConnector(limit=max(levels))
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+    async with aiohttp.ClientSession(timeout=client_timeout(), connector=connector) as session:
         name = model or await served_model(url, session)
         target = HttpTarget(url, name, session)
         runs = [await closed_loop(target, level_requests(count, temperatures, params), level)

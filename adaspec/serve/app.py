@@ -20,6 +20,8 @@ from typing import Any
 
 import structlog
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from adaspec.errors import InvalidRequest, UnsupportedRequest
 from adaspec.models.tokenizer import Tokenizer
@@ -86,6 +88,7 @@ class Completion:
     created: int = field(default_factory=lambda: int(time.time()))
     choices: list[Choice] = field(default_factory=list)
     status: int = 200
+    error: str | None = None
 
 
 class CompletionServer:
@@ -101,8 +104,7 @@ class CompletionServer:
         self.state = STARTING
         self.failure = ""
         self.queued = 0  # requests submitted that have not ended
-        self.handlers = 0  # completion handlers running
-        self.drained = asyncio.Event()
+        self.drained = asyncio.Event()  # set while no request is in flight
         self.drained.set()
         self.in_flight: set[RequestHandle] = set()
         self.created = int(time.time())
@@ -146,40 +148,46 @@ class CompletionServer:
                 raise
             return error_response(ApiError(error.status, f"{request.method} {request.path}: "
                                            f"{error.reason}", kind="invalid_request_error"))
+        except Exception as error:  # adaspec's bug: logged once with its traceback
+            self.log.exception("handler_bug", path=request.path)
+            return error_response(ApiError(500, f"internal error: {type(error).__name__}: "
+                                           f"{error}", kind="server_error"))
 
     # --- completions ---------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
         completion = Completion(id=f"cmpl-{uuid.uuid4().hex}", arrived=time.perf_counter(),
                                 stream=False)
-        self.handlers += 1
-        self.drained.clear()
-        error_text = None
         try:
             return await self._complete(request, completion)
         except ApiError as error:
-            completion.status, error_text = error.status, error.message
+            completion.status, completion.error = error.status, error.message
             raise
         except asyncio.CancelledError:  # aiohttp cancels the handler of a client gone away
-            completion.status, error_text = CLIENT_GONE, "the client went away"
+            completion.status, completion.error = CLIENT_GONE, "the client went away"
+            raise
+        except Exception as error:  # adaspec's bug: answered 500 by the middleware
+            completion.status = 500
+            completion.error = f"{type(error).__name__}: {error}"
             raise
         finally:
             self.metrics.http_requests.labels(str(completion.status)).inc()
-            self._log(completion, error_text)
-            self.handlers -= 1
-            if not self.handlers:
-                self.drained.set()
+            self._log(completion)
 
     async def _complete(self, request: web.Request, completion: Completion
                         ) -> web.StreamResponse:
         self._check_open()
-        job = read_completion(parse_body(await self._body(request)), self.settings.model_name,
+        raw = await self._body(request)
+        self._check_open()  # a drain may have begun while the body came
+        job = read_completion(parse_body(raw), self.settings.model_name,
                               temperature_rule=self.settings.temperature_rule)
         completion.stream = job.stream
+        self._check_stop_ids(job)
         prompts = [self._prompt_ids(job, index) for index in range(len(job.prompts))]
         self._check_room(len(prompts))
         handles = self._submit(prompts, job)
         self.in_flight.update(handles)
         self.queued += len(handles)
+        self.drained.clear()
         self.metrics.waiting.inc(len(handles))
         completion.choices = [
             Choice(index=i, handle=h, prompt_tokens=len(ids), arrived=completion.arrived,
@@ -213,6 +221,16 @@ class CompletionServer:
             return await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise too_large() from None
+        except (HttpProcessingError, RequestPayloadError) as error:  # a Content-Encoding
+            # the body does not match, a body cut short
+            reason = " ".join(str(error).split()) or type(error).__name__
+            raise ApiError(400, f"the request body cannot be read: {reason}") from None
+
+    def _check_stop_ids(self, job: CompletionJob) -> None:
+        vocab = self.runtime.vocab_size
+        for field_name, token in job.stop_id_fields:
+            if not 0 <= token < vocab:
+                raise bad_field(field_name, token, f"expected token ids in 0..{vocab - 1}")
 
     def _prompt_ids(self, job: CompletionJob, index: int) -> tuple[int, ...]:
         field_name = "prompt" if len(job.prompts) == 1 else f"prompt[{index}]"
@@ -279,6 +297,7 @@ class CompletionServer:
             if failed is not None:
                 error = ApiError(500, f"the request failed: {failed.error}",
                                  kind="server_error")
+                completion.error = error.message  # the status was sent already: 200
                 await response.write(_event(error.body()))
             elif job.include_usage:
                 final = self._chunk(completion, [])
@@ -328,8 +347,8 @@ class CompletionServer:
         result = await choice.handle.result()
         choice.rounds, choice.verified = result.rounds, result.verified
         choice.accepted = result.accepted
+        rest = choice.text.finish()  # its flush may complete a stop string
         choice.finish_reason = "stop" if choice.text.stopped else result.finish_reason
-        rest = choice.text.finish()
         if pieces is not None:
             pieces.put_nowait({"index": choice.index, "text": rest, "logprobs": None,
                                "finish_reason": choice.finish_reason,
@@ -348,6 +367,8 @@ class CompletionServer:
     def _ended(self, completion: Completion) -> None:
         self.queued -= len(completion.choices)
         self.in_flight.difference_update(choice.handle for choice in completion.choices)
+        if not self.queued:
+            self.drained.set()
         for choice in completion.choices:
             if choice.first_token is None:
                 self.metrics.waiting.dec()
@@ -361,7 +382,7 @@ class CompletionServer:
                 self.metrics.e2e.observe(choice.last_token - choice.arrived)
             self.metrics.finished.labels(choice.finish_reason or "cancelled").inc()
 
-    def _log(self, completion: Completion, error: str | None = None) -> None:
+    def _log(self, completion: Completion) -> None:
         ended = time.perf_counter()
         choices = completion.choices
         rounds = sum(c.rounds for c in choices)
@@ -376,7 +397,7 @@ class CompletionServer:
             drafted_verified=sum(c.verified for c in choices),
             ttft_s=round(min(firsts) - completion.arrived, 6) if firsts else None,
             e2e_s=round(ended - completion.arrived, 6),
-            finish_reasons=[c.finish_reason for c in choices], error=error)
+            finish_reasons=[c.finish_reason for c in choices], error=completion.error)
 
 
 async def _until_all_end(pieces: "asyncio.Queue[dict[str, Any] | None]", count: int

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from adaspec.config.requests import MAX_STOP_TOKENS, UNSUPPORTED_FIELDS, SamplingParams
-from adaspec.errors import InvalidRequest, UnsupportedRequest, show_value
+from adaspec.errors import InvalidRequest, UnsupportedRequest, printable, show_value
 
 MAX_BODY_BYTES = 8 * 2**20
 """The largest request body read; a larger one is answered 413 unread."""
@@ -36,10 +36,11 @@ class ApiError(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None,
                  kind: str = "invalid_request_error", code: str | None = None,
                  retry_after: int | None = None) -> None:
+        message = printable(message)  # a newline in a JSON key stays escaped
         super().__init__(message)
         self.status = status
         self.message = message
-        self.param = param
+        self.param = None if param is None else printable(param)
         self.kind = kind
         self.code = code
         self.retry_after = retry_after
@@ -79,6 +80,7 @@ class CompletionJob:
     prompts: tuple[str | tuple[int, ...], ...]  # text, or token ids
     params: SamplingParams
     stop_strings: tuple[str, ...]
+    stop_id_fields: tuple[tuple[str, int], ...]  # each stop token id and the field it came in
     stream: bool
     include_usage: bool
     user: str | None
@@ -148,12 +150,13 @@ def read_completion(body: Mapping[str, Any], model: str, *,
     include_usage = _stream_options(body.get("stream_options"), stream)
     prompts = _prompts(body.get("prompt"))
     stop_strings, stop_ids = _stops(body.get("stop"), body.get("stop_token_ids"))
-    params = _sampling(body, stop_ids, temperature_rule)
+    params = _sampling(body, tuple(i for _, i in stop_ids), temperature_rule)
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise bad_field("user", user, "expected a string")
     return CompletionJob(prompts=prompts, params=params, stop_strings=stop_strings,
-                         stream=stream, include_usage=include_usage, user=user)
+                         stop_id_fields=stop_ids, stream=stream, include_usage=include_usage,
+                         user=user)
 
 
 def _check_known(name: str, value: object) -> None:
@@ -230,7 +233,8 @@ def _text(text: str, field: str) -> str:
     return text
 
 
-def _stops(stop: object, stop_token_ids: object) -> tuple[tuple[str, ...], tuple[int, ...]]:
+def _stops(stop: object, stop_token_ids: object
+           ) -> tuple[tuple[str, ...], tuple[tuple[str, int], ...]]:
     """Stop strings (matched on the text, left out of it) and stop token ids (kept, as the
     runtime keeps them), from ``stop`` and ``stop_token_ids``."""
     items: list[object]
@@ -243,14 +247,14 @@ def _stops(stop: object, stop_token_ids: object) -> tuple[tuple[str, ...], tuple
     else:
         raise bad_field("stop", stop, "expected a string or an array of strings and token ids")
     strings = tuple(item for item in items if isinstance(item, str))
-    ids = [item for item in items if not isinstance(item, str)]
-    if any(not _is_id(i) for i in ids):
+    ids = [("stop", item) for item in items if not isinstance(item, str)]
+    if any(not _is_id(i) for _, i in ids):
         raise bad_field("stop", stop, "expected a string or an array of strings and token ids")
     _check_stop_strings(strings)
     if stop_token_ids is not None:
         if not isinstance(stop_token_ids, list) or not all(_is_id(i) for i in stop_token_ids):
             raise bad_field("stop_token_ids", stop_token_ids, "expected an array of token ids")
-        ids.extend(stop_token_ids)
+        ids.extend(("stop_token_ids", i) for i in stop_token_ids)
     if len(ids) > MAX_STOP_TOKENS:
         raise bad_field("stop_token_ids", f"{len(ids)} token ids",
                         f"expected at most {MAX_STOP_TOKENS} stop token ids in all")
@@ -276,7 +280,8 @@ def _sampling(body: Mapping[str, Any], stop_ids: tuple[int, ...],
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, int | float) or \
                 not math.isfinite(value):
-            raise bad_field(name, value, "expected a number")
+            kind = f", not a JSON {_json_kind(value)}" if not isinstance(value, float) else ""
+            raise bad_field(name, value, f"expected a number{kind}")
     values.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
     if "temperature" not in values:
         if temperature_rule is not None:

@@ -7,19 +7,27 @@ what is still in flight. A runtime fault ends the server with the fault's one li
 """
 
 import asyncio
+import errno
+import logging
 import os
 import signal
+import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, TextIO
 
 import structlog
 from aiohttp import web
 
-from adaspec.errors import AdaspecError, ConfigError
+from adaspec.errors import AdaspecError, ConfigError, printable
 from adaspec.models.tokenizer import Tokenizer
 from adaspec.runtime.engine import Runtime
 from adaspec.serve.app import DRAINING, FAILED, READY, CompletionServer, ServeSettings
+
+SHUTDOWN_GRACE_S = 2.0
+PORT_ERRORS = (errno.EADDRINUSE, errno.EACCES)
+"""Listen errors that are the port's; any other is the host's (not an address of this host)."""
 
 
 class ServeFailed(AdaspecError):
@@ -32,7 +40,37 @@ def json_logger(stream: TextIO) -> Any:
         structlog.PrintLogger(stream),
         processors=[structlog.processors.add_log_level,
                     structlog.processors.TimeStamper(fmt="iso", utc=True),
+                    structlog.processors.format_exc_info,  # a bug's traceback, in its line
                     structlog.processors.JSONRenderer()])
+
+
+class OneLine(logging.Handler):
+    """aiohttp's own reports (a malformed request line, a bad Content-Length) as one JSON
+    line each, without the traceback it would print for what a client sent."""
+
+    def __init__(self, log: Any) -> None:
+        super().__init__(logging.INFO)
+        self._log = log
+
+    def emit(self, record: logging.LogRecord) -> None:
+        error = record.exc_info[1] if record.exc_info else None
+        message = record.getMessage().strip().splitlines()
+        self._log.warning("http_error", message=message[0] if message else "",
+                          error=None if error is None else
+                          printable(f"{type(error).__name__}: {error}".splitlines()[0]))
+
+
+@contextmanager
+def aiohttp_logs_as_lines(log: Any) -> Iterator[None]:
+    logger = logging.getLogger("aiohttp.server")
+    handler, propagate = OneLine(log), logger.propagate
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
 
 
 class Signals:
@@ -59,26 +97,27 @@ class Signals:
 
 
 async def serve_http(runtime: Runtime, tokenizer: Tokenizer, settings: ServeSettings, *,
-                     host: str, port: int, log: Any,
-                     on_ready: Callable[[], None] | None = None) -> None:
+                     host: str, port: int, log: Any) -> None:
     """Serve completions on ``host:port`` until a signal drains the server."""
     server = CompletionServer(runtime, tokenizer, settings, log)
-    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+    # Once drained, a handler still running waits for a body that is not coming: the close
+    # waits for it this long, not aiohttp's minute.
+    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None,
+                           shutdown_timeout=SHUTDOWN_GRACE_S)
     await runner.setup()
     loop = asyncio.get_running_loop()
     signals = Signals()
     signals.install(loop)
     try:
-        await _listen(runner, host, port)
-        url = f"http://{host}:{port}"
-        log.info("listening", url=url, state=server.state)
-        if await _start_unless_signalled(runtime, signals.drain):
-            server.state = READY
-            runtime.subscribe(server.metrics.observe)
-            log.info("ready", url=url, model=settings.model_name)
-            if on_ready is not None:
-                on_ready()
-            await _serve_until_drained(runtime, server, signals, log)
+        with aiohttp_logs_as_lines(log):
+            await _listen(runner, host, port)
+            url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+            log.info("listening", url=url, state=server.state)
+            if await _start_unless_signalled(runtime, signals.drain):
+                server.state = READY
+                runtime.subscribe(server.metrics.observe)
+                log.info("ready", url=url, model=settings.model_name)
+                await _serve_until_drained(runtime, server, signals, log)
     finally:
         await runner.cleanup()
         signals.remove(loop)
@@ -90,9 +129,12 @@ async def _listen(runner: web.AppRunner, host: str, port: int) -> None:
     site = web.TCPSite(runner, host, port, reuse_address=True)
     try:
         await site.start()
+    except socket.gaierror as error:
+        raise ConfigError("--host", host, f"cannot be resolved: {error.strerror}") from None
     except OSError as error:
         reason = os.strerror(error.errno) if error.errno else str(error)
-        raise ConfigError("--port", port, f"cannot listen on {host}:{port}: {reason}") from None
+        flag, value = ("--port", port) if error.errno in PORT_ERRORS else ("--host", host)
+        raise ConfigError(flag, value, f"cannot listen on {host}:{port}: {reason}") from None
 
 
 async def _start_unless_signalled(runtime: Runtime, drain: asyncio.Event) -> bool:
