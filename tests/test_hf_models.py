@@ -1,0 +1,155 @@
+"""Hugging Face checkpoints through the protocols: tiny Llama (grouped-query attention) and
+GPT-2 models built from configs offline, saved as safetensors, run by the runtime with MTP-style
+drafting (the target as its own drafter, and a second smaller model), against transformers'
+own ``generate(do_sample=False)``."""
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from adaspec.config import SamplingParams, load_config  # noqa: E402
+from adaspec.errors import ConfigError  # noqa: E402
+from adaspec.models.hf import HfModels, load_hf_models  # noqa: E402
+from adaspec.runtime.engine import Runtime  # noqa: E402
+from adaspec.runtime.requests import RequestResult  # noqa: E402
+
+CONTEXT = 96
+PROMPTS = [[5, 9, 3, 17, 2, 8], [40, 41, 42], [7] * 20, [90]]
+
+
+def _config(family: str, layers: int) -> Any:
+    if family == "llama":
+        return transformers.LlamaConfig(
+            vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CONTEXT,
+            initializer_range=0.2, tie_word_embeddings=False, bos_token_id=None,
+            eos_token_id=None, pad_token_id=None,
+            rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})
+    return transformers.GPT2Config(vocab_size=96, n_embd=64, n_layer=layers, n_head=4,
+                                   n_positions=CONTEXT, initializer_range=0.2,
+                                   bos_token_id=None, eos_token_id=None)
+
+
+def _save(family: str, folder: Path, layers: int, seed: int) -> Any:
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(
+        _config(family, layers), attn_implementation="eager")
+    model.save_pretrained(folder)
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt2"])
+def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+           ) -> tuple[str, Path, Path, Any]:
+    """A family's target checkpoint, a smaller drafter checkpoint, and the target itself as
+    transformers runs it."""
+    name = request.param
+    target_dir = tmp_path_factory.mktemp(f"{name}-target")
+    draft_dir = tmp_path_factory.mktemp(f"{name}-draft")
+    reference = _save(name, target_dir, 2, 0)
+    _save(name, draft_dir, 1, 1)
+    return name, target_dir, draft_dir, reference
+
+
+def _generate(reference: Any, prompt: list[int], max_tokens: int) -> list[int]:
+    out = reference.generate(torch.tensor([prompt]), max_new_tokens=max_tokens,
+                             do_sample=False, attention_mask=torch.ones(1, len(prompt),
+                                                                        dtype=torch.long))
+    return list(out[0, len(prompt):].tolist())
+
+
+def _decode(models: HfModels, launch: dict[str, Any], prompts: list[list[int]],
+            params: list[SamplingParams]) -> list[RequestResult]:
+    async def run() -> list[RequestResult]:
+        runtime = Runtime(load_config({"max_seqs_per_batch": 4, **launch}), models=models)
+        await runtime.start()
+        try:
+            handles = [runtime.submit(p, q) for p, q in zip(prompts, params, strict=True)]
+            return [await handle.result() for handle in handles]
+        finally:
+            await runtime.stop()
+    return asyncio.run(run())
+
+
+# A calibration grid that fits the tiny models' context of 96 positions.
+CALIBRATION = {"request_buckets": [1, 2], "warmup_steps": 1, "window_steps": 2,
+               "windows_per_point": 1,
+               "contexts": [{"prefill_tokens": 8, "min_kv_length": 1, "max_kv_length": CONTEXT}]}
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """The DSpark-free modes a launch allows: MTP fixed, adaptive depth, adaptive verify."""
+    folder = tmp_path_factory.mktemp("calibration")
+    steps, verify = folder / "draft-steps.json", folder / "verify.json"
+    steps.write_text(json.dumps({"version": 1, "calibration": CALIBRATION}))
+    verify.write_text(json.dumps(CALIBRATION))
+    return {
+        "mtp-fixed": {"speculative_algorithm": "MTP", "num_speculative_tokens": 3},
+        "mtp-adaptive-depth": {"speculative_algorithm": "MTP", "num_speculative_tokens": 3,
+                               "enable_adaptive_draft_step": True,
+                               "adaptive_draft_step_config": str(steps)},
+        "mtp-adaptive-verify": {"speculative_algorithm": "MTP", "num_speculative_tokens": 5,
+                                "enable_adaptive_target_verify": True,
+                                "adaptive_target_verify_calibration": str(verify)},
+    }
+
+
+@pytest.mark.parametrize("launch", ["mtp-fixed", "mtp-adaptive-depth", "mtp-adaptive-verify"])
+@pytest.mark.parametrize("drafter", ["self", "smaller"])
+def test_greedy_output_equals_transformers_generate(
+        family: tuple[str, Path, Path, Any], launches: dict[str, dict[str, Any]], launch: str,
+        drafter: str) -> None:
+    _, target_dir, draft_dir, reference = family
+    models = load_hf_models(str(target_dir), None if drafter == "self" else str(draft_dir))
+    params = [SamplingParams(temperature=0.0, max_tokens=24) for _ in PROMPTS]
+    results = _decode(models, launches[launch], PROMPTS, params)
+    assert [list(r.token_ids) for r in results] == [
+        _generate(reference, p, 24) for p in PROMPTS]
+    if drafter == "self":  # the target's own weights draft: every draft is accepted
+        assert all(r.accepted == r.verified > 0 for r in results)
+
+
+def test_up_to_the_context_limit_and_with_a_stop_token(
+        family: tuple[str, Path, Path, Any]) -> None:
+    _, target_dir, _, reference = family
+    models = load_hf_models(str(target_dir))
+    prompt = PROMPTS[0]
+    expected = _generate(reference, prompt, CONTEXT - len(prompt))
+    stop = expected[10]
+    params = [SamplingParams(temperature=0.0, max_tokens=CONTEXT - len(prompt)),
+              SamplingParams(temperature=0.0, max_tokens=30, stop=(stop,))]
+    full, stopped = _decode(models, {"speculative_algorithm": "MTP",
+                                     "num_speculative_tokens": 3}, [prompt, prompt], params)
+    assert list(full.token_ids) == expected
+    assert list(stopped.token_ids) == expected[:expected.index(stop) + 1]
+    assert stopped.finish_reason == "stop"
+
+
+def test_a_checkpoint_adaspec_cannot_load_is_refused_naming_the_flag(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="^--model=") as info:
+        load_hf_models(str(tmp_path / "missing"))
+    assert "expected a directory" in str(info.value)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5"}))
+    with pytest.raises(ConfigError, match="model_type='t5': expected one of"):
+        load_hf_models(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ConfigError, match="has no \\*.safetensors weights"):
+        load_hf_models(str(tmp_path))
+
+
+def test_a_drafter_of_another_vocabulary_is_refused(tmp_path: Path,
+                                                    family: tuple[str, Path, Path, Any]) -> None:
+    name, target_dir, _, _ = family
+    other = _config(name, 1)
+    other.vocab_size = 80
+    model = transformers.AutoModelForCausalLM.from_config(other)
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="^--draft_model=.*expected the target's 96"):
+        load_hf_models(str(target_dir), str(tmp_path))
