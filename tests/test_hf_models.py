@@ -5,11 +5,15 @@ own ``generate(do_sample=False)``."""
 
 import asyncio
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from gloo_job import PROCESS_LIMIT_S, peer_environment
+from serve_process import start_server
 
 transformers = pytest.importorskip("transformers")
 
@@ -41,7 +45,21 @@ def _save(family: str, folder: Path, layers: int, seed: int) -> Any:
     model = transformers.AutoModelForCausalLM.from_config(
         _config(family, layers), attn_implementation="eager")
     model.save_pretrained(folder)
+    _save_tokenizer(folder)
     return model.eval()
+
+
+def _save_tokenizer(folder: Path) -> None:
+    """A character tokenizer of the 95 printable ASCII characters and <unk>: 96 tokens."""
+    from tokenizers import Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as Fast
+
+    vocab = {"<unk>": 0, **{chr(code): code - 31 for code in range(32, 127)}}
+    tokenizer = Fast(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer,
+                                         unk_token="<unk>").save_pretrained(folder)
 
 
 @pytest.fixture(scope="module", params=["llama", "gpt2"])
@@ -153,3 +171,71 @@ def test_a_drafter_of_another_vocabulary_is_refused(tmp_path: Path,
     model.save_pretrained(tmp_path)
     with pytest.raises(ConfigError, match="^--draft_model=.*expected the target's 96"):
         load_hf_models(str(target_dir), str(tmp_path))
+
+
+# --- the commands ---------------------------------------------------------------------------
+def _run(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "adaspec", *argv], capture_output=True,
+                          text=True, env=peer_environment(), timeout=PROCESS_LIMIT_S,
+                          check=False)
+
+
+TEXT = "Once upon a time"
+
+
+def test_generate_decodes_a_checkpoint_directory_as_transformers_does_to_the_context_limit(
+        family: tuple[str, Path, Path, Any]) -> None:
+    _, target_dir, draft_dir, reference = family
+    ids = transformers.AutoTokenizer.from_pretrained(target_dir).encode(TEXT)
+    room = CONTEXT - len(ids)
+    done = _run("generate", "--json", f"--model={target_dir}", f"--draft_model={draft_dir}",
+                "--speculative_algorithm=MTP", "--num_speculative_tokens=3", f"--prompt={TEXT}",
+                f"--max_tokens={room}", "--temperature=0")
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""  # no progress bars or warnings of transformers
+    result = json.loads(done.stdout)["results"][0]
+    assert result["token_ids"] == _generate(reference, ids, room)
+    too_long = _run("generate", f"--model={target_dir}", f"--draft_model={draft_dir}",
+                    "--speculative_algorithm=MTP", "--num_speculative_tokens=3",
+                    f"--prompt={TEXT}", f"--max_tokens={room + 1}", "--temperature=0")
+    assert too_long.returncode == 2
+    assert too_long.stderr.startswith(f"adaspec generate: error: --max_tokens={room + 1}: "
+                                      f"expected at most {room}")
+
+
+def test_serve_answers_a_checkpoints_text_and_cuts_it_at_a_stop_string(
+        family: tuple[str, Path, Path, Any]) -> None:
+    _, target_dir, _, reference = family
+    tokenizer = transformers.AutoTokenizer.from_pretrained(target_dir)
+    ids = tokenizer.encode(TEXT)
+    text = tokenizer.decode(_generate(reference, ids, 24))
+    stop = text[8:10]
+    served = start_server(f"--model={target_dir}", f"--draft_model={target_dir}",
+                          "--speculative_algorithm=MTP", "--num_speculative_tokens=3",
+                          "--served_model_name=tiny")
+    try:
+        base = {"model": "tiny", "prompt": TEXT, "max_tokens": 24, "temperature": 0}
+        status, body = served.post(base)
+        assert (status, body["choices"][0]["text"]) == (200, text)
+        status, body = served.post({**base, "stop": stop})
+        assert (status, body["choices"][0]["text"]) == (200, text[:text.index(stop)])
+        assert body["choices"][0]["finish_reason"] == "stop"
+    finally:
+        assert served.stop() == 0, served.other
+
+
+@pytest.mark.parametrize(("flags", "words"), [
+    (["--speculative_algorithm=DSpark", "--num_speculative_tokens=5", "--draft_model=DIR"],
+     "--speculative_algorithm=DSpark: a Hugging Face checkpoint drafts MTP-style"),
+    (["--speculative_algorithm=MTP", "--num_speculative_tokens=3",
+      "--draft_model=builtin:mtp"], "--draft_model=builtin:mtp: expected your draft's path"),
+])
+def test_what_a_checkpoint_launch_cannot_run_is_one_line(
+        family: tuple[str, Path, Path, Any], flags: list[str], words: str) -> None:
+    _, target_dir, _, _ = family
+    flags = [flag.replace("DIR", str(target_dir)) for flag in flags]
+    done = _run("generate", f"--model={target_dir}", *flags, "--prompt=a", "--max_tokens=2",
+                "--temperature=0")
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert words in done.stderr

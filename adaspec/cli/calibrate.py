@@ -18,13 +18,14 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TextIO
 
+from adaspec.cli.checkpoints import checkpoint_models
 from adaspec.cli.flags import CommandFlags, Flag, check_runnable_here, launch_settings
 from adaspec.config import load_config
 from adaspec.errors import MISSING, ConfigError
 from adaspec.policies.bundles import CostBundle
 from adaspec.policies.costs import AdditiveTable, relative_errors
 from adaspec.runtime.calibration import PointMeasured, Progress
-from adaspec.runtime.engine import Runtime, RuntimeOptions, require_builtin
+from adaspec.runtime.engine import Runtime, RuntimeOptions
 
 BAR_WIDTH = 30
 
@@ -33,7 +34,7 @@ CALIBRATE = CommandFlags(
     command="calibrate",
     usage="[LAUNCH FLAGS] --adaptive_target_verify_cost_table_output=FILE [--json]",
     about="Calibrates the full-step costs of adaptive target verify on the built-in reference "
-          "models exactly as a serving launch with these flags would, saves the bundle to FILE "
+          "models (or the checkpoint directories of --model and --draft_model) exactly as a serving launch with these flags would, saves the bundle to FILE "
           "(which must not exist), and prints a summary. Launch flags are those of `adaspec "
           "config --help`; --enable_adaptive_target_verify=true is required, and "
           "--adaptive_target_verify_calibration=JSON restricts the grid.",
@@ -102,9 +103,7 @@ def run(argv: Sequence[str]) -> int:
                           "required: adaspec calibrate saves the bundle there (a new file)")
     # load_config checked the path already (adaspec.config.paths.new_file), before any
     # calibration.
-    require_builtin("calibrate", launch.model, launch.draft_model,
-                    "embed the runtime to calibrate your own")
-    runtime = Runtime(config, options=RuntimeOptions(
+    runtime = Runtime(config, models=checkpoint_models(launch), options=RuntimeOptions(
         calibration_progress=progress_reporter(sys.stderr)))
     started = time.perf_counter()
     with _logging_to(sys.stderr):

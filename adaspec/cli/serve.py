@@ -13,15 +13,14 @@ import sys
 from collections.abc import Sequence
 
 from adaspec.cli.calibrate import progress_reporter
+from adaspec.cli.checkpoints import checkpoint_models, command_tokenizer
 from adaspec.cli.flags import CommandFlags, Flag, check_runnable_here, launch_settings
 from adaspec.cli.generate import check_outputs
 from adaspec.config import load_config
 from adaspec.config.launch import LaunchConfig
-from adaspec.config.limits import BUILTIN_TARGET
 from adaspec.config.requests import MAX_SEED
 from adaspec.errors import ConfigError
-from adaspec.models.tokenizer import ByteTokenizer
-from adaspec.runtime.engine import Runtime, RuntimeOptions, require_builtin
+from adaspec.runtime.engine import Runtime, RuntimeOptions
 
 MAX_QUEUED_REQUESTS = 1 << 16
 
@@ -32,7 +31,9 @@ SERVE = CommandFlags(
     about="Serves the OpenAI completions API (POST /v1/completions, streamed or whole; GET "
           "/v1/models, /health, /metrics) over the runtime, on the launch's --host and --port "
           "(default 127.0.0.1:8000), with the built-in reference models (byte-level: a "
-          "prompt's token ids are its UTF-8 bytes). /health answers 503 until the models are "
+          "prompt's token ids are its UTF-8 bytes) or the Hugging Face checkpoint directories "
+          "of --model=DIR and --draft_model=DIR (their tokenizer reads prompts and stop "
+          "strings). /health answers 503 until the models are "
           "loaded, the graphs prepared and the costs calibrated. SIGTERM or Ctrl-C drains: "
           "requests in flight end, new ones get 503; a second signal cancels them. Launch "
           "flags are those of `adaspec config --help`.",
@@ -88,12 +89,9 @@ def run(argv: Sequence[str]) -> int:
     if parsed.help:
         print(SERVE.help())
         return 0
-    settings = launch_settings(parsed.launch_argv)
-    require_builtin("serve", str(settings.get("model", BUILTIN_TARGET)),
-                    None if settings.get("draft_model") is None else str(settings["draft_model"]),
-                    "embed the runtime to serve your own")
-    config = load_config(settings)
+    config = load_config(launch_settings(parsed.launch_argv))
     launch = config.launch
+    tokenizer, _ = command_tokenizer(launch)
     serve = ServeSettings(
         model_name=_model_name(parsed.get("served_model_name"), launch.model),
         max_queued_requests=_integer("max_queued_requests", parsed.get("max_queued_requests"),
@@ -107,12 +105,12 @@ def run(argv: Sequence[str]) -> int:
                              trace=outputs.get("trace"),
                              calibration_progress=progress_reporter(sys.stderr),
                              command_flags=parsed.given)
-    runtime = Runtime(config, options=options)
+    runtime = Runtime(config, models=checkpoint_models(launch), options=options)
     log = json_logger(sys.stderr)
     if launch.node_rank != 0:  # the same launch line on every rank: rank 0 serves HTTP
         asyncio.run(_follow(runtime))
         return 0
-    asyncio.run(serve_http(runtime, ByteTokenizer(), serve, host=launch.host,
+    asyncio.run(serve_http(runtime, tokenizer, serve, host=launch.host,
                            port=launch.port, log=log))
     return 0
 

@@ -171,6 +171,10 @@ def load_lm(path: str, *, flag: str, device: torch.device | str = "cpu",
     config = read_config(path, flag)
     _register()
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # stderr: errors only
+    hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]
 
     try:
         model: Any = AutoModelForCausalLM.from_pretrained(
@@ -316,21 +320,23 @@ class HfModels:
 
 
 def load_hf_models(model: str, draft_model: str | None = None, *,
-                   device: torch.device | str = "cpu",
-                   dtype: torch.dtype = torch.float32) -> HfModels:
+                   device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                   drafter: bool = True) -> HfModels:
     """The target of ``--model`` and the drafter of ``--draft_model`` (the target's own
-    checkpoint, loaded a second time with a KV cache of its own, when None)."""
+    checkpoint, loaded a second time with a KV cache of its own, when None); no drafter
+    without ``drafter`` (a launch that does not speculate)."""
     target = HfTarget(load_lm(model, flag="--model", device=device, dtype=dtype))
-    drafter = HfDrafter(load_lm(draft_model or model, flag="--draft_model"
-                                if draft_model else "--model", device=device, dtype=dtype))
-    if drafter.vocab_size != target.vocab_size:
-        raise ConfigError("--draft_model", draft_model, f"a vocabulary of {drafter.vocab_size} "
+    if not drafter:
+        return HfModels(target=target, mtp=None)
+    mtp = HfDrafter(load_lm(draft_model or model, flag="--draft_model"
+                            if draft_model else "--model", device=device, dtype=dtype))
+    if mtp.vocab_size != target.vocab_size:
+        raise ConfigError("--draft_model", draft_model, f"a vocabulary of {mtp.vocab_size} "
                           f"tokens; expected the target's {target.vocab_size} (one tokenizer)")
-    if drafter.context_limit < target.context_limit:
-        raise ConfigError("--draft_model", draft_model, f"a context of "
-                          f"{drafter.context_limit} positions; expected at least the "
-                          f"target's {target.context_limit}")
-    return HfModels(target=target, mtp=drafter)
+    if mtp.context_limit < target.context_limit:
+        raise ConfigError("--draft_model", draft_model, f"a context of {mtp.context_limit} "
+                          f"positions; expected at least the target's {target.context_limit}")
+    return HfModels(target=target, mtp=mtp)
 
 
 def hf_tokenizer(path: str, flag: str = "--model") -> Any:

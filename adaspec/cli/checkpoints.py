@@ -1,0 +1,62 @@
+"""The models and tokenizer a command runs: the built-in reference models (byte-level), or the
+Hugging Face checkpoint directories ``--model`` and ``--draft_model`` name.
+
+The runtime itself loads only the built-in models; a command loads a checkpoint directory
+here and passes it as ``Runtime(models=...)``, as an engine would.
+"""
+
+from adaspec.config.builtin import builtin_checkpoints, uses_builtin_models
+from adaspec.config.launch import LaunchConfig
+from adaspec.config.limits import BUILTIN_TARGETS
+from adaspec.errors import ConfigError
+from adaspec.models.protocols import ModelSet
+from adaspec.models.tokenizer import ByteTokenizer, Tokenizer
+
+
+def check_checkpoint_launch(launch: LaunchConfig) -> None:
+    """What a launch of checkpoint directories cannot run, refused before anything loads."""
+    if uses_builtin_models(launch):
+        return
+    if launch.model in BUILTIN_TARGETS:
+        raise ConfigError("--draft_model", launch.draft_model, "a drafter checkpoint drafts "
+                          "for a target checkpoint; expected --model=DIR with it, or a "
+                          "builtin: drafter")
+    if launch.speculative_algorithm == "DSpark":
+        raise ConfigError("--speculative_algorithm", "DSpark", "a Hugging Face checkpoint "
+                          "drafts MTP-style (a second causal LM, or the target itself); "
+                          "expected MTP or none")
+    if launch.resolved.tp_size > 1:
+        raise ConfigError("--tp_size", launch.resolved.tp_size, "a Hugging Face checkpoint "
+                          "runs whole on each rank; expected 1 (DP shards may be several)")
+
+
+def command_tokenizer(launch: LaunchConfig) -> tuple[Tokenizer, int]:
+    """The tokenizer of the launch's target and its context limit (read from its files, with
+    no weights loaded): prompts are checked against both before any model loads."""
+    builtin = builtin_checkpoints(launch)
+    if uses_builtin_models(launch):
+        assert builtin is not None
+        return ByteTokenizer(), builtin[1]
+    check_checkpoint_launch(launch)
+    from adaspec.models.hf import HfTokenizer, hf_tokenizer, read_config
+
+    config = read_config(launch.model, "--model")
+    limit = config.get("max_position_embeddings", config.get("n_positions"))
+    if not isinstance(limit, int) or limit < 2:
+        raise ConfigError("--model", launch.model, f"config.json gives no context length "
+                          f"(max_position_embeddings={limit!r})")
+    return HfTokenizer(hf_tokenizer(launch.model)), limit
+
+
+def checkpoint_models(launch: LaunchConfig) -> ModelSet | None:
+    """The checkpoints of ``--model`` and ``--draft_model`` (the target's own checkpoint
+    drafts when no drafter is named), loaded on this rank's device; None for the built-in
+    models, which the runtime loads itself."""
+    if uses_builtin_models(launch):
+        return None
+    check_checkpoint_launch(launch)
+    from adaspec.models.hf import load_hf_models
+    from adaspec.runtime.engine import rank_device
+
+    return load_hf_models(launch.model, launch.draft_model, device=rank_device(launch),
+                          drafter=launch.speculative_algorithm == "MTP")
