@@ -34,9 +34,10 @@ CALIBRATE = CommandFlags(
     command="calibrate",
     usage="[LAUNCH FLAGS] --adaptive_target_verify_cost_table_output=FILE [--json]",
     about="Calibrates the full-step costs of adaptive target verify on the built-in reference "
-          "models (or the checkpoint directories of --model and --draft_model) exactly as a serving launch with these flags would, saves the bundle to FILE "
-          "(which must not exist), and prints a summary. Launch flags are those of `adaspec "
-          "config --help`; --enable_adaptive_target_verify=true is required, and "
+          "models (or the checkpoint directories of --model and --draft_model) exactly as a "
+          "serving launch with these flags would, saves the bundle to FILE (which must not "
+          "exist), and prints a summary. Launch flags are those of `adaspec config --help`; "
+          "--enable_adaptive_target_verify=true is required, and "
           "--adaptive_target_verify_calibration=JSON restricts the grid.",
     flags={"json": Flag(help="print one JSON object instead of text")},
     launch=True)
