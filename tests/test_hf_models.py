@@ -239,3 +239,43 @@ def test_what_a_checkpoint_launch_cannot_run_is_one_line(
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1, done.stderr
     assert words in done.stderr
+
+
+def test_bench_runs_a_checkpoint_and_its_greedy_outputs_agree_in_every_arm(
+        family: tuple[str, Path, Path, Any]) -> None:
+    _, target_dir, draft_dir, _ = family
+    done = _run("bench", "--quick", "--json", f"--model={target_dir}",
+                f"--draft_model={draft_dir}", "--speculative_algorithm=MTP",
+                "--num_speculative_tokens=3", "--concurrency=2", "--arms=plain,none,fixed:3",
+                "--max_tokens=8")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["greedy_outputs_identical"] is True
+    assert "prompts cut to their last" in done.stderr  # the shipped prompts outgrow 96
+    assert {(a["arm"], a["concurrency"]) for a in report["arms"]} == {
+        ("plain", 2), ("none", 2), ("fixed:3", 2)}
+    assert all(a["tokens_per_second"] > 0 for a in report["arms"])
+
+
+def _rss_kib() -> int:
+    status = Path("/proc/self/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("VmRSS:")).split()[1])
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
+def test_memory_stays_flat_over_thousands_of_tokens(family: tuple[str, Path, Path, Any]) -> None:
+    """No autograd graph is kept: the weights need no gradient and every call runs without
+    one, so a long run holds no more memory than a short one (bound: 16 MiB)."""
+    _, target_dir, _, _ = family
+    models = load_hf_models(str(target_dir))
+    assert not any(p.requires_grad for p in models.target.model.parameters())
+    launch = {"speculative_algorithm": "MTP", "num_speculative_tokens": 3}
+    params = [SamplingParams(temperature=0.0, max_tokens=CONTEXT - 8) for _ in range(4)]
+    prompts = [[3 + i] * 8 for i in range(4)]
+    _decode(models, launch, prompts, params)  # warm: every allocation made once
+    before = _rss_kib()
+    tokens = 0
+    for _ in range(10):
+        tokens += sum(len(r.token_ids) for r in _decode(models, launch, prompts, params))
+    assert tokens >= 3000
+    assert _rss_kib() - before < 16 * 1024

@@ -61,8 +61,7 @@ from adaspec.errors import (
     OutputWriteError,
     UnsupportedRequest,
 )
-from adaspec.models import ReferenceModels
-from adaspec.models.protocols import TargetModel
+from adaspec.models.protocols import ModelSet, TargetModel
 from adaspec.runtime.calibration import Progress
 from adaspec.runtime.devices.buckets import BucketGeometry
 from adaspec.runtime.engine import Runtime, RuntimeOptions, builtin_models
@@ -126,7 +125,7 @@ def dp1_twins(settings: Mapping[str, object], arms: Sequence[Arm], *,
 class BenchPlan:
     arms: tuple[Arm, ...]
     levels: tuple[int, ...]  # concurrency levels
-    prompts: tuple[bytes, ...]  # the pool each level draws from, in order
+    prompts: tuple[Sequence[int], ...]  # the pool each level draws from, in order (token ids)
     requests: Mapping[int, int]  # requests per pass at each level
     max_tokens: int
     passes: int
@@ -140,7 +139,7 @@ class BenchPlan:
     command_flags: tuple[tuple[str, str], ...] = ()
     """The bench command's own flags: with several ranks, every rank's must be rank 0's."""
 
-    def level_requests(self, level: int) -> list[tuple[bytes, float]]:
+    def level_requests(self, level: int) -> list[tuple[Sequence[int], float]]:
         """The level's requests in order, as (prompt, temperature). With m temperatures,
         request i sends prompt i // m at the (i mod m)-th one: each prompt goes out once at
         each temperature, so the kinds are measured on the same prompts (an alternation over
@@ -149,7 +148,7 @@ class BenchPlan:
         return [(self.prompts[(i // m) % len(self.prompts)], self.temperatures[i % m])
                 for i in range(self.requests[level])]
 
-    def level_prompts(self, level: int) -> list[bytes]:
+    def level_prompts(self, level: int) -> list[Sequence[int]]:
         return [prompt for prompt, _ in self.level_requests(level)]
 
     def params(self, temperature: float) -> SamplingParams:
@@ -436,7 +435,7 @@ class RunRecord:
                             if length > k and accepted > k) for k in range(width)]
 
 
-async def timed_request(runtime: Runtime, prompt: bytes, params: SamplingParams
+async def timed_request(runtime: Runtime, prompt: Sequence[int], params: SamplingParams
                         ) -> tuple[RequestResult, float | None]:
     """The request's result and its TPOT (None with fewer than two tokens)."""
     handle = runtime.submit(list(prompt), params)
@@ -451,7 +450,8 @@ async def timed_request(runtime: Runtime, prompt: bytes, params: SamplingParams
     return result, tpot
 
 
-async def run_level(runtime: Runtime, requests: Sequence[tuple[bytes, SamplingParams]],
+async def run_level(runtime: Runtime,
+                    requests: Sequence[tuple[Sequence[int], SamplingParams]],
                     concurrency: int, record: RunRecord) -> None:
     """C closed-loop clients over the (prompt, parameters) requests; fills ``record``'s
     timing, outputs and per-kind counts."""
@@ -482,7 +482,7 @@ RunProgress = Callable[[RunRecord, int, int], None]
 """Called after each run with the record, runs done and runs in all."""
 
 
-async def run_bench(plan: BenchPlan, models: Callable[[], ReferenceModels] | None = None,
+async def run_bench(plan: BenchPlan, models: Callable[[], ModelSet | None] | None = None,
                     run_progress: RunProgress | None = None,
                     calibration_progress: Progress | None = None,
                     output_failures: list[AdaspecError] | None = None) -> list[RunRecord]:
@@ -537,7 +537,7 @@ class PlainArm:
     target: TargetModel
 
     @classmethod
-    def start(cls, arm: Arm, models: ReferenceModels | None, concurrency: int) -> "PlainArm":
+    def start(cls, arm: Arm, models: ModelSet | None, concurrency: int) -> "PlainArm":
         device = torch.device(arm.config.launch.device)
         target = (models or builtin_models(arm.config.launch, device)).target
         target.allocate(concurrency)

@@ -13,6 +13,7 @@ reference models); the fixed arms drop the adaptive flags, the adaptive arms kee
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -42,6 +43,7 @@ from adaspec.bench.run import (
 )
 from adaspec.bench.statistics import summarise
 from adaspec.cli.calibrate import progress_reporter
+from adaspec.cli.checkpoints import checkpoint_models, command_tokenizer
 from adaspec.cli.flags import (
     CommandFlags,
     Flag,
@@ -49,15 +51,15 @@ from adaspec.cli.flags import (
     launch_settings,
     sampling_flag,
 )
-from adaspec.config import SamplingParams
-from adaspec.config.builtin import builtin_checkpoints
+from adaspec.config import SamplingParams, load_config
+from adaspec.config.builtin import builtin_checkpoints, uses_builtin_models
 from adaspec.config.flags import coerce
-from adaspec.config.limits import BUILTIN_TARGET
 from adaspec.config.paths import existing_directory, new_file, path_status
 from adaspec.config.requests import MAX_SEED, MAX_TEMPERATURE, MIN_TEMPERATURE
 from adaspec.errors import AdaspecError, ConfigError
+from adaspec.models.tokenizer import Tokenizer
 from adaspec.runtime.devices.streams import available_cores, cpu_threads
-from adaspec.runtime.engine import ranks_on_this_host, require_builtin
+from adaspec.runtime.engine import ranks_on_this_host
 
 ABOUT = (
     "Runs the target alone in a plain loop (no runtime), no speculation, every fixed width and "
@@ -405,6 +407,25 @@ def run_progress(stream: TextIO) -> RunProgress:
     return line
 
 
+def bench_prompts(tokenizer: Tokenizer, context_limit: int, max_tokens: int, *,
+                  checkpoint: bool) -> tuple[Sequence[int], ...]:
+    """The shipped prompts as the target's tokens. A checkpoint's context may be shorter than
+    the prompts were written for: each then keeps its last tokens, leaving room for
+    ``max_tokens`` (said on stderr; the built-in models' prompts are never cut)."""
+    prompts = tuple(tokenizer.encode(p.decode("utf-8")) for p in shipped_prompts())
+    if not checkpoint:
+        return prompts
+    room = context_limit - 1 - max_tokens
+    if room < 1:
+        raise ConfigError("--max_tokens", max_tokens, f"expected at most {context_limit - 2}: "
+                          f"the checkpoint's context limit {context_limit} less a prompt")
+    if any(len(p) > room for p in prompts):
+        print(f"adaspec bench: prompts cut to their last {room} tokens to fit the context "
+              f"limit {context_limit} of --model with --max_tokens={max_tokens}",
+              file=sys.stderr)
+    return tuple(p[-room:] for p in prompts)
+
+
 def check_room(plan: BenchPlan, arms: Sequence[Arm]) -> None:
     """Every prompt a run sends has room for --max_tokens in the built-in target's context:
     refused before anything loads, not when the first request is submitted."""
@@ -442,10 +463,11 @@ def run(argv: Sequence[str]) -> int:
     if "url" in args.values or "served_model_name" in args.values:
         return _run_url(argv, args, choices)
     settings = launch_settings(args.launch_argv)
-    require_builtin("bench", str(settings.get("model", BUILTIN_TARGET)),
-                    None if settings.get("draft_model") is None else str(settings["draft_model"]),
-                    "to bench your own, embed the runtime and call "
-                    "adaspec.bench.run.run_bench(plan, models=FACTORY)")
+    base = load_config(settings).launch
+    tokenizer, context_limit = command_tokenizer(base)
+    prompts = bench_prompts(tokenizer, context_limit, choices.max_tokens,
+                            checkpoint=not uses_builtin_models(base))
+    models = None if uses_builtin_models(base) else functools.partial(checkpoint_models, base)
     with tempfile.TemporaryDirectory(prefix="adaspec-bench-") as scratch:
         arms, skipped = plan_arms(settings, widths=choices.widths, names=choices.arms,
                                   quick=choices.quick, levels=choices.levels,
@@ -464,7 +486,7 @@ def run(argv: Sequence[str]) -> int:
                               temperatures=choices.temperatures, cores=available_cores())
         check_outputs(choices, [arm.name for arm in arms])
         threads = torch_threads(arms)  # a bad ADASPEC_CPU_THREADS is refused before any run
-        plan = BenchPlan(arms=arms, levels=choices.levels, prompts=shipped_prompts(),
+        plan = BenchPlan(arms=arms, levels=choices.levels, prompts=prompts,
                          requests=requests_per_level(choices), max_tokens=choices.max_tokens,
                          passes=choices.passes, seed=choices.seed,
                          event_log_dir=choices.event_log_dir, skipped=skipped,
@@ -478,7 +500,7 @@ def run(argv: Sequence[str]) -> int:
         started, ticks, own = time.perf_counter(), cpu_times(), time.process_time()
         load_start = _load()
         failures: list[AdaspecError] = []
-        records = asyncio.run(run_bench(plan, run_progress=run_progress(sys.stderr),
+        records = asyncio.run(run_bench(plan, models, run_progress=run_progress(sys.stderr),
                                         calibration_progress=progress_reporter(sys.stderr),
                                         output_failures=failures))
     report = summarise(plan, records)
