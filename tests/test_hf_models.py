@@ -7,6 +7,7 @@ import asyncio
 import json
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +86,7 @@ def _generate(reference: Any, prompt: list[int], max_tokens: int) -> list[int]:
 def _decode(models: HfModels, launch: dict[str, Any], prompts: list[list[int]],
             params: list[SamplingParams]) -> list[RequestResult]:
     async def run() -> list[RequestResult]:
-        runtime = Runtime(load_config({"max_seqs_per_batch": 4, **launch}), models=models)
+        runtime = Runtime(load_config({"max_seqs_per_batch": 4} | launch), models=models)
         await runtime.start()
         try:
             handles = [runtime.submit(p, q) for p, q in zip(prompts, params, strict=True)]
@@ -279,3 +280,46 @@ def test_memory_stays_flat_over_thousands_of_tokens(family: tuple[str, Path, Pat
         tokens += sum(len(r.token_ids) for r in _decode(models, launch, prompts, params))
     assert tokens >= 3000
     assert _rss_kib() - before < 16 * 1024
+
+
+def _filtered(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    from adaspec.runtime.devices.sampling import target_probs
+
+    rows = logits.shape[0]
+    return target_probs(logits.float(), torch.ones(rows), torch.full((rows,), top_k),
+                        torch.ones(rows), torch.zeros(rows))
+
+
+def test_random_sampling_with_a_checkpoint_keeps_the_target_distribution(
+        family: tuple[str, Path, Path, Any]) -> None:
+    """Tokens 1 and 2 of 600 seeded requests of one prompt at temperature 1, top-k 8 (token 1
+    from the prefill, token 2 from the first speculative round, drafted by the smaller model
+    so drafts are rejected too), against the exact filtered probabilities of transformers'
+    own forward: a one-sample chi-square over the cells with an expected count of at least 5
+    (the rest pooled) must give p > 1e-3, and no pair of probability zero may occur."""
+    from scipy.stats import chisquare
+
+    _, target_dir, draft_dir, reference = family
+    prompt, count, top_k = PROMPTS[0], 600, 8
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        first = _filtered(reference(ids).logits[:, -1], top_k)[0]
+        tokens = torch.nonzero(first).flatten()
+        extended = torch.cat([ids.expand(len(tokens), -1), tokens[:, None]], dim=1)
+        second = _filtered(reference(extended).logits[:, -1], top_k)
+    exact = {(int(t1), t2): float(first[t1] * p)
+             for t1, row in zip(tokens, second, strict=True)
+             for t2, p in enumerate(row.tolist()) if p > 0}
+    models = load_hf_models(str(target_dir), str(draft_dir))
+    params = [SamplingParams(temperature=1.0, top_k=top_k, max_tokens=2)] * count
+    results = _decode(models, {"speculative_algorithm": "MTP", "num_speculative_tokens": 3,
+                               "max_seqs_per_batch": 16}, [prompt] * count, params)
+    observed = Counter(tuple(r.token_ids) for r in results)
+    assert set(observed) <= set(exact)
+    cells = sorted(exact, key=exact.__getitem__, reverse=True)
+    kept = [cell for cell in cells if exact[cell] * count >= 5]
+    assert len(kept) >= 5
+    rest = [cell for cell in cells if exact[cell] * count < 5]
+    seen = [observed[cell] for cell in kept] + [sum(observed[cell] for cell in rest)]
+    expected = [exact[cell] * count for cell in kept] + [sum(exact[c] for c in rest) * count]
+    assert chisquare(seen, [e * sum(seen) / sum(expected) for e in expected]).pvalue > 1e-3
