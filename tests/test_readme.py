@@ -137,7 +137,13 @@ CURL = ("curl -s http://127.0.0.1:8000/v1/completions -d '{\"model\": \"builtin:
 BENCH_URL = "adaspec bench --url http://127.0.0.1:8000 --quick"
 SERVING = (SERVE, CURL, BENCH_URL)
 
-FENCED = TOP | set(SHORT) | set(COSTS) | set(RANKS) | {SPEC_DP2} | set(SERVING)
+HF_INSTALL = 'python -m pip install -e ".[hf]" torch==2.13.0'
+HF_GENERATE = ("adaspec generate --model=/path/to/target --draft_model=/path/to/draft "
+               "--speculative_algorithm=MTP --num_speculative_tokens=3 --prompt \"Once upon a "
+               "time\" --max_tokens 64 --temperature 0")
+
+FENCED = TOP | set(SHORT) | set(COSTS) | set(RANKS) | {SPEC_DP2} | set(SERVING) | {
+    HF_INSTALL, HF_GENERATE}
 
 INLINE = {
     "adaspec bench": "help",  # the full bench: eleven minutes; its --help must parse
@@ -254,6 +260,21 @@ def test_the_serving_block_runs_as_written(tmp_path: Path) -> None:
     finally:
         assert served.stop() == 0, served.other
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_own_model_command_runs_on_checkpoints_built_here(tmp_path: Path) -> None:
+    """The install is CI's own (the test extra holds transformers); the generate line runs
+    as written, on tiny Llama checkpoints in place of /path/to/target and /path/to/draft."""
+    pytest.importorskip("transformers")
+    from test_hf_models import _save
+
+    _save("llama", tmp_path / "target", 2, 0)
+    _save("llama", tmp_path / "draft", 1, 1)
+    command = HF_GENERATE.replace("/path/to/", str(tmp_path) + "/")
+    out = succeeds(command, tmp_path)
+    assert out.startswith("[0] AL ")
+    assert "Once upon a time" in out
+    assert "tokens/s" in out
 
 
 def test_gitignore_holds_what_the_readme_commands_leave_behind() -> None:
