@@ -63,17 +63,34 @@ def _save_tokenizer(folder: Path) -> None:
                                          unk_token="<unk>").save_pretrained(folder)
 
 
-@pytest.fixture(scope="module", params=["llama", "gpt2"])
-def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-           ) -> tuple[str, Path, Path, Any]:
+Family = tuple[str, Path, Path, Any]
+
+
+def _family(name: str, tmp_path_factory: pytest.TempPathFactory) -> Family:
     """A family's target checkpoint, a smaller drafter checkpoint, and the target itself as
     transformers runs it."""
-    name = request.param
     target_dir = tmp_path_factory.mktemp(f"{name}-target")
     draft_dir = tmp_path_factory.mktemp(f"{name}-draft")
     reference = _save(name, target_dir, 2, 0)
     _save(name, draft_dir, 1, 1)
     return name, target_dir, draft_dir, reference
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Family:
+    return _family("llama", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory: pytest.TempPathFactory) -> Family:
+    return _family("gpt2", tmp_path_factory)
+
+
+@pytest.fixture(params=["llama", "gpt2"])
+def family(request: pytest.FixtureRequest) -> Family:
+    """Each family in turn, for what both must show; the slower tests take one family."""
+    found: Family = request.getfixturevalue(request.param)
+    return found
 
 
 def _generate(reference: Any, prompt: list[int], max_tokens: int) -> list[int]:
@@ -120,12 +137,15 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, An
     }
 
 
-@pytest.mark.parametrize("launch", ["mtp-fixed", "mtp-adaptive-depth", "mtp-adaptive-verify"])
-@pytest.mark.parametrize("drafter", ["self", "smaller"])
+@pytest.mark.parametrize(("name", "launch", "drafter"), [
+    ("llama", "mtp-fixed", "self"), ("llama", "mtp-fixed", "smaller"),
+    ("llama", "mtp-adaptive-depth", "smaller"), ("llama", "mtp-adaptive-verify", "self"),
+    ("gpt2", "mtp-fixed", "smaller"), ("gpt2", "mtp-adaptive-verify", "smaller"),
+])
 def test_greedy_output_equals_transformers_generate(
-        family: tuple[str, Path, Path, Any], launches: dict[str, dict[str, Any]], launch: str,
-        drafter: str) -> None:
-    _, target_dir, draft_dir, reference = family
+        request: pytest.FixtureRequest, launches: dict[str, dict[str, Any]], name: str,
+        launch: str, drafter: str) -> None:
+    _, target_dir, draft_dir, reference = request.getfixturevalue(name)
     models = load_hf_models(str(target_dir), None if drafter == "self" else str(draft_dir))
     params = [SamplingParams(temperature=0.0, max_tokens=24) for _ in PROMPTS]
     results = _decode(models, launches[launch], PROMPTS, params)
@@ -136,7 +156,7 @@ def test_greedy_output_equals_transformers_generate(
 
 
 def test_up_to_the_context_limit_and_with_a_stop_token(
-        family: tuple[str, Path, Path, Any]) -> None:
+        family: Family) -> None:
     _, target_dir, _, reference = family
     models = load_hf_models(str(target_dir))
     prompt = PROMPTS[0]
@@ -164,8 +184,8 @@ def test_a_checkpoint_adaspec_cannot_load_is_refused_naming_the_flag(tmp_path: P
 
 
 def test_a_drafter_of_another_vocabulary_is_refused(tmp_path: Path,
-                                                    family: tuple[str, Path, Path, Any]) -> None:
-    name, target_dir, _, _ = family
+                                                    llama: Family) -> None:
+    name, target_dir, _, _ = llama
     other = _config(name, 1)
     other.vocab_size = 80
     model = transformers.AutoModelForCausalLM.from_config(other)
@@ -185,8 +205,8 @@ TEXT = "Once upon a time"
 
 
 def test_generate_decodes_a_checkpoint_directory_as_transformers_does_to_the_context_limit(
-        family: tuple[str, Path, Path, Any]) -> None:
-    _, target_dir, draft_dir, reference = family
+        gpt2: Family) -> None:
+    _, target_dir, draft_dir, reference = gpt2
     ids = transformers.AutoTokenizer.from_pretrained(target_dir).encode(TEXT)
     room = CONTEXT - len(ids)
     done = _run("generate", "--json", f"--model={target_dir}", f"--draft_model={draft_dir}",
@@ -205,8 +225,8 @@ def test_generate_decodes_a_checkpoint_directory_as_transformers_does_to_the_con
 
 
 def test_serve_answers_a_checkpoints_text_and_cuts_it_at_a_stop_string(
-        family: tuple[str, Path, Path, Any]) -> None:
-    _, target_dir, _, reference = family
+        llama: Family) -> None:
+    _, target_dir, _, reference = llama
     tokenizer = transformers.AutoTokenizer.from_pretrained(target_dir)
     ids = tokenizer.encode(TEXT)
     text = tokenizer.decode(_generate(reference, ids, 24))
@@ -232,8 +252,8 @@ def test_serve_answers_a_checkpoints_text_and_cuts_it_at_a_stop_string(
       "--draft_model=builtin:mtp"], "--draft_model=builtin:mtp: expected your draft's path"),
 ])
 def test_what_a_checkpoint_launch_cannot_run_is_one_line(
-        family: tuple[str, Path, Path, Any], flags: list[str], words: str) -> None:
-    _, target_dir, _, _ = family
+        llama: Family, flags: list[str], words: str) -> None:
+    _, target_dir, _, _ = llama
     flags = [flag.replace("DIR", str(target_dir)) for flag in flags]
     done = _run("generate", f"--model={target_dir}", *flags, "--prompt=a", "--max_tokens=2",
                 "--temperature=0")
@@ -243,8 +263,8 @@ def test_what_a_checkpoint_launch_cannot_run_is_one_line(
 
 
 def test_bench_runs_a_checkpoint_and_its_greedy_outputs_agree_in_every_arm(
-        family: tuple[str, Path, Path, Any]) -> None:
-    _, target_dir, draft_dir, _ = family
+        llama: Family) -> None:
+    _, target_dir, draft_dir, _ = llama
     done = _run("bench", "--quick", "--json", f"--model={target_dir}",
                 f"--draft_model={draft_dir}", "--speculative_algorithm=MTP",
                 "--num_speculative_tokens=3", "--concurrency=2", "--arms=plain,none,fixed:3",
@@ -264,10 +284,10 @@ def _rss_kib() -> int:
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
-def test_memory_stays_flat_over_thousands_of_tokens(family: tuple[str, Path, Path, Any]) -> None:
+def test_memory_stays_flat_over_thousands_of_tokens(llama: Family) -> None:
     """No autograd graph is kept: the weights need no gradient and every call runs without
     one, so a long run holds no more memory than a short one (bound: 16 MiB)."""
-    _, target_dir, _, _ = family
+    _, target_dir, _, _ = llama
     models = load_hf_models(str(target_dir))
     assert not any(p.requires_grad for p in models.target.model.parameters())
     launch = {"speculative_algorithm": "MTP", "num_speculative_tokens": 3}
@@ -291,7 +311,7 @@ def _filtered(logits: torch.Tensor, top_k: int) -> torch.Tensor:
 
 
 def test_random_sampling_with_a_checkpoint_keeps_the_target_distribution(
-        family: tuple[str, Path, Path, Any]) -> None:
+        llama: Family) -> None:
     """Tokens 1 and 2 of 600 seeded requests of one prompt at temperature 1, top-k 8 (token 1
     from the prefill, token 2 from the first speculative round, drafted by the smaller model
     so drafts are rejected too), against the exact filtered probabilities of transformers'
@@ -299,7 +319,7 @@ def test_random_sampling_with_a_checkpoint_keeps_the_target_distribution(
     (the rest pooled) must give p > 1e-3, and no pair of probability zero may occur."""
     from scipy.stats import chisquare
 
-    _, target_dir, draft_dir, reference = family
+    _, target_dir, draft_dir, reference = llama
     prompt, count, top_k = PROMPTS[0], 600, 8
     ids = torch.tensor([prompt])
     with torch.no_grad():
