@@ -100,6 +100,12 @@ def _generate(reference: Any, prompt: list[int], max_tokens: int) -> list[int]:
     return list(out[0, len(prompt):].tolist())
 
 
+def _run(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "adaspec", *argv], capture_output=True,
+                          text=True, env=peer_environment(), timeout=PROCESS_LIMIT_S,
+                          check=False)
+
+
 def _decode(models: HfModels, launch: dict[str, Any], prompts: list[list[int]],
             params: list[SamplingParams]) -> list[RequestResult]:
     async def run() -> list[RequestResult]:
@@ -137,22 +143,33 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, An
     }
 
 
+TEXTS = ["Hello there", "abc", "z" * 12, "Q"]
+
+
 @pytest.mark.parametrize(("name", "launch", "drafter"), [
     ("llama", "mtp-fixed", "self"), ("llama", "mtp-fixed", "smaller"),
     ("llama", "mtp-adaptive-depth", "smaller"), ("llama", "mtp-adaptive-verify", "self"),
     ("gpt2", "mtp-fixed", "smaller"), ("gpt2", "mtp-adaptive-verify", "smaller"),
 ])
-def test_greedy_output_equals_transformers_generate(
+def test_generate_gives_transformers_greedy_output_in_every_mtp_mode(
         request: pytest.FixtureRequest, launches: dict[str, dict[str, Any]], name: str,
         launch: str, drafter: str) -> None:
+    """``adaspec generate`` on the checkpoint directories, each prompt encoded by the
+    checkpoint's tokenizer, against transformers' ``generate(do_sample=False)``."""
     _, target_dir, draft_dir, reference = request.getfixturevalue(name)
-    models = load_hf_models(str(target_dir), None if drafter == "self" else str(draft_dir))
-    params = [SamplingParams(temperature=0.0, max_tokens=24) for _ in PROMPTS]
-    results = _decode(models, launches[launch], PROMPTS, params)
-    assert [list(r.token_ids) for r in results] == [
-        _generate(reference, p, 24) for p in PROMPTS]
+    flags = [f"--{key}={str(value).lower() if isinstance(value, bool) else value}"
+             for key, value in launches[launch].items()]
+    done = _run("generate", "--json", f"--model={target_dir}",
+                f"--draft_model={target_dir if drafter == 'self' else draft_dir}", *flags,
+                *(f"--prompt={text}" for text in TEXTS), "--max_tokens=24", "--temperature=0",
+                "--max_seqs_per_batch=4")
+    assert done.returncode == 0, done.stderr
+    results = json.loads(done.stdout)["results"]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(target_dir)
+    assert [r["token_ids"] for r in results] == [
+        _generate(reference, tokenizer.encode(text), 24) for text in TEXTS]
     if drafter == "self":  # the target's own weights draft: every draft is accepted
-        assert all(r.accepted == r.verified > 0 for r in results)
+        assert all(r["drafted_accepted"] == r["drafted_verified"] > 0 for r in results)
 
 
 def test_up_to_the_context_limit_and_with_a_stop_token(
@@ -195,12 +212,6 @@ def test_a_drafter_of_another_vocabulary_is_refused(tmp_path: Path,
 
 
 # --- the commands ---------------------------------------------------------------------------
-def _run(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "adaspec", *argv], capture_output=True,
-                          text=True, env=peer_environment(), timeout=PROCESS_LIMIT_S,
-                          check=False)
-
-
 TEXT = "Once upon a time"
 
 
