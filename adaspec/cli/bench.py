@@ -43,7 +43,6 @@ from adaspec.bench.run import (
 )
 from adaspec.bench.statistics import summarise
 from adaspec.cli.calibrate import progress_reporter
-from adaspec.cli.checkpoints import checkpoint_models, command_tokenizer
 from adaspec.cli.flags import (
     CommandFlags,
     Flag,
@@ -58,6 +57,7 @@ from adaspec.config.paths import existing_directory, new_file, path_status
 from adaspec.config.requests import MAX_SEED, MAX_TEMPERATURE, MIN_TEMPERATURE
 from adaspec.errors import AdaspecError, ConfigError
 from adaspec.models.tokenizer import Tokenizer
+from adaspec.runtime.checkpoints import checkpoint_models, command_tokenizer
 from adaspec.runtime.devices.streams import available_cores, cpu_threads
 from adaspec.runtime.engine import ranks_on_this_host
 
@@ -442,7 +442,7 @@ def check_room(plan: BenchPlan, arms: Sequence[Arm]) -> None:
 
 
 def _run_url(argv: Sequence[str], args: BenchArgs, choices: Choices) -> int:
-    from adaspec.cli.bench_url import refuse_runtime_flags, run_url
+    from adaspec.bench.url import refuse_runtime_flags, run_url
 
     if "url" not in args.values:
         raise ConfigError("--served_model_name", args.values["served_model_name"],

@@ -18,13 +18,13 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TextIO
 
-from adaspec.cli.checkpoints import checkpoint_models
 from adaspec.cli.flags import CommandFlags, Flag, check_runnable_here, launch_settings
 from adaspec.config import load_config
 from adaspec.errors import MISSING, ConfigError
 from adaspec.policies.bundles import CostBundle
 from adaspec.policies.costs import AdditiveTable, relative_errors
 from adaspec.runtime.calibration import PointMeasured, Progress
+from adaspec.runtime.checkpoints import checkpoint_models
 from adaspec.runtime.engine import Runtime, RuntimeOptions
 
 BAR_WIDTH = 30

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from adaspec.cli.calibrate import progress_reporter
-from adaspec.cli.checkpoints import checkpoint_models, command_tokenizer
 from adaspec.cli.flags import (
     CommandFlags,
     Flag,
@@ -43,6 +42,7 @@ from adaspec.errors import (
     show_value,
 )
 from adaspec.models.tokenizer import Tokenizer
+from adaspec.runtime.checkpoints import checkpoint_models, command_tokenizer
 from adaspec.runtime.engine import Runtime, RuntimeOptions
 from adaspec.runtime.requests import RequestHandle, RequestResult
 

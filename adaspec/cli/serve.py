@@ -13,13 +13,13 @@ import sys
 from collections.abc import Sequence
 
 from adaspec.cli.calibrate import progress_reporter
-from adaspec.cli.checkpoints import checkpoint_models, command_tokenizer
 from adaspec.cli.flags import CommandFlags, Flag, check_runnable_here, launch_settings
 from adaspec.cli.generate import check_outputs
 from adaspec.config import load_config
 from adaspec.config.launch import LaunchConfig
 from adaspec.config.requests import MAX_SEED
 from adaspec.errors import ConfigError
+from adaspec.runtime.checkpoints import checkpoint_models, command_tokenizer
 from adaspec.runtime.engine import Runtime, RuntimeOptions
 
 MAX_QUEUED_REQUESTS = 1 << 16

@@ -1,8 +1,8 @@
-"""The models and tokenizer a command runs: the built-in reference models (byte-level), or the
+"""The models and tokenizer of a launch: the built-in reference models (byte-level), or the
 Hugging Face checkpoint directories ``--model`` and ``--draft_model`` name.
 
-The runtime itself loads only the built-in models; a command loads a checkpoint directory
-here and passes it as ``Runtime(models=...)``, as an engine would.
+``Runtime`` itself loads only the built-in models; the commands load a checkpoint directory
+here and pass it as ``Runtime(models=...)``, as an engine would.
 """
 
 from adaspec.config.builtin import builtin_checkpoints, uses_builtin_models
