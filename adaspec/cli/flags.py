@@ -49,6 +49,17 @@ class Flag:
     """Refused when absent."""
 
 
+RUN_FLAGS = {
+    "seed": Flag(metavar="S", help="seed of every random draw (default 0)"),
+    "event_log": Flag(metavar="FILE", help="write the event log here (the file must not "
+                      "exist)"),
+    "trace": Flag(metavar="FILE", help="write the state trace here (the file must not "
+                  "exist)"),
+}
+"""The flags of every command that decodes requests (generate, serve): the seed of its random
+draws and the files a run writes."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Positional:
     """The one argument a command takes without a flag (``adaspec replay LOG``)."""

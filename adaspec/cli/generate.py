@@ -22,6 +22,7 @@ from typing import Any
 
 from adaspec.cli.calibrate import progress_reporter
 from adaspec.cli.flags import (
+    RUN_FLAGS,
     CommandFlags,
     Flag,
     check_runnable_here,
@@ -65,11 +66,7 @@ GENERATE = CommandFlags(
                       "P (1: off)"),
         "min_p": Flag(metavar="M", help="drop tokens below M times the most likely one (0: "
                       "off)"),
-        "seed": Flag(metavar="S", help="seed of every random draw (default 0)"),
-        "event_log": Flag(metavar="FILE", help="write the event log here (the file must not "
-                          "exist)"),
-        "trace": Flag(metavar="FILE", help="write the state trace here (the file must not "
-                      "exist)"),
+        **RUN_FLAGS,
         "json": Flag(help="print one JSON object instead of text"),
     },
     launch=True)

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from adaspec.cli.calibrate import progress_reporter
-from adaspec.cli.flags import CommandFlags, Flag, check_runnable_here, launch_settings
+from adaspec.cli.flags import RUN_FLAGS, CommandFlags, Flag, check_runnable_here, launch_settings
 from adaspec.cli.generate import check_outputs
 from adaspec.config import load_config
 from adaspec.config.launch import LaunchConfig
@@ -42,11 +42,7 @@ SERVE = CommandFlags(
                                   "(default: the --model value)"),
         "max_queued_requests": Flag(metavar="N", help="most requests in flight, waiting "
                                     "or decoding; beyond, a request gets 429 (default 1024)"),
-        "seed": Flag(metavar="S", help="seed of every random draw (default 0)"),
-        "event_log": Flag(metavar="FILE", help="write the event log here (the file must "
-                          "not exist)"),
-        "trace": Flag(metavar="FILE", help="write the state trace here (the file must not "
-                      "exist)"),
+        **RUN_FLAGS,
     },
     launch=True)
 
