@@ -44,27 +44,26 @@ def refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
 
 
 # --- checkpoint paths -----------------------------------------------------------------------
+NOT_A_CHECKPOINT = "expected a directory holding a Hugging Face causal LM"
 
 
 @pytest.mark.usefixtures("no_model_loads")
 @pytest.mark.parametrize(("argv", "message"), [
     (["generate", "--model=/models/t", *GENERATE],
-     "--model=/models/t: adaspec generate runs the built-in reference models"),
+     f"--model=/models/t: {NOT_A_CHECKPOINT}"),
     (["generate", "--speculative_algorithm=MTP", "--num_speculative_tokens=3",
       "--draft_model=/models/d", *GENERATE],
-     "--draft_model=/models/d: adaspec generate runs the built-in drafts"),
-    (["bench", "--model=/models/t"],
-     "--model=/models/t: adaspec bench runs the built-in reference models"),
+     "--draft_model=/models/d: a drafter checkpoint drafts for a target checkpoint"),
+    (["bench", "--model=/models/t"], f"--model=/models/t: {NOT_A_CHECKPOINT}"),
     (["bench", "--draft_model=/models/d"],
-     "--draft_model=/models/d: adaspec bench runs the built-in drafts"),
+     "--draft_model=/models/d: --speculative_algorithm=none needs no --draft_model"),
     (["models", "--model=/models/t"],
      "--model=/models/t: expected one of builtin:target, builtin:target-large"),
     # A checkpoint target is never given a built-in draft in its place.
     (["config", "--model=/models/t", "--speculative_algorithm=DSpark",
       "--num_speculative_tokens=5"], "--draft_model: required with --model=/models/t"),
     (["generate", "--model=/models/t", "--speculative_algorithm=DSpark",
-      "--num_speculative_tokens=5", *GENERATE],
-     "--model=/models/t: adaspec generate runs the built-in reference models"),
+      "--num_speculative_tokens=5", *GENERATE], "--draft_model: required with --model=/models/t"),
 ])
 def test_checkpoint_paths_are_refused_not_replaced_by_the_builtin_models(
         argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -72,12 +71,15 @@ def test_checkpoint_paths_are_refused_not_replaced_by_the_builtin_models(
 
 
 @pytest.mark.usefixtures("no_model_loads")
-def test_calibrate_refuses_a_checkpoint_target(tmp_path: Path,
+def test_calibrate_refuses_a_path_that_is_no_checkpoint(tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["calibrate", "--model=/models/t", "--draft_model=/models/d", *ATV,
             f"--adaptive_target_verify_cost_table_output={tmp_path / 't.json'}"]
-    assert "--model=/models/t: adaspec calibrate runs the built-in reference models" in \
-        refused(argv, capsys)
+    assert refused(argv, capsys).endswith("--speculative_algorithm=DSpark: a Hugging Face "
+                                          "checkpoint drafts MTP-style (a second causal LM, or "
+                                          "the target itself); expected MTP or none")
+    argv = [arg.replace("DSpark", "MTP") for arg in argv]
+    assert f"--model=/models/t: {NOT_A_CHECKPOINT}" in refused(argv, capsys)
     assert not (tmp_path / "t.json").exists()
 
 

@@ -119,7 +119,7 @@ def test_event_log_and_trace_flags_write_files_that_replay(
     (["--prompts_file", "/nonexistent/p.txt", "--max_tokens=4", "--temperature=0"],
      "--prompts_file=/nonexistent/p.txt: expected an existing UTF-8 text file"),
     (["--prompt", "x", "--max_tokens=4", "--temperature=0", "--model=/models/x"],
-     "--model=/models/x: adaspec generate runs the built-in reference models"),
+     "--draft_model: required with --model=/models/x"),
     # The context (1024) holds the prompt and max_tokens, or nothing loads.
     (["--prompt", "x" * 1020, "--max_tokens=5", "--temperature=0"],
      "--max_tokens=5: expected at most 4: the context limit 1024 less the 1020 tokens of "

@@ -274,17 +274,6 @@ def rank_of(collectives: Collectives) -> int:
     return collectives.dp_rank * collectives.tp_size + collectives.tp_rank
 
 
-def require_builtin(command: str, model: str, draft_model: str | None, own: str) -> None:
-    """Refuse, before anything runs, what a command that runs only the built-in reference
-    models cannot run; ``own`` says how to run one's own models instead."""
-    if model not in BUILTIN_TARGETS:
-        raise ConfigError("--model", model, f"adaspec {command} runs the built-in reference "
-                          f"models ({' or '.join(BUILTIN_TARGETS)}); {own}")
-    if draft_model is not None and not draft_model.startswith("builtin:"):
-        raise ConfigError("--draft_model", draft_model, f"adaspec {command} runs the built-in "
-                          f"drafts of the built-in target; {own}")
-
-
 SAME_LINE = ("every rank starts with the same command line (its own --node_rank, --host and "
              "--port aside)")
 
