@@ -354,3 +354,27 @@ def test_random_sampling_with_a_checkpoint_keeps_the_target_distribution(
     seen = [observed[cell] for cell in kept] + [sum(observed[cell] for cell in rest)]
     expected = [exact[cell] * count for cell in kept] + [sum(exact[c] for c in rest) * count]
     assert chisquare(seen, [e * sum(seen) / sum(expected) for e in expected]).pvalue > 1e-3
+
+
+def test_a_damaged_checkpoint_and_text_its_tokenizer_cannot_hold_are_one_line(
+        llama: Family, tmp_path: Path) -> None:
+    import shutil
+
+    _, target_dir, _, _ = llama
+    damaged = tmp_path / "damaged"
+    shutil.copytree(target_dir, damaged)
+    weights = damaged / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    done = _run("generate", f"--model={damaged}", f"--draft_model={target_dir}",
+                "--speculative_algorithm=MTP", "--num_speculative_tokens=3", "--prompt=a",
+                "--max_tokens=2", "--temperature=0")
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith(f"adaspec generate: error: --model={damaged}: cannot be "
+                                  "loaded: ")
+    done = _run("generate", f"--model={target_dir}", f"--draft_model={target_dir}",
+                "--speculative_algorithm=MTP", "--num_speculative_tokens=3",
+                "--prompt=ROM\u00c9O.", "--max_tokens=2", "--temperature=0")
+    assert done.returncode == 2
+    assert done.stderr == ("adaspec generate: error: --prompt=ROM\u00c9O.: holds characters the "
+                           "checkpoint's tokenizer cannot encode (they would read as <unk>)\n")

@@ -178,6 +178,8 @@ REFUSED = [  # (body, status, param named)
     (_base(stop=[1000]), 400, "stop"),
     (_base(stop_token_ids=["a"]), 400, "stop_token_ids"),
     (_base(stop_token_ids=[999]), 400, "stop_token_ids"),  # named as given, not as "stop"
+    (_base(stop_token_ids=[-1]), 400, "stop_token_ids"),
+    (_base(max_tokens={}), 400, "max_tokens"),
     (_base(stream="yes"), 400, "stream"),
     (_base(stream_options={"include_usage": True}), 400, "stream_options"),
     (_base(stream=True, stream_options={"x": 1}), 400, "stream_options"),
@@ -205,6 +207,8 @@ MALFORMED = [
     (b'\xff\xfe{}', "not UTF-8"),
     (b'[' * 100_000 + b']' * 100_000, "nests too deeply"),
     (b'', "not valid JSON"),
+    (b'{"model": "builtin:target", "prompt": "a", "max_tokens": ' + b"9" * 5000 + b"}",
+     "holds a number JSON cannot be read into"),
 ]
 
 
@@ -228,6 +232,14 @@ def test_a_body_that_does_not_match_its_content_encoding_is_a_400(server: Served
                                      headers={"Content-Encoding": "gzip"})
     assert status == 400
     assert "the request body cannot be read" in json.loads(body)["error"]["message"]
+
+
+def test_a_content_encoding_the_server_does_not_read_is_a_415(server: Served) -> None:
+    status, _, body = server.request("POST", "/v1/completions", _base(),
+                                     headers={"Content-Encoding": "foo"})
+    assert status == 415
+    assert json.loads(body)["error"]["message"] == (
+        "Content-Encoding=foo: expected one of identity, gzip, deflate")
 
 
 def test_malformed_http_is_answered_without_a_traceback_in_the_log(server: Served) -> None:

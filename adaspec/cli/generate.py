@@ -142,6 +142,17 @@ def check_prompts_fit(args: GenerateArgs, prompts: Sequence[str],
                               f"less the {tokens} tokens of {flag}={show_value(value)}")
 
 
+def encoded(tokenizer: Tokenizer, args: GenerateArgs, number: int, prompt: str) -> list[int]:
+    """A prompt's token ids; one the tokenizer cannot hold is refused naming it."""
+    try:
+        return tokenizer.encode(prompt)
+    except InvalidRequest as error:
+        if args.prompts_file is not None:
+            raise ConfigError("--prompts_file", f"{args.prompts_file}:{number}",
+                              error.expected) from None
+        raise ConfigError("--prompt", prompt, error.expected) from None
+
+
 def _require_utf8(prompt: str) -> None:
     # Bytes that are not UTF-8 reach argv as lone surrogates (Python's surrogateescape).
     try:
@@ -257,7 +268,8 @@ def run(argv: Sequence[str]) -> int:
     params = sampling_params(args.values)
     config = load_config(launch_settings(args.launch_argv))
     tokenizer, context_limit = command_tokenizer(config.launch)
-    prompt_ids = [tokenizer.encode(prompt) for prompt in prompts]
+    prompt_ids = [encoded(tokenizer, args, number, prompt)
+                  for number, prompt in enumerate(prompts, start=1)]
     check_prompts_fit(args, prompts, prompt_ids, params.max_tokens, context_limit)
     seed = _number("seed", args.values.get("seed"), 0)
     if not 0 <= seed < MAX_SEED:

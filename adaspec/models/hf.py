@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from adaspec.errors import ConfigError
+from adaspec.errors import ConfigError, InvalidRequest
 from adaspec.models.checkpoint import checkpoint_identity
 from adaspec.models.protocols import (
     ContextRows,
@@ -180,9 +180,8 @@ def load_lm(path: str, *, flag: str, device: torch.device | str = "cpu",
         model: Any = AutoModelForCausalLM.from_pretrained(
             path, local_files_only=True, dtype=dtype, attn_implementation=ATTENTION,
             use_safetensors=True)
-    except (OSError, ValueError, RuntimeError, KeyError) as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ConfigError(flag, path, f"cannot be loaded: {first}") from None
+    except Exception as error:  # a damaged file: safetensors, torch and transformers errors
+        raise ConfigError(flag, path, f"cannot be loaded: {_reason(error)}") from None
     model = model.to(device).eval().requires_grad_(False)
     window = None
     if config.get("sliding_window") and config.get("use_sliding_window", True):
@@ -346,9 +345,14 @@ def hf_tokenizer(path: str, flag: str = "--model") -> Any:
 
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as error:
-        raise ConfigError(flag, path, f"has no loadable tokenizer: "
-                          f"{str(error).strip().splitlines()[0]}") from None
+    except Exception as error:  # missing or damaged tokenizer files
+        raise ConfigError(flag, path, f"has no loadable tokenizer: {_reason(error)}") from None
+
+
+def _reason(error: BaseException) -> str:
+    """A library's error message on one line, at most 300 characters."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 class HfDetokenizer:
@@ -380,7 +384,15 @@ class HfTokenizer:
         self.tokenizer = tokenizer
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text))
+        """The text's token ids; text the vocabulary cannot hold (it would read as the
+        unknown token) is refused, never substituted."""
+        ids = list(self.tokenizer.encode(text))
+        unknown = getattr(self.tokenizer, "unk_token_id", None)
+        if unknown is not None and unknown in ids and \
+                str(self.tokenizer.unk_token) not in text:
+            raise InvalidRequest("prompt", text, "holds characters the checkpoint's tokenizer "
+                                 f"cannot encode (they would read as {self.tokenizer.unk_token})")
+        return ids
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(token_ids)))

@@ -289,7 +289,25 @@ def command_values(flags: Sequence[tuple[str, str]]) -> dict[str, list[str]]:
 def _given(values: list[str] | None) -> object:
     if values is None:
         return "(not given)"
+    if values == [""]:  # a switch (--json)
+        return "(given)"
     return values[0] if len(values) == 1 else values
+
+
+def _line_difference(line: dict[str, Any], first: dict[str, Any]
+                     ) -> tuple[str, object, object] | None:
+    """The first setting in which a rank's line differs from rank 0's: (flag, its value,
+    rank 0's value); None when they are the same."""
+    for name, value in line["launch"].items():
+        if first["launch"].get(name) != value:
+            return f"--{name}", value, first["launch"].get(name)
+    mine, theirs = line["command"], first["command"]
+    for name in sorted(set(mine) | set(theirs)):
+        if mine.get(name) != theirs.get(name):
+            return f"--{name}", _given(mine.get(name)), _given(theirs.get(name))
+    if line["seed"] != first["seed"]:
+        return "RuntimeOptions.seed", line["seed"], first["seed"]
+    return None
 
 
 class RuntimeStopped(RuntimeError):
@@ -499,22 +517,20 @@ class Runtime:
                 if name not in PER_RANK_SETTINGS}
         command = command_values(self.options.command_flags)
         line = {"launch": mine, "command": command, "seed": self.options.seed}
-        data = await asyncio.to_thread(comm.share_from_first_rank, json.dumps(line).encode(),
-                                       "check_launch")
-        theirs = json.loads(data)
-        for name, value in mine.items():
-            if theirs["launch"].get(name) != value:
-                raise ConfigError(f"--{name}", value, f"expected {theirs['launch'].get(name)}, "
-                                  f"rank 0's: {SAME_LINE}")
-        for name in sorted(set(command) | set(theirs["command"])):
-            if command.get(name) != theirs["command"].get(name):
-                raise ConfigError(f"--{name}", _given(command.get(name)),
-                                  f"expected {_given(theirs['command'].get(name))}, rank 0's: "
-                                  f"{SAME_LINE}")
-        if theirs["seed"] != self.options.seed:
-            raise ConfigError("RuntimeOptions.seed", self.options.seed,
-                              f"expected {theirs['seed']}, rank 0's: every rank draws from "
-                              "the same seed")
+        # Every rank sees every line: the rank that differs says which flag, and so do the
+        # others (rank 0 names that rank), instead of meeting its exit in a collective.
+        lines = [json.loads(data) for data in await asyncio.to_thread(
+            comm.gather_from_every_rank, json.dumps(line).encode(), "check_launch")]
+        first = lines[0]
+        for rank, other in enumerate(lines):
+            difference = _line_difference(other, first)
+            if difference is None:
+                continue
+            name, value, expected = difference
+            if rank == self.rank:
+                raise ConfigError(name, value, f"expected {expected}, rank 0's: {SAME_LINE}")
+            raise ConfigError(name, value, f"on rank {rank}; expected {expected}, rank 0's: "
+                              f"{SAME_LINE}")
 
     @property
     def is_front(self) -> bool:

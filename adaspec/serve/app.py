@@ -40,6 +40,8 @@ from adaspec.serve.protocol import (
 from adaspec.serve.text import CompletionText
 
 STARTING, READY, DRAINING, FAILED = "starting", "ready", "draining", "failed"
+BODY_ENCODINGS = ("identity", "gzip", "deflate")
+"""The request body encodings read; any other is refused (415), never read as plain."""
 CLIENT_GONE = 499
 """The status logged for a request whose client went away before its answer (nginx's)."""
 
@@ -215,6 +217,10 @@ class CompletionServer:
                        kind="service_unavailable", retry_after=1)
 
     async def _body(self, request: web.Request) -> bytes:
+        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding not in BODY_ENCODINGS:
+            raise ApiError(415, f"Content-Encoding={encoding}: expected one of "
+                           f"{', '.join(BODY_ENCODINGS)}", kind="invalid_request_error")
         if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
             raise too_large()
         try:
@@ -235,7 +241,10 @@ class CompletionServer:
     def _prompt_ids(self, job: CompletionJob, index: int) -> tuple[int, ...]:
         field_name = "prompt" if len(job.prompts) == 1 else f"prompt[{index}]"
         prompt = job.prompts[index]
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        try:
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        except InvalidRequest as error:  # text the tokenizer cannot hold
+            raise bad_field(field_name, prompt, error.expected) from None
         try:
             return self.runtime.check(ids, job.params)
         except RuntimeStopped as error:

@@ -100,6 +100,10 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     except RecursionError:
         raise ApiError(400, "the request body nests too deeply; expected a JSON object of "
                        "completion parameters") from None
+    except ValueError as error:  # an integer of thousands of digits
+        raise ApiError(400, f"the request body holds a number JSON cannot be read into "
+                       f"({' '.join(str(error).split())[:80]}); expected numbers of at most "
+                       "a few digits") from None
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body is a JSON {_json_kind(body)}; expected a JSON "
                        "object of completion parameters")
@@ -130,6 +134,8 @@ def _json_kind(value: object) -> str:
         return "null"
     if isinstance(value, bool):
         return "boolean"
+    if isinstance(value, dict):
+        return "object"
     return "number"
 
 
@@ -223,6 +229,10 @@ def _is_id(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_token(value: object) -> bool:
+    return _is_id(value) and value >= 0  # type: ignore[operator]
+
+
 def _text(text: str, field: str) -> str:
     if not text:
         raise bad_field(field, text, "expected a non-empty string")
@@ -248,11 +258,11 @@ def _stops(stop: object, stop_token_ids: object
         raise bad_field("stop", stop, "expected a string or an array of strings and token ids")
     strings = tuple(item for item in items if isinstance(item, str))
     ids = [("stop", item) for item in items if not isinstance(item, str)]
-    if any(not _is_id(i) for _, i in ids):
+    if any(not _is_token(i) for _, i in ids):
         raise bad_field("stop", stop, "expected a string or an array of strings and token ids")
     _check_stop_strings(strings)
     if stop_token_ids is not None:
-        if not isinstance(stop_token_ids, list) or not all(_is_id(i) for i in stop_token_ids):
+        if not isinstance(stop_token_ids, list) or not all(_is_token(i) for i in stop_token_ids):
             raise bad_field("stop_token_ids", stop_token_ids, "expected an array of token ids")
         ids.extend(("stop_token_ids", i) for i in stop_token_ids)
     if len(ids) > MAX_STOP_TOKENS:
