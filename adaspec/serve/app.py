@@ -233,7 +233,10 @@ class CompletionServer:
             raise ApiError(400, f"the request body cannot be read: {reason}") from None
 
     def _check_stop_ids(self, job: CompletionJob) -> None:
-        vocab = self.runtime.vocab_size
+        try:
+            vocab = self.runtime.vocab_size
+        except RuntimeStopped as error:
+            raise runtime_stopped(error) from None
         for field_name, token in job.stop_id_fields:
             if not 0 <= token < vocab:
                 raise bad_field(field_name, token, f"expected token ids in 0..{vocab - 1}")
@@ -248,8 +251,7 @@ class CompletionServer:
         try:
             return self.runtime.check(ids, job.params)
         except RuntimeStopped as error:
-            raise ApiError(503, f"the runtime stopped: {error}", kind="service_unavailable",
-                           retry_after=1) from None
+            raise runtime_stopped(error) from None
         except (InvalidRequest, UnsupportedRequest) as error:
             if error.field == "prompt":
                 shown = prompt if isinstance(prompt, str) else error.value
@@ -266,8 +268,7 @@ class CompletionServer:
         except RuntimeStopped as error:  # a fault between the check and the submit
             for handle in handles:
                 handle.cancel()
-            raise ApiError(503, f"the runtime stopped: {error}", kind="service_unavailable",
-                           retry_after=1) from None
+            raise runtime_stopped(error) from None
         return handles
 
     def _check_room(self, count: int) -> None:
@@ -426,6 +427,12 @@ def usage(completion: Completion) -> dict[str, int]:
     generated = sum(c.text.num_tokens for c in completion.choices)
     return {"prompt_tokens": prompt, "completion_tokens": generated,
             "total_tokens": prompt + generated}
+
+
+def runtime_stopped(error: RuntimeStopped) -> ApiError:
+    """A request that met a runtime stopped by a fault (503: another server may take it)."""
+    return ApiError(503, f"the runtime stopped: {error}", kind="service_unavailable",
+                    retry_after=1)
 
 
 def too_large() -> ApiError:
