@@ -171,10 +171,6 @@ def load_lm(path: str, *, flag: str, device: torch.device | str = "cpu",
     config = read_config(path, flag)
     _register()
     from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # stderr: errors only
-    hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]
 
     try:
         model: Any = AutoModelForCausalLM.from_pretrained(

@@ -30,6 +30,17 @@ def check_checkpoint_launch(launch: LaunchConfig) -> None:
                           "runs whole on each rank; expected 1 (DP shards may be several)")
 
 
+def _quiet_transformers() -> None:
+    """A command's stderr carries one line per error: no progress bars or warnings of
+    transformers (an engine that loads checkpoints itself keeps its own settings)."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # refused in one line where a checkpoint is loaded
+        return
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]
+
+
 def command_tokenizer(launch: LaunchConfig) -> tuple[Tokenizer, int]:
     """The tokenizer of the launch's target and its context limit (read from its files, with
     no weights loaded): prompts are checked against both before any model loads."""
@@ -41,6 +52,7 @@ def command_tokenizer(launch: LaunchConfig) -> tuple[Tokenizer, int]:
     from adaspec.models.hf import HfTokenizer, hf_tokenizer, read_config
 
     config = read_config(launch.model, "--model")
+    _quiet_transformers()
     limit = config.get("max_position_embeddings", config.get("n_positions"))
     if not isinstance(limit, int) or limit < 2:
         raise ConfigError("--model", launch.model, f"config.json gives no context length "
@@ -57,6 +69,8 @@ def checkpoint_models(launch: LaunchConfig) -> ModelSet | None:
     check_checkpoint_launch(launch)
     from adaspec.models.hf import load_hf_models
     from adaspec.runtime.engine import rank_device
+
+    _quiet_transformers()
 
     return load_hf_models(launch.model, launch.draft_model, device=rank_device(launch),
                           drafter=launch.speculative_algorithm == "MTP")
