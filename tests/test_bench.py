@@ -427,8 +427,7 @@ def test_cli_json_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[s
     (["--plot=out.txt"], "--plot=out.txt: expected a .png file name"),
     (["--event_log_dir=/nonexistent/dir"], "--event_log_dir=/nonexistent/dir: expected an "
                                            "existing directory"),
-    (["--model=/models/other"], "--model=/models/other: expected a directory holding a "
-                                "Hugging Face causal LM"),
+    (["--model=/models/other"], "--draft_model: required with --model=/models/other"),
     (["--num_speculative_tokens=five"], "--num_speculative_tokens=five: expected an integer"),
 ])
 def test_bad_flags_are_refused_in_one_line_before_anything_runs(

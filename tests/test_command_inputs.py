@@ -54,9 +54,11 @@ NOT_A_CHECKPOINT = "expected a directory holding a Hugging Face causal LM"
     (["generate", "--speculative_algorithm=MTP", "--num_speculative_tokens=3",
       "--draft_model=/models/d", *GENERATE],
      "--draft_model=/models/d: a drafter checkpoint drafts for a target checkpoint"),
-    (["bench", "--model=/models/t"], f"--model=/models/t: {NOT_A_CHECKPOINT}"),
+    (["bench", "--model=/models/t"], "--draft_model: required with --model=/models/t"),
+    (["bench", "--speculative_algorithm=MTP", "--num_speculative_tokens=3",
+      "--model=/models/t", "--draft_model=/models/d"], f"--model=/models/t: {NOT_A_CHECKPOINT}"),
     (["bench", "--draft_model=/models/d"],
-     "--draft_model=/models/d: --speculative_algorithm=none needs no --draft_model"),
+     "--draft_model=/models/d: a drafter checkpoint drafts for a target checkpoint"),
     (["models", "--model=/models/t"],
      "--model=/models/t: expected one of builtin:target, builtin:target-large"),
     # A checkpoint target is never given a built-in draft in its place.

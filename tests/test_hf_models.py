@@ -25,18 +25,19 @@ from adaspec.runtime.engine import Runtime  # noqa: E402
 from adaspec.runtime.requests import RequestResult  # noqa: E402
 
 CONTEXT = 96
+VOCAB = 97  # <unk>, the 95 printable ASCII characters and a newline
 PROMPTS = [[5, 9, 3, 17, 2, 8], [40, 41, 42], [7] * 20, [90]]
 
 
 def _config(family: str, layers: int) -> Any:
     if family == "llama":
         return transformers.LlamaConfig(
-            vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CONTEXT,
             initializer_range=0.2, tie_word_embeddings=False, bos_token_id=None,
             eos_token_id=None, pad_token_id=None,
             rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})
-    return transformers.GPT2Config(vocab_size=96, n_embd=64, n_layer=layers, n_head=4,
+    return transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=layers, n_head=4,
                                    n_positions=CONTEXT, initializer_range=0.2,
                                    bos_token_id=None, eos_token_id=None)
 
@@ -51,13 +52,14 @@ def _save(family: str, folder: Path, layers: int, seed: int) -> Any:
 
 
 def _save_tokenizer(folder: Path) -> None:
-    """A character tokenizer of the 95 printable ASCII characters and <unk>: 96 tokens."""
+    """A character tokenizer of <unk>, the 95 printable ASCII characters and a newline (all
+    the shipped prompts hold): 97 tokens."""
     from tokenizers import Regex, decoders, models, pre_tokenizers
     from tokenizers import Tokenizer as Fast
 
-    vocab = {"<unk>": 0, **{chr(code): code - 31 for code in range(32, 127)}}
+    vocab = {"<unk>": 0, **{chr(code): code - 31 for code in range(32, 127)}, "\n": 96}
     tokenizer = Fast(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
     transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer,
                                          unk_token="<unk>").save_pretrained(folder)
@@ -207,7 +209,7 @@ def test_a_drafter_of_another_vocabulary_is_refused(tmp_path: Path,
     other.vocab_size = 80
     model = transformers.AutoModelForCausalLM.from_config(other)
     model.save_pretrained(tmp_path)
-    with pytest.raises(ConfigError, match="^--draft_model=.*expected the target's 96"):
+    with pytest.raises(ConfigError, match="^--draft_model=.*expected the target's 97"):
         load_hf_models(str(target_dir), str(tmp_path))
 
 

@@ -50,16 +50,16 @@ from adaspec.cli.flags import (
     launch_settings,
     sampling_flag,
 )
-from adaspec.config import SamplingParams, load_config
+from adaspec.config import SamplingParams
 from adaspec.config.builtin import builtin_checkpoints, uses_builtin_models
 from adaspec.config.flags import coerce
 from adaspec.config.paths import existing_directory, new_file, path_status
 from adaspec.config.requests import MAX_SEED, MAX_TEMPERATURE, MIN_TEMPERATURE
-from adaspec.errors import AdaspecError, ConfigError
+from adaspec.errors import AdaspecError, ConfigError, InvalidRequest
+from adaspec.models.launch import checkpoint_models, command_tokenizer
 from adaspec.models.tokenizer import Tokenizer
-from adaspec.runtime.checkpoints import checkpoint_models, command_tokenizer
 from adaspec.runtime.devices.streams import available_cores, cpu_threads
-from adaspec.runtime.engine import ranks_on_this_host
+from adaspec.runtime.engine import rank_device, ranks_on_this_host
 
 ABOUT = (
     "Runs the target alone in a plain loop (no runtime), no speculation, every fixed width and "
@@ -408,11 +408,15 @@ def run_progress(stream: TextIO) -> RunProgress:
 
 
 def bench_prompts(tokenizer: Tokenizer, context_limit: int, max_tokens: int, *,
-                  checkpoint: bool) -> tuple[Sequence[int], ...]:
+                  checkpoint: bool, model: str) -> tuple[Sequence[int], ...]:
     """The shipped prompts as the target's tokens. A checkpoint's context may be shorter than
     the prompts were written for: each then keeps its last tokens, leaving room for
     ``max_tokens`` (said on stderr; the built-in models' prompts are never cut)."""
-    prompts = tuple(tokenizer.encode(p.decode("utf-8")) for p in shipped_prompts())
+    try:
+        prompts = tuple(tokenizer.encode(p.decode("utf-8")) for p in shipped_prompts())
+    except InvalidRequest:
+        raise ConfigError("--model", model, "its tokenizer cannot encode the shipped prompts "
+                          "(their text would read as its unknown token)") from None
     if not checkpoint:
         return prompts
     room = context_limit - 1 - max_tokens
@@ -463,17 +467,21 @@ def run(argv: Sequence[str]) -> int:
     if "url" in args.values or "served_model_name" in args.values:
         return _run_url(argv, args, choices)
     settings = launch_settings(args.launch_argv)
-    base = load_config(settings).launch
-    tokenizer, context_limit = command_tokenizer(base)
-    prompts = bench_prompts(tokenizer, context_limit, choices.max_tokens,
-                            checkpoint=not uses_builtin_models(base))
-    models = None if uses_builtin_models(base) else functools.partial(checkpoint_models, base)
     with tempfile.TemporaryDirectory(prefix="adaspec-bench-") as scratch:
         arms, skipped = plan_arms(settings, widths=choices.widths, names=choices.arms,
                                   quick=choices.quick, levels=choices.levels,
                                   scratch=Path(scratch), temperatures=choices.temperatures)
         check_arms(settings, arms, skipped)
         launch = arms[0].config.launch
+        # The launch of a speculating arm names the drafter a checkpoint's arms load.
+        drafting = next((arm.config.launch for arm in arms
+                         if arm.config.launch.speculative_algorithm != "none"), launch)
+        tokenizer, context_limit = command_tokenizer(drafting)
+        prompts = bench_prompts(tokenizer, context_limit, choices.max_tokens,
+                                checkpoint=not uses_builtin_models(drafting),
+                                model=drafting.model)
+        models = None if uses_builtin_models(drafting) else functools.partial(
+            checkpoint_models, drafting, rank_device(drafting))
         front = launch.node_rank == 0
         if front and launch.world_size > 1:
             # Starting the ranks shares the host's cores among them; the arms on the front

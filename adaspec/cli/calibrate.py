@@ -21,11 +21,11 @@ from typing import Any, TextIO
 from adaspec.cli.flags import CommandFlags, Flag, check_runnable_here, launch_settings
 from adaspec.config import load_config
 from adaspec.errors import MISSING, ConfigError
+from adaspec.models.launch import checkpoint_models
 from adaspec.policies.bundles import CostBundle
 from adaspec.policies.costs import AdditiveTable, relative_errors
 from adaspec.runtime.calibration import PointMeasured, Progress
-from adaspec.runtime.checkpoints import checkpoint_models
-from adaspec.runtime.engine import Runtime, RuntimeOptions
+from adaspec.runtime.engine import Runtime, RuntimeOptions, rank_device
 
 BAR_WIDTH = 30
 
@@ -104,7 +104,8 @@ def run(argv: Sequence[str]) -> int:
                           "required: adaspec calibrate saves the bundle there (a new file)")
     # load_config checked the path already (adaspec.config.paths.new_file), before any
     # calibration.
-    runtime = Runtime(config, models=checkpoint_models(launch), options=RuntimeOptions(
+    models = checkpoint_models(launch, rank_device(launch))
+    runtime = Runtime(config, models=models, options=RuntimeOptions(
         calibration_progress=progress_reporter(sys.stderr)))
     started = time.perf_counter()
     with _logging_to(sys.stderr):

@@ -42,9 +42,9 @@ from adaspec.errors import (
     OutputWriteError,
     show_value,
 )
+from adaspec.models.launch import checkpoint_models, command_tokenizer
 from adaspec.models.tokenizer import Tokenizer
-from adaspec.runtime.checkpoints import checkpoint_models, command_tokenizer
-from adaspec.runtime.engine import Runtime, RuntimeOptions
+from adaspec.runtime.engine import Runtime, RuntimeOptions, rank_device
 from adaspec.runtime.requests import RequestHandle, RequestResult
 
 GENERATE = CommandFlags(
@@ -281,7 +281,8 @@ def run(argv: Sequence[str]) -> int:
                              trace=args.values.get("trace"),
                              calibration_progress=progress_reporter(sys.stderr),
                              command_flags=GENERATE.parse(argv).given)
-    runtime = Runtime(config, models=checkpoint_models(config.launch), options=options)
+    models = checkpoint_models(config.launch, rank_device(config.launch))
+    runtime = Runtime(config, models=models, options=options)
     results, seconds, failed = asyncio.run(decode(runtime, prompt_ids, params))
     if config.launch.world_size > 1:  # every rank says what it committed: they must agree
         print(f"rank {runtime.rank}: commit digest {runtime.commit_digest()}", file=sys.stderr)

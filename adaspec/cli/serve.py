@@ -19,8 +19,8 @@ from adaspec.config import load_config
 from adaspec.config.launch import LaunchConfig
 from adaspec.config.requests import MAX_SEED
 from adaspec.errors import ConfigError
-from adaspec.runtime.checkpoints import checkpoint_models, command_tokenizer
-from adaspec.runtime.engine import Runtime, RuntimeOptions
+from adaspec.models.launch import checkpoint_models, command_tokenizer
+from adaspec.runtime.engine import Runtime, RuntimeOptions, rank_device
 
 MAX_QUEUED_REQUESTS = 1 << 16
 
@@ -101,7 +101,8 @@ def run(argv: Sequence[str]) -> int:
                              trace=outputs.get("trace"),
                              calibration_progress=progress_reporter(sys.stderr),
                              command_flags=parsed.given)
-    runtime = Runtime(config, models=checkpoint_models(launch), options=options)
+    models = checkpoint_models(launch, rank_device(launch))
+    runtime = Runtime(config, models=models, options=options)
     log = json_logger(sys.stderr)
     if launch.node_rank != 0:  # the same launch line on every rank: rank 0 serves HTTP
         asyncio.run(_follow(runtime))

@@ -5,6 +5,8 @@ Hugging Face checkpoint directories ``--model`` and ``--draft_model`` name.
 here and pass it as ``Runtime(models=...)``, as an engine would.
 """
 
+import torch
+
 from adaspec.config.builtin import builtin_checkpoints, uses_builtin_models
 from adaspec.config.launch import LaunchConfig
 from adaspec.config.limits import BUILTIN_TARGETS
@@ -60,17 +62,14 @@ def command_tokenizer(launch: LaunchConfig) -> tuple[Tokenizer, int]:
     return HfTokenizer(hf_tokenizer(launch.model)), limit
 
 
-def checkpoint_models(launch: LaunchConfig) -> ModelSet | None:
-    """The checkpoints of ``--model`` and ``--draft_model`` (the target's own checkpoint
-    drafts when no drafter is named), loaded on this rank's device; None for the built-in
-    models, which the runtime loads itself."""
+def checkpoint_models(launch: LaunchConfig, device: torch.device) -> ModelSet | None:
+    """The checkpoints of ``--model`` and ``--draft_model`` on ``device`` (this rank's);
+    None for the built-in models, which the runtime loads itself."""
     if uses_builtin_models(launch):
         return None
     check_checkpoint_launch(launch)
     from adaspec.models.hf import load_hf_models
-    from adaspec.runtime.engine import rank_device
 
     _quiet_transformers()
-
-    return load_hf_models(launch.model, launch.draft_model, device=rank_device(launch),
+    return load_hf_models(launch.model, launch.draft_model, device=device,
                           drafter=launch.speculative_algorithm == "MTP")
