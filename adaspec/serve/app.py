@@ -105,10 +105,9 @@ class CompletionServer:
         self.log = log or structlog.get_logger("adaspec.serve")
         self.state = STARTING
         self.failure = ""
-        self.queued = 0  # requests submitted that have not ended
         self.drained = asyncio.Event()  # set while no request is in flight
         self.drained.set()
-        self.in_flight: set[RequestHandle] = set()
+        self.in_flight: set[RequestHandle] = set()  # submitted, not yet ended
         self.created = int(time.time())
 
     def app(self) -> web.Application:
@@ -188,7 +187,6 @@ class CompletionServer:
         self._check_room(len(prompts))
         handles = self._submit(prompts, job)
         self.in_flight.update(handles)
-        self.queued += len(handles)
         self.drained.clear()
         self.metrics.waiting.inc(len(handles))
         completion.choices = [
@@ -276,9 +274,9 @@ class CompletionServer:
         if count > limit:
             raise bad_field("prompt", f"{count} prompts", f"expected at most {limit} (the "
                             "server's --max_queued_requests)")
-        if self.queued + count > limit:
-            raise ApiError(429, f"the queue is full: {self.queued} requests in flight, at most "
-                           f"{limit} (--max_queued_requests); retry later",
+        if len(self.in_flight) + count > limit:
+            raise ApiError(429, f"the queue is full: {len(self.in_flight)} requests in flight, "
+                           f"at most {limit} (--max_queued_requests); retry later",
                            kind="rate_limit_exceeded", code="queue_full", retry_after=1)
 
     async def _whole(self, job: CompletionJob, completion: Completion) -> web.Response:
@@ -375,9 +373,8 @@ class CompletionServer:
             handle.cancel()
 
     def _ended(self, completion: Completion) -> None:
-        self.queued -= len(completion.choices)
         self.in_flight.difference_update(choice.handle for choice in completion.choices)
-        if not self.queued:
+        if not self.in_flight:
             self.drained.set()
         for choice in completion.choices:
             if choice.first_token is None:

@@ -166,12 +166,12 @@ async def _serve_until_drained(runtime: Runtime, server: CompletionServer, signa
         raise ServeFailed(f"the runtime stopped while serving: {error}")
     ended.cancel()
     server.state = DRAINING
-    log.info("draining", in_flight=server.queued)
+    log.info("draining", in_flight=len(server.in_flight))
     now = asyncio.ensure_future(signals.now.wait())
     drained = asyncio.ensure_future(server.drained.wait())
     await asyncio.wait({now, drained}, return_when=asyncio.FIRST_COMPLETED)
     if not drained.done():
-        log.info("cancelling", in_flight=server.queued)
+        log.info("cancelling", in_flight=len(server.in_flight))
         server.cancel_all()
         await drained
     now.cancel()
