@@ -181,15 +181,16 @@ class GraphBindingMissing(DeviceLayerError):
     """No prepared binding serves a shape, not even the full-width fallback; serving never
     captures one, so this means startup did not prepare what the runtime uses."""
 
-    def __init__(self, key: tuple[int, int, int], prepared: int) -> None:
+    def __init__(self, key: tuple[int, int, int, int], prepared: int) -> None:
         super().__init__(key, prepared)
         self.key = key
         self.prepared = prepared
 
     def __str__(self) -> str:
-        width, num_reqs, num_rows = self.key
-        return (f"no prepared graph binding for width={width} Bcap={num_reqs} G={num_rows} "
-                f"nor its full-width binding ({self.prepared} bindings prepared at startup)")
+        slot, width, num_reqs, num_rows = self.key
+        return (f"no prepared graph binding for slot={slot} width={width} Bcap={num_reqs} "
+                f"G={num_rows} nor its full-width binding ({self.prepared} bindings prepared "
+                "at startup for this slot)")
 
 
 class HostReadError(DeviceLayerError):

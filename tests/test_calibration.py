@@ -58,7 +58,9 @@ def small(**changes: object) -> CalibrationConfig:
 
 
 def start_stop(flags: dict[str, object], models: ReferenceModels,
+               outputs: list[tuple[int, ...]] | None = None,
                **options: Any) -> tuple[Runtime, list[PointMeasured]]:
+    """Start a launch, decode ``PROMPTS`` greedily (their tokens go to ``outputs``), stop."""
     windows: list[PointMeasured] = []
     runtime = Runtime(load_config(flags), models=models,
                       options=RuntimeOptions(calibration_progress=windows.append, **options))
@@ -68,7 +70,9 @@ def start_stop(flags: dict[str, object], models: ReferenceModels,
         params = SamplingParams(temperature=0.0, max_tokens=16)
         handles = [runtime.submit(list(prompt), params) for prompt in PROMPTS]
         for handle in handles:
-            await handle.result()
+            result = await handle.result()
+            if outputs is not None:
+                outputs.append(result.token_ids)
         await runtime.stop()
 
     asyncio.run(run())
@@ -158,6 +162,34 @@ def test_startup_calibrates_a_small_grid_saves_it_and_a_reload_skips_sampling(
     saved_decisions = budget_decisions(costs)
     assert budget_decisions(second.costs) == saved_decisions
     assert len(set(saved_decisions)) > 1  # the table does drive the choice
+
+
+def test_unified_draft5_adaptive_verify_starts_on_its_prepared_tiers_and_stays_lossless(
+        tmp_path: Path, models: ReferenceModels, caplog: pytest.LogCaptureFixture) -> None:
+    """Unified adaptive verification prepares only each count's tiers; calibration measures
+    those, the log reports those, and no round is offered a G it would have to pad."""
+    calibration = tmp_path / "calibration.json"
+    calibration.write_text(json.dumps(TINY))
+    unified = LAUNCH | {"enable_unified_mtp_graph": True,
+                        "adaptive_target_verify_calibration": str(calibration)}
+    outputs: list[list[tuple[int, ...]]] = [[], []]
+    with caplog.at_level(logging.INFO, logger="adaspec"):
+        runtime, windows = start_stop(unified, models, outputs[0],
+                                      event_log=str(tmp_path / "u.jsonl"))
+    # Bucket 2 holds only two requests, so it lacks G=6 (no count of two needs it).
+    prepared = {"1": [1, 2, 4, 6], "2": [2, 4, 8, 12], "4": [4, 6, 8, 12, 16, 24]}
+    (line,) = [json.loads(r.message) for r in caplog.records if r.name == "adaspec"]
+    assert line["captured_geometry"]["target_rows"] == prepared
+    measured = {(w.num_reqs_bucket, w.num_rows) for w in windows}
+    assert measured == {(b, g) for b in (1, 2) for g in prepared[str(b)]}
+    assert runtime.costs is not None
+    decided = [e for e in read_event_log(tmp_path / "u.jsonl").events
+               if isinstance(e, BudgetDecided)]
+    assert decided
+    assert all(e.bound_rows == e.num_rows for e in decided)
+    start_stop({"speculative_algorithm": "none", "max_seqs_per_batch": 4}, models, outputs[1])
+    assert outputs[0] == outputs[1]
+    assert len(outputs[0]) == len(PROMPTS)
 
 
 def budget_decisions(costs: CostBundle) -> list[int]:

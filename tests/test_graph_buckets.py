@@ -74,17 +74,45 @@ def test_unpadded_geometry_treats_every_shape_as_its_own_bucket() -> None:
     assert geometry.tiers(5) == (5, 10, 20, 30)
 
 
+UNIFIED5 = LaunchConfig(speculative_algorithm="DSpark", num_speculative_tokens=5,
+                        max_seqs_per_batch=16, enable_unified_mtp_graph=True,
+                        enable_adaptive_target_verify=True)
+
+
 def test_planned_bindings_per_mode() -> None:
-    fixed = DRAFT5.planned_bindings(adaptive=False, unified=False)
+    fixed = DRAFT5.planned_bindings(adaptive=False)
     assert fixed == ((1, 6), (2, 12), (4, 24), (8, 48), (16, 96))
-    split = DRAFT5.planned_bindings(adaptive=True, unified=False)
+    split = DRAFT5.planned_bindings(adaptive=True)
     assert (8, 12) in split
     assert (8, 48) in split
     assert (8, 6) not in split
-    unified = DRAFT5.planned_bindings(adaptive=True, unified=True)
+    unified = BucketGeometry.of(UNIFIED5).planned_bindings(adaptive=True)
     assert {(8, g) for g in (8, 16, 32, 48)} <= set(unified)
     assert set(fixed) <= set(unified)
-    assert set(unified) <= set(split)
+    assert set(unified) < set(split)
+
+
+def test_unified_adaptive_verify_prepares_and_offers_only_the_tiers_of_each_count() -> None:
+    """A unified binding captures a whole round, so a bucket holds the tiers of the request
+    counts that pad to it and nothing else: the policies, the calibration grid and the log all
+    read these rows, so no round falls back from a G it was offered."""
+    geometry = BucketGeometry.of(UNIFIED5)
+    assert geometry.tiers_only
+    assert geometry.legal_rows(1) == (1, 2, 4, 6)
+    assert geometry.legal_rows(2) == (2, 4, 8, 12)  # not 6: no count of bucket 2 needs it
+    assert geometry.legal_rows(8) == (8, 12, 16, 24, 32, 48)  # counts 5..8
+    for num_reqs in range(1, 17):
+        bucket = geometry.request_bucket(num_reqs)
+        assert geometry.tiers(num_reqs) == DRAFT5.tiers(num_reqs)
+        assert set(geometry.tiers(num_reqs)) <= set(geometry.legal_rows(bucket))
+    for launch in (UNIFIED5, LaunchConfig(speculative_algorithm="DSpark",
+                                          num_speculative_tokens=5, max_seqs_per_batch=16,
+                                          enable_adaptive_target_verify=True)):
+        of_launch = BucketGeometry.of(launch)
+        assert [launch.legal_target_rows(b) for b in of_launch.request_buckets] == \
+            [of_launch.legal_rows(b) for b in of_launch.request_buckets]
+        assert {(b, g) for b in of_launch.request_buckets for g in of_launch.legal_rows(b)} == \
+            set(of_launch.planned_bindings(adaptive=True))
 
 
 class CountingFactory:
@@ -103,9 +131,11 @@ class CountingFactory:
 
 def test_lookup_falls_back_to_full_width_and_never_prepares_while_serving() -> None:
     factory = CountingFactory()
-    registry = BindingRegistry(DRAFT5, factory)
+    registry = BindingRegistry(DRAFT5, factory, slot=1)
     registry.prepare([(8, 16), (8, 48)])
+    assert not registry.sealed
     registry.seal()
+    assert registry.sealed
     exact = registry.lookup(8, 16)
     assert (exact.num_rows, exact.fell_back) == (16, False)
     fallback = registry.lookup(8, 32)
@@ -113,8 +143,29 @@ def test_lookup_falls_back_to_full_width_and_never_prepares_while_serving() -> N
     assert factory.made == [(8, 48), (8, 16)]  # largest first, nothing since
     with pytest.raises(RuntimeError, match="sealed"):
         registry.prepare([(8, 32)])
-    with pytest.raises(GraphBindingMissing, match="width=5 Bcap=4 G=8 nor its full-width"):
+    assert factory.made == [(8, 48), (8, 16)]
+    with pytest.raises(GraphBindingMissing, match="slot=1 width=5 Bcap=4 G=8 nor its "
+                                                  "full-width"):
         registry.lookup(4, 8)
+
+
+def test_binding_keys_name_slot_and_width_and_each_slot_prepares_its_own() -> None:
+    """Two rounds in flight replay graphs whose outputs live until the next replay, so each
+    pipeline slot has bindings of its own, and a width's bindings never serve another."""
+    factories = [CountingFactory(), CountingFactory()]
+    registries = [BindingRegistry(DRAFT5, factories[slot], slot=slot) for slot in (0, 1)]
+    for registry in registries:
+        registry.prepare([(2, 12), (2, 4)])
+        registry.seal()
+    assert registries[0].keys == ((0, 5, 2, 4), (0, 5, 2, 12))
+    assert registries[1].keys == ((1, 5, 2, 4), (1, 5, 2, 12))
+    assert registries[0].lookup(2, 4).binding is not registries[1].lookup(2, 4).binding
+    assert [f.made for f in factories] == [[(2, 12), (2, 4)]] * 2
+    assert registries[1].prepared_rows() == {1: (), 2: (4, 12), 4: (), 8: (), 16: ()}
+    draft7 = BucketGeometry(width=7, request_buckets=(1, 2), target_rows=(1, 2, 4, 8, 16))
+    other = BindingRegistry(draft7, CountingFactory())
+    other.prepare([(2, 16)])
+    assert other.keys == ((0, 7, 2, 16),)
 
 
 def test_illegal_shapes_are_refused_at_preparation() -> None:

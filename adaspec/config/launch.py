@@ -11,7 +11,7 @@ import functools
 import ipaddress
 import re
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
@@ -222,11 +222,41 @@ class LaunchConfig:
             full |= {b * (d + 1) for b in buckets for d in range(1, rows_per_request)}
         return tuple(sorted(set(_ladder(buckets[-1] * rows_per_request)) | full))
 
+    @property
+    def captures_tiers_only(self) -> bool:
+        """Unified adaptive verification captures a whole round per binding, so it prepares
+        the tiers of each request count rather than every legal G of a bucket."""
+        return self.enable_unified_mtp_graph and self.enable_adaptive_target_verify
+
     def legal_target_rows(self, bucket: int) -> tuple[int, ...]:
         """Prepared G values a batch in request bucket ``bucket`` may verify: every request
-        keeps its anchor row (G >= Bcap) and no request verifies beyond the width."""
-        high = bucket * (self.num_speculative_tokens + 1)
-        return tuple(g for g in self.prepared_target_rows() if bucket <= g <= high)
+        keeps its anchor row (G >= Bcap) and no request verifies beyond the width; under
+        unified adaptive verification, only the tiers of the counts the bucket holds."""
+        return prepared_rows(self.prepared_target_rows(), self.prepared_request_buckets(),
+                             bucket, self.num_speculative_tokens,
+                             tiers_only=self.captures_tiers_only)
+
+
+def tiers_among(legal_rows: Sequence[int], num_reqs: int, width: int) -> tuple[int, ...]:
+    """The tiers for B among its bucket's legal rows: the first G covering B, 2B, 4B and
+    B * (w + 1) rows (the largest legal G where none covers), ascending and distinct."""
+    chosen = set()
+    for need in (num_reqs, 2 * num_reqs, 4 * num_reqs, num_reqs * (width + 1)):
+        chosen.add(next((g for g in legal_rows if g >= need), legal_rows[-1]))
+    return tuple(sorted(chosen))
+
+
+def prepared_rows(target_rows: Sequence[int], request_buckets: Sequence[int], bucket: int,
+                  width: int, *, tiers_only: bool) -> tuple[int, ...]:
+    """The G values prepared for request bucket ``bucket`` of a padded geometry: the ladder's
+    rows from Bcap to full width ``Bcap * (w + 1)``, or with ``tiers_only`` just the tiers of
+    every request count that pads to this bucket (full width among them)."""
+    ladder = tuple(g for g in target_rows if bucket <= g <= bucket * (width + 1))
+    if not tiers_only:
+        return ladder
+    smaller = max((b for b in request_buckets if b < bucket), default=0)
+    return tuple(sorted({g for num_reqs in range(smaller + 1, bucket + 1)
+                         for g in tiers_among(ladder, num_reqs, width)}))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -595,7 +595,7 @@ class Runtime:
             self.costs = await self._shared(await self._calibrate(ctx, geometry, registries,
                                                                    plan, models))
         self._abandoned()
-        LOG.info(json.dumps(self.effective_log(geometry)))
+        LOG.info(json.dumps(self.effective_log(geometry, registries)))
         # Built once, on the costs just installed: the log's header records these very ones.
         depth_policy, budget_policy = self._depth_policy(), self._budget_policy()
         self._open_observers(models, depth_policy, budget_policy)
@@ -650,14 +650,13 @@ class Runtime:
         if not launch.enable_graph:
             return None
         assert self._stream is not None
-        pairs = geometry.planned_bindings(adaptive=adaptive_budget(launch),
-                                          unified=launch.enable_unified_mtp_graph)
+        pairs = geometry.planned_bindings(adaptive=adaptive_budget(launch))
         make = binding_factory(models.target, launch.num_speculative_tokens, launch.device)
         registries = []
-        for _ in range(2 if launch.enable_schedule_overlap else 1):
+        for slot in range(2 if launch.enable_schedule_overlap else 1):
             self._abandoned()
             assert self._stream is not None  # a stop closes it only with _stopping set
-            registry = BindingRegistry(geometry, make)
+            registry = BindingRegistry(geometry, make, slot=slot)
             try:
                 await self._stream.enqueue(functools.partial(registry.prepare, pairs))
             except AdaspecError:
@@ -714,9 +713,10 @@ class Runtime:
         source = "rank 0's table" if bundle is None else f"{bundle.source} (rank 0's table)"
         return bundle_from_dict(json.loads(data), source=source)
 
-    def effective_log(self, geometry: BucketGeometry) -> dict[str, object]:
+    def effective_log(self, geometry: BucketGeometry,
+                      registries: list[BindingRegistry] | None) -> dict[str, object]:
         """The startup log line: every effective setting, the costs' source and coverage,
-        and the captured geometry."""
+        and the captured geometry, read from the bindings startup prepared."""
         costs: dict[str, object] = {"source": "none: no adaptive target verify"}
         if self.costs is not None:
             costs = {"source": self.costs.source, "settings": dict(self.costs.settings),
@@ -725,8 +725,8 @@ class Runtime:
         return {"event": "effective_config", "config": self.config.as_dict(), "costs": costs,
                 "captured_geometry": {
                     "request_buckets": list(geometry.request_buckets),
-                    "target_rows": {str(b): list(geometry.legal_rows(b))
-                                    for b in geometry.request_buckets}}}
+                    "target_rows": {} if not registries else {
+                        str(b): list(rows) for b, rows in registries[0].prepared_rows().items()}}}
 
     def _open_observers(self, models: ModelSet, depth_policy: DepthPolicy,
                         budget_policy: BudgetPolicy) -> None:

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, get_args, get_origin
 
+from adaspec.config.launch import prepared_rows
 from adaspec.config.paths import NotRegularFile, open_regular
 from adaspec.config.requests import MAX_REQUEST_ID, MAX_SEED, SamplingParams, check_room
 from adaspec.errors import EventLogError, RequestError
@@ -462,14 +463,16 @@ class RunShape:
     unified: bool  # a round runs as one unit (its failure names no stage)
     check_request: Callable[[SamplingParams], None]  # RequestError for what it cannot run
     shard: int = 0  # the DP shard whose rank wrote the log
+    tiers_only: bool = False  # unified adaptive verification prepares only tiers
 
     def legal_rows(self, bucket: int) -> Sequence[int]:
         """The G a round of bucket Bcap may verify (``BucketGeometry.legal_rows``): every
         request keeps its anchor row, none verifies past the width."""
-        high = bucket * (self.width + 1)
         if not self.request_buckets:
-            return range(bucket, high + 1)  # unpadded: every G; a range, never a long list
-        return tuple(g for g in self.target_rows if bucket <= g <= high)
+            # Unpadded: every G; a range, never a long list.
+            return range(bucket, bucket * (self.width + 1) + 1)
+        return prepared_rows(self.target_rows, self.request_buckets, bucket, self.width,
+                             tiers_only=self.tiers_only)
 
     @property
     def min_depth(self) -> int:

@@ -234,6 +234,7 @@ def check_recorded_run(header: LogHeader, events: Sequence[Event], path: str
                                max_bucket=launch.decode_batch_limit,
                                context_limit=run.context_limit,
                                unified=launch.enable_unified_mtp_graph,
+                               tiers_only=launch.captures_tiers_only,
                                check_request=functools.partial(check_request, launch=launch),
                                shard=launch.dp_rank),
               path)
