@@ -77,6 +77,7 @@ from adaspec.runtime.requests import Request, RequestHandle, check_prompt, promp
 from adaspec.runtime.rounds import CheckedDrafter, DeviceContext, Lockstep, StageHook
 from adaspec.runtime.states import RoundHooks
 from adaspec.runtime.trace import STDERR, StateTrace, trace_destination
+from adaspec.runtime.unified import round_binding_factory
 
 TRACE_ENV = "ADASPEC_TRACE"
 """Environment variable naming a state-trace file when ``RuntimeOptions.trace`` is unset."""
@@ -587,7 +588,7 @@ class Runtime:
         launch = self.launch
         assert self._stream is not None
         ctx = self._device_context(models, device)
-        registries = await self._prepare_bindings(models, geometry)
+        registries = await self._prepare_bindings(models, ctx, geometry)
         self._abandoned()  # a stop during the last binding: no calibration on a closed stream
         if saved is not None:
             self.costs = await self._shared(saved)
@@ -643,15 +644,19 @@ class Runtime:
                              hidden_size=target.hidden_size, seed=self.options.seed,
                              stage_hook=self.options.stage_hook)
 
-    async def _prepare_bindings(self, models: ModelSet, geometry: BucketGeometry
-                                ) -> list[BindingRegistry] | None:
-        """One registry per pipeline slot, prepared on the device stream before ready."""
+    async def _prepare_bindings(self, models: ModelSet, ctx: DeviceContext,
+                                geometry: BucketGeometry) -> list[BindingRegistry] | None:
+        """One registry per pipeline slot, prepared on the device stream before ready: the
+        target's verify per (Bcap, G) in split mode, the whole round in unified mode."""
         launch = self.launch
         if not launch.enable_graph:
             return None
         assert self._stream is not None
         pairs = geometry.planned_bindings(adaptive=adaptive_budget(launch))
         make = binding_factory(models.target, launch.num_speculative_tokens, launch.device)
+        what = "the target's verify"
+        if launch.enable_unified_mtp_graph:
+            make, what = round_binding_factory(ctx, launch.num_speculative_tokens), "a round"
         registries = []
         for slot in range(2 if launch.enable_schedule_overlap else 1):
             self._abandoned()
@@ -662,9 +667,8 @@ class Runtime:
             except AdaspecError:
                 raise
             except Exception as error:  # the model's own failure, named in one line
-                raise DeviceLayerError(f"preparing the graph bindings at start: the target's "
-                                       f"verify raised {type(error).__name__}: {error}"
-                                       ) from error
+                raise DeviceLayerError(f"preparing the graph bindings at start: {what} "
+                                       f"raised {type(error).__name__}: {error}") from error
             registry.seal()
             registries.append(registry)
         return registries

@@ -609,9 +609,10 @@ class Pipeline:
                           any_stop=any(r.params.stop for r in batch))
 
     def _padded(self, batch: list[Request], bucket: int) -> torch.Tensor:
-        """[Bcap] the batch's KV slots, padded with the scratch KV slot."""
+        """[Bcap] the batch's KV slots, padded with the scratch KV slot: a host tensor, which
+        the round's first stage copies to the device in stream order."""
         padded = [r.kv_slot for r in batch] + [self.ctx.states.scratch] * (bucket - len(batch))
-        return torch.tensor(padded, dtype=torch.int64, device=self.ctx.device)
+        return torch.tensor(padded, dtype=torch.int64)
 
     def _admit(self) -> None:
         if not self.waiting:
@@ -639,16 +640,15 @@ class Pipeline:
             self._enqueue_prefill(admitted)
 
     def _enqueue_prefill(self, admitted: list[Request]) -> None:
-        device = self.ctx.device
+        # Host tensors: the prefill copies them to the device in stream order.
+        host = torch.device("cpu")
         params = [r.params for r in admitted]
         inputs = PrefillInputs(
-            prompts=[torch.tensor(r.prompt, dtype=torch.int64, device=device)
-                     for r in admitted],
-            kv_slots=torch.tensor([r.kv_slot for r in admitted], dtype=torch.int64, device=device),
-            max_tokens=torch.tensor([p.max_tokens for p in params], dtype=torch.int64,
-                                    device=device),
-            sampling=SamplingTensors.from_params(params, len(params), device),
-            stop_token_ids=stop_tensor([p.stop for p in params], device),
+            prompts=[torch.tensor(r.prompt, dtype=torch.int64) for r in admitted],
+            kv_slots=torch.tensor([r.kv_slot for r in admitted], dtype=torch.int64),
+            max_tokens=torch.tensor([p.max_tokens for p in params], dtype=torch.int64),
+            sampling=SamplingTensors.from_params(params, len(params), host),
+            stop_token_ids=stop_tensor([p.stop for p in params], host),
             first_request=admitted[0].id)
         completion = self.stream.enqueue(functools.partial(prefill, self.ctx, inputs))
         self.pending.append(PendingPrefill(completion, admitted, inputs, self.next_round))
@@ -679,7 +679,7 @@ class Pipeline:
         slot = number % 2 if self.lag == 2 else 0
         bucket = common.bucket
         depth = self._decide_depth(number, slot, common)
-        num_rows, verify = self._decide_rows(number, slot, common, depth)
+        num_rows, binding = self._decide_rows(number, slot, common, depth)
         if facts is None:
             if self.bus.listening:
                 self.publish(RoundSubmitted(time=self.now(), round=number, slot=slot,
@@ -691,9 +691,12 @@ class Pipeline:
             return
         batch = facts.batch
         kv_slots = facts.kv_slots if bucket == facts.bucket else self._padded(batch, bucket)
+        verify, bound = cast(Binding, self.ctx.target.verify), None
+        if binding is not None:  # a split round's verify, or a unified round's whole unit
+            verify, bound = (binding, None) if self.split else (verify, binding)
         inputs = RoundInputs(round=number, kv_slots=kv_slots, depth=depth, num_rows=num_rows,
                              all_greedy=facts.all_greedy, verify=verify,
-                             any_stop=facts.any_stop)
+                             any_stop=facts.any_stop, bound=bound)
         self.decided = (number, depth, num_rows)
         record = RoundRecord(round=number, slot=slot, batch=batch, num_reqs_bucket=bucket,
                              depth=depth, num_rows=num_rows,
@@ -741,7 +744,8 @@ class Pipeline:
         return depth
 
     def _decide_rows(self, number: int, slot: int, common: CommonBatch, depth: int
-                     ) -> tuple[int, Binding]:
+                     ) -> tuple[int, Binding | None]:
+        """G and the prepared binding that runs it (None without graphs)."""
         bucket, legal_rows = common.bucket, common.legal_rows
         context = BudgetContext(round=number, num_reqs=common.num_reqs, num_reqs_bucket=bucket,
                                 width=self.width, depth=depth, legal_rows=legal_rows,
@@ -753,14 +757,14 @@ class Pipeline:
         if chosen not in legal_rows:
             raise AdaspecError(f"budget policy {self.budget_policy.name} chose G={chosen}; "
                                f"expected one of the legal rows {list(legal_rows)}")
-        bound, verify = chosen, cast(Binding, self.ctx.target.verify)
+        bound, binding = chosen, None
         if self.registries is not None:
             choice = self.registries[slot].lookup(bucket, chosen)
-            bound, verify = choice.num_rows, choice.binding
+            bound, binding = choice.num_rows, choice.binding
         if self.bus.listening:
             self.publish(BudgetDecided(time=self.now(), round=number, slot=slot,
                                        context=context, num_rows=chosen, bound_rows=bound))
-        return bound, verify
+        return bound, binding
 
     def _enqueue_round(self, record: RoundRecord, work: RoundWork) -> None:
         """A unified round, or a split one with the task pipeline: one stream item."""
@@ -1060,5 +1064,7 @@ class Pipeline:
 
 
 def run_unified(work: RoundWork) -> RetiredRound:
-    """A whole round as one device unit; the host sees every state from its completion."""
-    return work.run_all()
+    """A whole round as one device unit (its prepared round binding when graphs are on);
+    the host sees every state from its completion."""
+    bound = work.inputs.bound
+    return work.run_all() if bound is None else bound(work)

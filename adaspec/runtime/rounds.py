@@ -163,6 +163,7 @@ class RoundInputs:
     all_greedy: bool  # no entry samples: the sampler skips its random path
     verify: Callable[[VerifyRows], TargetOutput]  # the (Bcap, G) binding
     any_stop: bool = True  # some entry has stop token ids: commit looks for them
+    bound: Callable[["RoundWork"], "RetiredRound"] | None = None  # unified: the round binding
 
 
 @dataclass(slots=True)
@@ -171,6 +172,7 @@ class RoundWork:
 
     ctx: DeviceContext
     inputs: RoundInputs
+    kv_slots: Tensor | None = None  # [Bcap] the inputs' KV slots, on the device
     rows: KvSlotStates | None = None
     drafts: Tensor | None = None  # [Bcap, w]
     confidences: Tensor | None = None  # [Bcap, w]
@@ -182,6 +184,23 @@ class RoundWork:
     abandoned: bool = False  # set by the host when the round failed: later stages skip
     current: str = ""  # the stage running or last run: names the stage an error came from
 
+    def announce(self, stage: str) -> None:
+        """Enter ``stage`` without running its work: a captured unit runs it (unified)."""
+        where = f"round {self.inputs.round} {stage}"
+        self.ctx.lockstep.check(where)
+        try:
+            self._enter(stage)
+        except Exception as error:
+            self.ctx.lockstep.fail(where, error)
+            raise
+
+    def adopt(self, unit: "RoundWork") -> None:
+        """Take the tensors a captured unit's replay left, as if this round's stages had
+        produced them (they stay the unit's buffers until its next replay)."""
+        for name in ("kv_slots", "rows", "drafts", "confidences", "budget", "packed", "out",
+                     "sampled", "result"):
+            setattr(self, name, getattr(unit, name))
+
     def _enter(self, stage: str) -> None:
         self.current = stage
         if self.abandoned:
@@ -192,8 +211,11 @@ class RoundWork:
 
     @_stage
     def draft(self) -> None:
-        self.rows = self.ctx.states.gather(self.inputs.kv_slots)
-        self.drafts, self.confidences = self.ctx.drafting.draft(self.rows, self.inputs.kv_slots,
+        # The host gives its KV slots as a host tensor: copied here, in stream order, so the
+        # host never waits for the device to take them (a no-op on the CPU).
+        kv_slots = self.kv_slots = self.inputs.kv_slots.to(self.ctx.device, non_blocking=True)
+        self.rows = self.ctx.states.gather(kv_slots)
+        self.drafts, self.confidences = self.ctx.drafting.draft(self.rows, kv_slots,
                                                                 self.inputs.depth)
 
     @_stage
@@ -210,19 +232,19 @@ class RoundWork:
         self.budget = emit_budget(rows.remaining, rows.anchor_positions,
                                   self.ctx.context_limit)
         depth, num_rows = self.inputs.depth, self.inputs.num_rows
+        kv_slots = _have(self.kv_slots, "KV slots")
         if not drafts.shape[1]:  # nothing drafted: no entry verifies a draft
             self.packed = pack_rows(torch.zeros_like(self.budget), rows.anchor_ids, drafts,
-                                    self.inputs.kv_slots, rows.anchor_positions, rows.live,
-                                    num_rows)
+                                    kv_slots, rows.anchor_positions, rows.live, num_rows)
             return
         caps = verify_caps(depth, self.budget, rows.live)
-        if num_rows < self.inputs.kv_slots.shape[0] * (depth + 1):
+        if num_rows < kv_slots.shape[0] * (depth + 1):
             lengths = allocate_prefixes(confidences, num_rows, caps, rows.live)
         else:
             # G holds every entry's anchor and all its capped drafts: allocation would admit
             # every eligible position, which is the caps themselves.
             lengths = caps
-        self.packed = pack_rows(lengths, rows.anchor_ids, drafts, self.inputs.kv_slots,
+        self.packed = pack_rows(lengths, rows.anchor_ids, drafts, kv_slots,
                                 rows.anchor_positions, rows.live, self.inputs.num_rows)
 
     @_stage
@@ -244,7 +266,8 @@ class RoundWork:
             generator = seeded_generator(self.ctx.seed, 0, inputs.round, self.ctx.device)
             uniforms = torch.rand(inputs.num_rows, generator=generator, dtype=torch.float64,
                                   device=self.ctx.device)
-            sampling = self.ctx.sampling.gather(inputs.kv_slots, inputs.all_greedy)
+            sampling = self.ctx.sampling.gather(_have(self.kv_slots, "KV slots"),
+                                                inputs.all_greedy)
             self.sampled = sample_rows(out.logits, packed.rows.row_reqs, sampling, uniforms)
         self.ctx.collectives.tp_broadcast(self.sampled)
 
@@ -252,7 +275,8 @@ class RoundWork:
     def commit(self) -> None:
         rows, packed = _have(self.rows, "rows"), _have(self.packed, "packed rows")
         out = _have(self.out, "target output")
-        stop_token_ids = self.ctx.sampling.stop_token_ids.index_select(0, self.inputs.kv_slots) \
+        kv_slots = _have(self.kv_slots, "KV slots")
+        stop_token_ids = self.ctx.sampling.stop_token_ids.index_select(0, kv_slots) \
             if self.inputs.any_stop else None
         result = commit_rows(packed, _have(self.sampled, "sampled tokens"),
                              _have(self.drafts, "drafts"), stop_token_ids,
@@ -268,7 +292,7 @@ class RoundWork:
             hidden=hidden, remaining=rows.remaining - result.num_emitted,
             live=live & (result.finish == RUNNING))
         # Everything above may fail without harm; from here on the round's result is written.
-        self.ctx.states.scatter(self.inputs.kv_slots, updated)
+        self.ctx.states.scatter(kv_slots, updated)
         self.ctx.drafting.after_commit(out, packed, result)
         self.result = result
 
@@ -306,12 +330,22 @@ class RoundWork:
 
 @dataclass(frozen=True, slots=True)
 class PrefillInputs:
-    prompts: list[Tensor]  # [T_i] int64 each, on the device
+    prompts: list[Tensor]  # [T_i] int64 each
     kv_slots: Tensor  # [N] KV slots
     max_tokens: Tensor  # [N] int64
     sampling: SamplingTensors
     stop_token_ids: Tensor  # [N, MAX_STOP_TOKENS] -1 padded
     first_request: int  # id of the first request: seeds the draws of its first tokens
+
+    def to(self, device: torch.device) -> "PrefillInputs":
+        """The inputs on ``device``: the host builds them as host tensors and the prefill
+        copies them in stream order, so the host never waits for the device to take them."""
+        def move(tensor: Tensor) -> Tensor:
+            return tensor.to(device, non_blocking=True)
+        return PrefillInputs(
+            prompts=[move(prompt) for prompt in self.prompts], kv_slots=move(self.kv_slots),
+            max_tokens=move(self.max_tokens), sampling=self.sampling.to(device),
+            stop_token_ids=move(self.stop_token_ids), first_request=self.first_request)
 
 
 def prefill(ctx: DeviceContext, inputs: PrefillInputs) -> PrefillResult:
@@ -329,6 +363,7 @@ def prefill(ctx: DeviceContext, inputs: PrefillInputs) -> PrefillResult:
 
 
 def _prefill(ctx: DeviceContext, inputs: PrefillInputs) -> PrefillResult:
+    inputs = inputs.to(ctx.device)
     out = ctx.target.prefill(inputs.prompts, inputs.kv_slots)
     num = len(inputs.prompts)
     check_prefill_output(out, num, max(len(prompt) for prompt in inputs.prompts), ctx)

@@ -13,12 +13,14 @@ pipeline slot, because a graph's output buffers are overwritten by its next repl
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from adaspec.config.launch import LaunchConfig, prepared_rows, tiers_among
 from adaspec.errors import GraphBindingMissing
-from adaspec.models.protocols import TargetOutput, VerifyRows
 
-Binding = Callable[[VerifyRows], TargetOutput]
+Binding = Callable[[Any], Any]
+"""A prepared entry point: a target verify (``VerifyRows -> TargetOutput``) in split mode, a
+whole round (``RoundWork -> RetiredRound``, ``adaspec.runtime.unified``) in unified mode."""
 
 
 @dataclass(frozen=True, slots=True)

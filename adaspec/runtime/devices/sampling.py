@@ -35,6 +35,14 @@ class SamplingTensors:
     min_p: Tensor  # [Bcap] float64; 0 keeps every token
     all_greedy: bool  # host-known: no entry samples, so the random path can be skipped
 
+    def to(self, device: torch.device) -> "SamplingTensors":
+        """The same parameters on ``device``, copied without the host waiting."""
+        return SamplingTensors(
+            temperature=self.temperature.to(device, non_blocking=True),
+            top_k=self.top_k.to(device, non_blocking=True),
+            top_p=self.top_p.to(device, non_blocking=True),
+            min_p=self.min_p.to(device, non_blocking=True), all_greedy=self.all_greedy)
+
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams], num_reqs: int,
                     device: torch.device | str = "cpu") -> "SamplingTensors":
