@@ -2,11 +2,13 @@
 ``openai`` client and raw HTTP, refusals, metrics, disconnects, a full queue and a drain."""
 
 import asyncio
+import gzip
 import json
 import signal
 import socket
 import subprocess
 import sys
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -234,12 +236,38 @@ def test_a_body_that_does_not_match_its_content_encoding_is_a_400(server: Served
     assert "the request body cannot be read" in json.loads(body)["error"]["message"]
 
 
-def test_a_content_encoding_the_server_does_not_read_is_a_415(server: Served) -> None:
+@pytest.mark.parametrize("encoding", ["foo", "br", "zstd"])
+def test_a_content_encoding_the_server_does_not_read_is_a_415(server: Served,
+                                                              encoding: str) -> None:
+    """Well-formed encodings the server has no decoder for too (br, zstd): the same JSON
+    refusal, never aiohttp's plain-text answer."""
     status, _, body = server.request("POST", "/v1/completions", _base(),
-                                     headers={"Content-Encoding": "foo"})
+                                     headers={"Content-Encoding": encoding})
     assert status == 415
     assert json.loads(body)["error"]["message"] == (
-        "Content-Encoding=foo: expected one of identity, gzip, deflate")
+        f"Content-Encoding={encoding}: expected one of identity, gzip, deflate")
+
+
+def test_compressed_bodies_are_read_and_a_bomb_or_a_cut_stream_is_refused(
+        server: Served) -> None:
+    plain = json.dumps(_base()).encode()
+    raw_deflate = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+    bodies = {"gzip": gzip.compress(plain), "deflate": zlib.compress(plain)}
+    bodies["deflate-raw"] = raw_deflate.compress(plain) + raw_deflate.flush()
+    for name, data in bodies.items():
+        status, _, body = server.request("POST", "/v1/completions", data,
+                                         headers={"Content-Encoding": name.split("-")[0]})
+        assert status == 200, (name, body)
+    bomb = gzip.compress(b" " * (64 << 20))  # 64 MiB of spaces: about 64 KiB compressed
+    status, _, body = server.request("POST", "/v1/completions", bomb,
+                                     headers={"Content-Encoding": "gzip"})
+    assert status == 413
+    cut = gzip.compress(plain)[:-12]
+    status, _, body = server.request("POST", "/v1/completions", cut,
+                                     headers={"Content-Encoding": "gzip"})
+    assert status == 400
+    assert json.loads(body)["error"]["message"].startswith(
+        "the request body cannot be read: it is not gzip data")
 
 
 def test_malformed_http_is_answered_without_a_traceback_in_the_log(server: Served) -> None:

@@ -102,8 +102,10 @@ async def serve_http(runtime: Runtime, tokenizer: Tokenizer, settings: ServeSett
     server = CompletionServer(runtime, tokenizer, settings, log)
     # Once drained, a handler still running waits for a body that is not coming: the close
     # waits for it this long, not aiohttp's minute.
+    # The app decodes request bodies itself (``decoded_body``): aiohttp's own decoding would
+    # answer an encoding it lacks a library for in plain text before any handler runs.
     runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None,
-                           shutdown_timeout=SHUTDOWN_GRACE_S)
+                           shutdown_timeout=SHUTDOWN_GRACE_S, auto_decompress=False)
     await runner.setup()
     loop = asyncio.get_running_loop()
     signals = Signals()
