@@ -139,6 +139,7 @@ EXPECTED_PROMPT = ("expected the prompt's token ids in order: a list or tuple of
     (np.array(65), "ndarray of 0 dimensions and dtype int64"),
     (torch.tensor([[65, 66]]), "Tensor of 2 dimensions and dtype torch.int64"),
     (np.array([65.0]), "ndarray of 1 dimensions and dtype float64"),
+    (torch.empty(3, dtype=torch.int64, device="meta"), "Tensor on the meta device"),
     ([65, 66.0], "66.0"),
 ])
 def test_a_prompt_that_is_no_ordered_sequence_of_ints_is_refused_naming_it(

@@ -114,6 +114,14 @@ def test_event_log_and_trace_flags_write_files_that_replay(
      "--temperature=nan: expected 0 (greedy) or a number in 1e-05..100"),
     (["--prompt", "x", "--max_tokens=0", "--temperature=0"],
      "--max_tokens=0: expected an integer in 1.."),
+    # /proc passes the permission check and still creates no file: found before loading.
+    (["--prompt", "x", "--max_tokens=4", "--temperature=0", "--event_log=/proc/x.jsonl"],
+     "--event_log=/proc/x.jsonl: expected a file this process can create"),
+    # What every request of this launch would be refused for is named as the flag, at once.
+    (["--prompt", "x", "--max_tokens=4", "--temperature=0.5",
+      "--enable_unified_mtp_graph=true"],
+     "--temperature=0.5: expected 0: --enable_unified_mtp_graph=true captures greedy rounds "
+     "only"),
     (["--prompt", "x", "--max_tokens=4", "--temperature=0", "--num_speculative_tokens=9"],
      "--num_speculative_tokens"),
     (["--prompts_file", "/nonexistent/p.txt", "--max_tokens=4", "--temperature=0"],

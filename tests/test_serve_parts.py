@@ -1,16 +1,21 @@
 """The server's parts on their own: stop strings over a stream of byte tokens, the request
 reader, and a server whose runtime has not started yet (on a real socket)."""
 
+import json
+import re
 import socket
 import subprocess
 import sys
 
+import aiohttp
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from gloo_job import PROCESS_LIMIT_S, REPO, peer_environment
 from rank_launch import free_port
 
-from adaspec.config import load_config
+from adaspec.bench.load import HttpTarget, LoadError, served_model
+from adaspec.config import SamplingParams, load_config
 from adaspec.models.tokenizer import ByteTokenizer
 from adaspec.runtime.engine import Runtime
 from adaspec.serve.app import CompletionServer, ServeSettings
@@ -128,3 +133,45 @@ def test_a_port_in_use_is_named_before_any_model_loads() -> None:
     lines = [line for line in done.stderr.splitlines() if not line.startswith("{")]
     assert lines == [f"adaspec serve: error: --port={port}: cannot listen on 127.0.0.1:{port}: "
                      "Address already in use"], done.stderr
+
+
+# --- bench --url against a server that lies (a fake server is the point of these tests) ----
+def _lying_app(models: object, usage: object) -> web.Application:
+    async def listed(_: web.Request) -> web.Response:
+        return web.json_response(models)
+
+    async def completion(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        for event in ({"choices": [{"text": "hi"}]}, {"choices": [], "usage": usage}):
+            await response.write(f"data: {json.dumps(event)}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    app = web.Application()
+    app.router.add_get("/v1/models", listed)
+    app.router.add_post("/v1/completions", completion)
+    return app
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("models", "usage", "words"), [
+    ({"data": [{"id": 5}]}, {"completion_tokens": 1}, "no list of models with string ids"),
+    ({"data": "m"}, {"completion_tokens": 1}, "no list of models with string ids"),
+    ({"data": [{"id": "m"}]}, {"completion_tokens": 1e30}, "no completion_tokens count"),
+    ({"data": [{"id": "m"}]}, {"completion_tokens": 10**30},
+     "completion_tokens=1e+30 for a request of max_tokens=4"),
+])
+async def test_bench_url_refuses_what_no_honest_server_reports(
+        models: object, usage: object, words: str) -> None:
+    async with TestServer(_lying_app(models, usage), host="127.0.0.1") as fake, \
+            aiohttp.ClientSession() as session:
+        url = str(fake.make_url("/"))
+
+        async def bench_one() -> None:
+            model = await served_model(url, session)
+            await HttpTarget(url, model, session).complete(
+                "x", SamplingParams(temperature=0, max_tokens=4))
+
+        with pytest.raises(LoadError, match=re.escape(words)):
+            await bench_one()

@@ -391,3 +391,14 @@ def test_cli_refuses_depth_policies_on_a_dspark_log(
     assert capsys.readouterr().err == ("adaspec simulate: error: --policy=adaptive-depth: "
                                        "chooses MTP draft depths; the event log records a "
                                        "DSpark run\n")
+
+
+@pytest.mark.parametrize("text", ["", "\n  \n"])
+def test_an_empty_workload_file_is_named_as_the_workload_flag(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(text)
+    assert cli.run(["simulate", f"--workload={empty}", "--policy=fixed:1"]) == 2
+    assert capsys.readouterr().err == (
+        f"adaspec simulate: error: --workload={empty}: empty file; expected a workload (JSON "
+        "lines, docs/workload.md) or an event log\n")

@@ -151,7 +151,7 @@ class HttpTarget:
                     first = first if first is not None else time.perf_counter()
                     pieces.append(text)
                 if event.get("usage"):
-                    tokens = _completion_tokens(event["usage"])
+                    tokens = _completion_tokens(event["usage"], params.max_tokens)
         ended = time.perf_counter()
         if tokens is None:
             raise LoadError("the stream ended without a usage chunk; the server must support "
@@ -171,10 +171,15 @@ def _texts(event: dict[str, Any]) -> list[str]:
     return [t for t in texts if t]
 
 
-def _completion_tokens(usage: object) -> int:
+def _completion_tokens(usage: object, max_tokens: int) -> int:
+    """The usage chunk's count, which no honest server puts past the request's max_tokens
+    (one that does would inflate every rate the bench reports)."""
     tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
     if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
         raise LoadError(f"the usage chunk holds no completion_tokens count: {usage!r:.80}")
+    if tokens > max_tokens:
+        raise LoadError(f"the usage chunk counts completion_tokens={tokens:.6g} for a "
+                        f"request of max_tokens={max_tokens}")
     return tokens
 
 
@@ -253,8 +258,12 @@ async def served_model(url: str, session: aiohttp.ClientSession) -> str:
         raise LoadError(f"GET /v1/models got no answer within {MODELS_TIMEOUT_S} s") from None
     except ValueError:
         raise LoadError("GET /v1/models did not answer JSON") from None
-    names = [str(m.get("id")) for m in data.get("data", []) if isinstance(m, dict)] \
-        if isinstance(data, dict) else []
+    models = data.get("data") if isinstance(data, dict) else None
+    if not isinstance(models, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("id"), str) for m in models):
+        raise LoadError(f"GET /v1/models answered no list of models with string ids: "
+                        f"{data!r:.80}")
+    names: list[str] = [m["id"] for m in models]
     if len(names) != 1:
         raise LoadError(f"the server lists {len(names)} models ({', '.join(names)}); name "
                         "one with --served_model_name")

@@ -32,7 +32,7 @@ from adaspec.cli.flags import (
 from adaspec.config import SamplingParams, load_config
 from adaspec.config.launch import LaunchConfig
 from adaspec.config.paths import new_file, read_regular
-from adaspec.config.requests import MAX_SEED
+from adaspec.config.requests import MAX_SEED, check_request
 from adaspec.errors import (
     MISSING,
     AdaspecError,
@@ -40,6 +40,7 @@ from adaspec.errors import (
     EventLogError,
     InvalidRequest,
     OutputWriteError,
+    RequestError,
     show_value,
 )
 from adaspec.models.launch import checkpoint_models, command_tokenizer
@@ -221,6 +222,17 @@ def sampling_params(values: dict[str, str]) -> SamplingParams:
         raise ConfigError(f"--{error.field}", values[error.field], error.expected) from None
 
 
+def check_params_for_launch(params: SamplingParams, launch: LaunchConfig,
+                            values: dict[str, str]) -> None:
+    """What the runtime would refuse of every request (a positive temperature under unified
+    graphs, say), refused before any model loads and named as the flag that set it."""
+    try:
+        check_request(params, launch)
+    except RequestError as error:
+        raise ConfigError(f"--{error.field}", values.get(error.field, error.value),
+                          error.expected) from None
+
+
 async def decode(runtime: Runtime, prompts: list[list[int]], params: SamplingParams
                  ) -> tuple[list[RequestResult], float, AdaspecError | None]:
     """The results, the seconds from the first submit to the last result (start-up, graph
@@ -267,6 +279,7 @@ def run(argv: Sequence[str]) -> int:
     prompts = read_prompts(args)
     params = sampling_params(args.values)
     config = load_config(launch_settings(args.launch_argv))
+    check_params_for_launch(params, config.launch, args.values)
     tokenizer, context_limit = command_tokenizer(config.launch)
     prompt_ids = [encoded(tokenizer, args, number, prompt)
                   for number, prompt in enumerate(prompts, start=1)]

@@ -88,6 +88,9 @@ def _check_policy_names(policies: Sequence[str], run: "RecordedRun | None") -> N
 def read_workload(path: str) -> tuple[Workload, "RecordedRun | None"]:
     """The workload of a file, and the checked run when the file is an event log."""
     text = _read_text(path)
+    if not text.strip():
+        raise ConfigError("--workload", path, "empty file; expected a workload (JSON lines, "
+                          "docs/workload.md) or an event log")
     first = text.lstrip().split("\n", 1)[0]
     if WORKLOAD_FORMAT in first:
         return parse_workload(text.splitlines(), path), None

@@ -117,6 +117,20 @@ def new_file(setting: str, path: str) -> None:
     if not os.access(folder, os.W_OK | os.X_OK):
         raise ConfigError(setting, path, f"expected a file in a writable directory; this "
                           f"process cannot create files in {show_value(folder)}")
+    _probe_creation(setting, path)
+
+
+def _probe_creation(setting: str, path: str) -> None:
+    """Create the file and remove it again: some directories (/proc, a read-only mount)
+    pass the permission check and still refuse a new file, which would otherwise surface
+    only once startup is over."""
+    try:
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except OSError as error:
+        raise ConfigError(setting, path, f"expected a file this process can create; "
+                          f"{error.strerror or type(error).__name__}") from None
+    os.close(descriptor)
+    os.unlink(path)
 
 
 def existing_directory(setting: str, given: str, folder: str | None = None) -> None:

@@ -22,6 +22,10 @@ def prompt_ids(prompt: object, field: str = "prompt") -> tuple[int, ...]:
         if prompt.ndim != 1 or not ("int" in kind and "complex" not in kind):
             raise InvalidRequest(field, f"{type(prompt).__name__} of {prompt.ndim} dimensions "
                                  f"and dtype {kind}", PROMPT_EXPECTED)
+        device = getattr(getattr(prompt, "device", None), "type", "cpu")
+        if device == "meta":  # shapes without values: nothing to read
+            raise InvalidRequest(field, f"{type(prompt).__name__} on the meta device",
+                                 f"{PROMPT_EXPECTED} holding values")
         prompt = prompt.tolist()
     if isinstance(prompt, str) or not isinstance(prompt, Sequence):
         raise InvalidRequest(field, type(prompt).__name__, PROMPT_EXPECTED)
