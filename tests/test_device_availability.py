@@ -6,6 +6,7 @@ import sys
 
 import pytest
 import torch
+from cuda_marks import needs_cuda
 
 from adaspec.availability import require_device
 from adaspec.errors import ConfigError, DeviceUnavailable
@@ -23,7 +24,7 @@ def test_cuda_without_a_gpu_is_refused_naming_the_flag() -> None:
     assert isinstance(info.value, ConfigError)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@needs_cuda
 def test_cuda_with_a_gpu_is_accepted() -> None:
     require_device("cuda")
 

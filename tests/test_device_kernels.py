@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from cuda_marks import needs_cuda
 
 from adaspec.config.requests import SamplingParams
 from adaspec.errors import HostReadError
@@ -492,7 +493,7 @@ SYNCING_CALLS = {"item", "tolist", "cpu", "numpy", "nonzero", "masked_select", "
                  "repeat_interleave", "bincount"}
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@needs_cuda
 def test_a_whole_round_of_kernels_never_synchronises_a_cuda_stream() -> None:
     case = random_case(11)
     moved = Case(**{name: value.cuda() if isinstance(value, torch.Tensor) else value

@@ -18,6 +18,7 @@ from fnmatch import fnmatch
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -49,7 +50,7 @@ def inline_commands() -> list[str]:
     """Inline code outside fenced blocks that reads as a command line."""
     prose = re.sub(r"```.*?```", "", README, flags=re.S)
     return [span for span in re.findall(r"`([^`\n]+)`", prose)
-            if re.match(r"(adaspec|python|pip) ", span)]
+            if re.match(r"(adaspec|python|pip|bash) ", span)]
 
 
 def succeeds(command: str | list[str], cwd: Path) -> str:
@@ -160,6 +161,9 @@ INLINE = {
     "python benchmarks/serve_overhead.py": "a benchmark: the README quotes its figure",
     "adaspec serve": "name: the Serving block runs it",
     "adaspec bench --url URL": "placeholder: the Serving block runs it on a URL",
+    "adaspec bench --quick": "the main command: tests/test_bench.py runs it",
+    "bash benchmarks/device_check.sh": "test_the_device_check_says_there_is_no_cuda_here",
+    "bash benchmarks/device_wheels.sh": "a download from PyPI for the device machine",
 }
 
 
@@ -296,6 +300,14 @@ def test_the_inline_commands_hold(tmp_path: Path) -> None:
         "optional-dependencies"]
     assert {"npu", "test"} <= set(extras)
     assert (ROOT / "examples" / "own_model.py").is_file()
+
+
+def test_the_device_check_says_there_is_no_cuda_here(tmp_path: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this host has a CUDA device: the device check would run")
+    said = succeeds(f"bash {ROOT / 'benchmarks' / 'device_check.sh'} {tmp_path}", tmp_path)
+    assert said.startswith("device check: no CUDA device on this host")
+    assert list(tmp_path.iterdir()) == []
 
 
 def python_blocks() -> list[str]:

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import serving_models
+from cuda_marks import needs_cuda
 
 from adaspec.models.checkpoint import (
     FILES,
@@ -313,9 +314,8 @@ def test_identity_changes_with_any_weight(models: ReferenceModels) -> None:
     assert checkpoint_identity({**config, "window": 128}, state) != before
 
 
+@needs_cuda
 def test_cuda_placement_matches_cpu(models: ReferenceModels, text: bytes) -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
     on_gpu = load_reference_models("cuda")
     on_gpu.target.allocate(2)
     tokens = [prompt(text, 0, 300)]
@@ -324,9 +324,8 @@ def test_cuda_placement_matches_cpu(models: ReferenceModels, text: bytes) -> Non
     torch.testing.assert_close(gpu.cpu(), cpu, atol=1e-3, rtol=0)
 
 
+@needs_cuda
 def test_verify_replays_as_a_cuda_graph_with_new_inputs(text: bytes) -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
     gpu = load_reference_models("cuda")
     gpu.target.allocate(4)
     gpu.target.prefill([prompt(text, 0, 300).cuda(), prompt(text, 500, 40).cuda()],

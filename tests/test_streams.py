@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import pytest
 import pytest_asyncio
 import torch
+from cuda_marks import needs_cuda
 
 from adaspec.errors import ConfigError, DeviceUnavailable, StreamClosed
 from adaspec.runtime.devices.retire import enqueue_retire, retire_copy
@@ -36,7 +37,6 @@ GATE_TIMEOUT_S = 30.0
 """How long a gated work item waits before failing its completion, so a broken test fails
 instead of hanging."""
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 class Gates:
