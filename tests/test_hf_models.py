@@ -5,6 +5,8 @@ own ``generate(do_sample=False)``."""
 
 import asyncio
 import json
+import os
+import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -360,8 +362,6 @@ def test_random_sampling_with_a_checkpoint_keeps_the_target_distribution(
 
 def test_a_damaged_checkpoint_and_text_its_tokenizer_cannot_hold_are_one_line(
         llama: Family, tmp_path: Path) -> None:
-    import shutil
-
     _, target_dir, _, _ = llama
     damaged = tmp_path / "damaged"
     shutil.copytree(target_dir, damaged)
@@ -380,3 +380,136 @@ def test_a_damaged_checkpoint_and_text_its_tokenizer_cannot_hold_are_one_line(
     assert done.returncode == 2
     assert done.stderr == ("adaspec generate: error: --prompt=ROM\u00c9O.: holds characters the "
                            "checkpoint's tokenizer cannot encode (they would read as <unk>)\n")
+
+
+# --- what a checkpoint must be to load --------------------------------------------------------
+def _copy(source: Path, folder: Path, change: Any = None) -> Path:
+    """A copy of a checkpoint directory, its weights changed in place by ``change``."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, folder)
+    if change is not None:
+        weights = load_file(folder / "model.safetensors")
+        change(weights)
+        save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def _edit_config(folder: Path, **fields: Any) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | fields))
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+@pytest.mark.parametrize(("flag", "name"), [
+    ("--model", "config.json"), ("--model", "tokenizer.json"),
+    ("--draft_model", "model.safetensors")])
+def test_a_fifo_in_a_checkpoint_is_refused_in_one_line_not_waited_on(
+        llama: Family, tmp_path: Path, flag: str, name: str) -> None:
+    """Nothing in the directory is opened until every file in it is a regular one: reading a
+    FIFO waits for a writer forever (the run would hang, then time out here)."""
+    _, target_dir, draft_dir, _ = llama
+    folder = _copy(target_dir if flag == "--model" else draft_dir, tmp_path / "fifo")
+    (folder / name).unlink()
+    os.mkfifo(folder / name)
+    dirs = {"--model": target_dir, "--draft_model": draft_dir} | {flag: folder}
+    done = _run("generate", f"--model={dirs['--model']}",
+                f"--draft_model={dirs['--draft_model']}", "--speculative_algorithm=MTP",
+                "--num_speculative_tokens=3", "--prompt=a", "--max_tokens=2", "--temperature=0")
+    assert done.returncode == 2
+    assert done.stderr == (f"adaspec generate: error: {flag}={folder}: {name} is a FIFO, not "
+                           "a regular file\n")
+
+
+@pytest.mark.parametrize(("change", "words"), [
+    (lambda w: w.pop("model.layers.1.mlp.down_proj.weight"),
+     "model.safetensors lacks 1 weight the config needs: model.layers.1.mlp.down_proj.weight"),
+    (lambda w: [w.pop(key) for key in list(w) if key.startswith("model.layers.1.")],
+     "model.safetensors lacks 9 weights the config needs: model.layers.1.input_layernorm."
+     "weight, model.layers.1.mlp.down_proj.weight, model.layers.1.mlp.gate_proj.weight, ... "
+     "(6 more)"),
+    (lambda w: w.update({"model.layers.2.mlp.up_proj.weight": torch.ones(128, 64)}),
+     "model.safetensors holds 1 weight the config has no place for: "
+     "model.layers.2.mlp.up_proj.weight"),
+    (lambda w: w.update({"model.layers.1.mlp.down_proj.weight": torch.ones(64, 100)}),
+     "model.safetensors holds 1 weight of another shape than the config gives: "
+     "model.layers.1.mlp.down_proj.weight [64, 100] (config: [64, 128])"),
+], ids=["missing", "missing-many", "unexpected", "reshaped"])
+def test_weights_that_do_not_fit_the_config_are_refused_naming_them(
+        llama: Family, tmp_path: Path, change: Any, words: str) -> None:
+    """transformers would fill a missing or reshaped weight with random values (and drop one
+    the config has no place for), so the model would decode garbage without an error."""
+    _, target_dir, _, _ = llama
+    folder = _copy(target_dir, tmp_path / "weights", change)
+    with pytest.raises(ConfigError) as info:
+        load_hf_models(str(folder))
+    assert str(info.value) == f"--model={folder}: {words}"
+
+
+def test_non_finite_weights_are_refused_naming_the_first(llama: Family,
+                                                         tmp_path: Path) -> None:
+    _, target_dir, draft_dir, _ = llama
+
+    def poison(value: float) -> Any:
+        return lambda w: w["model.layers.0.mlp.up_proj.weight"].__setitem__((3, 5), value)
+
+    nan = _copy(target_dir, tmp_path / "nan", poison(float("nan")))
+    with pytest.raises(ConfigError) as info:
+        load_hf_models(str(nan), str(draft_dir))
+    assert str(info.value) == (f"--model={nan}: weight model.layers.0.mlp.up_proj.weight "
+                               "holds NaN values; expected finite weights")
+    inf = _copy(draft_dir, tmp_path / "inf", poison(float("-inf")))
+    with pytest.raises(ConfigError) as info:
+        load_hf_models(str(target_dir), str(inf))
+    assert str(info.value) == (f"--draft_model={inf}: weight model.layers.0.mlp.up_proj."
+                               "weight holds infinite values; expected finite weights")
+
+
+@pytest.mark.parametrize(("fields", "words"), [
+    ({"hidden_size": "64"}, "Field 'hidden_size' expected int, got str"),
+    ({"num_attention_heads": 3}, "The hidden size (64) is not a multiple of the number of "
+                                 "attention heads (3)"),
+], ids=["string", "heads"])
+def test_a_config_transformers_refuses_is_blamed_on_config_json(
+        llama: Family, tmp_path: Path, fields: dict[str, Any], words: str) -> None:
+    """The config is validated before the tokenizer loads (which validates it too, and would
+    take the blame), by the command's tokenizer and by the model loader alike."""
+    from adaspec.models.launch import command_tokenizer
+
+    _, target_dir, _, _ = llama
+    folder = _copy(target_dir, tmp_path / "config")
+    _edit_config(folder, **fields)
+    for load in (lambda: command_tokenizer(load_config({"model": str(folder)}).launch),
+                 lambda: load_hf_models(str(folder))):
+        with pytest.raises(ConfigError) as info:
+            load()
+        assert str(info.value).startswith(f"--model={folder}: config.json cannot be loaded: ")
+        assert words in str(info.value)
+
+
+def test_the_tokenizer_tells_the_checkpoints_end_of_sequence_tokens(
+        llama: Family, tmp_path: Path) -> None:
+    """config.json's eos_token_id and generation_config.json's together; none for a checkpoint
+    without one and for the built-in models; an id outside the vocabulary is refused."""
+    from adaspec.models.launch import command_tokenizer
+
+    _, target_dir, _, _ = llama
+
+    def eos_of(folder: Path) -> tuple[int, ...]:
+        tokenizer, _ = command_tokenizer(load_config({"model": str(folder)}).launch)
+        return tokenizer.eos_token_ids
+
+    assert eos_of(target_dir) == ()
+    assert command_tokenizer(load_config({}).launch)[0].eos_token_ids == ()
+    saved = _copy(target_dir, tmp_path / "eos")
+    config = transformers.AutoConfig.from_pretrained(saved)
+    config.eos_token_id = 6
+    config.save_pretrained(saved)
+    assert eos_of(saved) == (6,)
+    transformers.GenerationConfig(eos_token_id=[9, 6]).save_pretrained(saved)
+    assert eos_of(saved) == (6, 9)
+    _edit_config(saved, eos_token_id=[6, VOCAB])
+    with pytest.raises(ConfigError) as info:
+        eos_of(saved)
+    assert str(info.value) == (f"--model={saved}: config.json eos_token_id {VOCAB} is outside "
+                               f"the vocabulary of {VOCAB} tokens")

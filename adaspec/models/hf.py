@@ -4,7 +4,11 @@ MTP-style sequential drafter (a second, smaller causal LM, or the target's own c
 Optional: ``pip install 'adaspec[hf]'``; nothing imports this module unless asked for.
 
 Checkpoints load from a local directory only (``config.json`` and safetensors weights,
-``local_files_only``): a missing file is an error, never a download. The model's own layers
+``local_files_only``): a missing file is an error, never a download. A checkpoint is refused
+in one line naming its flag, rather than run, when a file in it is not a regular file (a FIFO
+would hang the load), when its config does not validate, when its weights lack a tensor the
+config needs (transformers would fill it with random values), hold one the config has no
+place for or one of another shape, and when a weight is NaN or infinite. The model's own layers
 run unchanged (embeddings, RoPE and its scaling, grouped-query projections, MLPs, norms);
 only attention is adaspec's, registered with transformers' attention interface as
 ``adaspec_kv_slots``. It keeps a static KV cache per layer, ``[num_kv_slots + 1, kv_heads,
@@ -19,9 +23,11 @@ same path; any other ``model_type`` is refused naming it.
 """
 
 import contextvars
+import itertools
 import json
 import os
-from collections.abc import Iterator, Sequence
+import stat
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from adaspec.config.paths import NotRegularFile, open_regular
 from adaspec.errors import ConfigError, InvalidRequest
 from adaspec.models.checkpoint import checkpoint_identity
 from adaspec.models.protocols import (
@@ -134,19 +141,67 @@ class LoadedLM:
     window: int | None
 
 
+_MAX_JSON_BYTES = 16 * 2**20
+"""A config.json or generation_config.json is a few KB; a longer one is no config (and a
+special file that passes for a regular one may read without end)."""
+
+
+def _read_json(path: str, flag: str, name: str) -> Any:
+    """The JSON value of the checkpoint's file ``name``, read only when it is a regular file
+    (a FIFO would block the read forever); ``FileNotFoundError`` when it is missing, any other
+    problem refused in one line naming ``flag``."""
+    try:
+        with open_regular(os.path.join(path, name)) as file:
+            data = file.read(_MAX_JSON_BYTES + 1)
+    except NotRegularFile as error:
+        raise ConfigError(flag, path, f"{name} is {error.strerror}") from None
+    except FileNotFoundError:  # the caller says whether the file may be missing
+        raise
+    except OSError as error:
+        raise ConfigError(flag, path, f"{name} is unreadable: {_reason(error)}") from None
+    if len(data) > _MAX_JSON_BYTES:
+        raise ConfigError(flag, path, f"{name} is over {_MAX_JSON_BYTES // 2**20} MiB; "
+                          "expected a config of a few KB")
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as error:
+        raise ConfigError(flag, path, f"{name} is unreadable: {_reason(error)}") from None
+
+
+def _refuse_special_files(folder: Path, flag: str, path: str) -> None:
+    """Every entry of the checkpoint directory is a regular file or a directory (links
+    followed): transformers opens the files it wants by name, so a FIFO among them (a
+    tokenizer's file, a weights shard) would hang it; anything else is refused first."""
+    for name in sorted(os.listdir(folder)):
+        try:
+            mode = os.stat(folder / name).st_mode
+        except OSError:  # a dangling link: transformers names it if it needs the file
+            continue
+        if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+            continue
+        try:  # open_regular names the kind as every other reader of the project does
+            with open_regular(str(folder / name)):
+                pass
+        except NotRegularFile as error:
+            raise ConfigError(flag, path, f"{name} is {error.strerror}") from None
+        except OSError:  # it cannot be opened (a socket): transformers fails on it, not waits
+            continue
+
+
 def read_config(path: str, flag: str) -> dict[str, Any]:
-    """``config.json`` of a checkpoint directory, checked for what adaspec can run."""
+    """``config.json`` of a checkpoint directory, checked for what adaspec can run and then
+    validated by transformers' own config class (field types, heads dividing the hidden size),
+    before anything reads another file of the directory,
+    so a bad config is blamed on config.json and not on whatever loads after it."""
     folder = Path(path)
     if not folder.is_dir():
         raise ConfigError(flag, path, "expected a directory holding a Hugging Face causal LM "
                           "(config.json and *.safetensors)")
     try:
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        config = _read_json(path, flag, "config.json")
     except FileNotFoundError:
         raise ConfigError(flag, path, "has no config.json; expected a Hugging Face causal "
                           "LM checkpoint directory") from None
-    except (OSError, UnicodeDecodeError, ValueError) as error:
-        raise ConfigError(flag, path, f"config.json is unreadable: {error}") from None
     if not isinstance(config, dict):
         raise ConfigError(flag, path, "config.json is no JSON object")
     kind = config.get("model_type")
@@ -160,7 +215,20 @@ def read_config(path: str, flag: str) -> dict[str, Any]:
     if not any(name.endswith(".safetensors") for name in os.listdir(folder)):
         raise ConfigError(flag, path, "has no *.safetensors weights (other formats are not "
                           "loaded)")
+    _refuse_special_files(folder, flag, path)
+    _validate_config(path, flag)
     return config
+
+
+def _validate_config(path: str, flag: str) -> None:
+    _require_transformers(flag, path)
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as error:  # transformers' validation errors have no common base
+        raise ConfigError(flag, path, f"config.json cannot be loaded: {_reason(error)}") \
+            from None
 
 
 def load_lm(path: str, *, flag: str, device: torch.device | str = "cpu",
@@ -170,21 +238,83 @@ def load_lm(path: str, *, flag: str, device: torch.device | str = "cpu",
     _require_transformers(flag, path)
     config = read_config(path, flag)
     _register()
-    from transformers import AutoModelForCausalLM
-
-    try:
-        model: Any = AutoModelForCausalLM.from_pretrained(
-            path, local_files_only=True, dtype=dtype, attn_implementation=ATTENTION,
-            use_safetensors=True)
-    except Exception as error:  # a damaged file: safetensors, torch and transformers errors
-        raise ConfigError(flag, path, f"cannot be loaded: {_reason(error)}") from None
+    model = _from_pretrained(path, flag, dtype)
     model = model.to(device).eval().requires_grad_(False)
+    _refuse_non_finite(model, flag, path)
     window = None
     if config.get("sliding_window") and config.get("use_sliding_window", True):
         window = int(config["sliding_window"])
     weights = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
     return LoadedLM(model=model, config=config, identity=checkpoint_identity(config, weights),
                     window=window)
+
+
+def _from_pretrained(path: str, flag: str, dtype: torch.dtype) -> Any:
+    """The model with every weight the config needs taken from the checkpoint: transformers
+    fills a missing or reshaped weight with random values and drops an unexpected one, which
+    would decode garbage, so its loading report must be empty. Weights transformers ties (a
+    GPT-2 head to its embeddings) or ignores by design are not in the report."""
+    from transformers import AutoModelForCausalLM
+
+    try:  # ignore_mismatched_sizes: a reshaped weight is reported with its shapes, not raised
+        loaded: Any = AutoModelForCausalLM.from_pretrained(
+            path, local_files_only=True, dtype=dtype, attn_implementation=ATTENTION,
+            use_safetensors=True, output_loading_info=True, ignore_mismatched_sizes=True)
+    except Exception as error:  # a damaged file: safetensors, torch and transformers errors
+        raise ConfigError(flag, path, f"cannot be loaded: {_reason(error)}") from None
+    model, info = loaded  # output_loading_info: the model and transformers' loading report
+    _refuse_loading_report(info, flag, path)
+    return model
+
+
+def _refuse_loading_report(info: dict[str, Any], flag: str, path: str) -> None:
+    """Refuse what transformers' loading report lists, naming the first few weights."""
+    weights = _weights_name(path)
+    ending = "s" if weights.endswith(".safetensors") else ""  # one file lacks, files lack
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise ConfigError(flag, path, f"{weights} lack{ending} {_weights(len(missing))} the "
+                          f"config needs: {_first(missing)}")
+    unexpected = sorted(info.get("unexpected_keys") or ())
+    if unexpected:  # a config of fewer layers than the weights, say: a different model
+        raise ConfigError(flag, path, f"{weights} hold{ending} {_weights(len(unexpected))} "
+                          f"the config has no place for: {_first(unexpected)}")
+    reshaped = sorted(f"{name} {list(given)} (config: {list(wanted)})"
+                      for name, given, wanted in info.get("mismatched_keys") or ())
+    if reshaped:
+        raise ConfigError(flag, path, f"{weights} hold{ending} {_weights(len(reshaped))} of "
+                          f"another shape than the config gives: {_first(reshaped)}")
+    if info.get("error_msgs"):
+        raise ConfigError(flag, path, f"cannot be loaded: {_reason(info['error_msgs'][0])}")
+
+
+def _weights_name(path: str) -> str:
+    """The weights as a message names them: the file when there is one, else all of them."""
+    files = [name for name in os.listdir(path) if name.endswith(".safetensors")]
+    return files[0] if len(files) == 1 else "the *.safetensors files"
+
+
+def _weights(count: int) -> str:
+    return f"{count} weight" if count == 1 else f"{count} weights"
+
+
+def _first(names: Sequence[str], shown: int = 3) -> str:
+    """The first few names of a report, so the message stays one short line."""
+    more = f", ... ({len(names) - shown} more)" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
+def _refuse_non_finite(model: Any, flag: str, path: str) -> None:
+    """Every floating parameter and buffer is finite: a NaN or infinite weight makes every
+    logit NaN, and decoding reads them as token 0 without an error. Checked after the move to
+    the dtype they run in, so a value that dtype cannot hold (inf in float16) is caught too."""
+    tensors: Iterable[tuple[str, Tensor]] = itertools.chain(model.named_parameters(),
+                                                            model.named_buffers())
+    for name, tensor in tensors:
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            what = "NaN" if bool(torch.isnan(tensor).any()) else "infinite"
+            raise ConfigError(flag, path, f"weight {name} holds {what} values; expected "
+                              "finite weights")
 
 
 class _CausalLM:
@@ -345,6 +475,57 @@ def hf_tokenizer(path: str, flag: str = "--model") -> Any:
         raise ConfigError(flag, path, f"has no loadable tokenizer: {_reason(error)}") from None
 
 
+def checkpoint_tokenizer(path: str, config: dict[str, Any],
+                         flag: str = "--model") -> "HfTokenizer":
+    """The tokenizer of a checkpoint directory whose ``config`` ``read_config`` gave, with
+    the checkpoint's end-of-sequence token ids."""
+    eos = eos_token_ids(path, config, flag)
+    return HfTokenizer(hf_tokenizer(path, flag), eos)
+
+
+def eos_token_ids(path: str, config: dict[str, Any], flag: str = "--model") -> tuple[int, ...]:
+    """The checkpoint's end-of-sequence token ids, sorted, each once: ``eos_token_id`` of
+    ``config`` (its config.json) and of generation_config.json where that file exists, each
+    a token id, a list of them, or absent or null for none. An id outside the vocabulary, or
+    a value that is no id, is refused: a stop on it would never come, or would come on
+    another token."""
+    vocab = _vocab_size(path, config)
+    found = _eos_field(config, "config.json", vocab, flag, path)
+    try:
+        generation = _read_json(path, flag, "generation_config.json")
+    except FileNotFoundError:  # optional: transformers derives one from config.json
+        generation = {}
+    if not isinstance(generation, dict):
+        raise ConfigError(flag, path, "generation_config.json is no JSON object")
+    found |= _eos_field(generation, "generation_config.json", vocab, flag, path)
+    return tuple(sorted(found))
+
+
+def _vocab_size(path: str, config: dict[str, Any]) -> int:
+    """The model's vocabulary: config.json's ``vocab_size``, or the config class's default
+    when the file leaves it out."""
+    vocab = config.get("vocab_size")
+    if isinstance(vocab, int) and not isinstance(vocab, bool):
+        return vocab
+    from transformers import AutoConfig
+
+    return int(AutoConfig.from_pretrained(path, local_files_only=True).vocab_size)
+
+
+def _eos_field(fields: dict[str, Any], name: str, vocab: int, flag: str,
+               path: str) -> set[int]:
+    value = fields.get("eos_token_id")
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    for token in ids:
+        if not isinstance(token, int) or isinstance(token, bool):
+            raise ConfigError(flag, path, f"{name} eos_token_id={value!r}: expected a token "
+                              "id or a list of token ids")
+        if not 0 <= token < vocab:
+            raise ConfigError(flag, path, f"{name} eos_token_id {token} is outside the "
+                              f"vocabulary of {vocab} tokens")
+    return set(ids)
+
+
 def _reason(error: BaseException) -> str:
     """A library's error message on one line, at most 300 characters."""
     text = " ".join(str(error).split()) or type(error).__name__
@@ -374,10 +555,13 @@ class HfDetokenizer:
 
 
 class HfTokenizer:
-    """A checkpoint's tokenizer as adaspec's ``Tokenizer`` (``adaspec.models.tokenizer``)."""
+    """A checkpoint's tokenizer as adaspec's ``Tokenizer`` (``adaspec.models.tokenizer``);
+    ``eos_token_ids`` are the checkpoint's end-of-sequence token ids, as the function
+    ``eos_token_ids`` reads them (``checkpoint_tokenizer`` passes them)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, eos_token_ids: tuple[int, ...] = ()) -> None:
         self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
 
     def encode(self, text: str) -> list[int]:
         """The text's token ids; text the vocabulary cannot hold (it would read as the

@@ -45,21 +45,23 @@ def _quiet_transformers() -> None:
 
 def command_tokenizer(launch: LaunchConfig) -> tuple[Tokenizer, int]:
     """The tokenizer of the launch's target and its context limit (read from its files, with
-    no weights loaded): prompts are checked against both before any model loads."""
+    no weights loaded): prompts are checked against both before any model loads. The
+    tokenizer's ``eos_token_ids`` are the checkpoint's end-of-sequence tokens (none for the
+    built-in models)."""
     builtin = builtin_checkpoints(launch)
     if uses_builtin_models(launch):
         assert builtin is not None
         return ByteTokenizer(), builtin[1]
     check_checkpoint_launch(launch)
-    from adaspec.models.hf import HfTokenizer, hf_tokenizer, read_config
+    from adaspec.models.hf import checkpoint_tokenizer, read_config
 
+    _quiet_transformers()  # read_config validates the config with transformers
     config = read_config(launch.model, "--model")
-    _quiet_transformers()
     limit = config.get("max_position_embeddings", config.get("n_positions"))
     if not isinstance(limit, int) or limit < 2:
         raise ConfigError("--model", launch.model, f"config.json gives no context length "
                           f"(max_position_embeddings={limit!r})")
-    return HfTokenizer(hf_tokenizer(launch.model)), limit
+    return checkpoint_tokenizer(launch.model, config), limit
 
 
 def checkpoint_models(launch: LaunchConfig, device: torch.device) -> ModelSet | None:

@@ -22,6 +22,11 @@ class Detokenizer(Protocol):
 
 @runtime_checkable
 class Tokenizer(Protocol):
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The model's end-of-sequence token ids, sorted; empty when it declares none."""
+        ...
+
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, token_ids: Sequence[int]) -> str: ...
@@ -41,7 +46,10 @@ class ByteDetokenizer:
 
 
 class ByteTokenizer:
-    """The built-in models' tokenizer: token ids are UTF-8 bytes (vocabulary 256)."""
+    """The built-in models' tokenizer: token ids are UTF-8 bytes (vocabulary 256). The
+    built-in models have no end-of-sequence token: every byte is text."""
+
+    eos_token_ids: tuple[int, ...] = ()
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
