@@ -21,7 +21,7 @@ from serve_process import start_server
 transformers = pytest.importorskip("transformers")
 
 from adaspec.config import SamplingParams, load_config  # noqa: E402
-from adaspec.errors import ConfigError  # noqa: E402
+from adaspec.errors import ConfigError, InvalidRequest  # noqa: E402
 from adaspec.models.hf import HfModels, load_hf_models  # noqa: E402
 from adaspec.runtime.engine import Runtime  # noqa: E402
 from adaspec.runtime.requests import RequestResult  # noqa: E402
@@ -513,3 +513,35 @@ def test_the_tokenizer_tells_the_checkpoints_end_of_sequence_tokens(
         eos_of(saved)
     assert str(info.value) == (f"--model={saved}: config.json eos_token_id {VOCAB} is outside "
                                f"the vocabulary of {VOCAB} tokens")
+
+
+def test_generate_stops_at_the_checkpoints_end_of_sequence_as_transformers_does(
+        llama: Family, tmp_path: Path) -> None:
+    """A token the greedy output reaches early becomes the checkpoint's eos: transformers'
+    generate stops there, and so does adaspec generate (finish reason stop)."""
+    _, target_dir, draft_dir, reference = llama
+    tokenizer = transformers.AutoTokenizer.from_pretrained(target_dir)
+    prompt = tokenizer.encode(TEXTS[0])
+    eos = _generate(reference, prompt, 24)[5]
+    saved = _copy(target_dir, tmp_path / "eos")
+    _edit_config(saved, eos_token_id=eos)
+    transformers.GenerationConfig(eos_token_id=eos).save_pretrained(saved)
+    stopping = transformers.AutoModelForCausalLM.from_pretrained(saved)
+    expected = _generate(stopping, prompt, 24)
+    assert expected[-1] == eos
+    assert len(expected) < 24
+    done = _run("generate", "--json", f"--model={saved}", f"--draft_model={draft_dir}",
+                "--speculative_algorithm=MTP", "--num_speculative_tokens=3",
+                f"--prompt={TEXTS[0]}", "--max_tokens=24", "--temperature=0")
+    assert done.returncode == 0, done.stderr
+    (result,) = json.loads(done.stdout)["results"]
+    assert (result["token_ids"], result["finish_reason"]) == (expected, "stop")
+
+
+def test_the_models_end_of_sequence_ids_leave_room_for_a_requests_own() -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=4, stop=tuple(range(15)))
+    assert params.ending_at((20,)).stop == (*range(15), 20)
+    assert params.ending_at((3,)).stop == tuple(range(15))
+    with pytest.raises(InvalidRequest, match=r"^request field stop_token_ids=15 token ids: "
+                                             r"expected at most 14: the model's 2 "):
+        params.ending_at((20, 21), "stop_token_ids")

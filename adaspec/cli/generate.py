@@ -281,6 +281,7 @@ def run(argv: Sequence[str]) -> int:
     config = load_config(launch_settings(args.launch_argv))
     check_params_for_launch(params, config.launch, args.values)
     tokenizer, context_limit = command_tokenizer(config.launch)
+    params = params.ending_at(tokenizer.eos_token_ids)  # as the model's own generate stops
     prompt_ids = [encoded(tokenizer, args, number, prompt)
                   for number, prompt in enumerate(prompts, start=1)]
     check_prompts_fit(args, prompts, prompt_ids, params.max_tokens, context_limit)

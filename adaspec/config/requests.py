@@ -6,6 +6,7 @@ sampler does not implement, is refused before execution with the field named; it
 dropped silently.
 """
 
+import dataclasses
 import math
 import numbers
 import reprlib
@@ -127,6 +128,19 @@ class SamplingParams:
         if not _number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequest("min_p", self.min_p, "expected a number in [0, 1]"
                                  f"{_not_number(self.min_p)}")
+
+    def ending_at(self, eos_token_ids: tuple[int, ...], field: str = "stop"
+                  ) -> "SamplingParams":
+        """These parameters, also stopping at the model's end-of-sequence ids (as the
+        model's own ``generate`` does); ``field`` names the request's own stop ids when, with
+        them, there are more than MAX_STOP_TOKENS."""
+        stop = tuple(dict.fromkeys((*self.stop, *eos_token_ids)))
+        if len(stop) > MAX_STOP_TOKENS:
+            raise InvalidRequest(field, f"{len(self.stop)} token ids",
+                                 f"expected at most {MAX_STOP_TOKENS - len(eos_token_ids)}: "
+                                 f"the model's {len(eos_token_ids)} end-of-sequence ids "
+                                 "take the rest")
+        return dataclasses.replace(self, stop=stop)
 
     @property
     def greedy(self) -> bool:

@@ -181,7 +181,8 @@ class CompletionServer:
         raw = await self._body(request)
         self._check_open()  # a drain may have begun while the body came
         job = read_completion(parse_body(raw), self.settings.model_name,
-                              temperature_rule=self.settings.temperature_rule)
+                              temperature_rule=self.settings.temperature_rule,
+                              eos_token_ids=self.tokenizer.eos_token_ids)
         completion.stream = job.stream
         self._check_stop_ids(job)
         prompts = [self._prompt_ids(job, index) for index in range(len(job.prompts))]

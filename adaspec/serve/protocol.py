@@ -140,9 +140,10 @@ def _json_kind(value: object) -> str:
 
 
 def read_completion(body: Mapping[str, Any], model: str, *,
-                    temperature_rule: str | None) -> CompletionJob:
+                    temperature_rule: str | None,
+                    eos_token_ids: tuple[int, ...] = ()) -> CompletionJob:
     """``temperature_rule``: why this launch needs every request's temperature (None: it
-    defaults to OpenAI's 1)."""
+    defaults to OpenAI's 1). Every request also stops at the model's ``eos_token_ids``."""
     for name, value in body.items():
         _check_known(name, value)
     given = body.get("model")
@@ -157,6 +158,10 @@ def read_completion(body: Mapping[str, Any], model: str, *,
     prompts = _prompts(body.get("prompt"))
     stop_strings, stop_ids = _stops(body.get("stop"), body.get("stop_token_ids"))
     params = _sampling(body, tuple(i for _, i in stop_ids), temperature_rule)
+    try:
+        params = params.ending_at(eos_token_ids, "stop_token_ids")
+    except InvalidRequest as error:
+        raise refused(error) from None
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise bad_field("user", user, "expected a string")
