@@ -57,6 +57,21 @@ class Served:
         finally:
             connection.close()
 
+    def request_lines(self, path: str, body: bytes, headers: list[tuple[str, str]]
+                      ) -> tuple[int, dict[str, str], bytes]:
+        """A POST whose header lines are sent as given, a name repeated included."""
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=PROCESS_LIMIT_S)
+        try:
+            connection.putrequest("POST", path)
+            for name, value in [*headers, ("Content-Length", str(len(body)))]:
+                connection.putheader(name, value)
+            connection.endheaders(body)
+            response = connection.getresponse()
+            return (response.status, {k.lower(): v for k, v in response.getheaders()},
+                    response.read())
+        finally:
+            connection.close()
+
     def post(self, body: bytes | str | dict[str, Any]) -> tuple[int, dict[str, Any]]:
         status, _, data = self.request("POST", "/v1/completions", body)
         return status, json.loads(data)

@@ -64,12 +64,17 @@ def test_adaptive_verify_is_lossless_and_replays_bit_exactly(
     assert simulated["policies"][2]["vs_oracle"] == 1.0
 
 
-class DistortedMtp:
-    """The reference MTP head with its probs pushed out of [0, 1]: a drafter's bug, faked
-    because it is what the test is about."""
+DISTORTIONS: tuple[Callable[[Tensor], Tensor], ...] = (
+    lambda p: p * 5 + 1, lambda p: p - 2, lambda p: torch.full_like(p, float("nan")))
+"""Above 1, below 0 and NaN: one of them on each draft step, in turn."""
 
-    def __init__(self, inner: Any, distort: Callable[[Tensor], Tensor]) -> None:
-        self._inner, self._distort = inner, distort
+
+class DistortedMtp:
+    """The reference MTP head with its probs pushed out of [0, 1], each step by the next of
+    ``DISTORTIONS``: a drafter's bug, faked because it is what the test is about."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner, self.steps = inner, 0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -77,19 +82,18 @@ class DistortedMtp:
     def step(self, hidden: Tensor, token_ids: Tensor, positions: Tensor,
              kv_slots: Tensor) -> MtpStep:
         out = self._inner.step(hidden, token_ids, positions, kv_slots)
-        return MtpStep(hidden=out.hidden, token_ids=out.token_ids,
-                       probs=self._distort(out.probs), logits=out.logits)
+        distort = DISTORTIONS[self.steps % len(DISTORTIONS)]
+        self.steps += 1
+        return MtpStep(hidden=out.hidden, token_ids=out.token_ids, probs=distort(out.probs),
+                       logits=out.logits)
 
 
-@pytest.mark.parametrize("distort", [lambda p: p * 5, lambda p: p - 2,
-                                     lambda p: torch.full_like(p, float("nan"))],
-                         ids=["above-1", "below-0", "nan"])
 def test_confidences_outside_0_1_are_clamped_before_feedback_and_log_so_the_log_replays(
-        tmp_path: Path, models: ReferenceModels, distort: Callable[[Tensor], Tensor]) -> None:
+        tmp_path: Path, models: ReferenceModels) -> None:
     calibration, log = tmp_path / "tiny.json", tmp_path / "run.jsonl"
     calibration.write_text(json.dumps(TINY_CALIBRATION))
-    distorted = SimpleNamespace(target=models.target, mtp=DistortedMtp(models.mtp, distort),
-                                dspark=None)
+    mtp = DistortedMtp(models.mtp)
+    distorted = SimpleNamespace(target=models.target, mtp=mtp, dspark=None)
     results = decode(
         config("MTP", 5, 2, enable_adaptive_target_verify=True,
                adaptive_target_verify_calibration=str(calibration)),
@@ -97,6 +101,7 @@ def test_confidences_outside_0_1_are_clamped_before_feedback_and_log_so_the_log_
         options=RuntimeOptions(event_log=str(log), calibration_progress=lambda _: None))
     target_only = decode(config("none", 0, 2), PROMPTS[:3], PARAMS[:3], models=models, wave=2)
     assert [r.token_ids for r in results] == [r.token_ids for r in target_only]
+    assert mtp.steps > len(DISTORTIONS)  # every kind of bad confidence was drafted
     header, events = read_event_log(log)  # the whole run: the log writer was never dropped
     retired = [e for e in events if isinstance(e, RoundRetired)]
     assert len({e.request_id for e in events if isinstance(e, RequestFinished)}) == 3

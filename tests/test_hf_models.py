@@ -505,14 +505,35 @@ def test_the_tokenizer_tells_the_checkpoints_end_of_sequence_tokens(
     config = transformers.AutoConfig.from_pretrained(saved)
     config.eos_token_id = 6
     config.save_pretrained(saved)
+    # generation_config.json, where it exists, is what transformers' generate stops at: the
+    # copy's has no eos, so config.json's 6 stops nothing there either.
+    assert (saved / "generation_config.json").is_file()
+    assert eos_of(saved) == ()
+    transformers.GenerationConfig.from_model_config(config).save_pretrained(saved)
     assert eos_of(saved) == (6,)
+    (saved / "generation_config.json").unlink()
+    assert eos_of(saved) == (6,)  # no such file: transformers derives it from config.json
     transformers.GenerationConfig(eos_token_id=[9, 6]).save_pretrained(saved)
     assert eos_of(saved) == (6, 9)
+    transformers.GenerationConfig(eos_token_id=9).save_pretrained(saved)
+    assert eos_of(saved) == (9,)
+    transformers.GenerationConfig(eos_token_id=list(range(70, 87))).save_pretrained(saved)
+    with pytest.raises(ConfigError) as info:
+        eos_of(saved)
+    assert str(info.value) == (f"--model={saved}: generation_config.json eos_token_id lists 17 "
+                               "ids; expected at most 16 (a request stops at no more tokens)")
+    (saved / "generation_config.json").unlink()
     _edit_config(saved, eos_token_id=[6, VOCAB])
     with pytest.raises(ConfigError) as info:
         eos_of(saved)
     assert str(info.value) == (f"--model={saved}: config.json eos_token_id {VOCAB} is outside "
                                f"the vocabulary of {VOCAB} tokens")
+    (saved / "config.json").write_text((saved / "config.json").read_text().replace(
+        '"eos_token_id"', '"rope_theta": NaN, "eos_token_id"'))
+    with pytest.raises(ConfigError) as info:
+        eos_of(saved)
+    assert str(info.value) == (f"--model={saved}: config.json holds NaN; expected finite "
+                               "numbers (strict JSON)")
 
 
 def test_generate_stops_at_the_checkpoints_end_of_sequence_as_transformers_does(

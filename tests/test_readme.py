@@ -305,9 +305,15 @@ def test_the_inline_commands_hold(tmp_path: Path) -> None:
 def test_the_device_check_says_there_is_no_cuda_here(tmp_path: Path) -> None:
     if torch.cuda.is_available():
         pytest.skip("this host has a CUDA device: the device check would run")
-    said = succeeds(f"bash {ROOT / 'benchmarks' / 'device_check.sh'} {tmp_path}", tmp_path)
+    script = ROOT / "benchmarks" / "device_check.sh"
+    said = succeeds(f"PYTHON={sys.executable} bash {script} figures", tmp_path)
     assert said.startswith("device check: no CUDA device on this host")
-    assert list(tmp_path.iterdir()) == []
+    assert list(tmp_path.iterdir()) == []  # a relative folder is the caller's: not made
+    missing = subprocess.run(["bash", str(script)], env={**os.environ, "PYTHON": "/nonexistent"},
+                             capture_output=True, text=True, timeout=60, check=False)
+    assert (missing.returncode, missing.stdout) == (1, "")
+    assert missing.stderr == ("device check: /nonexistent cannot import torch; set PYTHON to "
+                              "the interpreter\n")
 
 
 def python_blocks() -> list[str]:

@@ -262,6 +262,13 @@ def test_compressed_bodies_are_read_and_a_bomb_or_a_cut_stream_is_refused(
     status, _, body = server.request("POST", "/v1/completions", bomb,
                                      headers={"Content-Encoding": "gzip"})
     assert status == 413
+    for lines in (["gzip", "gzip"], ["gzip", "identity"]):  # one list over header lines
+        status, _, body = server.request_lines(
+            "/v1/completions", gzip.compress(gzip.compress(plain)),
+            [("Content-Encoding", line) for line in lines])
+        assert status == 415
+        assert json.loads(body)["error"]["message"].startswith(
+            f"Content-Encoding={', '.join(lines)}: expected one of")
     cut = gzip.compress(plain)[:-12]
     status, _, body = server.request("POST", "/v1/completions", cut,
                                      headers={"Content-Encoding": "gzip"})

@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from adaspec.config.paths import NotRegularFile, open_regular
+from adaspec.config.requests import MAX_STOP_TOKENS
 from adaspec.errors import ConfigError, InvalidRequest
 from adaspec.models.checkpoint import checkpoint_identity
 from adaspec.models.protocols import (
@@ -163,9 +164,20 @@ def _read_json(path: str, flag: str, name: str) -> Any:
         raise ConfigError(flag, path, f"{name} is over {_MAX_JSON_BYTES // 2**20} MiB; "
                           "expected a config of a few KB")
     try:
-        return json.loads(data.decode("utf-8"))
+        return json.loads(data.decode("utf-8"), parse_constant=_no_constant)
+    except _NonFinite as error:
+        raise ConfigError(flag, path, f"{name} holds {error}; expected finite numbers "
+                          "(strict JSON)") from None
     except (UnicodeDecodeError, ValueError) as error:
         raise ConfigError(flag, path, f"{name} is unreadable: {_reason(error)}") from None
+
+
+class _NonFinite(Exception):
+    """NaN or Infinity in a checkpoint's JSON: no config value means that."""
+
+
+def _no_constant(name: str) -> Any:
+    raise _NonFinite(name)
 
 
 def _refuse_special_files(folder: Path, flag: str, path: str) -> None:
@@ -484,20 +496,23 @@ def checkpoint_tokenizer(path: str, config: dict[str, Any],
 
 
 def eos_token_ids(path: str, config: dict[str, Any], flag: str = "--model") -> tuple[int, ...]:
-    """The checkpoint's end-of-sequence token ids, sorted, each once: ``eos_token_id`` of
-    ``config`` (its config.json) and of generation_config.json where that file exists, each
-    a token id, a list of them, or absent or null for none. An id outside the vocabulary, or
-    a value that is no id, is refused: a stop on it would never come, or would come on
-    another token."""
+    """The checkpoint's end-of-sequence token ids, sorted, each once, read as transformers'
+    ``generate`` reads them: ``eos_token_id`` of generation_config.json where that file
+    exists (absent or null there: none), else of ``config`` (its config.json); a token id or
+    a list of them. An id outside the vocabulary, a value that is no id, or more ids than a
+    request may stop at are refused: a stop on them would never come, come on another
+    token, or refuse every request."""
     vocab = _vocab_size(path, config)
-    found = _eos_field(config, "config.json", vocab, flag, path)
     try:
-        generation = _read_json(path, flag, "generation_config.json")
-    except FileNotFoundError:  # optional: transformers derives one from config.json
-        generation = {}
-    if not isinstance(generation, dict):
-        raise ConfigError(flag, path, "generation_config.json is no JSON object")
-    found |= _eos_field(generation, "generation_config.json", vocab, flag, path)
+        fields, name = _read_json(path, flag, "generation_config.json"), "generation_config.json"
+    except FileNotFoundError:  # transformers then derives its generation config from config
+        fields, name = config, "config.json"
+    if not isinstance(fields, dict):
+        raise ConfigError(flag, path, f"{name} is no JSON object")
+    found = _eos_field(fields, name, vocab, flag, path)
+    if len(found) > MAX_STOP_TOKENS:
+        raise ConfigError(flag, path, f"{name} eos_token_id lists {len(found)} ids; expected "
+                          f"at most {MAX_STOP_TOKENS} (a request stops at no more tokens)")
     return tuple(sorted(found))
 
 

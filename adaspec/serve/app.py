@@ -217,7 +217,9 @@ class CompletionServer:
                        kind="service_unavailable", retry_after=1)
 
     async def _body(self, request: web.Request) -> bytes:
-        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+        # Several header lines are one list of codings (RFC 9110), refused as one below.
+        lines = request.headers.getall("Content-Encoding", ["identity"])
+        encoding = ", ".join(line.strip() for line in lines).lower()
         if encoding not in BODY_ENCODINGS:
             raise ApiError(415, f"Content-Encoding={encoding}: expected one of "
                            f"{', '.join(BODY_ENCODINGS)}", kind="invalid_request_error")
