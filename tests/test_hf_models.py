@@ -150,10 +150,11 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, An
 TEXTS = ["Hello there", "abc", "z" * 12, "Q"]
 
 
+# Every mode and both drafters once on Llama; GPT-2 (its own attention layout and tied
+# head) in the mode that exercises the most (adaptive verify, drafts rejected too).
 @pytest.mark.parametrize(("name", "launch", "drafter"), [
-    ("llama", "mtp-fixed", "self"), ("llama", "mtp-fixed", "smaller"),
-    ("llama", "mtp-adaptive-depth", "smaller"), ("llama", "mtp-adaptive-verify", "self"),
-    ("gpt2", "mtp-fixed", "smaller"), ("gpt2", "mtp-adaptive-verify", "smaller"),
+    ("llama", "mtp-fixed", "self"), ("llama", "mtp-adaptive-depth", "smaller"),
+    ("llama", "mtp-adaptive-verify", "self"), ("gpt2", "mtp-adaptive-verify", "smaller"),
 ])
 def test_generate_gives_transformers_greedy_output_in_every_mtp_mode(
         request: pytest.FixtureRequest, launches: dict[str, dict[str, Any]], name: str,
@@ -311,9 +312,9 @@ def test_memory_stays_flat_over_thousands_of_tokens(llama: Family) -> None:
     _decode(models, launch, prompts, params)  # warm: every allocation made once
     before = _rss_kib()
     tokens = 0
-    for _ in range(10):
+    for _ in range(6):
         tokens += sum(len(r.token_ids) for r in _decode(models, launch, prompts, params))
-    assert tokens >= 3000
+    assert tokens >= 2000
     assert _rss_kib() - before < 16 * 1024
 
 

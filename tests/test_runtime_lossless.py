@@ -33,8 +33,8 @@ def target_only(count: int) -> tuple[tuple[int, ...], ...]:
     return tuple(r.token_ids for r in results)
 
 
-@pytest.mark.parametrize(("algorithm", "width"), [("MTP", 3), ("MTP", 7), ("DSpark", 1),
-                                                  ("DSpark", 5)])
+# One width of each algorithm on all 200 prompts; every width runs at small batches below.
+@pytest.mark.parametrize(("algorithm", "width"), [("MTP", 3), ("DSpark", 5)])
 def test_greedy_speculation_equals_target_only_on_200_prompts(
         models: ReferenceModels, algorithm: str, width: int) -> None:
     prompts = lossless_prompts()
