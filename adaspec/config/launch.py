@@ -246,11 +246,14 @@ def tiers_among(legal_rows: Sequence[int], num_reqs: int, width: int) -> tuple[i
     return tuple(sorted(chosen))
 
 
-def prepared_rows(target_rows: Sequence[int], request_buckets: Sequence[int], bucket: int,
+@functools.lru_cache(maxsize=4096)
+def prepared_rows(target_rows: tuple[int, ...], request_buckets: tuple[int, ...], bucket: int,
                   width: int, *, tiers_only: bool) -> tuple[int, ...]:
     """The G values prepared for request bucket ``bucket`` of a padded geometry: the ladder's
     rows from Bcap to full width ``Bcap * (w + 1)``, or with ``tiers_only`` just the tiers of
-    every request count that pads to this bucket (full width among them)."""
+    every request count that pads to this bucket (full width among them). Cached: replay
+    asks it once per logged decision, and the tiers of a large bucket take a few hundred
+    comparisons."""
     ladder = tuple(g for g in target_rows if bucket <= g <= bucket * (width + 1))
     if not tiers_only:
         return ladder
