@@ -74,6 +74,13 @@ def test_the_reader_keeps_openai_defaults_where_the_launch_allows_them() -> None
     assert job.stop_strings == ("a",)
     assert job.params.stop == (7, 9)
     assert job.params.top_k == 0  # vLLM's -1: off
+    # The limit counts distinct ids: a repeated one stops at nothing more.
+    repeated = read_completion({"model": "m", "prompt": "hi", "stop_token_ids": [6] * 17},
+                               "m", temperature_rule=None, eos_token_ids=(6,))
+    assert repeated.params.stop == (6,)
+    with pytest.raises(ApiError, match=r"^stop_token_ids=17 token ids: expected at most 16"):
+        read_completion({"model": "m", "prompt": "hi", "stop_token_ids": list(range(17))},
+                        "m", temperature_rule=None)
 
 
 def test_json_constants_and_scalars_are_no_request() -> None:

@@ -270,8 +270,9 @@ def _stops(stop: object, stop_token_ids: object
         if not isinstance(stop_token_ids, list) or not all(_is_token(i) for i in stop_token_ids):
             raise bad_field("stop_token_ids", stop_token_ids, "expected an array of token ids")
         ids.extend(("stop_token_ids", i) for i in stop_token_ids)
-    if len(ids) > MAX_STOP_TOKENS:
-        raise bad_field("stop_token_ids", f"{len(ids)} token ids",
+    distinct = len({token for _, token in ids})  # a repeated id stops at nothing more
+    if distinct > MAX_STOP_TOKENS:
+        raise bad_field("stop_token_ids", f"{distinct} token ids",
                         f"expected at most {MAX_STOP_TOKENS} stop token ids in all")
     return strings, tuple(ids)  # type: ignore[arg-type]
 
