@@ -181,15 +181,20 @@ class GraphBindingMissing(DeviceLayerError):
     """No prepared binding serves a shape, not even the full-width fallback; serving never
     captures one, so this means startup did not prepare what the runtime uses."""
 
-    def __init__(self, key: tuple[int, int, int, int], prepared: int) -> None:
-        super().__init__(key, prepared)
+    def __init__(self, key: tuple[int, int, int, int], prepared: int, last: str = "G") -> None:
+        super().__init__(key, prepared, last)
         self.key = key
         self.prepared = prepared
+        self.last = last  # what the key's last entry is: G, or a draft binding's depth
 
     def __str__(self) -> str:
-        slot, width, num_reqs, num_rows = self.key
+        slot, width, num_reqs, value = self.key
+        if self.last == "depth":
+            return (f"no prepared draft binding for slot={slot} width={width} Bcap={num_reqs} "
+                    f"depth={value} ({self.prepared} depths prepared at startup for this "
+                    "bucket)")
         return (f"no prepared graph binding for slot={slot} width={width} Bcap={num_reqs} "
-                f"G={num_rows} nor its full-width binding ({self.prepared} bindings prepared "
+                f"G={value} nor its full-width binding ({self.prepared} bindings prepared "
                 "at startup for this slot)")
 
 

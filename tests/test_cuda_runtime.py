@@ -16,6 +16,7 @@ from adaspec.config import SamplingParams
 from adaspec.models import ReferenceModels, load_reference_models
 from adaspec.runtime.devices.graphs import CapturedVerify
 from adaspec.runtime.engine import Runtime
+from adaspec.runtime.split import SplitBinding
 from adaspec.runtime.unified import BoundRound
 
 PROMPTS = lossless_prompts()[:10]
@@ -82,10 +83,15 @@ def test_greedy_output_on_cuda_equals_the_target_alone_with_no_host_sync(
     assert outputs == target_only
     registries = runtime._pipeline.registries  # type: ignore[union-attr]  # what start prepared
     assert registries is not None
-    kind = BoundRound if name.startswith("unified") else CapturedVerify
     for registry in registries:
         assert registry.sealed
         bindings = [registry.lookup(b, g).binding for _, _, b, g in registry.keys]
-        assert all(isinstance(binding, kind) for binding in bindings)
-        if kind is BoundRound:
-            assert all(binding.graph is not None for binding in bindings)
+        if name.startswith("unified"):
+            assert all(isinstance(b, BoundRound) and b.graph is not None for b in bindings)
+            continue
+        # Split: the drafter's forwards, packing and verify each replay a captured graph.
+        assert all(isinstance(b, SplitBinding) for b in bindings)
+        for binding in bindings:
+            assert isinstance(binding.verify, CapturedVerify)
+            assert binding.pack.call.graph is not None
+            assert all(draft.call.graph is not None for draft in binding.drafts.values())

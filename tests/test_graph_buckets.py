@@ -1,15 +1,30 @@
 """Graph buckets: prepared shapes, tiers, and a registry that never captures while serving."""
 
+import asyncio
+from collections import Counter
+from types import SimpleNamespace
+
 import pytest
 import torch
+from runtime_helpers import config, decode, lossless_prompts, max_tokens_of, run_staggered
 
-from adaspec.config import LaunchConfig
+from adaspec.config import LaunchConfig, SamplingParams, load_config
 from adaspec.errors import ConfigError, GraphBindingMissing
 from adaspec.models import load_reference_models
 from adaspec.models.protocols import TargetOutput, VerifyRows
-from adaspec.policies.base import covering_tier
+from adaspec.policies.base import DepthContext, covering_tier
+from adaspec.policies.fixed import FixedDepth
 from adaspec.runtime.devices.buckets import Binding, BindingRegistry, BucketGeometry
-from adaspec.runtime.devices.graphs import EagerBinding, binding_factory, padding_rows
+from adaspec.runtime.devices.graphs import (
+    BoundCall,
+    EagerBinding,
+    binding_factory,
+    padding_rows,
+)
+from adaspec.runtime.engine import Runtime, RuntimeOptions, adaptive_budget
+from adaspec.runtime.kv_slots import KvSlotStates
+from adaspec.runtime.rounds import pack_block
+from adaspec.runtime.split import SplitBinding, SplitBindings
 
 DRAFT5 = BucketGeometry(width=5, request_buckets=(1, 2, 4, 8, 16),
                         target_rows=(1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96))
@@ -194,3 +209,136 @@ def test_graph_bindings_on_npu_are_refused_at_startup_with_the_flag_named() -> N
     with pytest.raises(ConfigError, match="--python_graph_backend=aclgraph: graph capture on "
                                           "npu is not built yet"):
         binding_factory(target, width=3, device="npu")
+
+
+def test_a_bound_call_refuses_arguments_unlike_its_example() -> None:
+    """A copy into a graph's buffer would broadcast a smaller tensor silently: refused."""
+    call = BoundCall("draft binding (Bcap=2, depth=3)", lambda x: x + 1, (torch.zeros(2),))
+    assert torch.equal(call(torch.ones(2)), torch.full((2,), 2.0))
+    with pytest.raises(ValueError, match=r"draft binding \(Bcap=2, depth=3\): arguments "
+                                         r"\(\(\(1,\), torch.float32\),\); this binding was "
+                                         r"prepared for \(\(\(2,\), torch.float32\),\)"):
+        call(torch.ones(1))
+    with pytest.raises(ValueError, match="prepared for"):
+        call(torch.ones(2, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_pack_given_its_depth_on_the_device_packs_what_the_int_depth_packs(seed: int
+                                                                             ) -> None:
+    """A captured pack takes the depth as a device value and always allocates; the eager one
+    skips allocation at full width. Both must lay out the same rows for every G."""
+    generator = torch.Generator().manual_seed(seed)
+    num_reqs, width = 4, 5
+    models = load_reference_models()
+    ctx = SimpleNamespace(context_limit=models.target.context_limit)
+    for depth in range(1, width + 1):
+        rows = KvSlotStates(
+            anchor_ids=torch.randint(0, 100, (num_reqs,), generator=generator),
+            anchor_positions=torch.randint(1, 40, (num_reqs,), generator=generator),
+            hidden=torch.zeros(num_reqs, 0),
+            remaining=torch.randint(1, 8, (num_reqs,), generator=generator),
+            live=torch.rand(num_reqs, generator=generator) < 0.8)
+        drafts = torch.randint(0, 100, (num_reqs, width), generator=generator)
+        confidences = torch.rand(num_reqs, width, generator=generator)
+        kv_slots = torch.arange(num_reqs)
+        for num_rows in (num_reqs, num_reqs * 2, num_reqs * (depth + 1), num_reqs * (width + 1)):
+            eager = pack_block(ctx, rows, drafts, confidences, kv_slots, depth, num_rows)
+            bound = pack_block(ctx, rows, drafts, confidences, kv_slots, torch.tensor(depth),
+                               num_rows)
+            assert torch.equal(eager[0], bound[0])
+            for name in ("verify_lengths", "num_entry_rows", "cu_num_rows", "draft_indices"):
+                assert torch.equal(getattr(eager[1], name), getattr(bound[1], name)), name
+            for name in ("token_ids", "row_reqs", "row_offsets", "row_valid"):
+                assert torch.equal(getattr(eager[1].rows, name), getattr(bound[1].rows, name))
+
+
+def _split_registries(runtime: Runtime) -> list[BindingRegistry]:
+    registries = runtime._pipeline.registries  # type: ignore[union-attr]  # what start prepared
+    assert registries is not None
+    return registries
+
+
+class CyclingDepth(FixedDepth):
+    """A test's depth policy: depths 1..w in turn, so every draft binding runs."""
+
+    name = "cycling"
+
+    def decide(self, context: DepthContext) -> int:
+        return 1 + context.round % context.width
+
+
+@pytest.mark.parametrize(("algorithm", "width", "policy", "depths"), [
+    ("MTP", 3, CyclingDepth, (1, 2, 3)), ("MTP", 3, None, (3,)), ("DSpark", 5, CyclingDepth, (5,))])
+def test_split_rounds_run_prepared_draft_pack_and_verify_bindings(
+        algorithm: str, width: int, policy: type[FixedDepth] | None, depths: tuple[int, ...],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Split mode prepares, per slot, a draft binding per (Bcap, depth) (every depth when a
+    policy may pick any and the drafter's work depends on it; the width alone otherwise) and
+    a pack and verify binding per (Bcap, G); every round runs them, and the output stays the
+    target's alone."""
+    calls: Counter[str] = Counter()
+    bound_call = BoundCall.__call__
+
+    def counted(self: BoundCall, *args: object) -> object:  # a spy: which bindings ran
+        calls[self.name.split(" (")[0]] += 1
+        return bound_call(self, *args)
+
+    monkeypatch.setattr(BoundCall, "__call__", counted)
+    prompts = lossless_prompts()[:6]
+    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens_of(i))
+              for i in range(len(prompts))]
+    models = load_reference_models()
+    options = RuntimeOptions(depth_policy=policy()) if policy else None
+    runtime = Runtime(config(algorithm, width, 4), models=models, options=options)
+    outputs = asyncio.run(run_staggered(runtime, prompts, params, wave=3))
+    monkeypatch.undo()
+    target = decode(config("none", 0, 4), prompts, params, models=models)
+    assert [r.token_ids for r in outputs] == [r.token_ids for r in target]
+    rounds = runtime.statistics().rounds_submitted
+    assert rounds > 10
+    assert calls == {"draft binding": rounds, "pack binding": rounds}
+    registries = _split_registries(runtime)
+    assert len(registries) == 2
+    for slot, registry in enumerate(registries):
+        assert registry.sealed
+        bindings = {key: registry.lookup(key[2], key[3]).binding for key in registry.keys}
+        assert all(isinstance(b, SplitBinding) for b in bindings.values())
+        make = registry._make
+        assert isinstance(make, SplitBindings)
+        buckets = registry.geometry.request_buckets
+        assert make.draft_keys == tuple((slot, width, b, d) for b in buckets for d in depths)
+        for (_, _, bucket, rows), binding in bindings.items():
+            assert binding.key == (slot, width, bucket, rows)
+            assert binding.pack.shape == (bucket, rows)
+            full = registry.geometry.full_rows(bucket)
+            assert binding.drafts is bindings[(slot, width, bucket, full)].drafts
+    first, second = (r.lookup(1, width + 1).binding for r in registries)
+    assert first.drafts[depths[-1]] is not second.drafts[depths[-1]]
+    if depths == (3,):
+        with pytest.raises(GraphBindingMissing, match="no prepared draft binding for slot=0 "
+                                                      "width=3 Bcap=1 depth=2"):
+            first.draft(2)
+
+
+@pytest.mark.parametrize("flags", [
+    {"speculative_algorithm": "DSpark", "num_speculative_tokens": 5},
+    {"speculative_algorithm": "DSpark", "num_speculative_tokens": 5,
+     "enable_adaptive_target_verify": True},
+    {"speculative_algorithm": "DSpark", "num_speculative_tokens": 5,
+     "enable_adaptive_target_verify": True, "enable_unified_mtp_graph": True},
+    {"speculative_algorithm": "MTP", "num_speculative_tokens": 3,
+     "enable_adaptive_draft_step": True},
+    {"speculative_algorithm": "none", "num_speculative_tokens": 0}])
+def test_the_effective_config_lists_the_bindings_startup_prepares(flags: dict[str, object]
+                                                                   ) -> None:
+    """Before anything runs, ``adaspec config`` says which G each bucket gets a binding for:
+    what startup then prepares (full width alone for a fixed width, the tiers under unified
+    adaptive verification)."""
+    effective = load_config({**flags, "max_seqs_per_batch": 4})
+    launch = effective.launch
+    planned: dict[str, list[int]] = {}
+    for bucket, rows in BucketGeometry.of(launch).planned_bindings(
+            adaptive=adaptive_budget(launch)):
+        planned.setdefault(str(bucket), []).append(rows)
+    assert effective.as_dict()["execution"]["prepared_bindings"] == planned

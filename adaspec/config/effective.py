@@ -118,6 +118,8 @@ def _execution(launch: LaunchConfig) -> dict[str, object]:
         "seqs_per_shard": launch.seqs_per_shard,
         "prepared_request_buckets": list(launch.prepared_request_buckets()),
         "prepared_target_rows": list(launch.prepared_target_rows()),
+        "prepared_bindings": {str(bucket): list(rows)
+                              for bucket, rows in launch.prepared_bindings().items()},
     }
 
 

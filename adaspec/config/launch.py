@@ -222,6 +222,15 @@ class LaunchConfig:
             full |= {b * (d + 1) for b in buckets for d in range(1, rows_per_request)}
         return tuple(sorted(set(_ladder(buckets[-1] * rows_per_request)) | full))
 
+    def prepared_bindings(self) -> dict[int, tuple[int, ...]]:
+        """The G values startup prepares a binding for, per request bucket: every legal G
+        when the budget policy may pick any (adaptive target verify or draft steps), else
+        full width alone. Empty without graphs."""
+        adaptive = self.enable_adaptive_target_verify or self.enable_adaptive_draft_step
+        full = self.num_speculative_tokens + 1
+        return {bucket: self.legal_target_rows(bucket) if adaptive else (bucket * full,)
+                for bucket in self.prepared_request_buckets()}
+
     @property
     def captures_tiers_only(self) -> bool:
         """Unified adaptive verification captures a whole round per binding, so it prepares

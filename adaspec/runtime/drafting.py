@@ -37,6 +37,9 @@ class Drafting(Protocol):
     keeps_hidden: bool
     """Whether drafting reads the target hidden state behind each anchor (``KvSlotStates``
     keeps one per KV slot only then)."""
+    drafts_by_depth: bool
+    """Whether the work of ``draft`` depends on ``depth`` (MTP runs ``depth`` steps; a DSpark
+    block always drafts the width), so a prepared draft binding is keyed by it."""
 
     def draft(self, states: KvSlotStates, kv_slots: Tensor, depth: int) -> tuple[Tensor, Tensor]:
         """Drafted token ids and confidences, both ``[Bcap, width]``, for the gathered
@@ -99,6 +102,7 @@ class NoDrafting:
 
     width = 0
     keeps_hidden = False
+    drafts_by_depth = False
 
     def __init__(self) -> None:
         # Blocks with no columns hold no values that anything could change: one pair per
@@ -126,6 +130,7 @@ class DSparkDrafting:
     keeps a context of its own (``DrafterContext``) gets it published as an MTP head does."""
 
     keeps_hidden = True
+    drafts_by_depth = False
 
     def __init__(self, drafter: DSparkDrafter, width: int, context_limit: int,
                  num_kv_slots: int) -> None:
@@ -164,6 +169,7 @@ class MtpDrafting:
     the prompt and from the target's hidden states of committed rows."""
 
     keeps_hidden = True
+    drafts_by_depth = True
 
     def __init__(self, drafter: MtpDrafter, width: int, context_limit: int,
                  num_kv_slots: int) -> None:

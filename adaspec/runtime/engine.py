@@ -75,6 +75,7 @@ from adaspec.runtime.pipeline import Pipeline, RuntimeStatistics
 from adaspec.runtime.ranks import FollowerRefused, RankLink
 from adaspec.runtime.requests import Request, RequestHandle, check_prompt, prompt_ids
 from adaspec.runtime.rounds import CheckedDrafter, DeviceContext, Lockstep, StageHook
+from adaspec.runtime.split import SplitBindings
 from adaspec.runtime.states import RoundHooks
 from adaspec.runtime.trace import STDERR, StateTrace, trace_destination
 from adaspec.runtime.unified import round_binding_factory
@@ -646,21 +647,24 @@ class Runtime:
 
     async def _prepare_bindings(self, models: ModelSet, ctx: DeviceContext,
                                 geometry: BucketGeometry) -> list[BindingRegistry] | None:
-        """One registry per pipeline slot, prepared on the device stream before ready: the
-        target's verify per (Bcap, G) in split mode, the whole round in unified mode."""
+        """One registry per pipeline slot, prepared on the device stream before ready: per
+        (Bcap, G) the draft, pack and verify of split mode, the whole round in unified mode."""
         launch = self.launch
         if not launch.enable_graph:
             return None
         assert self._stream is not None
         pairs = geometry.planned_bindings(adaptive=adaptive_budget(launch))
-        make = binding_factory(models.target, launch.num_speculative_tokens, launch.device)
-        what = "the target's verify"
-        if launch.enable_unified_mtp_graph:
-            make, what = round_binding_factory(ctx, launch.num_speculative_tokens), "a round"
+        width = launch.num_speculative_tokens
+        # Fails at once for a device without graph capture, before anything is prepared.
+        binding_factory(models.target, width, launch.device)
+        what = "a round" if launch.enable_unified_mtp_graph else "a draft, pack or verify"
+        varying_depth = launch.enable_adaptive_draft_step or self.options.depth_policy is not None
         registries = []
         for slot in range(2 if launch.enable_schedule_overlap else 1):
             self._abandoned()
             assert self._stream is not None  # a stop closes it only with _stopping set
+            make = round_binding_factory(ctx, width) if launch.enable_unified_mtp_graph \
+                else SplitBindings(ctx, width, launch.device, slot, varying_depth)
             registry = BindingRegistry(geometry, make, slot=slot)
             try:
                 await self._stream.enqueue(functools.partial(registry.prepare, pairs))

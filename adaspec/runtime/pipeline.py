@@ -24,7 +24,7 @@ import operator
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -78,6 +78,7 @@ from adaspec.runtime.rounds import (
     prefill,
     stop_tensor,
 )
+from adaspec.runtime.split import SplitBinding
 from adaspec.runtime.states import DONE_TRIGGER, FAIL_TRIGGER, STAGES, RoundHooks, RoundMachine
 
 FINISH_REASONS = {FINISHED_STOP: "stop", FINISHED_LENGTH: "length"}
@@ -691,12 +692,15 @@ class Pipeline:
             return
         batch = facts.batch
         kv_slots = facts.kv_slots if bucket == facts.bucket else self._padded(batch, bucket)
-        verify, bound = cast(Binding, self.ctx.target.verify), None
-        if binding is not None:  # a split round's verify, or a unified round's whole unit
-            verify, bound = (binding, None) if self.split else (verify, binding)
-        inputs = RoundInputs(round=number, kv_slots=kv_slots, depth=depth, num_rows=num_rows,
-                             all_greedy=facts.all_greedy, verify=verify,
-                             any_stop=facts.any_stop, bound=bound)
+        bound: dict[str, Any] = {}
+        if isinstance(binding, SplitBinding):  # a split round's draft, pack and verify
+            bound = {"draft": binding.draft(depth), "pack": binding.pack,
+                     "verify": binding.verify}
+        elif binding is not None:  # a unified round's whole unit
+            bound = {"bound": binding}
+        inputs = RoundInputs(**{"verify": self.ctx.target.verify, **bound}, round=number,
+                             kv_slots=kv_slots, depth=depth, num_rows=num_rows,
+                             all_greedy=facts.all_greedy, any_stop=facts.any_stop)
         self.decided = (number, depth, num_rows)
         record = RoundRecord(round=number, slot=slot, batch=batch, num_reqs_bucket=bucket,
                              depth=depth, num_rows=num_rows,

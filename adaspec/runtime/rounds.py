@@ -164,6 +164,10 @@ class RoundInputs:
     verify: Callable[[VerifyRows], TargetOutput]  # the (Bcap, G) binding
     any_stop: bool = True  # some entry has stop token ids: commit looks for them
     bound: Callable[["RoundWork"], "RetiredRound"] | None = None  # unified: the round binding
+    # Split mode with graphs: the prepared draft (Bcap, depth) and pack (Bcap, G) bindings.
+    draft: Callable[[Tensor], tuple[KvSlotStates, Tensor, Tensor]] | None = None
+    pack: Callable[[KvSlotStates, Tensor, Tensor, Tensor, int], tuple[Tensor, PackedRows]] \
+        | None = None
 
 
 @dataclass(slots=True)
@@ -214,9 +218,10 @@ class RoundWork:
         # The host gives its KV slots as a host tensor: copied here, in stream order, so the
         # host never waits for the device to take them (a no-op on the CPU).
         kv_slots = self.kv_slots = self.inputs.kv_slots.to(self.ctx.device, non_blocking=True)
-        self.rows = self.ctx.states.gather(kv_slots)
-        self.drafts, self.confidences = self.ctx.drafting.draft(self.rows, kv_slots,
-                                                                self.inputs.depth)
+        bound = self.inputs.draft
+        drafted = draft_block(self.ctx, kv_slots, self.inputs.depth) if bound is None \
+            else bound(kv_slots)
+        self.rows, self.drafts, self.confidences = drafted
 
     @_stage
     def consensus(self) -> None:
@@ -229,23 +234,14 @@ class RoundWork:
     def pack(self) -> None:
         rows, drafts = _have(self.rows, "rows"), _have(self.drafts, "drafts")
         confidences = _have(self.confidences, "confidences")
-        self.budget = emit_budget(rows.remaining, rows.anchor_positions,
-                                  self.ctx.context_limit)
-        depth, num_rows = self.inputs.depth, self.inputs.num_rows
         kv_slots = _have(self.kv_slots, "KV slots")
-        if not drafts.shape[1]:  # nothing drafted: no entry verifies a draft
-            self.packed = pack_rows(torch.zeros_like(self.budget), rows.anchor_ids, drafts,
-                                    kv_slots, rows.anchor_positions, rows.live, num_rows)
-            return
-        caps = verify_caps(depth, self.budget, rows.live)
-        if num_rows < kv_slots.shape[0] * (depth + 1):
-            lengths = allocate_prefixes(confidences, num_rows, caps, rows.live)
+        inputs = self.inputs
+        if inputs.pack is not None:
+            self.budget, self.packed = inputs.pack(rows, drafts, confidences, kv_slots,
+                                                   inputs.depth)
         else:
-            # G holds every entry's anchor and all its capped drafts: allocation would admit
-            # every eligible position, which is the caps themselves.
-            lengths = caps
-        self.packed = pack_rows(lengths, rows.anchor_ids, drafts, kv_slots,
-                                rows.anchor_positions, rows.live, self.inputs.num_rows)
+            self.budget, self.packed = pack_block(self.ctx, rows, drafts, confidences, kv_slots,
+                                                  inputs.depth, inputs.num_rows)
 
     @_stage
     def verify(self) -> None:
@@ -326,6 +322,36 @@ class RoundWork:
         """The bound method of stage ``name`` (the stream runs it)."""
         method: Callable[[], object] = getattr(self, name)
         return method
+
+
+def draft_block(ctx: DeviceContext, kv_slots: Tensor, depth: int
+                ) -> tuple[KvSlotStates, Tensor, Tensor]:
+    """The draft stage's device work: the batch entries' states gathered from ``kv_slots
+    [Bcap]`` (on the device), and their drafted token ids and confidences ``[Bcap, w]``."""
+    rows = ctx.states.gather(kv_slots)
+    drafts, confidences = ctx.drafting.draft(rows, kv_slots, depth)
+    return rows, drafts, confidences
+
+
+def pack_block(ctx: DeviceContext, rows: KvSlotStates, drafts: Tensor, confidences: Tensor,
+               kv_slots: Tensor, depth: int | Tensor, num_rows: int
+               ) -> tuple[Tensor, PackedRows]:
+    """The pack stage's device work: each entry's emit budget and the G = ``num_rows``
+    verify rows. ``depth`` is an int, or a 0-dim device tensor in a captured pack (one graph
+    serves every depth); both give the same rows."""
+    budget = emit_budget(rows.remaining, rows.anchor_positions, ctx.context_limit)
+    if not drafts.shape[1]:  # nothing drafted: no entry verifies a draft
+        return budget, pack_rows(torch.zeros_like(budget), rows.anchor_ids, drafts, kv_slots,
+                                 rows.anchor_positions, rows.live, num_rows)
+    caps = verify_caps(depth, budget, rows.live)
+    if isinstance(depth, Tensor) or num_rows < kv_slots.shape[0] * (depth + 1):
+        lengths = allocate_prefixes(confidences, num_rows, caps, rows.live)
+    else:
+        # G holds every entry's anchor and all its capped drafts: allocation would admit
+        # every eligible position, which is the caps themselves.
+        lengths = caps
+    return budget, pack_rows(lengths, rows.anchor_ids, drafts, kv_slots, rows.anchor_positions,
+                             rows.live, num_rows)
 
 
 @dataclass(frozen=True, slots=True)

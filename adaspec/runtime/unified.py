@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from adaspec.runtime.devices.graphs import capture
 from adaspec.runtime.rounds import DeviceContext, RetiredRound, RoundInputs, RoundWork
 from adaspec.runtime.states import STAGES
 
@@ -37,24 +38,13 @@ class BoundRound:
             verify=ctx.target.verify, any_stop=True))
         self.graph: torch.cuda.CUDAGraph | None = None
         if ctx.device.type == "cuda":
-            self._capture(pool)
+            self.graph = capture(self._run_body, pool)[0]
         else:
             self._run_body()  # prewarm: allocator and kernel caches as a real round leaves them
 
     def _run_body(self) -> None:
         for name in STAGES[:-1]:  # retire is the host copy, taken outside the unit
             self.work.stage(name)()
-
-    def _capture(self, pool: Any) -> None:
-        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._run_body()  # kernels, workspaces and lazy buffers exist before capture
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        # ``pool`` is an opaque handle from torch.cuda.graph_pool_handle().
-        with torch.cuda.graph(self.graph, pool=pool):
-            self._run_body()
 
     def __call__(self, work: RoundWork) -> RetiredRound:
         """Run ``work``'s round through this binding and return its retire copy."""

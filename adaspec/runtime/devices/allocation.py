@@ -29,14 +29,16 @@ def emit_budget(remaining: Tensor, anchor_positions: Tensor, context_limit: int)
     return torch.minimum(remaining, context_limit - 1 - anchor_positions)
 
 
-def verify_caps(depth: int, budget: Tensor, req_valid: Tensor) -> Tensor:
+def verify_caps(depth: int | Tensor, budget: Tensor, req_valid: Tensor) -> Tensor:
     """[Bcap] int64: the most drafted tokens each batch entry may verify: the round's
-    ``depth`` drafts at most.
+    ``depth`` drafts at most (an int, or a 0-dim int64 tensor on ``budget``'s device).
 
     An entry with ``budget`` tokens left (``emit_budget``) commits at most that many this
     round, accepted drafts plus the residual or bonus token, so verifying more than
     ``budget - 1`` drafts is wasted target work. Padding entries get 0.
     """
+    if isinstance(depth, Tensor):
+        return torch.minimum((budget - 1).clamp(min=0), depth) * req_valid
     return (budget - 1).clamp(min=0, max=depth) * req_valid
 
 

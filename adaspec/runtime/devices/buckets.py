@@ -18,9 +18,10 @@ from typing import Any
 from adaspec.config.launch import LaunchConfig, prepared_rows, tiers_among
 from adaspec.errors import GraphBindingMissing
 
-Binding = Callable[[Any], Any]
-"""A prepared entry point: a target verify (``VerifyRows -> TargetOutput``) in split mode, a
-whole round (``RoundWork -> RetiredRound``, ``adaspec.runtime.unified``) in unified mode."""
+Binding = Any
+"""A prepared entry point: the draft, pack and verify of a split round
+(``adaspec.runtime.split.SplitBinding``), a whole round (``RoundWork -> RetiredRound``,
+``adaspec.runtime.unified``) in unified mode, or a bare target verify."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,14 +9,17 @@ write to the scratch KV slot, so no request's KV changes.
 """
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+from torch import Tensor
 
 from adaspec.config.limits import GRAPH_BACKEND_FOR_DEVICE
 from adaspec.errors import ConfigError
 from adaspec.models.protocols import TargetModel, TargetOutput, VerifyRows
 from adaspec.runtime.devices.packing import grid_width
+
+T = TypeVar("T")
 
 
 def padding_rows(num_reqs: int, num_rows: int, rows_per_req: int, scratch_kv_slot: int,
@@ -61,28 +64,36 @@ class EagerBinding:
         return self.target.verify(rows)
 
 
+def capture(fn: Callable[[], T], pool: Any = None) -> tuple["torch.cuda.CUDAGraph", T]:
+    """``fn`` run once on a side stream (kernels, workspaces and lazy buffers exist before
+    capture), then captured as a CUDA graph in memory ``pool`` (an opaque handle from
+    ``torch.cuda.graph_pool_handle()``); the graph and the outputs of the captured call."""
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = fn()
+    return graph, outputs
+
+
 class CapturedVerify:
     """One bucket's ``verify`` captured as a CUDA graph.
 
     ``__call__`` copies the rows into the captured input buffers and replays; the returned
     tensors are the graph's output buffers, valid until the next replay of a graph sharing
-    its memory ``pool``. Graphs of one pipeline slot share one pool (only one round per slot
-    is in flight), so memory grows with the largest bucket, not with the number of buckets.
+    its memory ``pool``. Graphs of one kind (verify, draft, pack) share one pool: only one
+    of them replays per round, and the round is retired before another replays, so memory
+    grows with the largest bucket, not with the number of buckets.
     """
 
     def __init__(self, target: TargetModel, num_reqs: int, num_rows: int,
                  rows_per_req: int, pool: Any = None) -> None:
         self.shape = (num_reqs, num_rows, rows_per_req)
         self.inputs = padding_rows(num_reqs, num_rows, rows_per_req, target.num_kv_slots, "cuda")
-        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            target.verify(self.inputs)  # kernels and workspaces exist before capture
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        # ``pool`` is an opaque handle from torch.cuda.graph_pool_handle().
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.outputs = target.verify(self.inputs)
+        self.graph, self.outputs = capture(lambda: target.verify(self.inputs), pool)
 
     def __call__(self, rows: VerifyRows) -> TargetOutput:
         check_shape(rows, *self.shape)
@@ -91,6 +102,50 @@ class CapturedVerify:
             getattr(self.inputs, name).copy_(getattr(rows, name))
         self.graph.replay()
         return self.outputs
+
+
+class BoundCall:
+    """``fn`` over fixed-shape arguments, prepared once on example arguments: captured as a
+    CUDA graph on cuda (every argument a tensor: a call copies them into the graph's input
+    buffers and replays; the result is the graph's own output, valid until a graph of its
+    pool replays again), prewarmed and then called eagerly elsewhere. ``outputs`` is what
+    the capture (or the prewarm) returned; ``warm=False`` skips the CPU prewarm (another
+    binding of the same shapes already warmed the allocator).
+
+    An argument of another shape, dtype or type than its example is refused: a copy would
+    broadcast it silently, and a graph would read stale buffers."""
+
+    def __init__(self, name: str, fn: Callable[..., Any], args: tuple[Any, ...],
+                 pool: Any = None, warm: bool = True) -> None:
+        self.name = name
+        self.fn = fn
+        self.specs = _specs(args)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.outputs: Any = None
+        if args and isinstance(args[0], Tensor) and args[0].device.type == "cuda":
+            self.buffers = tuple(arg.clone() for arg in args)
+            self.graph, self.outputs = capture(lambda: fn(*self.buffers), pool)
+        elif warm:
+            self.outputs = fn(*args)
+
+    def __call__(self, *args: Any) -> Any:
+        specs = _specs(args)
+        if specs != self.specs:
+            raise ValueError(f"{self.name}: arguments {specs}; this binding was prepared "
+                             f"for {self.specs}")
+        if self.graph is None:
+            return self.fn(*args)
+        for buffer, arg in zip(self.buffers, args, strict=True):
+            buffer.copy_(arg, non_blocking=True)
+        self.graph.replay()
+        return self.outputs
+
+
+def _specs(args: tuple[Any, ...]) -> tuple[object, ...]:
+    """What a bound call's arguments must keep: a tensor's shape and dtype, another value's
+    type."""
+    return tuple((tuple(arg.shape), arg.dtype) if isinstance(arg, Tensor) else type(arg)
+                 for arg in args)
 
 
 def binding_factory(target: TargetModel, width: int, device: str
