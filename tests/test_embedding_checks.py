@@ -514,6 +514,29 @@ def test_verify_logits_of_the_wrong_shape_fail_the_round_naming_both_shapes(
                      r"\(\[G, vocab_size\]\)$", message), message
 
 
+def test_verify_hidden_in_another_dtype_fails_the_round_naming_both(
+        models: ReferenceModels) -> None:
+    """The hidden states of verified rows are stored beside the target's own: another dtype
+    would fail later inside commit with torch's message; it fails at verify, named."""
+    target = Rewired(models.target, "verify", lambda out: type(out)(
+        logits=out.logits, hidden=out.hidden.double()))
+    message = _failure(SimpleNamespace(target=target, mtp=models.mtp, dspark=None), "MTP",
+                       target)
+    assert re.search(r"failed in verify: ModelOutputError: target\.verify returned hidden of "
+                     r"dtype torch\.float64: expected \[\d+, \d+\] \(\[G, hidden_size\]\) in "
+                     r"torch\.float32 \(the target's dtype\)$", message), message
+
+
+def test_verify_returning_no_target_output_fails_the_round_naming_its_type(
+        models: ReferenceModels) -> None:
+    target = Rewired(models.target, "verify", lambda out: (out.logits, out.hidden))
+    message = _failure(SimpleNamespace(target=target, mtp=models.mtp, dspark=None), "MTP",
+                       target)
+    assert message.endswith("failed in verify: ModelOutputError: target.verify returned a "
+                            "value of type tuple: expected a TargetOutput (logits, hidden)"), \
+        message
+
+
 def test_verify_with_too_few_rows_fails_the_round(models: ReferenceModels) -> None:
     target = Rewired(models.target, "verify", lambda out: type(out)(
         logits=out.logits[:1], hidden=out.hidden[:1]))

@@ -186,14 +186,17 @@ def _integral(dtype: torch.dtype) -> bool:
 
 
 def check_output(method: str, field: str, value: object, shape: tuple[int, ...],
-                 meaning: str, *, integer: bool = False) -> None:
+                 meaning: str, *, integer: bool = False, dtype: torch.dtype | None = None
+                 ) -> None:
     """Refuse (``ModelOutputError``) an output that is no tensor of ``shape`` (of an integer
-    dtype where ``integer``: token ids, lengths); ``meaning`` spells the shape as the protocol
-    does (``[G, vocab_size]``). Shape metadata only: nothing is read from the device."""
+    dtype where ``integer``: token ids, lengths; of ``dtype`` where given: hidden states the
+    runtime stores beside the target's own); ``meaning`` spells the shape as the protocol
+    does (``[G, vocab_size]``). Metadata only: nothing is read from the device."""
     if isinstance(value, Tensor) and value.shape == shape and (
-            not integer or _integral(value.dtype)):
+            not integer or _integral(value.dtype)) and dtype in (None, value.dtype):
         return
-    wanted = f"{_dims(shape)} ({meaning})" + (" of an integer dtype" if integer else "")
+    wanted = f"{_dims(shape)} ({meaning})" + (" of an integer dtype" if integer else "") + \
+        (f" in {dtype} (the target's dtype)" if dtype is not None else "")
     if not isinstance(value, Tensor):
         kind = type(value)
         got = f"of type {kind.__module__}.{kind.__qualname__}".replace("builtins.", "")

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from adaspec.config.requests import MAX_STOP_TOKENS
+from adaspec.errors import ModelOutputError
 from adaspec.models.protocols import (
     DSparkBlock,
     MtpStep,
@@ -420,12 +421,19 @@ def _prefill(ctx: DeviceContext, inputs: PrefillInputs) -> PrefillResult:
 def check_target_output(method: str, out: object, num_rows: int, rows: str,
                         ctx: DeviceContext) -> TargetOutput:
     """``out`` when it holds ``logits [rows, vocab_size]`` and ``hidden [rows, hidden_size]``
-    (shapes only: no device read); else the ``ModelOutputError`` naming ``method``."""
+    in the target's dtype (metadata only: no device read); else the ``ModelOutputError``
+    naming ``method``."""
     logits, hidden = _ROW_SHAPES[rows]
+    if not (hasattr(out, "logits") and hasattr(out, "hidden")):  # not a TargetOutput at all
+        kind = type(out)
+        raise ModelOutputError(method, "a value", "a TargetOutput (logits, hidden)",
+                               f"of type {kind.__module__}.{kind.__qualname__}"
+                               .replace("builtins.", ""))
     check_output(method, "logits", getattr(out, "logits", None), (num_rows, ctx.vocab_size),
                  logits)
+    # Stored beside the hidden states of earlier rounds (KvSlotStates): same dtype.
     check_output(method, "hidden", getattr(out, "hidden", None), (num_rows, ctx.hidden_size),
-                 hidden)
+                 hidden, dtype=ctx.states.hidden.dtype)
     return out  # type: ignore[return-value]
 
 
