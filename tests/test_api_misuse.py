@@ -318,10 +318,22 @@ class RaisingVerify:
         return 1 / 0
 
 
-def test_a_target_whose_verify_raises_at_start_is_named_in_one_line() -> None:
+class RaisingStep(RaisingVerify):
+    """The reference MTP head with a step that raises (an embedder's bug, faked likewise)."""
+
+    def step(self, *args: Any) -> Any:
+        return 1 / 0
+
+
+@pytest.mark.parametrize(("raising", "what"), [("target", "the target's verify"),
+                                               ("mtp", "the drafter's draft")])
+def test_a_model_that_raises_at_start_is_named_in_one_line(raising: str, what: str) -> None:
+    """Startup prepares the drafter's draft, packing and the target's verify of every
+    bucket: the one that raised is named."""
     models = load_reference_models()
     runtime = Runtime(config("MTP", 3, 2), models=SimpleNamespace(
-        target=RaisingVerify(models.target), mtp=models.mtp, dspark=None))
+        target=RaisingVerify(models.target) if raising == "target" else models.target,
+        mtp=RaisingStep(models.mtp) if raising == "mtp" else models.mtp, dspark=None))
 
     async def start() -> None:
         try:
@@ -331,5 +343,5 @@ def test_a_target_whose_verify_raises_at_start_is_named_in_one_line() -> None:
 
     with pytest.raises(DeviceLayerError) as info:
         asyncio.run(start())
-    assert str(info.value) == ("preparing the graph bindings at start: the target's verify "
+    assert str(info.value) == (f"preparing the graph bindings at start: {what} "
                                "raised ZeroDivisionError: division by zero")

@@ -657,7 +657,6 @@ class Runtime:
         width = launch.num_speculative_tokens
         # Fails at once for a device without graph capture, before anything is prepared.
         binding_factory(models.target, width, launch.device)
-        what = "a round" if launch.enable_unified_mtp_graph else "a draft, pack or verify"
         varying_depth = launch.enable_adaptive_draft_step or self.options.depth_policy is not None
         registries = []
         for slot in range(2 if launch.enable_schedule_overlap else 1):
@@ -671,6 +670,7 @@ class Runtime:
             except AdaspecError:
                 raise
             except Exception as error:  # the model's own failure, named in one line
+                what = getattr(make, "preparing", "a round")
                 raise DeviceLayerError(f"preparing the graph bindings at start: {what} "
                                        f"raised {type(error).__name__}: {error}") from error
             registry.seal()

@@ -128,6 +128,7 @@ class SplitBindings:
         varies = self.by_depth and varying_depth and width > 1
         self.depths = tuple(range(width, 0, -1)) if varies else (width,)
         self._drafts: dict[int, dict[int, DraftBinding]] = {}
+        self.preparing = ""  # what is being prepared: names a failure at start
 
     @property
     def draft_keys(self) -> tuple[tuple[int, int, int, int], ...]:
@@ -140,12 +141,15 @@ class SplitBindings:
         if drafts is None:
             # On the CPU only the deepest draft is prewarmed: it runs every shape the
             # shallower ones run.
+            self.preparing = "the drafter's draft"
             drafts = self._drafts[num_reqs] = {
                 depth: DraftBinding(self.ctx, num_reqs, depth, self.draft_pool,
                                     warm=depth == self.depths[0]) for depth in self.depths}
         # The deepest draft's outputs are the pack binding's example inputs.
+        self.preparing = "packing"
         pack = PackBinding(self.ctx, num_reqs, num_rows, drafts[self.depths[0]].call.outputs,
                            self.pack_pool)
+        self.preparing = "the target's verify"
         return SplitBinding(key=(self.slot, self.width, num_reqs, num_rows), drafts=drafts,
                             pack=pack, verify=self.verify(num_reqs, num_rows),
                             drafts_by_depth=self.by_depth)
