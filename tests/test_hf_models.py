@@ -193,6 +193,32 @@ def test_up_to_the_context_limit_and_with_a_stop_token(
     assert stopped.finish_reason == "stop"
 
 
+@pytest.mark.parametrize(("kind", "fields"), [
+    ("qwen2", {"use_sliding_window": True, "max_window_layers": 2}),
+    ("qwen2", {"use_sliding_window": True, "max_window_layers": 1}),
+    ("mistral", {}),
+], ids=["qwen2-no-layer-slides", "qwen2-second-layer-slides", "mistral-every-layer-slides"])
+def test_a_sliding_window_applies_to_the_layers_transformers_applies_it_to(
+        tmp_path: Path, kind: str, fields: dict[str, Any]) -> None:
+    """A window of 4 positions, far shorter than prompt and output: Qwen2 slides only in the
+    layers ``layer_types`` names (its config derives them from ``max_window_layers``: none of
+    2 layers for 2, the second for 1), Mistral in every layer."""
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(
+        kind, vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CONTEXT,
+        initializer_range=0.2, tie_word_embeddings=False, bos_token_id=None,
+        eos_token_id=None, pad_token_id=None, sliding_window=4, **fields)
+    reference = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager").eval()
+    reference.save_pretrained(tmp_path)
+    prompt = PROMPTS[0]
+    (result,) = _decode(load_hf_models(str(tmp_path)), {"speculative_algorithm": "MTP",
+                        "num_speculative_tokens": 3}, [prompt],
+                        [SamplingParams(temperature=0.0, max_tokens=16)])
+    assert list(result.token_ids) == _generate(reference, prompt, 16)
+
+
 def test_a_checkpoint_adaspec_cannot_load_is_refused_naming_the_flag(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="^--model=") as info:
         load_hf_models(str(tmp_path / "missing"))
@@ -435,16 +461,101 @@ def test_a_fifo_in_a_checkpoint_is_refused_in_one_line_not_waited_on(
     (lambda w: w.update({"model.layers.1.mlp.down_proj.weight": torch.ones(64, 100)}),
      "model.safetensors holds 1 weight of another shape than the config gives: "
      "model.layers.1.mlp.down_proj.weight [64, 100] (config: [64, 128])"),
-], ids=["missing", "missing-many", "unexpected", "reshaped"])
+    (lambda w: w.update({"model.norm.weight": w["model.norm.weight"].to(torch.int32)}),
+     "weight model.norm.weight is stored as I32 in model.safetensors; expected a floating "
+     "dtype (F32, F16, BF16, ...) for a floating parameter"),
+], ids=["missing", "missing-many", "unexpected", "reshaped", "integer"])
 def test_weights_that_do_not_fit_the_config_are_refused_naming_them(
         llama: Family, tmp_path: Path, change: Any, words: str) -> None:
     """transformers would fill a missing or reshaped weight with random values (and drop one
-    the config has no place for), so the model would decode garbage without an error."""
+    the config has no place for, and cast integers to floats), so the model would decode
+    garbage without an error."""
     _, target_dir, _, _ = llama
     folder = _copy(target_dir, tmp_path / "weights", change)
     with pytest.raises(ConfigError) as info:
         load_hf_models(str(folder))
     assert str(info.value) == f"--model={folder}: {words}"
+
+
+def test_weight_files_transformers_would_not_read_are_refused_naming_them(
+        llama: Family, tmp_path: Path) -> None:
+    """transformers reads model.safetensors alone, or the shards its index names: a second
+    file without an index, or one the index leaves out, would be ignored without a word."""
+    _, target_dir, _, reference = llama
+    folder = _copy(target_dir, tmp_path / "unindexed")
+    shutil.copy(folder / "model.safetensors", folder / "model-00002.safetensors")
+    with pytest.raises(ConfigError) as info:
+        load_hf_models(str(folder), drafter=False)
+    assert str(info.value) == (
+        f"--model={folder}: holds the shards model-00002.safetensors but no "
+        "model.safetensors.index.json; expected model.safetensors alone, or shards an index "
+        "names")
+    sharded = tmp_path / "sharded"
+    reference.save_pretrained(sharded, max_shard_size="100KB")
+    shards = sorted(path.name for path in sharded.glob("*.safetensors"))
+    assert len(shards) > 1
+    assert (sharded / "model.safetensors.index.json").is_file()
+    # A file transformers never reads beside the shards (Mistral ships consolidated.*) loads.
+    shutil.copy(sharded / shards[0], sharded / "consolidated.safetensors")
+    load_hf_models(str(sharded), drafter=False)
+    shutil.copy(sharded / shards[0], sharded / "model-00099-of-00099.safetensors")
+    with pytest.raises(ConfigError) as info:
+        load_hf_models(str(sharded), drafter=False)
+    assert str(info.value) == (
+        f"--model={sharded}: model.safetensors.index.json does not name "
+        "model-00099-of-00099.safetensors; expected every model-*.safetensors shard to be one "
+        "it names (no other is read)")
+
+
+def test_a_tokenizer_beyond_the_models_vocabulary_is_refused_a_padded_one_is_not(
+        llama: Family, tmp_path: Path) -> None:
+    """A token id past vocab_size has no embedding: every prompt holding one would be refused
+    as if the prompt were at fault. A model vocabulary larger than its tokenizer's (padded
+    to a round size) is common and loads."""
+    from adaspec.models.launch import command_tokenizer
+
+    _, target_dir, _, _ = llama
+    folder = _copy(target_dir, tmp_path / "vocab")
+    _edit_config(folder, vocab_size=80)
+    with pytest.raises(ConfigError) as info:
+        command_tokenizer(load_config({"model": str(folder)}).launch)
+    assert str(info.value) == (f"--model={folder}: its tokenizer holds {VOCAB} tokens, more "
+                               "than config.json vocab_size=80; expected a tokenizer of at "
+                               "most vocab_size tokens (the model's own)")
+    _edit_config(folder, vocab_size=128)
+    tokenizer, _ = command_tokenizer(load_config({"model": str(folder)}).launch)
+    assert tokenizer.encode("ab") == [66, 67]
+
+
+def test_a_kv_cache_the_device_cannot_hold_is_refused_in_one_line(
+        llama: Family, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The KV cache spans max_position_embeddings for every KV slot: a context of 10**12
+    positions is refused before allocating (more bytes than the device has), and an
+    allocation that fails anyway is the same one line, not an allocator's traceback."""
+    from adaspec.models import hf
+
+    _, target_dir, _, _ = llama
+    folder = _copy(target_dir, tmp_path / "context")
+    _edit_config(folder, max_position_embeddings=10**12)
+    done = _run("generate", f"--model={folder}", "--prompt=ab", "--max_tokens=2",
+                "--temperature=0")
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1, done.stderr
+    # 2 layers, keys and values, 2 KV heads of 16 dims in float32, 2 * 16 + 1 KV slots
+    needed = 2 * 2 * 33 * 2 * 10**12 * 16 * 4
+    assert done.stderr.startswith(
+        f"adaspec generate: error: --model={folder}: config.json max_position_embeddings="
+        f"1000000000000 needs a KV cache of {needed} bytes for 33 KV slots, more than the ")
+    assert done.stderr.endswith(" bytes of cpu memory; expected a context length whose KV "
+                                "cache fits the device\n")
+    target = load_hf_models(str(folder), drafter=False).target
+    monkeypatch.setattr(hf, "_device_memory", lambda device: None)  # the allocator decides
+    with pytest.raises(ConfigError) as info:
+        target.allocate(1)
+    assert str(info.value).startswith(
+        f"--model={folder}: config.json max_position_embeddings=1000000000000 needs a KV "
+        f"cache of {2 * 2 * 2 * 2 * 10**12 * 16 * 4} bytes for 2 KV slots, which cpu memory "
+        "cannot hold: ")
 
 
 def test_non_finite_weights_are_refused_naming_the_first(llama: Family,

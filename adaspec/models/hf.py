@@ -4,34 +4,39 @@ MTP-style sequential drafter (a second, smaller causal LM, or the target's own c
 Optional: ``pip install 'adaspec[hf]'``; nothing imports this module unless asked for.
 
 Checkpoints load from a local directory only (``config.json`` and safetensors weights,
-``local_files_only``): a missing file is an error, never a download. A checkpoint is refused
-in one line naming its flag, rather than run, when a file in it is not a regular file (a FIFO
+``local_files_only``): a missing file is an error, never a download. A checkpoint is refused in
+one line naming its flag, rather than run, when a file in it is not a regular file (a FIFO
 would hang the load), when its config does not validate, when its weights lack a tensor the
-config needs (transformers would fill it with random values), hold one the config has no
-place for or one of another shape, and when a weight is NaN or infinite. The model's own layers
-run unchanged (embeddings, RoPE and its scaling, grouped-query projections, MLPs, norms);
-only attention is adaspec's, registered with transformers' attention interface as
-``adaspec_kv_slots``. It keeps a static KV cache per layer, ``[num_kv_slots + 1, kv_heads,
-context_limit, head_dim]``, writes each row's keys and values at its (KV slot, position)
-before attending, and lets a row at position p read positions <= p of its own KV slot (and no
-further back than the sliding window, where the config has one). So packed rows of many
-requests verify in one forward, and a rejected suffix is overwritten before anything reads it,
-as the protocols require.
+config needs (transformers would fill it with random values), hold one the config has no place
+for or one of another shape, store a floating weight as integers (transformers would cast it),
+when a weight is NaN or infinite, when a *.safetensors file is one transformers would not read
+(a shard without its index), and when its tokenizer holds more tokens than the model's
+vocabulary. A KV cache larger than the device's memory is refused the same way, when it is
+allocated. The model's own layers run unchanged (embeddings, RoPE and its scaling,
+grouped-query projections, MLPs, norms); only attention is adaspec's, registered with
+transformers' attention interface as ``adaspec_kv_slots``. It keeps a static KV cache per
+layer, ``[num_kv_slots + 1, kv_heads, context_limit, head_dim]``, writes each row's keys and
+values at its (KV slot, position) before attending, and lets a row at position p read positions
+<= p of its own KV slot (and no further back than the sliding window transformers gives its
+layer, if any). So packed rows of many requests verify in one forward, and a rejected suffix is
+overwritten before anything reads it, as the protocols require.
 
 Tested families: Llama (grouped-query attention) and GPT-2. Mistral and Qwen2 load through the
-same path; any other ``model_type`` is refused naming it.
+same path (tested for greedy output with sliding windows); any other ``model_type`` is refused
+naming it.
 """
 
 import contextvars
 import itertools
 import json
+import math
 import os
 import stat
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import Tensor
@@ -63,7 +68,6 @@ class SlotCache:
 
     keys: list[Tensor]  # [num_kv_slots + 1, kv_heads, context_limit, head_dim] per layer
     values: list[Tensor]
-    window: int | None  # sliding window: a row reads at most this many positions back
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +85,10 @@ def slot_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: T
                    dropout: float = 0.0, **kwargs: Any) -> tuple[Tensor, None]:
     """transformers' attention call for the rows of the forward in progress: ``query [1, H,
     N, D]``, ``key`` and ``value [1, KVH, N, D]``; returns ``[1, N, H, D]``. The mask
-    transformers built is not used: the KV slots and positions say what each row reads."""
+    transformers built is not used: the KV slots and positions say what each row reads, and
+    ``sliding_window``, which transformers passes per layer as its own masks apply it (a
+    Mistral layer: the config's window; a Qwen2 layer: the window where ``layer_types`` says
+    ``sliding_attention``, else none; a Llama or GPT-2 layer: none), how far back."""
     rows = _ROWS.get()
     layer: int = module.layer_idx  # type: ignore[assignment]
     keys, values = rows.cache.keys[layer], rows.cache.values[layer]
@@ -95,8 +102,9 @@ def slot_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: T
     scale = dim ** -0.5 if scaling is None else scaling
     reach = torch.arange(limit, device=query.device)[None, :]
     visible = reach <= rows.positions[:, None]  # [N, L]
-    if rows.cache.window is not None:
-        visible &= reach > rows.positions[:, None] - rows.cache.window
+    window = kwargs.get("sliding_window")
+    if window is not None:  # transformers' sliding_window_overlay: kv > q - window
+        visible &= reach > rows.positions[:, None] - int(window)
     if rows.kv_slots.shape[0] == 1:  # one KV slot: read it once for every row
         held_k = keys.index_select(0, rows.kv_slots)[0]  # [KVH, L, D]
         held_v = values.index_select(0, rows.kv_slots)[0]
@@ -110,6 +118,19 @@ def slot_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: T
         weights = _softmax(scores, visible, q.dtype)
         out = torch.einsum("nkgl,nkld->nkgd", weights, held_v)
     return out.reshape(count, heads, dim)[None], None
+
+
+def _device_memory(device: torch.device) -> int | None:
+    """Bytes of memory the device has in all (a CPU's: the machine's RAM), or None where
+    that cannot be told: no allocation on it can be larger."""
+    try:
+        if device.type == "cuda":
+            return int(torch.cuda.get_device_properties(device).total_memory)
+        if device.type == "cpu":
+            return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError, RuntimeError):  # no sysconf name, no driver
+        return None
+    return None
 
 
 def _softmax(scores: Tensor, visible: Tensor, dtype: torch.dtype) -> Tensor:
@@ -139,7 +160,8 @@ class LoadedLM:
     model: Any  # a transformers PreTrainedModel with a causal LM head
     config: dict[str, Any]  # config.json as stored
     identity: str
-    window: int | None
+    flag: str  # the launch flag that named the checkpoint, for errors found after the load
+    path: str
 
 
 _MAX_JSON_BYTES = 16 * 2**20
@@ -229,7 +251,46 @@ def read_config(path: str, flag: str) -> dict[str, Any]:
                           "loaded)")
     _refuse_special_files(folder, flag, path)
     _validate_config(path, flag)
+    _refuse_unread_weight_files(folder, flag, path)
     return config
+
+
+INDEX = "model.safetensors.index.json"
+
+
+def _weight_files(folder: Path) -> list[str]:
+    return sorted(name for name in os.listdir(folder) if name.endswith(".safetensors"))
+
+
+def _shard_files(folder: Path) -> list[str]:
+    """The files named as shards of the model (``model-*.safetensors``); others, such as a
+    ``consolidated.safetensors`` beside them, are files transformers never reads."""
+    return [name for name in _weight_files(folder) if name.startswith("model-")]
+
+
+def _refuse_unread_weight_files(folder: Path, flag: str, path: str) -> None:
+    """transformers reads model.safetensors alone, or the shards model.safetensors.index.json
+    names: a shard of the model left without its index, or not in it, would be dropped
+    without a word, so it is refused."""
+    shards = _shard_files(folder)
+    try:
+        index = _read_json(path, flag, INDEX)
+    except FileNotFoundError:
+        if shards:
+            raise ConfigError(flag, path, f"holds the shards {_first(shards)} but no {INDEX}; "
+                              "expected model.safetensors alone, or shards an index "
+                              "names") from None
+        return
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise ConfigError(flag, path, f"{INDEX} has no weight_map object; expected the "
+                          "index of the *.safetensors shards")
+    named = {shard for shard in weight_map.values() if isinstance(shard, str)}
+    unnamed = [name for name in shards if name not in named]
+    if unnamed:
+        raise ConfigError(flag, path, f"{INDEX} does not name {_first(unnamed)}; expected "
+                          "every model-*.safetensors shard to be one it names (no other is "
+                          "read)")
 
 
 def _validate_config(path: str, flag: str) -> None:
@@ -253,12 +314,9 @@ def load_lm(path: str, *, flag: str, device: torch.device | str = "cpu",
     model = _from_pretrained(path, flag, dtype)
     model = model.to(device).eval().requires_grad_(False)
     _refuse_non_finite(model, flag, path)
-    window = None
-    if config.get("sliding_window") and config.get("use_sliding_window", True):
-        window = int(config["sliding_window"])
     weights = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
     return LoadedLM(model=model, config=config, identity=checkpoint_identity(config, weights),
-                    window=window)
+                    flag=flag, path=path)
 
 
 def _from_pretrained(path: str, flag: str, dtype: torch.dtype) -> Any:
@@ -276,7 +334,29 @@ def _from_pretrained(path: str, flag: str, dtype: torch.dtype) -> Any:
         raise ConfigError(flag, path, f"cannot be loaded: {_reason(error)}") from None
     model, info = loaded  # output_loading_info: the model and transformers' loading report
     _refuse_loading_report(info, flag, path)
+    _refuse_integer_weights(model, flag, path)
     return model
+
+
+def _refuse_integer_weights(model: Any, flag: str, path: str) -> None:
+    """Every weight stored for a floating parameter or buffer is stored floating (F32, BF16,
+    F8_E4M3, ...): transformers casts integers to the load dtype without a word, so a
+    damaged (or quantized) tensor would run as weights it is not. Stored names are the
+    model's, or lack its base model's prefix (GPT-2's ``h.0...`` for ``transformer.h.0...``)."""
+    from safetensors import safe_open
+
+    floating = {name for name, tensor in model.state_dict().items()
+                if tensor.is_floating_point()}
+    prefix = f"{model.base_model_prefix}."
+    for file in _weight_files(Path(path)):
+        with safe_open(os.path.join(path, file), framework="pt") as handle:
+            for name in sorted(handle.keys()):
+                dtype = str(handle.get_slice(name).get_dtype())
+                if dtype.startswith(("F", "BF")) or not {name, prefix + name} & floating:
+                    continue
+                raise ConfigError(flag, path, f"weight {name} is stored as {dtype} in {file}; "
+                                  "expected a floating dtype (F32, F16, BF16, ...) for a "
+                                  "floating parameter")
 
 
 def _refuse_loading_report(info: dict[str, Any], flag: str, path: str) -> None:
@@ -364,18 +444,41 @@ class _CausalLM:
         return self._head.weight.device  # type: ignore[no-any-return]
 
     def allocate(self, num_kv_slots: int) -> None:
+        """The KV cache of ``num_kv_slots + 1`` KV slots of ``context_limit`` positions each.
+        One the device cannot hold (a config's max_position_embeddings of 10**12, say) is
+        refused in one line naming the checkpoint's flag and the bytes it needs: before
+        allocating when they exceed the device's memory, and when the allocation fails."""
         config = self.config
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         shape = (num_kv_slots + 1, kv_heads, self.context_limit, head_dim)
         layers = config.num_hidden_layers
-        self._cache = SlotCache(
-            keys=[torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)],
-            values=[torch.zeros(shape, dtype=self.dtype, device=self.device)
-                    for _ in range(layers)],
-            window=self.loaded.window)
+        needed = 2 * layers * math.prod(shape) * self.dtype.itemsize  # keys and values
+        memory = _device_memory(self.device)
+        if memory is not None and needed > memory:
+            self._refuse_kv_cache(num_kv_slots, needed, f"more than the {memory} bytes of "
+                                  f"{self.device.type} memory")
+        # A reallocation does not hold the old cache meanwhile (nor keep it, if it fails).
+        self._cache, self._num_kv_slots = None, 0
+        try:
+            self._cache = SlotCache(
+                keys=[torch.zeros(shape, dtype=self.dtype, device=self.device)
+                      for _ in range(layers)],
+                values=[torch.zeros(shape, dtype=self.dtype, device=self.device)
+                        for _ in range(layers)])
+        except (RuntimeError, MemoryError) as error:  # torch.OutOfMemoryError is a RuntimeError
+            self._refuse_kv_cache(num_kv_slots, needed, f"which {self.device.type} memory "
+                                  f"cannot hold: {_reason(error)}")
         self._num_kv_slots = num_kv_slots
+
+    def _refuse_kv_cache(self, num_kv_slots: int, needed: int, why: str) -> NoReturn:
+        # GPT-2's config.json names the context length n_positions
+        field = "n_positions" if self.config.model_type == "gpt2" else "max_position_embeddings"
+        raise ConfigError(self.loaded.flag, self.loaded.path, f"config.json {field}="
+                          f"{self.context_limit} needs a KV cache of {needed} bytes for "
+                          f"{num_kv_slots + 1} KV slots, {why}; expected a context length "
+                          "whose KV cache fits the device")
 
     def hidden(self, token_ids: Tensor, kv_slots: Tensor, positions: Tensor) -> Tensor:
         """``[N, hidden_size]`` final hidden states of the rows (a ``[1]`` ``kv_slots``: all
@@ -490,9 +593,18 @@ def hf_tokenizer(path: str, flag: str = "--model") -> Any:
 def checkpoint_tokenizer(path: str, config: dict[str, Any],
                          flag: str = "--model") -> "HfTokenizer":
     """The tokenizer of a checkpoint directory whose ``config`` ``read_config`` gave, with
-    the checkpoint's end-of-sequence token ids."""
+    the checkpoint's end-of-sequence token ids. A tokenizer of more tokens than the model's
+    vocabulary is refused: its ids past the vocabulary have no embedding, so every prompt
+    holding one would be refused as if the prompt were at fault. One of fewer tokens is a
+    padded vocabulary, as many checkpoints have, and loads."""
     eos = eos_token_ids(path, config, flag)
-    return HfTokenizer(hf_tokenizer(path, flag), eos)
+    tokenizer = hf_tokenizer(path, flag)
+    vocab, size = _vocab_size(path, config), len(tokenizer)
+    if size > vocab:
+        raise ConfigError(flag, path, f"its tokenizer holds {size} tokens, more than "
+                          f"config.json vocab_size={vocab}; expected a tokenizer of at most "
+                          "vocab_size tokens (the model's own)")
+    return HfTokenizer(tokenizer, eos)
 
 
 def eos_token_ids(path: str, config: dict[str, Any], flag: str = "--model") -> tuple[int, ...]:
