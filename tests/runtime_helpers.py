@@ -5,9 +5,13 @@ import json
 from importlib import resources
 from typing import Any
 
+import numpy as np
+
 from adaspec.config import EffectiveConfig, SamplingParams, load_config
 from adaspec.models import ReferenceModels, load_reference_models
 from adaspec.models.report import heldout_excerpt
+from adaspec.policies.base import DepthContext
+from adaspec.policies.fixed import FixedDepth
 from adaspec.runtime.engine import Runtime, RuntimeOptions
 from adaspec.runtime.requests import RequestResult
 
@@ -78,3 +82,13 @@ def decode(config_: EffectiveConfig, prompts: list[bytes], params: list[Sampling
            options: RuntimeOptions | None = None) -> list[RequestResult]:
     runtime = Runtime(config_, models=models or load_reference_models(), options=options)
     return asyncio.run(run_staggered(runtime, prompts, params, wave))
+
+
+class CyclingDepth(FixedDepth):
+    """A test's depth policy: depths 1..w in turn, so every draft binding runs."""
+
+    name = "cycling"
+
+    def decide(self, context: DepthContext) -> int:
+        # A numpy integer, as a policy computing with numpy returns: taken as the int it is.
+        return np.int64(1 + context.round % context.width)  # type: ignore[return-value]

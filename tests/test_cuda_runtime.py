@@ -10,12 +10,18 @@ from typing import Any
 import pytest
 import torch
 from cuda_marks import needs_cuda
-from runtime_helpers import TINY_CALIBRATION, config, lossless_prompts, max_tokens_of
+from runtime_helpers import (
+    TINY_CALIBRATION,
+    CyclingDepth,
+    config,
+    lossless_prompts,
+    max_tokens_of,
+)
 
 from adaspec.config import SamplingParams
 from adaspec.models import ReferenceModels, load_reference_models
 from adaspec.runtime.devices.graphs import CapturedVerify
-from adaspec.runtime.engine import Runtime
+from adaspec.runtime.engine import Runtime, RuntimeOptions
 from adaspec.runtime.split import SplitBinding
 from adaspec.runtime.unified import BoundRound
 
@@ -23,6 +29,7 @@ PROMPTS = lossless_prompts()[:10]
 LAUNCHES = {
     "split-fixed": ("DSpark", 5, {}),
     "split-mtp": ("MTP", 3, {}),
+    "split-mtp-every-depth": ("MTP", 3, {}),  # a policy cycling depths 1..3 (RuntimeOptions)
     "split-adaptive-verify": ("DSpark", 5, {"enable_adaptive_target_verify": True}),
     "unified-fixed": ("DSpark", 5, {"enable_unified_mtp_graph": True}),
     "unified-adaptive-verify": ("DSpark", 5, {"enable_unified_mtp_graph": True,
@@ -64,7 +71,10 @@ def run(name: str, models: ReferenceModels, tmp_path: Path, sync_check: bool = F
         calibration = tmp_path / f"{name}.json"
         calibration.write_text(json.dumps(TINY_CALIBRATION))
         launch["adaptive_target_verify_calibration"] = str(calibration)
-    runtime = Runtime(config(algorithm, width, 4, **launch), models=models)
+    # Several draft graphs of one bucket then share their pool, each replayed in turn.
+    options = RuntimeOptions(depth_policy=CyclingDepth()) if name.endswith("every-depth") \
+        else None
+    runtime = Runtime(config(algorithm, width, 4, **launch), models=models, options=options)
     return runtime, asyncio.run(_serve(runtime, sync_check))
 
 

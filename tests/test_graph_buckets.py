@@ -6,13 +6,20 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from runtime_helpers import config, decode, lossless_prompts, max_tokens_of, run_staggered
+from runtime_helpers import (
+    CyclingDepth,
+    config,
+    decode,
+    lossless_prompts,
+    max_tokens_of,
+    run_staggered,
+)
 
 from adaspec.config import LaunchConfig, SamplingParams, load_config
 from adaspec.errors import ConfigError, GraphBindingMissing
 from adaspec.models import load_reference_models
 from adaspec.models.protocols import TargetOutput, VerifyRows
-from adaspec.policies.base import DepthContext, covering_tier
+from adaspec.policies.base import covering_tier
 from adaspec.policies.fixed import FixedDepth
 from adaspec.runtime.devices.buckets import Binding, BindingRegistry, BucketGeometry
 from adaspec.runtime.devices.graphs import (
@@ -257,15 +264,6 @@ def _split_registries(runtime: Runtime) -> list[BindingRegistry]:
     registries = runtime._pipeline.registries  # type: ignore[union-attr]  # what start prepared
     assert registries is not None
     return registries
-
-
-class CyclingDepth(FixedDepth):
-    """A test's depth policy: depths 1..w in turn, so every draft binding runs."""
-
-    name = "cycling"
-
-    def decide(self, context: DepthContext) -> int:
-        return 1 + context.round % context.width
 
 
 @pytest.mark.parametrize(("algorithm", "width", "policy", "depths"), [

@@ -670,7 +670,7 @@ class Runtime:
             except AdaspecError:
                 raise
             except Exception as error:  # the model's own failure, named in one line
-                what = getattr(make, "preparing", "a round")
+                what = getattr(make, "preparing", "a round")  # split: the part it was on
                 raise DeviceLayerError(f"preparing the graph bindings at start: {what} "
                                        f"raised {type(error).__name__}: {error}") from error
             registry.seal()

@@ -20,6 +20,7 @@ import asyncio
 import enum
 import functools
 import hashlib
+import numbers
 import operator
 from collections import Counter, deque
 from collections.abc import Callable
@@ -693,7 +694,8 @@ class Pipeline:
         batch = facts.batch
         kv_slots = facts.kv_slots if bucket == facts.bucket else self._padded(batch, bucket)
         bound: dict[str, Any] = {}
-        if isinstance(binding, SplitBinding):  # a split round's draft, pack and verify
+        if binding is not None and self.split:  # a split round's draft, pack and verify
+            assert isinstance(binding, SplitBinding)
             bound = {"draft": binding.draft(depth), "pack": binding.pack,
                      "verify": binding.verify}
         elif binding is not None:  # a unified round's whole unit
@@ -738,10 +740,13 @@ class Pipeline:
                                num_reqs_bucket=common.bucket, width=self.width,
                                retired_through=self.retired_through,
                                max_kv_length=common.max_kv_length)
-        depth = self.depth_policy.decide(context)
+        chosen: object = self.depth_policy.decide(context)
+        # Any integer type a policy computes with (numpy's too) is taken as the int it equals.
+        whole = isinstance(chosen, numbers.Integral) and not isinstance(chosen, bool)
+        depth = operator.index(chosen) if whole else -1  # type: ignore[arg-type]
         if not (self.width == 0 and depth == 0) and not 1 <= depth <= self.width:
-            raise AdaspecError(f"depth policy {self.depth_policy.name} chose depth {depth}; "
-                               f"expected 1..{self.width}")
+            raise AdaspecError(f"depth policy {self.depth_policy.name} chose depth {chosen!r}; "
+                               f"expected an integer 1..{self.width}")
         if self.bus.listening:
             self.publish(DepthDecided(time=self.now(), round=number, slot=slot,
                                       context=context, depth=depth))

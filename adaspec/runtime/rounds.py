@@ -431,9 +431,11 @@ def check_target_output(method: str, out: object, num_rows: int, rows: str,
                                .replace("builtins.", ""))
     check_output(method, "logits", getattr(out, "logits", None), (num_rows, ctx.vocab_size),
                  logits)
-    # Stored beside the hidden states of earlier rounds (KvSlotStates): same dtype.
+    # Stored beside the hidden states of earlier rounds when a drafter reads them
+    # (KvSlotStates): then in their dtype.
+    states = ctx.states
     check_output(method, "hidden", getattr(out, "hidden", None), (num_rows, ctx.hidden_size),
-                 hidden, dtype=ctx.states.hidden.dtype)
+                 hidden, dtype=states.hidden.dtype if states.keeps_hidden else None)
     return out  # type: ignore[return-value]
 
 

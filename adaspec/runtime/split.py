@@ -128,7 +128,8 @@ class SplitBindings:
         varies = self.by_depth and varying_depth and width > 1
         self.depths = tuple(range(width, 0, -1)) if varies else (width,)
         self._drafts: dict[int, dict[int, DraftBinding]] = {}
-        self.preparing = ""  # what is being prepared: names a failure at start
+        self._examples: dict[int, Drafted] = {}
+        self.preparing = "a binding"  # what is being prepared: names a failure at start
 
     @property
     def draft_keys(self) -> tuple[tuple[int, int, int, int], ...]:
@@ -145,11 +146,23 @@ class SplitBindings:
             drafts = self._drafts[num_reqs] = {
                 depth: DraftBinding(self.ctx, num_reqs, depth, self.draft_pool,
                                     warm=depth == self.depths[0]) for depth in self.depths}
-        # The deepest draft's outputs are the pack binding's example inputs.
         self.preparing = "packing"
-        pack = PackBinding(self.ctx, num_reqs, num_rows, drafts[self.depths[0]].call.outputs,
+        pack = PackBinding(self.ctx, num_reqs, num_rows, self._example(num_reqs, drafts),
                            self.pack_pool)
         self.preparing = "the target's verify"
         return SplitBinding(key=(self.slot, self.width, num_reqs, num_rows), drafts=drafts,
                             pack=pack, verify=self.verify(num_reqs, num_rows),
                             drafts_by_depth=self.by_depth)
+
+    def _example(self, num_reqs: int, drafts: dict[int, DraftBinding]) -> Drafted:
+        """A draft of the bucket on padding, the pack binding's example inputs: on the CPU
+        the deepest draft's prewarm; on cuda an eager run (a captured graph's outputs hold
+        nothing meaningful before its first replay)."""
+        example = self._examples.get(num_reqs)
+        if example is None:
+            deepest = drafts[self.depths[0]]
+            example = deepest.call.outputs if deepest.call.graph is None else draft_block(
+                self.ctx, torch.full((num_reqs,), self.ctx.states.scratch, dtype=torch.int64,
+                                     device=self.ctx.device), self.depths[0])
+            self._examples[num_reqs] = example
+        return example

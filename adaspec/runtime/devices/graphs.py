@@ -84,9 +84,9 @@ class CapturedVerify:
 
     ``__call__`` copies the rows into the captured input buffers and replays; the returned
     tensors are the graph's output buffers, valid until the next replay of a graph sharing
-    its memory ``pool``. Graphs of one kind (verify, draft, pack) share one pool: only one
-    of them replays per round, and the round is retired before another replays, so memory
-    grows with the largest bucket, not with the number of buckets.
+    its memory ``pool``. Graphs of one kind (verify, draft, pack) and slot share one pool:
+    only one of them replays per round, and the round is retired before another replays, so
+    their scratch memory is shared; each keeps its own outputs.
     """
 
     def __init__(self, target: TargetModel, num_reqs: int, num_rows: int,
