@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import random
+import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -99,17 +100,27 @@ def test_plans_are_refused_before_any_sampling() -> None:
         plan_calibration(small(contexts=beyond), GEOMETRY, 1024)
 
 
+BEYOND = [{"prefill_tokens": 100, "min_kv_length": 1, "max_kv_length": 4096}]
+
+
+@pytest.mark.parametrize(("launch", "flag", "document", "key"), [
+    (LAUNCH, "adaptive_target_verify_calibration", TINY | {"contexts": BEYOND}, "contexts"),
+    ({"speculative_algorithm": "MTP", "num_speculative_tokens": 3, "max_seqs_per_batch": 2,
+      "enable_adaptive_draft_step": True}, "adaptive_draft_step_config",
+     {"version": 1, "calibration": {"contexts": BEYOND}}, "calibration.contexts"),
+])
 def test_a_context_beyond_the_model_fails_start_before_any_device_work(
-        tmp_path: Path, models: ReferenceModels) -> None:
+        tmp_path: Path, models: ReferenceModels, launch: dict[str, object], flag: str,
+        document: dict[str, object], key: str) -> None:
     calibration = tmp_path / "calibration.json"
-    calibration.write_text(json.dumps(TINY | {"contexts": [
-        {"prefill_tokens": 100, "min_kv_length": 1, "max_kv_length": 4096}]}))
+    calibration.write_text(json.dumps(document))
     stages: list[str] = []
-    runtime = Runtime(load_config(LAUNCH | {"adaptive_target_verify_calibration":
-                                            str(calibration)}), models=models,
+    runtime = Runtime(load_config(launch | {flag: str(calibration)}), models=models,
                       options=RuntimeOptions(stage_hook=lambda _round, stage: stages.append(stage)))
-    with pytest.raises(ConfigError, match=r"contexts\[0\]\.max_kv_length=4096: expected at most "
-                                          "the model's context limit 1024"):
+    # Named as the file's load-time errors are: flag, file and the full key path.
+    with pytest.raises(ConfigError, match=f"^{re.escape(f'--{flag}={calibration}: {key}[0]')}"
+                                          r"\.max_kv_length=4096: expected at most the model's "
+                                          "context limit 1024$"):
         asyncio.run(runtime.start())
     assert stages == []
     assert not any(t.name.startswith("adaspec-cpu-") for t in threading.enumerate())

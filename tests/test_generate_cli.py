@@ -114,6 +114,13 @@ def test_event_log_and_trace_flags_write_files_that_replay(
      "--temperature=nan: expected 0 (greedy) or a number in 1e-05..100"),
     (["--prompt", "x", "--max_tokens=0", "--temperature=0"],
      "--max_tokens=0: expected an integer in 1.."),
+    # Integers are read as every integer flag reads them: int() alone takes these too.
+    (["--prompt", "x", "--max_tokens=\u0665", "--temperature=0"],
+     "--max_tokens=\u0665: expected an integer"),
+    (["--prompt", "x", "--max_tokens=1_0", "--temperature=0"],
+     "--max_tokens=1_0: expected an integer"),
+    (["--prompt", "x", "--max_tokens=4", "--temperature=0", "--seed=\u0663"],
+     "--seed=\u0663: expected an integer"),
     # /proc passes the permission check and still creates no file: found before loading.
     (["--prompt", "x", "--max_tokens=4", "--temperature=0", "--event_log=/proc/x.jsonl"],
      "--event_log=/proc/x.jsonl: expected a file this process can create"),

@@ -22,7 +22,7 @@ import pytest
 import structlog
 
 from adaspec.config import load_config
-from adaspec.errors import ConfigError, EventLogError, OutputWriteError
+from adaspec.errors import ConfigError, OutputWriteError
 from adaspec.runtime.engine import TRACE_ENV, Runtime, RuntimeOptions
 from adaspec.runtime.events.clock import VirtualClock
 from adaspec.runtime.events.log import EventLogWriter, LogHeader
@@ -70,9 +70,11 @@ def test_an_event_log_that_cannot_write_drops_later_events_and_says_so_at_close(
     event = RequestArrived(time=0.0, request_id=0, num_prompt_tokens=1, sampling={})
     writer.write(event)  # refused by the disk: no exception into the publisher
     writer.write(event)
-    with pytest.raises(EventLogError, match=r"run.jsonl: cannot write it \(No space left on "
-                                            r"device\); the log is incomplete"):
+    with pytest.raises(OutputWriteError) as raised:
         writer.close()
+    assert str(raised.value) == (
+        f"event_log={path}: cannot write the event log (No space left on device); what it "
+        "holds is incomplete, the run went on without it")
 
 
 @pytest.mark.asyncio
@@ -114,18 +116,20 @@ def _generate(tmp_path: Path, *flags: str, env: dict[str, str] | None = None,
                           **streams)
 
 
-@pytest.mark.parametrize(("flag", "message"), [
-    ("--event_log", "adaspec generate: error: event log {path}: cannot write it (File too "
-                    "large); the log is incomplete, the run went on without it"),
-    ("--trace", "adaspec generate: error: trace={path}: cannot write the state trace (File "
-                "too large); what it holds is incomplete, the run went on without it"),
-])
+@pytest.mark.parametrize(("flag", "what"), [
+    ("--event_log", "event log"), ("--trace", "state trace"), (TRACE_ENV, "state trace")])
 def test_generate_prints_its_results_when_its_output_file_fills(
-        tmp_path: Path, flag: str, message: str) -> None:
+        tmp_path: Path, flag: str, what: str) -> None:
     path = tmp_path / "out.jsonl"
-    done = _generate(tmp_path, f"{flag}={path}")
+    # Named as the user gave it: the flag, or the environment variable.
+    if flag == TRACE_ENV:
+        done = _generate(tmp_path, env={TRACE_ENV: str(path)})
+    else:
+        done = _generate(tmp_path, f"{flag}={path}")
     assert done.returncode == 2
-    assert done.stderr.splitlines()[-1] == message.format(path=path)
+    assert done.stderr.splitlines()[-1] == (
+        f"adaspec generate: error: {flag}={path}: cannot write the {what} (File too large); "
+        "what it holds is incomplete, the run went on without it")
     assert "ROMEO." in done.stdout
     assert "tokens/s" in done.stdout
     assert path.stat().st_size <= 2048
@@ -151,8 +155,8 @@ def test_bench_prints_its_report_when_an_event_log_fills(tmp_path: Path) -> None
     assert done.returncode == 2
     assert json.loads(done.stdout)["arms"][0]["arm"] == "none"  # the report is not lost
     assert done.stderr.splitlines()[-1] == (
-        f"adaspec bench: error: event log {logs / 'none.jsonl'}: cannot write it (File too "
-        "large); the log is incomplete, the run went on without it")
+        f"adaspec bench: error: --event_log_dir={logs / 'none.jsonl'}: cannot write the event "
+        "log (File too large); what it holds is incomplete, the run went on without it")
 
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")

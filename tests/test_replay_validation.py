@@ -674,6 +674,20 @@ def test_the_synthetic_run_is_a_valid_log_that_replays_and_simulates(
     assert report["rounds"] == NUM_ROUNDS
 
 
+def test_a_log_whose_header_mentions_the_workload_format_simulates_as_a_log(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # A checkpoint's or a cost table's file name may hold the words: the header's parsed
+    # format decides what the file is, not its text.
+    name = "ck/adaspec-workload-target"
+    path = write_run(tmp_path / "run.jsonl", cost_table=table(target=name))
+    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    records[0]["models"]["target"] = name
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    assert cli.run(["simulate", "--workload", str(path), "--policy", "fixed:3",
+                    "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["rounds"] == NUM_ROUNDS
+
+
 def test_a_launch_without_graphs_replays(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     # Its effective config derives a graph batch limit that the launch itself may not be

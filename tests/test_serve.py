@@ -468,6 +468,32 @@ def test_sigterm_lets_the_stream_in_flight_end_refuses_new_requests_and_exits_0(
     assert finished[-1]["status"] == 200
 
 
+SMALL_FILES = (
+    # ``adaspec serve`` with writes past 2 KiB to any file failing with EFBIG (not a signal).
+    "import resource, runpy, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+    "resource.setrlimit(resource.RLIMIT_FSIZE, (2048, 2048)); "
+    "sys.argv = ['adaspec', 'serve', *sys.argv[1:]]; runpy.run_module('adaspec', "
+    "run_name='__main__')")
+
+
+@pytest.mark.parametrize(("flag", "what"), [("--event_log", "event log"),
+                                            ("--trace", "state trace")])
+def test_an_output_that_fills_is_named_by_its_flag_when_the_server_stops(
+        tmp_path: Path, flag: str, what: str) -> None:
+    path = tmp_path / "out.jsonl"
+    served = start_server("--speculative_algorithm=MTP", "--num_speculative_tokens=3",
+                          f"{flag}={path}", program=("-c", SMALL_FILES))
+    try:
+        status, _ = served.post(_base(max_tokens=48))
+        assert status == 200  # the output ends, never the requests
+    finally:
+        code = served.stop()
+    assert code == 2
+    assert served.other[-1] == (
+        f"adaspec serve: error: {flag}={path}: cannot write the {what} (File too large); "
+        "what it holds is incomplete, the run went on without it")
+
+
 # --- several ranks --------------------------------------------------------------------------
 async def _concurrently(url: str, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
     async with aiohttp.ClientSession() as session:

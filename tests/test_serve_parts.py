@@ -14,7 +14,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from gloo_job import PROCESS_LIMIT_S, REPO, peer_environment
 from rank_launch import free_port
 
-from adaspec.bench.load import HttpTarget, LoadError, served_model
+from adaspec.bench.load import HttpTarget, LoadError, closed_loop, served_model
 from adaspec.config import SamplingParams, load_config
 from adaspec.models.tokenizer import ByteTokenizer
 from adaspec.runtime.engine import Runtime
@@ -182,3 +182,34 @@ async def test_bench_url_refuses_what_no_honest_server_reports(
 
         with pytest.raises(LoadError, match=re.escape(words)):
             await bench_one()
+
+
+def _broken_stream_app(body: bytes, headers: dict[str, str]) -> web.Application:
+    async def completion(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers=headers)
+        await response.prepare(request)
+        await response.write(body)
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completion)
+    return app
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("body", "headers", "words"), [
+    (b"data: " + b"x" * (600 * 2**10) + b"\n\n", {}, "Got more than 524288 bytes"),
+    (b"data: not gzip\n\n", {"Content-Encoding": "gzip"}, "Can not decode content-encoding: gzip"),
+])
+async def test_bench_url_counts_a_stream_aiohttp_cannot_parse_as_a_failed_request(
+        body: bytes, headers: dict[str, str], words: str) -> None:
+    async with TestServer(_broken_stream_app(body, headers), host="127.0.0.1") as fake, \
+            aiohttp.ClientSession() as session:
+        target = HttpTarget(str(fake.make_url("/")), "m", session)
+        run = await closed_loop(target, [("x", SamplingParams(temperature=0, max_tokens=4))], 1)
+    assert run.timings == [None]
+    [error] = run.errors
+    assert error.startswith("request 0: the response cannot be read: "), error
+    assert words in error, error
+    assert "\n" not in error, error
+    assert len(error) < 200, error

@@ -402,3 +402,20 @@ def test_an_empty_workload_file_is_named_as_the_workload_flag(
     assert capsys.readouterr().err == (
         f"adaspec simulate: error: --workload={empty}: empty file; expected a workload (JSON "
         "lines, docs/workload.md) or an event log\n")
+
+
+@pytest.mark.parametrize(("header", "expected"), [
+    ({"format": "x", "version": 1, "width": 5}, 'format="x": expected '),
+    ({"requests": [], "kv_length": 8}, 'expected a first line that is a JSON object with '
+                                       '"format": '),
+    ([1, 2], 'expected a first line that is a JSON object with "format": '),
+])
+def test_a_file_of_neither_format_names_the_workload_flag_and_both_formats(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], header: object,
+        expected: str) -> None:
+    path = tmp_path / "w.jsonl"
+    path.write_text(f"\n{json.dumps(header)}\n" + json.dumps({"requests": [], "kv_length": 8}))
+    assert cli.run(["simulate", f"--workload={path}", "--policy=fixed:1"]) == 2
+    assert capsys.readouterr().err == (
+        f"adaspec simulate: error: --workload={path}:2: {expected}\"adaspec-workload\" (a "
+        'workload, docs/workload.md) or "adaspec-event-log" (an event log)\n')

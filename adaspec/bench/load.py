@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import aiohttp
+from aiohttp.http_exceptions import HttpProcessingError
 
 from adaspec.config import SamplingParams
 from adaspec.errors import AdaspecError, printable
@@ -136,6 +137,15 @@ class HttpTarget:
         return body
 
     async def complete(self, prompt: str, params: SamplingParams) -> Timing:
+        try:
+            return await self._stream(prompt, params)
+        except (HttpProcessingError, aiohttp.ClientPayloadError) as error:
+            # A body aiohttp cannot parse (a line past its 512 KiB limit, a broken chunked or
+            # compressed encoding) raises these, the first no ClientError and both with a
+            # message over two lines: as LoadErrors the request counts as failed, on one line.
+            raise LoadError(f"the response cannot be read: {_http_fault(error)}") from None
+
+    async def _stream(self, prompt: str, params: SamplingParams) -> Timing:
         sent = time.perf_counter()
         first, pieces, tokens = None, [], None
         async with self.session.post(self.endpoint, json=self.body(prompt, params)) as response:
@@ -158,6 +168,15 @@ class HttpTarget:
                             "stream_options.include_usage")
         return Timing(tokens=tokens, ttft_s=(first or ended) - sent, e2e_s=ended - sent,
                       text="".join(pieces))
+
+
+def _http_fault(error: Exception) -> str:
+    """aiohttp's message for a fault in a body, on one line and cut short (it may quote the
+    line that was too long); a ClientPayloadError carries the parser's fault as its cause."""
+    fault = error.__cause__ if isinstance(error.__cause__, HttpProcessingError) else error
+    text = fault.message if isinstance(fault, HttpProcessingError) else str(fault)
+    text = " ".join(str(text).split()) or type(fault).__name__
+    return printable(text if len(text) <= 120 else text[:117] + "...")
 
 
 def _texts(event: dict[str, Any]) -> list[str]:

@@ -48,6 +48,7 @@ from adaspec.cli.flags import (
     Flag,
     check_runnable_here,
     launch_settings,
+    output_named_by_flag,
     sampling_flag,
 )
 from adaspec.config import SamplingParams
@@ -535,7 +536,7 @@ def run(argv: Sequence[str]) -> int:
     if choices.plot is not None:  # after the report: a failed write loses the plot only
         write_plot(report, choices.plot)
     if failures:  # an event log that could not be written, said after the report
-        raise failures[0]
+        raise output_named_by_flag(failures[0], "--event_log_dir")
     # No greedy request (None): no token-equality verdict applies, so none failed.
     return 1 if report["greedy_outputs_identical"] is False else 0
 

@@ -25,7 +25,7 @@ from adaspec.config.builtin import check_builtin_limits
 from adaspec.config.flags import parse_argv
 from adaspec.config.launch import LaunchConfig, launch_field_types, torchrun_settings
 from adaspec.config.requests import SamplingParams
-from adaspec.errors import MISSING, ConfigError, InvalidRequest
+from adaspec.errors import MISSING, AdaspecError, ConfigError, InvalidRequest, OutputWriteError
 
 HELP_FLAGS = ("-h", "--help")
 """Anywhere on a command line (not as the value of ``--name=VALUE``), they ask for the help."""
@@ -311,6 +311,17 @@ def check_runnable_here(launch: LaunchConfig) -> None:
     device this process cannot use (``--device=npu`` without torch_npu, say)."""
     check_builtin_limits(launch)
     require_device(launch.device)
+
+
+def output_named_by_flag(error: AdaspecError, flag: str | None = None) -> AdaspecError:
+    """An output the runtime could not write, named by the flag that gave its path. The
+    runtime names its ``RuntimeOptions`` field (``event_log``, ``trace``), which the generate
+    and serve flags of the same name set; ``flag`` names another (bench's
+    ``--event_log_dir``). ``ADASPEC_TRACE``, and any other error, keep their own names."""
+    if not isinstance(error, OutputWriteError) or error.setting not in ("event_log", "trace"):
+        return error
+    return OutputWriteError(flag or f"--{error.setting}", error.path, error.what,
+                            error.reason)
 
 
 def launch_settings(launch_argv: Sequence[str]) -> dict[str, str]:

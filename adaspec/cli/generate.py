@@ -27,9 +27,11 @@ from adaspec.cli.flags import (
     Flag,
     check_runnable_here,
     launch_settings,
+    output_named_by_flag,
     sampling_flag,
 )
 from adaspec.config import SamplingParams, load_config
+from adaspec.config.flags import coerce
 from adaspec.config.launch import LaunchConfig
 from adaspec.config.paths import new_file, read_regular
 from adaspec.config.requests import MAX_SEED, check_request
@@ -195,13 +197,14 @@ def check_outputs(values: dict[str, str], launch: LaunchConfig) -> None:
 
 
 def _number(name: str, raw: str | None, default: int) -> int:
-    """An integer flag's value (``default`` when not given)."""
+    """An integer flag's value (``default`` when not given), read as every integer flag is
+    (``coerce``): ASCII digits with an optional sign. int() alone would also take other
+    scripts' digits and underscores (``٥``, ``1_0``)."""
     if raw is None:
         return default
-    try:
-        return int(raw)
-    except ValueError:  # not an integer, or one of thousands of digits
-        raise ConfigError(f"--{name}", raw, "expected an integer") from None
+    value = coerce(name, raw, int)
+    assert isinstance(value, int)
+    return value
 
 
 def sampling_params(values: dict[str, str]) -> SamplingParams:
@@ -259,7 +262,7 @@ async def decode(runtime: Runtime, prompts: list[list[int]], params: SamplingPar
     try:
         await runtime.stop()
     except (EventLogError, OutputWriteError) as error:
-        return results, seconds, error
+        return results, seconds, output_named_by_flag(error)
     return results, seconds, None
 
 

@@ -13,12 +13,19 @@ import sys
 from collections.abc import Sequence
 
 from adaspec.cli.calibrate import progress_reporter
-from adaspec.cli.flags import RUN_FLAGS, CommandFlags, Flag, check_runnable_here, launch_settings
+from adaspec.cli.flags import (
+    RUN_FLAGS,
+    CommandFlags,
+    Flag,
+    check_runnable_here,
+    launch_settings,
+    output_named_by_flag,
+)
 from adaspec.cli.generate import check_outputs
 from adaspec.config import load_config
 from adaspec.config.launch import LaunchConfig
 from adaspec.config.requests import MAX_SEED
-from adaspec.errors import ConfigError
+from adaspec.errors import ConfigError, OutputWriteError
 from adaspec.models.launch import checkpoint_models, command_tokenizer
 from adaspec.runtime.engine import Runtime, RuntimeOptions, rank_device
 
@@ -104,11 +111,14 @@ def run(argv: Sequence[str]) -> int:
     models = checkpoint_models(launch, rank_device(launch))
     runtime = Runtime(config, models=models, options=options)
     log = json_logger(sys.stderr)
-    if launch.node_rank != 0:  # the same launch line on every rank: rank 0 serves HTTP
-        asyncio.run(_follow(runtime))
-        return 0
-    asyncio.run(serve_http(runtime, tokenizer, serve, host=launch.host,
-                           port=launch.port, log=log))
+    try:
+        if launch.node_rank != 0:  # the same launch line on every rank: rank 0 serves HTTP
+            asyncio.run(_follow(runtime))
+            return 0
+        asyncio.run(serve_http(runtime, tokenizer, serve, host=launch.host,
+                               port=launch.port, log=log))
+    except OutputWriteError as error:  # the trace or event log, said when the runtime stops
+        raise output_named_by_flag(error) from None
     return 0
 
 

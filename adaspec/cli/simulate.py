@@ -91,8 +91,7 @@ def read_workload(path: str) -> tuple[Workload, "RecordedRun | None"]:
     if not text.strip():
         raise ConfigError("--workload", path, "empty file; expected a workload (JSON lines, "
                           "docs/workload.md) or an event log")
-    first = text.lstrip().split("\n", 1)[0]
-    if WORKLOAD_FORMAT in first:
+    if _header_format(text, path) == WORKLOAD_FORMAT:
         return parse_workload(text.splitlines(), path), None
     from adaspec.runtime.events.log import read_event_log
     from adaspec.runtime.events.replay import check_recorded_run
@@ -100,6 +99,30 @@ def read_workload(path: str) -> tuple[Workload, "RecordedRun | None"]:
     header, events = read_event_log(path)
     run = check_recorded_run(header, events, path)
     return _workload_of_run(run, events, path), run
+
+
+def _header_format(text: str, path: str) -> str:
+    """The ``format`` of the first non-blank line, which must be a workload's or an event
+    log's. The parsed value decides, not the text: an event log's header may well mention
+    "adaspec-workload" elsewhere (a cost table's file name, say)."""
+    number, line = next((n, line) for n, line in enumerate(text.splitlines(), start=1)
+                        if line.strip())
+    try:
+        header = json.loads(line)
+    except (ValueError, RecursionError):
+        header = None
+    given = header.get("format", MISSING) if isinstance(header, dict) else MISSING
+    from adaspec.runtime.events.log import FORMAT as EVENT_LOG_FORMAT
+
+    if given in (WORKLOAD_FORMAT, EVENT_LOG_FORMAT):
+        return str(given)
+    accepted = (f'"{WORKLOAD_FORMAT}" (a workload, docs/workload.md) or "{EVENT_LOG_FORMAT}" '
+                "(an event log)")
+    if given is MISSING:
+        raise ConfigError("--workload", f"{path}:{number}", "expected a first line that is "
+                          f'a JSON object with "format": {accepted}')
+    raise ConfigError("--workload", f"{path}:{number}", f"format={json.dumps(given)[:80]}: "
+                      f"expected {accepted}")
 
 
 MAX_WORKLOAD_BYTES = 256 << 20

@@ -254,7 +254,9 @@ def _check_builtin_models(cfg: "LaunchConfig") -> ConfigError | None:
         return ConfigError("--model", cfg.model,
                            f"expected a path or one of {', '.join(BUILTIN_TARGETS)}")
     draft = cfg.draft_model
-    if draft is not None and draft.startswith("builtin:"):
+    # Without a draft algorithm any --draft_model is refused by the rules, built-in or not:
+    # the one message says what is wrong (no draft at all), not which draft would do.
+    if draft is not None and draft.startswith("builtin:") and cfg.speculative:
         own = BUILTIN_DRAFTS.get(cfg.speculative_algorithm)
         if draft != own:
             expected = f"expected a path or {own}" if own else "expected a path"

@@ -38,15 +38,17 @@ class ProbeGrid:
 def probe_grid(width: int, request_buckets: Sequence[int],
                legal_rows: Mapping[int, Sequence[int]], captured_buckets: Sequence[int],
                target_graph_rows: Sequence[int] | None, model: str,
-               setting: str = "calibration") -> ProbeGrid:
+               prefix: str = "calibration: ") -> ProbeGrid:
     """The grid of a calibration config against the captured geometry, checked.
 
     ``legal_rows[b]`` lists the captured G a bucket b may run (its tiers, full width
-    included); ``target_graph_rows`` restricts them when the config gives it.
+    included); ``target_graph_rows`` restricts them when the config gives it. ``prefix``
+    leads each key path in an error: the flag and file the settings came from, and the
+    section they sit in (``--adaptive_draft_step_config=F: calibration.``).
     """
     for bucket in request_buckets:
         if bucket not in captured_buckets:
-            raise ConfigError(f"{setting}: request_buckets", list(request_buckets),
+            raise ConfigError(f"{prefix}request_buckets", list(request_buckets),
                               f"bucket {bucket} is not captured; captured buckets: "
                               f"{list(captured_buckets)}")
     points = []
@@ -56,14 +58,14 @@ def probe_grid(width: int, request_buckets: Sequence[int],
             rows = [g for g in rows if g in target_graph_rows]
         full = bucket * (width + 1)
         if full not in rows:
-            raise ConfigError(f"{setting}: target_graph_rows", _shown(target_graph_rows),
+            raise ConfigError(f"{prefix}target_graph_rows", _shown(target_graph_rows),
                               f"must keep full width G={full} of bucket {bucket} (Bcap * "
                               f"(w + 1)); every round may fall back to it")
         points += [(bucket, g) for g in rows]
     grid = ProbeGrid(width=width, points=tuple(sorted(points)))
-    _check_used(grid, target_graph_rows, setting)
+    _check_used(grid, target_graph_rows, prefix)
     if model == "additive":
-        check_connected(grid, setting)
+        check_connected(grid, prefix)
     return grid
 
 
@@ -72,21 +74,21 @@ def _shown(rows: Sequence[int] | None) -> object:
 
 
 def _check_used(grid: ProbeGrid, target_graph_rows: Sequence[int] | None,
-                setting: str) -> None:
+                prefix: str) -> None:
     """Every explicit G must be a captured tier of some sampled bucket."""
     if target_graph_rows is None:
         return
     unused = [g for g in target_graph_rows if g not in grid.rows]
     if unused:
-        raise ConfigError(f"{setting}: target_graph_rows", list(target_graph_rows),
+        raise ConfigError(f"{prefix}target_graph_rows", list(target_graph_rows),
                           f"G={unused[0]} is not a captured tier of any sampled bucket")
 
 
-def check_connected(grid: ProbeGrid, setting: str = "calibration") -> None:
+def check_connected(grid: ProbeGrid, prefix: str = "calibration: ") -> None:
     """An additive fit is unique only when all buckets and G connect through shared G."""
     pieces = grid_components(grid.points)
     if pieces > 1:
-        raise ConfigError(f"{setting}: target_graph_rows", list(grid.rows),
+        raise ConfigError(f"{prefix}target_graph_rows", list(grid.rows),
                           f"the additive grid falls into {pieces} groups of buckets with no "
                           "G in common; add a G that the groups share, or use model sps")
 
@@ -113,22 +115,22 @@ def default_contexts(context_limit: int, progress: int) -> tuple[ContextInterval
 
 
 def check_contexts(contexts: Sequence[ContextInterval], context_limit: int, progress: int,
-                   setting: str = "calibration") -> None:
+                   prefix: str = "calibration: ") -> None:
     """Each interval fits the model, and its prompts plus the sampling progress stay in it.
     (Overlap is checked when the config is built.)"""
     for index, context in enumerate(contexts):
         if context.max_kv_length > context_limit:
-            raise ConfigError(f"{setting}: contexts[{index}].max_kv_length",
+            raise ConfigError(f"{prefix}contexts[{index}].max_kv_length",
                               context.max_kv_length,
                               f"expected at most the model's context limit {context_limit}")
         room = context.max_kv_length - progress
         if room < 1:  # not even a one-token prefill fits: the interval is what is too short
-            raise ConfigError(f"{setting}: contexts[{index}].max_kv_length",
+            raise ConfigError(f"{prefix}contexts[{index}].max_kv_length",
                               context.max_kv_length,
                               f"expected at least {progress + 1}: measuring a point adds up "
                               f"to {progress} tokens after a prefill of at least one")
         if context.prefill_tokens > room:
-            raise ConfigError(f"{setting}: contexts[{index}].prefill_tokens",
+            raise ConfigError(f"{prefix}contexts[{index}].prefill_tokens",
                               context.prefill_tokens,
                               f"expected at most {room}: measuring a point adds up to "
                               f"{progress} tokens, which must stay within max_kv_length="

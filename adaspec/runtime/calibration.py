@@ -141,39 +141,41 @@ class CalibrationPlan:
 
 
 def effective_contexts(settings: CalibrationConfig, width: int, context_limit: int,
-                       setting: str) -> tuple[ContextInterval, ...]:
-    """The default interval fitted to the model, or the given ones checked against it."""
+                       prefix: str) -> tuple[ContextInterval, ...]:
+    """The default interval fitted to the model, or the given ones checked against it
+    (``prefix`` leads each key path in an error, as ``probe_grid``'s)."""
     progress = sampling_progress(width, settings.warmup_steps, settings.window_steps)
     if settings.contexts == DEFAULT_CONTEXTS:
         return default_contexts(context_limit, progress)
-    check_contexts(settings.contexts, context_limit, progress, setting)
+    check_contexts(settings.contexts, context_limit, progress, prefix)
     return settings.contexts
 
 
 def plan_calibration(settings: CalibrationConfig | None, geometry: BucketGeometry,
-                     context_limit: int) -> CalibrationPlan:
+                     context_limit: int, prefix: str = "calibration: ") -> CalibrationPlan:
     """The built-in defaults (every captured bucket, every legal G, prefill 2048 and KV
     1..4096 capped by the model) or the given settings, checked against the geometry."""
     if settings is None:
         settings = CalibrationConfig(draft_width=geometry.width,
                                      request_buckets=geometry.request_buckets)
-    contexts = effective_contexts(settings, geometry.width, context_limit, "calibration")
+    contexts = effective_contexts(settings, geometry.width, context_limit, prefix)
     legal = {b: geometry.legal_rows(b) for b in settings.request_buckets
              if b in geometry.request_buckets}
     grid = probe_grid(geometry.width, settings.request_buckets, legal,
-                      geometry.request_buckets, settings.target_graph_rows, settings.model)
+                      geometry.request_buckets, settings.target_graph_rows, settings.model,
+                      prefix)
     return CalibrationPlan(settings=settings, grid=grid, contexts=contexts)
 
 
 def plan_depth_calibration(settings: CalibrationConfig, geometry: BucketGeometry,
-                           context_limit: int) -> CalibrationPlan:
+                           context_limit: int, prefix: str = "draft-step calibration: "
+                           ) -> CalibrationPlan:
     """Every captured bucket of the settings at every depth 1..w, checked before sampling."""
-    contexts = effective_contexts(settings, geometry.width, context_limit,
-                                  "draft-step calibration")
+    contexts = effective_contexts(settings, geometry.width, context_limit, prefix)
     points, rows_at, rows_points = [], {}, []
     for bucket in settings.request_buckets:
         if bucket not in geometry.request_buckets:
-            raise ConfigError("draft-step calibration: request_buckets",
+            raise ConfigError(f"{prefix}request_buckets",
                               list(settings.request_buckets),
                               f"bucket {bucket} is not captured; captured buckets: "
                               f"{list(geometry.request_buckets)}")
@@ -186,7 +188,7 @@ def plan_depth_calibration(settings: CalibrationConfig, geometry: BucketGeometry
         rows_points = bridged(rows_points, geometry)
         pieces = grid_components(rows_points)
         if pieces > 1:
-            raise ConfigError("draft-step calibration: request_buckets",
+            raise ConfigError(f"{prefix}request_buckets",
                               list(settings.request_buckets),
                               f"the tiers that batches of fewer requests than their bucket "
                               f"verify fall into {pieces} groups with no G in common, which "
@@ -494,17 +496,28 @@ def cost_source(config: EffectiveConfig, compatibility: Compatibility,
     launch = config.launch
     if launch.enable_adaptive_draft_step:
         assert config.draft_step is not None  # the launch's rules require it
+        prefix = _file_prefix("adaptive_draft_step_config", launch.adaptive_draft_step_config,
+                              "calibration.", "draft-step calibration: ")
         return plan_depth_calibration(config.draft_step.calibration, geometry,
-                                      context_limit), None
+                                      context_limit, prefix), None
     if not launch.enable_adaptive_target_verify:
         return None, None
     path = launch.adaptive_target_verify_cost_table
     if path is None:
+        prefix = _file_prefix("adaptive_target_verify_calibration",
+                              launch.adaptive_target_verify_calibration, "", "calibration: ")
         return plan_calibration(config.target_verify_calibration, geometry,
-                                context_limit), None
+                                context_limit, prefix), None
     saved = load_bundle(path, read_json_object("adaptive_target_verify_cost_table", path))
     saved.check_compatible(compatibility, path, context_limit=context_limit)
     return None, saved
+
+
+def _file_prefix(flag: str, path: str | None, section: str, built_in: str) -> str:
+    """What leads a key path in an error about calibration settings checked against the
+    model at start: the flag and file, as the file's load-time errors name them, and the
+    section the settings sit in; ``built_in`` for settings no file gave."""
+    return built_in if path is None else f"--{flag}={path}: {section}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, get_args, get_origi
 from adaspec.config.launch import prepared_rows
 from adaspec.config.paths import NotRegularFile, open_regular
 from adaspec.config.requests import MAX_REQUEST_ID, MAX_SEED, SamplingParams, check_room
-from adaspec.errors import EventLogError, RequestError
+from adaspec.errors import EventLogError, OutputWriteError, RequestError
 from adaspec.policies.base import (
     BudgetContext,
     BudgetPolicy,
@@ -132,7 +132,8 @@ class EventLogWriter:
     The file must not exist: a log is evidence of one run and is never overwritten. Writes are
     buffered and reach the disk at ``close()`` (idempotent; also on leaving a ``with`` block).
     A write the system refuses (a full disk) stops the log, never the run: later events are
-    dropped and ``close()`` raises ``EventLogError`` saying the log is incomplete.
+    dropped and ``close()`` raises ``OutputWriteError`` saying the log is incomplete, naming
+    the setting as ``RuntimeOptions`` does (``event_log``; a command names its flag).
     """
 
     def __init__(self, path: str | os.PathLike[str], header: LogHeader) -> None:
@@ -162,11 +163,10 @@ class EventLogWriter:
         self._file.flush()
 
     def close(self) -> None:
-        """Write what is buffered and close; ``EventLogError`` when any write failed."""
+        """Write what is buffered and close; ``OutputWriteError`` when any write failed."""
         failure = self._file.close()
         if failure is not None:
-            raise EventLogError(self.path, None, f"cannot write it ({reason(failure)}); "
-                                "the log is incomplete, the run went on without it")
+            raise OutputWriteError("event_log", self.path, "event log", reason(failure))
 
     def __enter__(self) -> "EventLogWriter":
         return self
