@@ -219,6 +219,23 @@ def test_a_sliding_window_applies_to_the_layers_transformers_applies_it_to(
     assert list(result.token_ids) == _generate(reference, prompt, 16)
 
 
+@pytest.mark.parametrize("window", [0, -3, 2.5, "4", True])
+def test_a_sliding_window_in_use_must_be_a_positive_integer(tmp_path: Path,
+                                                            window: object) -> None:
+    """A window of 0 hides every key: decoding would emit token 0 for ever."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mistral",
+                                                      "sliding_window": window}))
+    with pytest.raises(ConfigError) as info:
+        load_hf_models(str(tmp_path))
+    assert str(info.value) == (f"--model={tmp_path}: config.json sliding_window={window!r}: "
+                               "expected a positive integer, or null for no window")
+    # Qwen2 ignores the window when it is switched off, and so does adaspec.
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "qwen2", "sliding_window": 0, "use_sliding_window": False}))
+    with pytest.raises(ConfigError, match="has no \\*.safetensors weights"):
+        load_hf_models(str(tmp_path))
+
+
 def test_a_checkpoint_adaspec_cannot_load_is_refused_naming_the_flag(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="^--model=") as info:
         load_hf_models(str(tmp_path / "missing"))

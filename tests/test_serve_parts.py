@@ -184,6 +184,29 @@ async def test_bench_url_refuses_what_no_honest_server_reports(
             await bench_one()
 
 
+@pytest.mark.asyncio
+async def test_bench_url_counts_json_nested_past_the_parser_as_a_failure() -> None:
+    """An event or model list nested deeper than Python's parser follows is a server's fault:
+    a failed request, or one line, never a RecursionError."""
+    deep = b"[" * 100_000 + b"]" * 100_000
+    async with TestServer(_broken_stream_app(b"data: " + deep + b"\n\n", {}),
+                          host="127.0.0.1") as fake, aiohttp.ClientSession() as session:
+        target = HttpTarget(str(fake.make_url("/")), "m", session)
+        run = await closed_loop(target, [("x", SamplingParams(temperature=0, max_tokens=4))], 1)
+    assert run.errors == ["request 0: a stream event is nested too deeply to read: "
+                          + repr(deep[:40])]
+
+    async def models(request: web.Request) -> web.Response:
+        return web.Response(body=deep, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    async with TestServer(app, host="127.0.0.1") as fake, aiohttp.ClientSession() as session:
+        with pytest.raises(LoadError, match="^GET /v1/models answered JSON nested too deeply "
+                                            "to read$"):
+            await served_model(str(fake.make_url("/")), session)
+
+
 def _broken_stream_app(body: bytes, headers: dict[str, str]) -> web.Application:
     async def completion(request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(headers=headers)

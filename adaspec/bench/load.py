@@ -213,6 +213,8 @@ def _sse_data(line: bytes) -> dict[str, Any] | None:
         event = json.loads(data)
     except ValueError:
         raise LoadError(f"a stream event is not JSON: {data[:80]!r}") from None
+    except RecursionError:  # nesting deeper than the parser follows: no event of a server
+        raise LoadError(f"a stream event is nested too deeply to read: {data[:40]!r}") from None
     return event if isinstance(event, dict) else None
 
 
@@ -221,7 +223,7 @@ async def _error_text(response: aiohttp.ClientResponse) -> str:
     raw = await response.text(errors="replace")
     try:
         text = str(json.loads(raw)["error"]["message"])
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         text = " ".join(raw.split())[:120] + " (not an OpenAI error body)"
     return printable(text)
 
@@ -277,6 +279,8 @@ async def served_model(url: str, session: aiohttp.ClientSession) -> str:
         raise LoadError(f"GET /v1/models got no answer within {MODELS_TIMEOUT_S} s") from None
     except ValueError:
         raise LoadError("GET /v1/models did not answer JSON") from None
+    except RecursionError:
+        raise LoadError("GET /v1/models answered JSON nested too deeply to read") from None
     models = data.get("data") if isinstance(data, dict) else None
     if not isinstance(models, list) or not all(
             isinstance(m, dict) and isinstance(m.get("id"), str) for m in models):

@@ -246,6 +246,7 @@ def read_config(path: str, flag: str) -> dict[str, Any]:
         if config.get(field) is not None:
             raise ConfigError(flag, path, f"config field {field}={config[field]!r}: {what} "
                               "is not supported")
+    _check_window(config, flag, path)
     if not any(name.endswith(".safetensors") for name in os.listdir(folder)):
         raise ConfigError(flag, path, "has no *.safetensors weights (other formats are not "
                           "loaded)")
@@ -253,6 +254,17 @@ def read_config(path: str, flag: str) -> dict[str, Any]:
     _validate_config(path, flag)
     _refuse_unread_weight_files(folder, flag, path)
     return config
+
+
+def _check_window(config: dict[str, Any], flag: str, path: str) -> None:
+    """A sliding window in use must be a positive number of positions: a window of 0 would
+    hide every key, and the model would emit token 0 for ever (transformers cannot run it)."""
+    window = config.get("sliding_window")
+    if window is None or config.get("use_sliding_window") is False:
+        return
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ConfigError(flag, path, f"config.json sliding_window={window!r}: expected a "
+                          "positive integer, or null for no window")
 
 
 INDEX = "model.safetensors.index.json"
