@@ -693,16 +693,16 @@ class Pipeline:
             return
         batch = facts.batch
         kv_slots = facts.kv_slots if bucket == facts.bucket else self._padded(batch, bucket)
-        bound: dict[str, Any] = {}
+        verify: Binding = self.ctx.target.verify
+        draft = pack = bound = None
         if binding is not None and self.split:  # a split round's draft, pack and verify
             assert isinstance(binding, SplitBinding)
-            bound = {"draft": binding.draft(depth), "pack": binding.pack,
-                     "verify": binding.verify}
+            verify, draft, pack = binding.verify, binding.draft(depth), binding.pack
         elif binding is not None:  # a unified round's whole unit
-            bound = {"bound": binding}
-        inputs = RoundInputs(**{"verify": self.ctx.target.verify, **bound}, round=number,
-                             kv_slots=kv_slots, depth=depth, num_rows=num_rows,
-                             all_greedy=facts.all_greedy, any_stop=facts.any_stop)
+            bound = binding
+        inputs = RoundInputs(round=number, kv_slots=kv_slots, depth=depth, num_rows=num_rows,
+                             all_greedy=facts.all_greedy, verify=verify,
+                             any_stop=facts.any_stop, bound=bound, draft=draft, pack=pack)
         self.decided = (number, depth, num_rows)
         record = RoundRecord(round=number, slot=slot, batch=batch, num_reqs_bucket=bucket,
                              depth=depth, num_rows=num_rows,
