@@ -229,11 +229,17 @@ def test_a_sliding_window_in_use_must_be_a_positive_integer(tmp_path: Path,
         load_hf_models(str(tmp_path))
     assert str(info.value) == (f"--model={tmp_path}: config.json sliding_window={window!r}: "
                                "expected a positive integer, or null for no window")
-    # Qwen2 ignores the window when it is switched off, and so does adaspec.
+    # Mistral slides whatever use_sliding_window says: still refused.
     (tmp_path / "config.json").write_text(json.dumps({
-        "model_type": "qwen2", "sliding_window": 0, "use_sliding_window": False}))
-    with pytest.raises(ConfigError, match="has no \\*.safetensors weights"):
+        "model_type": "mistral", "sliding_window": window, "use_sliding_window": False}))
+    with pytest.raises(ConfigError, match="sliding_window"):
         load_hf_models(str(tmp_path))
+    # Qwen2 ignores the window when it is off (or unset), and so does adaspec.
+    for switched_off in ({"use_sliding_window": False}, {}):
+        (tmp_path / "config.json").write_text(json.dumps({
+            "model_type": "qwen2", "sliding_window": 0, **switched_off}))
+        with pytest.raises(ConfigError, match="has no \\*.safetensors weights"):
+            load_hf_models(str(tmp_path))
 
 
 def test_a_checkpoint_adaspec_cannot_load_is_refused_naming_the_flag(tmp_path: Path) -> None:

@@ -260,7 +260,10 @@ def _check_window(config: dict[str, Any], flag: str, path: str) -> None:
     """A sliding window in use must be a positive number of positions: a window of 0 would
     hide every key, and the model would emit token 0 for ever (transformers cannot run it)."""
     window = config.get("sliding_window")
-    if window is None or config.get("use_sliding_window") is False:
+    # Only Qwen2 switches its window with use_sliding_window (off when absent); Mistral
+    # applies the window whatever that field says.
+    if window is None or (config.get("model_type") == "qwen2"
+                          and not config.get("use_sliding_window", False)):
         return
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ConfigError(flag, path, f"config.json sliding_window={window!r}: expected a "
