@@ -134,14 +134,14 @@ RULE_CASES = [
      "(drop --disable_graph_warmup or set --enable_graph=true)"),
     ("--num_speculative_tokens=3",
      "--num_speculative_tokens=3: --speculative_algorithm=none needs --num_speculative_tokens=0 "
-     "(choose --speculative_algorithm=MTP or DSpark)"),
+     "(choose --speculative_algorithm=MTP, or DSpark with the built-in models)"),
     ("--draft_model=/models/mtp",
      "--draft_model=/models/mtp: --speculative_algorithm=none needs no --draft_model "
-     "(choose --speculative_algorithm=MTP or DSpark)"),
+     "(choose --speculative_algorithm=MTP, or DSpark with the built-in models)"),
     # A built-in draft too: no draft is wanted, so none is named as the one that would do.
     ("--draft_model=builtin:mtp",
      "--draft_model=builtin:mtp: --speculative_algorithm=none needs no --draft_model "
-     "(choose --speculative_algorithm=MTP or DSpark)"),
+     "(choose --speculative_algorithm=MTP, or DSpark with the built-in models)"),
     ("--speculative_algorithm=MTP --num_speculative_tokens=3 --enable_probabilistic_draft=true",
      "--enable_probabilistic_draft=true: expected --enable_probabilistic_draft=false"),
     ("--enable_disagg_pd=true", "--enable_disagg_pd=true: expected --enable_disagg_pd=false"),

@@ -136,6 +136,33 @@ def test_commands_refuse_a_width_beyond_the_drafter_before_loading_models(
     assert captured.err.count("\n") == 1
 
 
+CHECKPOINT_PAIRINGS = [
+    (["--draft_model=/models/d", "--speculative_algorithm=MTP", "--num_speculative_tokens=3"],
+     "--draft_model=/models/d: a drafter checkpoint drafts for a target checkpoint; expected "
+     "--model=DIR with it, or a builtin: drafter"),
+    (["--model=/models/t", "--draft_model=/models/d", "--speculative_algorithm=DSpark",
+      "--num_speculative_tokens=3"],
+     "--speculative_algorithm=DSpark: a Hugging Face checkpoint drafts MTP-style"),
+    (["--model=/models/t", "--draft_model=/models/d", "--speculative_algorithm=MTP",
+      "--num_speculative_tokens=3", "--tp_size=2", "--nnodes=2"],
+     "--tp_size=2: a Hugging Face checkpoint runs whole on each rank"),
+]
+
+
+@pytest.mark.usefixtures("no_model_loads")
+@pytest.mark.parametrize("command", [["config"], ["generate", *GENERATE], ["bench"]])
+@pytest.mark.parametrize(("flags", "message"), CHECKPOINT_PAIRINGS)
+def test_config_refuses_a_checkpoint_launch_every_command_refuses(
+        command: list[str], flags: list[str], message: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Checked from the flags alone, so `config` never passes a line the commands refuse."""
+    assert cli.run([command[0], *flags, *command[1:]]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(f"adaspec {command[0]}: error: {message}")
+    assert captured.err.count("\n") == 1
+
+
 @pytest.mark.parametrize("models", ["builtin", "passed"])
 def test_runtime_start_refuses_a_width_beyond_the_drafter_before_any_device_work(
         models: str, monkeypatch: pytest.MonkeyPatch) -> None:

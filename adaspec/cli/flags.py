@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from adaspec.availability import require_device
-from adaspec.config.builtin import check_builtin_limits
+from adaspec.config.builtin import check_builtin_limits, check_checkpoint_launch
 from adaspec.config.flags import parse_argv
 from adaspec.config.launch import LaunchConfig, launch_field_types, torchrun_settings
 from adaspec.config.requests import SamplingParams
@@ -310,6 +310,7 @@ def check_runnable_here(launch: LaunchConfig) -> None:
     """Refuse, before any model loads, a launch the built-in models cannot draft or whose
     device this process cannot use (``--device=npu`` without torch_npu, say)."""
     check_builtin_limits(launch)
+    check_checkpoint_launch(launch)
     require_device(launch.device)
 
 

@@ -57,3 +57,20 @@ def check_builtin_limits(launch: LaunchConfig) -> None:
         raise ConfigError("--num_speculative_tokens", launch.num_speculative_tokens,
                           f"expected 1..{limit}: the built-in DSpark drafter of "
                           f"--model={launch.model} drafts at most {limit} tokens per block")
+
+
+def check_checkpoint_launch(launch: LaunchConfig) -> None:
+    """What a launch of checkpoint directories cannot run, refused before anything loads."""
+    if uses_builtin_models(launch):
+        return
+    if launch.model in BUILTIN_TARGETS:
+        raise ConfigError("--draft_model", launch.draft_model, "a drafter checkpoint drafts "
+                          "for a target checkpoint; expected --model=DIR with it, or a "
+                          "builtin: drafter")
+    if launch.speculative_algorithm == "DSpark":
+        raise ConfigError("--speculative_algorithm", "DSpark", "a Hugging Face checkpoint "
+                          "drafts MTP-style (a second causal LM, or the target itself); "
+                          "expected MTP or none")
+    if launch.resolved.tp_size > 1:
+        raise ConfigError("--tp_size", launch.resolved.tp_size, "a Hugging Face checkpoint "
+                          "runs whole on each rank; expected 1 (DP shards may be several)")

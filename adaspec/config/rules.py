@@ -24,6 +24,8 @@ if TYPE_CHECKING:  # the launch config runs these rules when it is built
 
 _SET = object()  # marker: "any value other than None"
 
+NO_DRAFT_HINT = "choose --speculative_algorithm=MTP, or DSpark with the built-in models"
+
 
 @dataclass(frozen=True, slots=True)
 class Cond:
@@ -182,10 +184,10 @@ RULES: tuple[Rule, ...] = (
     # --- no speculation ------------------------------------------------------------------------
     Rule((NONE,), eq("num_speculative_tokens", 0),
          "Without a draft algorithm nothing is drafted",
-         "choose --speculative_algorithm=MTP or DSpark"),
+         NO_DRAFT_HINT),
     Rule((NONE,), eq("draft_model", None),
          "Without a draft algorithm there is no draft model",
-         "choose --speculative_algorithm=MTP or DSpark"),
+         NO_DRAFT_HINT),
     # --- what adaspec does not implement in any mode ---------------------------------------
     Rule((), eq("enable_probabilistic_draft", False),
          "adaspec's rejection sampler takes deterministic (point-mass) drafts only, as the "

@@ -7,29 +7,15 @@ here and pass it as ``Runtime(models=...)``, as an engine would.
 
 import torch
 
-from adaspec.config.builtin import builtin_checkpoints, uses_builtin_models
+from adaspec.config.builtin import (
+    builtin_checkpoints,
+    check_checkpoint_launch,
+    uses_builtin_models,
+)
 from adaspec.config.launch import LaunchConfig
-from adaspec.config.limits import BUILTIN_TARGETS
 from adaspec.errors import ConfigError
 from adaspec.models.protocols import ModelSet
 from adaspec.models.tokenizer import ByteTokenizer, Tokenizer
-
-
-def check_checkpoint_launch(launch: LaunchConfig) -> None:
-    """What a launch of checkpoint directories cannot run, refused before anything loads."""
-    if uses_builtin_models(launch):
-        return
-    if launch.model in BUILTIN_TARGETS:
-        raise ConfigError("--draft_model", launch.draft_model, "a drafter checkpoint drafts "
-                          "for a target checkpoint; expected --model=DIR with it, or a "
-                          "builtin: drafter")
-    if launch.speculative_algorithm == "DSpark":
-        raise ConfigError("--speculative_algorithm", "DSpark", "a Hugging Face checkpoint "
-                          "drafts MTP-style (a second causal LM, or the target itself); "
-                          "expected MTP or none")
-    if launch.resolved.tp_size > 1:
-        raise ConfigError("--tp_size", launch.resolved.tp_size, "a Hugging Face checkpoint "
-                          "runs whole on each rank; expected 1 (DP shards may be several)")
 
 
 def _quiet_transformers() -> None:
