@@ -90,6 +90,29 @@ def test_the_default_plan_samples_every_captured_bucket_and_fits_the_short_conte
     assert context.prefill_tokens == 1024 - (8 + 32 + 2) * 6
 
 
+def test_built_in_settings_shrink_to_a_short_context_and_a_files_do_not() -> None:
+    # (w // 4 + w + 2) rounds of 6 tokens within 199 positions: w = 25, 198 tokens.
+    plan = plan_calibration(None, GEOMETRY, context_limit=200)
+    assert (plan.settings.warmup_steps, plan.settings.window_steps) == (6, 25)
+    assert plan.contexts[0].prefill_tokens == 2
+    assert plan.settings_dict()["window_steps"] == 25
+    depth = plan_depth_calibration(depth_settings(), ADS_GEOMETRY, 200)
+    assert (depth.settings.warmup_steps, depth.settings.window_steps) == (6, 25)
+    # Below (1 + 4 + 2) * 6 + 1 = 43 tokens nothing is left to shrink: the flag is named.
+    with pytest.raises(ConfigError, match=r"^--adaptive_target_verify_calibration: not given, "
+                                          "and the built-in calibration needs a context of at "
+                                          "least 43 tokens at width 5, more than the model's "
+                                          "limit of 42; give a file"):
+        plan_calibration(None, GEOMETRY, context_limit=42)
+    with pytest.raises(ConfigError, match=r"^--adaptive_draft_step_config: not given"):
+        plan_depth_calibration(depth_settings(), ADS_GEOMETRY, 42)
+    # A file's steps are the user's: kept, and the interval that cannot hold them is named.
+    with pytest.raises(ConfigError, match=r"^--f=x\.json: contexts=built-in default: a context "
+                                          "limit of 200 tokens cannot hold 252 tokens"):
+        plan_calibration(small(warmup_steps=8, window_steps=32, source="x.json"), GEOMETRY,
+                         200, prefix="--f=x.json: ")
+
+
 def test_plans_are_refused_before_any_sampling() -> None:
     with pytest.raises(ConfigError, match="bucket 8 is not captured"):
         plan_calibration(small(request_buckets=(1, 8)), GEOMETRY, 1024)

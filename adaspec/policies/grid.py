@@ -101,16 +101,17 @@ def sampling_progress(width: int, warmup_steps: int, window_steps: int) -> int:
     return rounds * (width + 1)
 
 
-def default_contexts(context_limit: int, progress: int) -> tuple[ContextInterval, ...]:
+def default_contexts(context_limit: int, progress: int, prefix: str = "calibration: "
+                     ) -> tuple[ContextInterval, ...]:
     """The built-in interval (prefill 2048, KV 1..4096) capped by the model's context. For a
     short context the prefill shrinks so the measured progress still fits."""
     max_kv = min(DEFAULT_MAX_KV, context_limit)
     prefill = min(DEFAULT_PREFILL, max_kv - progress)
     if prefill < 1:
-        raise ConfigError("calibration: contexts", "built-in default",
+        raise ConfigError(f"{prefix}contexts", "built-in default",
                           f"a context limit of {context_limit} tokens cannot hold "
-                          f"{progress} tokens of sampling progress; give a calibration file "
-                          "with fewer warmup_steps or window_steps")
+                          f"{progress} tokens of sampling progress; expected fewer "
+                          "warmup_steps or window_steps, or contexts that fit")
     return (ContextInterval(prefill_tokens=prefill, min_kv_length=1, max_kv_length=max_kv),)
 
 

@@ -29,7 +29,7 @@ import json
 import logging
 import random
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, TypeVar
 
 from adaspec.config.calibration import DEFAULT_CONTEXTS, CalibrationConfig, ContextInterval
@@ -37,7 +37,7 @@ from adaspec.config.effective import EffectiveConfig
 from adaspec.config.files import read_json_object
 from adaspec.config.launch import LaunchConfig
 from adaspec.config.requests import SamplingParams
-from adaspec.errors import AdaspecError, ConfigError
+from adaspec.errors import MISSING, AdaspecError, ConfigError
 from adaspec.policies.base import (
     BudgetContext,
     DepthContext,
@@ -76,6 +76,10 @@ T = TypeVar("T")
 Axis = Literal["rows", "depth"]
 
 LOG = logging.getLogger("adaspec.calibration")
+
+MIN_FITTED_WINDOW_STEPS = 4
+"""The fewest window steps built-in settings shrink to for a short context; below it a
+window would time too few intervals to mean anything."""
 
 
 class CalibrationError(AdaspecError):
@@ -146,18 +150,46 @@ def effective_contexts(settings: CalibrationConfig, width: int, context_limit: i
     (``prefix`` leads each key path in an error, as ``probe_grid``'s)."""
     progress = sampling_progress(width, settings.warmup_steps, settings.window_steps)
     if settings.contexts == DEFAULT_CONTEXTS:
-        return default_contexts(context_limit, progress)
+        return default_contexts(context_limit, progress, prefix)
     check_contexts(settings.contexts, context_limit, progress, prefix)
     return settings.contexts
 
 
+def fitted_to_context(settings: CalibrationConfig, width: int, context_limit: int,
+                      unset: str) -> CalibrationConfig:
+    """Settings no file gave, shortened for a model whose context cannot hold the progress of
+    their windows: fewer window steps, with warm-up kept at a quarter of them, down to
+    ``MIN_FITTED_WINDOW_STEPS``. Settings from a file are the user's and stay as given.
+    ``unset`` names the flag (and section) that would give them."""
+    if settings.source != "default":
+        return settings
+    room = min(context_limit, DEFAULT_CONTEXTS[0].max_kv_length) - 1  # a prefill needs one
+    window = settings.window_steps
+    while sampling_progress(width, window // 4, window) > room:
+        if window <= MIN_FITTED_WINDOW_STEPS:
+            need = sampling_progress(width, MIN_FITTED_WINDOW_STEPS // 4,
+                                     MIN_FITTED_WINDOW_STEPS) + 1
+            raise ConfigError(unset, MISSING,
+                              f"not given, and the built-in calibration needs a context of "
+                              f"at least {need} tokens at width {width}, more than the "
+                              f"model's limit of {context_limit}; give a file with fewer "
+                              "warmup_steps or window_steps")
+        window -= 1
+    if window == settings.window_steps:
+        return settings
+    return replace(settings, warmup_steps=min(settings.warmup_steps, window // 4),
+                   window_steps=window)
+
+
 def plan_calibration(settings: CalibrationConfig | None, geometry: BucketGeometry,
-                     context_limit: int, prefix: str = "calibration: ") -> CalibrationPlan:
+                     context_limit: int, prefix: str = "calibration: ",
+                     unset: str = "--adaptive_target_verify_calibration") -> CalibrationPlan:
     """The built-in defaults (every captured bucket, every legal G, prefill 2048 and KV
     1..4096 capped by the model) or the given settings, checked against the geometry."""
     if settings is None:
         settings = CalibrationConfig(draft_width=geometry.width,
                                      request_buckets=geometry.request_buckets)
+    settings = fitted_to_context(settings, geometry.width, context_limit, unset)
     contexts = effective_contexts(settings, geometry.width, context_limit, prefix)
     legal = {b: geometry.legal_rows(b) for b in settings.request_buckets
              if b in geometry.request_buckets}
@@ -168,9 +200,10 @@ def plan_calibration(settings: CalibrationConfig | None, geometry: BucketGeometr
 
 
 def plan_depth_calibration(settings: CalibrationConfig, geometry: BucketGeometry,
-                           context_limit: int, prefix: str = "draft-step calibration: "
-                           ) -> CalibrationPlan:
+                           context_limit: int, prefix: str = "draft-step calibration: ",
+                           unset: str = "--adaptive_draft_step_config") -> CalibrationPlan:
     """Every captured bucket of the settings at every depth 1..w, checked before sampling."""
+    settings = fitted_to_context(settings, geometry.width, context_limit, unset)
     contexts = effective_contexts(settings, geometry.width, context_limit, prefix)
     points, rows_at, rows_points = [], {}, []
     for bucket in settings.request_buckets:
@@ -498,8 +531,11 @@ def cost_source(config: EffectiveConfig, compatibility: Compatibility,
         assert config.draft_step is not None  # the launch's rules require it
         prefix = _file_prefix("adaptive_draft_step_config", launch.adaptive_draft_step_config,
                               "calibration.", "draft-step calibration: ")
+        path = launch.adaptive_draft_step_config
+        unset = ("--adaptive_draft_step_config" if path is None
+                 else f"--adaptive_draft_step_config={path}: calibration")
         return plan_depth_calibration(config.draft_step.calibration, geometry,
-                                      context_limit, prefix), None
+                                      context_limit, prefix, unset), None
     if not launch.enable_adaptive_target_verify:
         return None, None
     path = launch.adaptive_target_verify_cost_table
