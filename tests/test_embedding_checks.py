@@ -5,6 +5,7 @@ different checkpoints share an identity), the value members of the models passed
 model's own error reaching a request's error."""
 
 import asyncio
+import dataclasses
 import json
 import re
 import warnings
@@ -535,6 +536,23 @@ def test_verify_returning_no_target_output_fails_the_round_naming_its_type(
     assert message.endswith("failed in verify: ModelOutputError: target.verify returned a "
                             "value of type tuple: expected a TargetOutput (logits, hidden)"), \
         message
+
+
+@pytest.mark.parametrize(("algorithm", "method", "message"), [
+    ("MTP", "step", "mtp.step returned a value of type tuple: expected an MtpStep (hidden, "
+     "token_ids, probs)"),
+    ("DSpark", "draft", "dspark.draft returned a value of type tuple: expected a DSparkBlock "
+     "(token_ids, confidences)"),
+])
+def test_a_drafter_returning_a_tuple_fails_the_round_naming_its_type(
+        models: ReferenceModels, algorithm: str, method: str, message: str) -> None:
+    name = algorithm.lower()
+    drafter = Rewired(getattr(models, name), method, lambda out: tuple(
+        getattr(out, field.name) for field in dataclasses.fields(out)))
+    given = SimpleNamespace(**{"target": models.target, "mtp": None, "dspark": None,
+                               name: drafter})
+    failure = _failure(given, algorithm, drafter)
+    assert failure.endswith(f"ModelOutputError: {message}"), failure
 
 
 def test_verify_with_too_few_rows_fails_the_round(models: ReferenceModels) -> None:

@@ -719,7 +719,8 @@ def test_simulate_reads_recorded_feedback_through_the_same_checks(
     table().save(str(tmp_path / "costs.json"))
     assert cli.run(["simulate", "--workload", str(path), "--cost_table",
                     str(tmp_path / "costs.json"), "--policy", "fixed:3"]) == 2
-    assert one_error_line(capsys, "simulate") == f"event log {path}, line {line}: {message}"
+    # Named as a workload's own faults are: the flag, the file and the line.
+    assert one_error_line(capsys, "simulate") == f"--workload={path}:{line}: {message}"
 
 
 def test_the_library_replay_checks_the_log_before_replaying(tmp_path: Path) -> None:
@@ -856,12 +857,11 @@ def test_a_deeply_nested_line_in_a_log_is_one_line(
     path = write_run(tmp_path / "run.jsonl")
     lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
     path.write_text(lines[0] + DEEP + "".join(lines[1:]), encoding="utf-8")
-    message = (f"event log {path}, line 2: invalid JSON: nested too deeply; expected one "
-               "event object per line")
+    message = "invalid JSON: nested too deeply; expected one event object per line"
     assert cli.run(["replay", str(path)]) == 2
-    assert one_error_line(capsys, "replay") == message
+    assert one_error_line(capsys, "replay") == f"event log {path}, line 2: {message}"
     assert cli.run(["simulate", "--workload", str(path), "--policy", "fixed:3"]) == 2
-    assert one_error_line(capsys, "simulate") == message
+    assert one_error_line(capsys, "simulate") == f"--workload={path}:2: {message}"
 
 
 def test_a_deeply_nested_line_in_a_workload_is_one_line(

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from adaspec.cli.flags import CommandFlags, Flag
 from adaspec.config.files import read_json_object
 from adaspec.config.paths import read_regular
-from adaspec.errors import MISSING, ConfigError, IncompatibleCostTable
+from adaspec.errors import MISSING, ConfigError, EventLogError, IncompatibleCostTable
 from adaspec.policies.bundles import CostBundle, load_bundle
 from adaspec.policies.simulate import (
     WORKLOAD_FORMAT,
@@ -96,8 +96,12 @@ def read_workload(path: str) -> tuple[Workload, "RecordedRun | None"]:
     from adaspec.runtime.events.log import read_event_log
     from adaspec.runtime.events.replay import check_recorded_run
 
-    header, events = read_event_log(path)
-    run = check_recorded_run(header, events, path)
+    try:
+        header, events = read_event_log(path)
+        run = check_recorded_run(header, events, path)
+    except EventLogError as error:  # named as a workload's faults are: the flag, file, line
+        where = path if error.line is None else f"{path}:{error.line}"
+        raise ConfigError("--workload", where, error.reason) from None
     return _workload_of_run(run, events, path), run
 
 

@@ -424,11 +424,7 @@ def check_target_output(method: str, out: object, num_rows: int, rows: str,
     in the target's dtype (metadata only: no device read); else the ``ModelOutputError``
     naming ``method``."""
     logits, hidden = _ROW_SHAPES[rows]
-    if not (hasattr(out, "logits") and hasattr(out, "hidden")):  # not a TargetOutput at all
-        kind = type(out)
-        raise ModelOutputError(method, "a value", "a TargetOutput (logits, hidden)",
-                               f"of type {kind.__module__}.{kind.__qualname__}"
-                               .replace("builtins.", ""))
+    check_returned_kind(method, out, "a TargetOutput", ("logits", "hidden"))
     check_output(method, "logits", getattr(out, "logits", None), (num_rows, ctx.vocab_size),
                  logits)
     # Stored beside the hidden states of earlier rounds when a drafter reads them
@@ -437,6 +433,16 @@ def check_target_output(method: str, out: object, num_rows: int, rows: str,
     check_output(method, "hidden", getattr(out, "hidden", None), (num_rows, ctx.hidden_size),
                  hidden, dtype=states.hidden.dtype if states.keeps_hidden else None)
     return out  # type: ignore[return-value]
+
+
+def check_returned_kind(method: str, out: object, kind: str, fields: tuple[str, ...]) -> None:
+    """Refuse a value of another kind than the protocol's (a tuple, None) by its type, before
+    its fields are read: their absence would otherwise be blamed on the first field."""
+    if not all(hasattr(out, name) for name in fields):
+        given = type(out)
+        raise ModelOutputError(method, "a value", f"{kind} ({', '.join(fields)})",
+                               f"of type {given.__module__}.{given.__qualname__}"
+                               .replace("builtins.", ""))
 
 
 _ROW_SHAPES = {rows: (f"[{rows}, vocab_size]", f"[{rows}, hidden_size]") for rows in "GB"}
@@ -478,6 +484,7 @@ class CheckedDrafter:
         out: MtpStep = self.model.step(hidden, token_ids, positions,  # type: ignore[attr-defined]
                                        kv_slots)
         n, method = token_ids.shape[0], "mtp.step"
+        check_returned_kind(method, out, "an MtpStep", ("hidden", "token_ids", "probs"))
         check_output(method, "token_ids", getattr(out, "token_ids", None), (n,), "[N]",
                      integer=True)
         check_output(method, "probs", getattr(out, "probs", None), (n,), "[N]")
@@ -490,6 +497,7 @@ class CheckedDrafter:
         out: DSparkBlock = self.model.draft(  # type: ignore[attr-defined]
             hidden, token_ids, positions, kv_slots, width)
         n, method = token_ids.shape[0], "dspark.draft"
+        check_returned_kind(method, out, "a DSparkBlock", ("token_ids", "confidences"))
         check_output(method, "token_ids", getattr(out, "token_ids", None), (n, width),
                      "[N, width]", integer=True)
         check_output(method, "confidences", getattr(out, "confidences", None), (n, width),
