@@ -193,6 +193,32 @@ def test_up_to_the_context_limit_and_with_a_stop_token(
     assert stopped.finish_reason == "stop"
 
 
+def test_built_in_calibration_shrinks_its_windows_to_a_short_context(llama: Family) -> None:
+    """With no calibration file, 8 + 32 + 2 rounds of 4 tokens outgrow the 96 positions; the
+    windows shrink to 17 steps (4 + 17 + 2 rounds, 92 tokens) and decoding stays lossless."""
+    _, target_dir, _, reference = llama
+    models = load_hf_models(str(target_dir), str(target_dir))
+    launch = {"speculative_algorithm": "MTP", "num_speculative_tokens": 3,
+              "enable_adaptive_draft_step": True, "max_seqs_per_batch": 1}
+    runtime = Runtime(load_config(launch), models=models)
+
+    async def run() -> list[int]:
+        await runtime.start()
+        try:
+            result = await runtime.submit(PROMPTS[0], SamplingParams(temperature=0.0,
+                                                                     max_tokens=30)).result()
+            return list(result.token_ids)
+        finally:
+            await runtime.stop()
+
+    assert asyncio.run(run()) == _generate(reference, PROMPTS[0], 30)
+    assert runtime.costs is not None
+    settings = runtime.costs.settings
+    assert (settings["warmup_steps"], settings["window_steps"]) == (4, 17)
+    assert settings["contexts"] == [{"prefill_tokens": 4, "min_kv_length": 1,
+                                     "max_kv_length": CONTEXT}]
+
+
 @pytest.mark.parametrize(("kind", "fields"), [
     ("qwen2", {"use_sliding_window": True, "max_window_layers": 2}),
     ("qwen2", {"use_sliding_window": True, "max_window_layers": 1}),
@@ -239,6 +265,13 @@ def test_a_sliding_window_in_use_must_be_a_positive_integer(tmp_path: Path,
         (tmp_path / "config.json").write_text(json.dumps({
             "model_type": "qwen2", "sliding_window": 0, **switched_off}))
         with pytest.raises(ConfigError, match="has no \\*.safetensors weights"):
+            load_hf_models(str(tmp_path))
+    # Switched on, it applies only on the layers from max_window_layers up.
+    for layers, slides in ((2, False), (1, True)):
+        (tmp_path / "config.json").write_text(json.dumps({
+            "model_type": "qwen2", "sliding_window": 0, "use_sliding_window": True,
+            "num_hidden_layers": 2, "max_window_layers": layers}))
+        with pytest.raises(ConfigError, match="sliding_window" if slides else "safetensors"):
             load_hf_models(str(tmp_path))
 
 
@@ -315,6 +348,11 @@ def test_serve_answers_a_checkpoints_text_and_cuts_it_at_a_stop_string(
      "--speculative_algorithm=DSpark: a Hugging Face checkpoint drafts MTP-style"),
     (["--speculative_algorithm=MTP", "--num_speculative_tokens=3",
       "--draft_model=builtin:mtp"], "--draft_model=builtin:mtp: expected your draft's path"),
+    # Even the shortest built-in windows, (1 + 4 + 2) rounds of 16 tokens, outgrow 96.
+    (["--speculative_algorithm=MTP", "--num_speculative_tokens=15", "--draft_model=DIR",
+      "--enable_adaptive_draft_step=true"],
+     "--adaptive_draft_step_config: not given, and the built-in calibration needs a "
+     "context of at least 113 tokens at width 15, more than the model's limit of 96"),
 ])
 def test_what_a_checkpoint_launch_cannot_run_is_one_line(
         llama: Family, flags: list[str], words: str) -> None:
@@ -528,6 +566,15 @@ def test_weight_files_transformers_would_not_read_are_refused_naming_them(
         f"--model={sharded}: model.safetensors.index.json does not name "
         "model-00099-of-00099.safetensors; expected every model-*.safetensors shard to be one "
         "it names (no other is read)")
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    weight = sorted(index["weight_map"])[0]
+    index["weight_map"][weight] = 2
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ConfigError) as info:
+        load_hf_models(str(sharded), drafter=False)
+    assert str(info.value) == (
+        f"--model={sharded}: model.safetensors.index.json weight_map[\"{weight}\"]=2; expected "
+        "the file name of the shard that holds the weight")
 
 
 def test_a_tokenizer_beyond_the_models_vocabulary_is_refused_a_padded_one_is_not(
@@ -548,6 +595,32 @@ def test_a_tokenizer_beyond_the_models_vocabulary_is_refused_a_padded_one_is_not
     _edit_config(folder, vocab_size=128)
     tokenizer, _ = command_tokenizer(load_config({"model": str(folder)}).launch)
     assert tokenizer.encode("ab") == [66, 67]
+
+
+def test_a_special_token_added_past_the_vocabulary_loads_and_refuses_only_a_prompt_spelling_it(
+        llama: Family, tmp_path: Path) -> None:
+    """Qwen2's tokenizer class adds a pad token one past vocab_size, and transformers runs
+    it: text reaches that id only by spelling the token. An ordinary token past the
+    vocabulary is still refused at load."""
+    from adaspec.models.launch import command_tokenizer
+
+    _, target_dir, _, _ = llama
+    folder = _copy(target_dir, tmp_path / "pad")
+    added = transformers.AutoTokenizer.from_pretrained(folder)
+    added.add_special_tokens({"pad_token": "<|pad|>"})
+    added.save_pretrained(folder)
+    tokenizer, _ = command_tokenizer(load_config({"model": str(folder)}).launch)
+    assert tokenizer.encode("ab") == [66, 67]
+    with pytest.raises(InvalidRequest) as info:
+        tokenizer.encode("ab<|pad|>")
+    assert str(info.value) == (f"request field prompt=ab<|pad|>: spells the tokenizer's "
+                               f"token <|pad|> (id {VOCAB}), which the model's vocabulary of "
+                               f"{VOCAB} tokens does not hold")
+    added.add_tokens(["zz"])
+    added.save_pretrained(folder)
+    with pytest.raises(ConfigError, match=f"its tokenizer holds {VOCAB + 2} tokens, more than "
+                                          f"config.json vocab_size={VOCAB}"):
+        command_tokenizer(load_config({"model": str(folder)}).launch)
 
 
 def test_a_kv_cache_the_device_cannot_hold_is_refused_in_one_line(

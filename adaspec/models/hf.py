@@ -43,7 +43,7 @@ from torch import Tensor
 
 from adaspec.config.paths import NotRegularFile, open_regular
 from adaspec.config.requests import MAX_STOP_TOKENS
-from adaspec.errors import ConfigError, InvalidRequest
+from adaspec.errors import ConfigError, InvalidRequest, show_value
 from adaspec.models.checkpoint import checkpoint_identity
 from adaspec.models.protocols import (
     ContextRows,
@@ -260,14 +260,25 @@ def _check_window(config: dict[str, Any], flag: str, path: str) -> None:
     """A sliding window in use must be a positive number of positions: a window of 0 would
     hide every key, and the model would emit token 0 for ever (transformers cannot run it)."""
     window = config.get("sliding_window")
-    # Only Qwen2 switches its window with use_sliding_window (off when absent); Mistral
-    # applies the window whatever that field says.
+    # Only Qwen2 switches its window with use_sliding_window (off when absent), and then only
+    # on its sliding_attention layers; Mistral applies the window whatever that field says.
     if window is None or (config.get("model_type") == "qwen2"
-                          and not config.get("use_sliding_window", False)):
+                          and not _qwen2_slides(config, path)):
         return
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ConfigError(flag, path, f"config.json sliding_window={window!r}: expected a "
                           "positive integer, or null for no window")
+
+
+def _qwen2_slides(config: dict[str, Any], path: str) -> bool:
+    """Whether some layer of a Qwen2 config reads through its window: the per-layer types
+    transformers derives (from use_sliding_window and max_window_layers unless given)."""
+    if not config.get("use_sliding_window", False):
+        return False
+    from transformers import AutoConfig
+
+    types = AutoConfig.from_pretrained(path, local_files_only=True).layer_types or ()
+    return "sliding_attention" in types
 
 
 INDEX = "model.safetensors.index.json"
@@ -300,7 +311,12 @@ def _refuse_unread_weight_files(folder: Path, flag: str, path: str) -> None:
     if not isinstance(weight_map, dict):
         raise ConfigError(flag, path, f"{INDEX} has no weight_map object; expected the "
                           "index of the *.safetensors shards")
-    named = {shard for shard in weight_map.values() if isinstance(shard, str)}
+    for weight, shard in weight_map.items():
+        if not isinstance(shard, str):
+            raise ConfigError(flag, path, f"{INDEX} weight_map[{json.dumps(weight)}]="
+                              f"{show_value(shard)}; expected the file name of the shard that "
+                              "holds the weight")
+    named = set(weight_map.values())
     unnamed = [name for name in shards if name not in named]
     if unnamed:
         raise ConfigError(flag, path, f"{INDEX} does not name {_first(unnamed)}; expected "
@@ -611,15 +627,20 @@ def checkpoint_tokenizer(path: str, config: dict[str, Any],
     the checkpoint's end-of-sequence token ids. A tokenizer of more tokens than the model's
     vocabulary is refused: its ids past the vocabulary have no embedding, so every prompt
     holding one would be refused as if the prompt were at fault. One of fewer tokens is a
-    padded vocabulary, as many checkpoints have, and loads."""
+    padded vocabulary, as many checkpoints have, and loads; so does a special token its class
+    adds past the vocabulary (Qwen2's pad), as in transformers: text never encodes to it
+    unless it spells that token, and such a prompt is refused on its own."""
     eos = eos_token_ids(path, config, flag)
     tokenizer = hf_tokenizer(path, flag)
-    vocab, size = _vocab_size(path, config), len(tokenizer)
-    if size > vocab:
-        raise ConfigError(flag, path, f"its tokenizer holds {size} tokens, more than "
+    vocab = _vocab_size(path, config)
+    special = {index for index, token in tokenizer.added_tokens_decoder.items() if token.special}
+    beyond = sorted(index for index in tokenizer.get_vocab().values()
+                    if index >= vocab and index not in special)
+    if beyond:
+        raise ConfigError(flag, path, f"its tokenizer holds {len(tokenizer)} tokens, more than "
                           f"config.json vocab_size={vocab}; expected a tokenizer of at most "
                           "vocab_size tokens (the model's own)")
-    return HfTokenizer(tokenizer, eos)
+    return HfTokenizer(tokenizer, eos, vocab)
 
 
 def eos_token_ids(path: str, config: dict[str, Any], flag: str = "--model") -> tuple[int, ...]:
@@ -699,11 +720,14 @@ class HfDetokenizer:
 class HfTokenizer:
     """A checkpoint's tokenizer as adaspec's ``Tokenizer`` (``adaspec.models.tokenizer``);
     ``eos_token_ids`` are the checkpoint's end-of-sequence token ids, as the function
-    ``eos_token_ids`` reads them (``checkpoint_tokenizer`` passes them)."""
+    ``eos_token_ids`` reads them (``checkpoint_tokenizer`` passes them); ``vocab_size``
+    the model's vocabulary, which a special token the tokenizer adds may lie past."""
 
-    def __init__(self, tokenizer: Any, eos_token_ids: tuple[int, ...] = ()) -> None:
+    def __init__(self, tokenizer: Any, eos_token_ids: tuple[int, ...] = (),
+                 vocab_size: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
+        self.vocab_size = vocab_size
 
     def encode(self, text: str) -> list[int]:
         """The text's token ids; text the vocabulary cannot hold (it would read as the
@@ -714,6 +738,12 @@ class HfTokenizer:
                 str(self.tokenizer.unk_token) not in text:
             raise InvalidRequest("prompt", text, "holds characters the checkpoint's tokenizer "
                                  f"cannot encode (they would read as {self.tokenizer.unk_token})")
+        beyond = [i for i in ids if self.vocab_size is not None and i >= self.vocab_size]
+        if beyond:
+            token = self.tokenizer.convert_ids_to_tokens(beyond[0])
+            raise InvalidRequest("prompt", text, f"spells the tokenizer's token {token} (id "
+                                 f"{beyond[0]}), which the model's vocabulary of "
+                                 f"{self.vocab_size} tokens does not hold")
         return ids
 
     def decode(self, token_ids: Sequence[int]) -> str:
