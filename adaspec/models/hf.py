@@ -275,9 +275,12 @@ def _qwen2_slides(config: dict[str, Any], path: str) -> bool:
     transformers derives (from use_sliding_window and max_window_layers unless given)."""
     if not config.get("use_sliding_window", False):
         return False
-    from transformers import AutoConfig
+    try:
+        from transformers import AutoConfig
 
-    types = AutoConfig.from_pretrained(path, local_files_only=True).layer_types or ()
+        types = AutoConfig.from_pretrained(path, local_files_only=True).layer_types or ()
+    except Exception:  # transformers cannot read it: its own check names the fault later
+        return False
     return "sliding_attention" in types
 
 
@@ -637,9 +640,11 @@ def checkpoint_tokenizer(path: str, config: dict[str, Any],
     beyond = sorted(index for index in tokenizer.get_vocab().values()
                     if index >= vocab and index not in special)
     if beyond:
-        raise ConfigError(flag, path, f"its tokenizer holds {len(tokenizer)} tokens, more than "
-                          f"config.json vocab_size={vocab}; expected a tokenizer of at most "
-                          "vocab_size tokens (the model's own)")
+        size = len(tokenizer)
+        held = (f"holds {size} tokens, more than" if size > vocab
+                else f"gives a token the id {beyond[0]}, past")
+        raise ConfigError(flag, path, f"its tokenizer {held} config.json vocab_size={vocab}; "
+                          "expected a tokenizer of at most vocab_size tokens (the model's own)")
     return HfTokenizer(tokenizer, eos, vocab)
 
 
