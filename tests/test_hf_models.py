@@ -742,6 +742,57 @@ def test_the_tokenizer_tells_the_checkpoints_end_of_sequence_tokens(
         eos_of(saved)
     assert str(info.value) == (f"--model={saved}: config.json holds NaN; expected finite "
                                "numbers (strict JSON)")
+    # A key twice: transformers would keep the last without a word.
+    (saved / "config.json").write_text((saved / "config.json").read_text().replace(
+        '"rope_theta": NaN, ', '"eos_token_id": 6, '))
+    with pytest.raises(ConfigError) as info:
+        eos_of(saved)
+    assert str(info.value) == (f"--model={saved}: config.json gives the key \"eos_token_id\" "
+                               "twice; expected each key once (transformers would keep the last "
+                               "silently)")
+
+
+def test_config_json_end_of_sequence_ids_are_checked_where_generation_config_overrides_them(
+        llama: Family, tmp_path: Path) -> None:
+    from adaspec.models.launch import command_tokenizer
+
+    _, target_dir, _, _ = llama
+    saved = _copy(target_dir, tmp_path / "eos")
+    transformers.GenerationConfig(eos_token_id=6).save_pretrained(saved)
+    _edit_config(saved, eos_token_id=[6, -1])
+    with pytest.raises(ConfigError) as info:
+        command_tokenizer(load_config({"model": str(saved)}).launch)
+    assert str(info.value) == (f"--model={saved}: config.json eos_token_id -1 is outside the "
+                               f"vocabulary of {VOCAB} tokens")
+
+
+@pytest.mark.parametrize(("field", "value", "expected"), [
+    ("repetition_penalty", 1.5, "unset or 1.0"),
+    ("no_repeat_ngram_size", 3, "unset or 0"),
+    ("num_beams", 4, "unset or 1"),
+    ("bad_words_ids", [[5]], "unset or []"),
+    ("forced_eos_token_id", 6, "unset"),
+])
+def test_a_logits_processor_the_generation_config_turns_on_is_refused(
+        llama: Family, tmp_path: Path, field: str, value: object, expected: str) -> None:
+    """transformers' greedy generate applies it and adaspec does not: the outputs would
+    differ without a word. Its neutral value loads."""
+    from adaspec.models.launch import command_tokenizer
+
+    _, target_dir, _, _ = llama
+    saved = _copy(target_dir, tmp_path / "processor")
+    launch = load_config({"model": str(saved)}).launch
+    generation = json.loads((saved / "generation_config.json").read_text())
+    (saved / "generation_config.json").write_text(json.dumps(generation | {field: value}))
+    with pytest.raises(ConfigError) as info:
+        command_tokenizer(launch)
+    assert str(info.value) == (
+        f"--model={saved}: generation_config.json {field}={json.dumps(value)}: transformers' "
+        "generate applies it and adaspec does not, so their output would differ; expected "
+        f"{expected} (edit the file to run without it)")
+    neutral = {"repetition_penalty": 1.0, "num_beams": 1, "bad_words_ids": None}
+    (saved / "generation_config.json").write_text(json.dumps(generation | neutral))
+    command_tokenizer(launch)
 
 
 def test_generate_stops_at_the_checkpoints_end_of_sequence_as_transformers_does(

@@ -186,10 +186,14 @@ def _read_json(path: str, flag: str, name: str) -> Any:
         raise ConfigError(flag, path, f"{name} is over {_MAX_JSON_BYTES // 2**20} MiB; "
                           "expected a config of a few KB")
     try:
-        return json.loads(data.decode("utf-8"), parse_constant=_no_constant)
+        return json.loads(data.decode("utf-8"), parse_constant=_no_constant,
+                          object_pairs_hook=_unique_keys)
     except _NonFinite as error:
         raise ConfigError(flag, path, f"{name} holds {error}; expected finite numbers "
                           "(strict JSON)") from None
+    except _DuplicateKey as error:
+        raise ConfigError(flag, path, f"{name} gives the key {error} twice; expected each key "
+                          "once (transformers would keep the last silently)") from None
     except (UnicodeDecodeError, ValueError) as error:
         raise ConfigError(flag, path, f"{name} is unreadable: {_reason(error)}") from None
 
@@ -200,6 +204,19 @@ class _NonFinite(Exception):
 
 def _no_constant(name: str) -> Any:
     raise _NonFinite(name)
+
+
+class _DuplicateKey(Exception):
+    """A key given twice in one object of a checkpoint's JSON."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise _DuplicateKey(json.dumps(key))
+        result[key] = value
+    return result
 
 
 def _refuse_special_files(folder: Path, flag: str, path: str) -> None:
@@ -654,7 +671,9 @@ def eos_token_ids(path: str, config: dict[str, Any], flag: str = "--model") -> t
     exists (absent or null there: none), else of ``config`` (its config.json); a token id or
     a list of them. An id outside the vocabulary, a value that is no id, or more ids than a
     request may stop at are refused: a stop on them would never come, come on another
-    token, or refuse every request."""
+    token, or refuse every request. config.json's ids are held to the same range even where
+    generation_config.json overrides them. A logits processor that file turns on is refused
+    (``refuse_unapplied_processors``)."""
     vocab = _vocab_size(path, config)
     try:
         fields, name = _read_json(path, flag, "generation_config.json"), "generation_config.json"
@@ -662,11 +681,53 @@ def eos_token_ids(path: str, config: dict[str, Any], flag: str = "--model") -> t
         fields, name = config, "config.json"
     if not isinstance(fields, dict):
         raise ConfigError(flag, path, f"{name} is no JSON object")
+    if fields is not config:
+        _eos_field(config, "config.json", vocab, flag, path)
+    refuse_unapplied_processors(fields, name, flag, path)
     found = _eos_field(fields, name, vocab, flag, path)
     if len(found) > MAX_STOP_TOKENS:
         raise ConfigError(flag, path, f"{name} eos_token_id lists {len(found)} ids; expected "
                           f"at most {MAX_STOP_TOKENS} (a request stops at no more tokens)")
     return tuple(sorted(found))
+
+
+_NEUTRAL_PROCESSORS: dict[str, tuple[object, ...]] = {
+    "repetition_penalty": (1, 1.0),
+    "no_repeat_ngram_size": (0,),
+    "min_length": (0,),
+    "min_new_tokens": (0,),
+    "num_beams": (1,),
+    "num_beam_groups": (1,),
+    "diversity_penalty": (0, 0.0),
+    "guidance_scale": (1, 1.0),
+    "penalty_alpha": (0, 0.0),
+    "bad_words_ids": ([],),
+    "suppress_tokens": ([],),
+    "begin_suppress_tokens": ([],),
+    "sequence_bias": ({}, []),
+    "forced_bos_token_id": (),
+    "forced_eos_token_id": (),
+    "exponential_decay_length_penalty": (),
+    "dola_layers": (),
+    "watermarking_config": (),
+}
+"""Generation settings that change what transformers' greedy ``generate`` emits (logits
+processors, beam or contrastive search), with the values that leave it unchanged (null is
+always one). adaspec applies none of them."""
+
+
+def refuse_unapplied_processors(fields: dict[str, Any], name: str, flag: str,
+                                path: str) -> None:
+    """Refuse a generation config that turns on a processor adaspec does not apply: the
+    checkpoint's own output (transformers') would differ from adaspec's without a word."""
+    for key, neutral in _NEUTRAL_PROCESSORS.items():
+        value = fields.get(key)
+        if value is None or any(value == n and type(value) is type(n) for n in neutral):
+            continue
+        unset = " or ".join(["unset", *(json.dumps(n) for n in neutral[-1:])])
+        raise ConfigError(flag, path, f"{name} {key}={show_value(value)}: transformers' "
+                          "generate applies it and adaspec does not, so their output would "
+                          f"differ; expected {unset} (edit the file to run without it)")
 
 
 def _vocab_size(path: str, config: dict[str, Any]) -> int:
