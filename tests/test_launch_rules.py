@@ -145,6 +145,11 @@ RULE_CASES = [
     ("--speculative_algorithm=MTP --num_speculative_tokens=3 --enable_probabilistic_draft=true",
      "--enable_probabilistic_draft=true: expected --enable_probabilistic_draft=false"),
     ("--enable_disagg_pd=true", "--enable_disagg_pd=true: expected --enable_disagg_pd=false"),
+    # Refused by the launch itself, so `adaspec config` and every command agree (and serve
+    # refuses it before it listens).
+    ("--nnodes=2 --cp_size=2",
+     "--cp_size=2: expected --cp_size=1 (context parallelism is not implemented; use "
+     "--tp_size to split the model across ranks)"),
 ]
 
 # Checks across numbers, and the ranges of single flags.

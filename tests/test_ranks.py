@@ -410,11 +410,6 @@ def test_each_rank_on_a_host_takes_its_own_local_index(
     assert rank_device(launch) == torch.device("cpu")  # the cpu is shared, never indexed
 
 
-def test_context_parallel_ranks_are_refused_before_anything_loads() -> None:
-    with pytest.raises(ConfigError, match=r"^--cp_size=2: expected 1: context"):
-        asyncio.run(Runtime(load_config({"nnodes": 2, "cp_size": 2})).start())
-
-
 def test_the_heartbeat_is_a_quarter_of_the_shortest_timeout_in_force() -> None:
     launch = load_config({"nnodes": 2, "collective_timeout_s": 40}).launch
     assert heartbeat_s(launch, LocalCollectives()) == 10.0

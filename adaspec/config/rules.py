@@ -194,6 +194,10 @@ RULES: tuple[Rule, ...] = (
          "specification's DSpark path does"),
     Rule((), eq("enable_disagg_pd", False),
          "adaspec runs prefill and decode in one process; PD disaggregation is not implemented"),
+    Rule((), eq("cp_size", 1),
+         "adaspec splits a model across ranks by TP only; context parallelism is not "
+         "implemented", "context parallelism is not implemented; use --tp_size to split the "
+         "model across ranks"),
 )
 
 

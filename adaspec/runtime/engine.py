@@ -195,14 +195,6 @@ Weak: a runtime dropped unstopped holds nothing."""
 MODEL_ROLES = ("target", "mtp", "dspark")
 
 
-def check_ranks_supported(launch: LaunchConfig) -> None:
-    """What several ranks cannot run yet is refused before anything loads."""
-    if launch.cp_size != 1:
-        raise ConfigError("--cp_size", launch.cp_size,
-                          "expected 1: context parallelism is not supported; use --tp_size "
-                          "to split the model across ranks")
-
-
 LOOPBACK_HOSTS = ("localhost", "127.", "[::1]")
 
 
@@ -406,7 +398,6 @@ class Runtime:
 
     async def _start(self) -> None:
         launch = self.launch
-        check_ranks_supported(launch)
         if launch.device == "cpu":
             cpu_threads()  # a bad ADASPEC_CPU_STREAM or _THREADS is refused before any loading
         require_device(launch.device)  # torch cannot even name "npu" without torch_npu
