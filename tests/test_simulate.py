@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cost_tables import depth_bundle
+from cost_tables import bundle, depth_bundle
 from runtime_helpers import config, decode
 
 from adaspec import cli
@@ -131,11 +131,14 @@ def test_a_workload_file_round_trips_and_bad_lines_name_file_line_and_field(
     (2, "kv_length", 10**30, "--workload=w.jsonl:2: kv_length=1000000000000000000000000000000: "
      f"expected an integer in 1..{1 << 24}"),
     (2, "kv_length", 0, f"--workload=w.jsonl:2: kv_length=0: expected an integer in 1..{1 << 24}"),
+    # Optional means absent; null is not a way to leave it out (the schema refuses it too).
+    (2, "kv_length", None,
+     f"--workload=w.jsonl:2: kv_length=null: expected an integer in 1..{1 << 24}"),
     (3, "id", 10**30, "--workload=w.jsonl:3, requests[0]: id=1000000000000000000000000000000: "
      f"expected an integer in 0..{2**63 - 1}"),
 ])
 def test_workload_lengths_and_ids_past_their_range_are_refused(
-        line: int, field: str, value: int, message: str) -> None:
+        line: int, field: str, value: int | None, message: str) -> None:
     lines = synthetic("drift", rounds=3).as_lines()
     bad = json.loads(lines[line - 1])
     if field == "id":
@@ -391,6 +394,24 @@ def test_cli_refuses_depth_policies_on_a_dspark_log(
     assert capsys.readouterr().err == ("adaspec simulate: error: --policy=adaptive-depth: "
                                        "chooses MTP draft depths; the event log records a "
                                        "DSpark run\n")
+
+
+def test_depth_policies_are_refused_on_a_dspark_cost_table(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """DSpark drafts its block at once: a depth policy would be priced as full width and
+    shown as if it had chosen."""
+    table = tmp_path / "dspark.json"
+    bundle().save(str(table))
+    workload = tmp_path / "w.jsonl"
+    workload.write_text("\n".join(synthetic("high", rounds=3, batch=2).as_lines()) + "\n")
+    for spec in ("adaptive-depth", "oracle-depth"):
+        assert cli.run(["simulate", f"--workload={workload}", f"--cost_table={table}",
+                        f"--policy={spec}"]) == 2
+        assert capsys.readouterr().err == (f"adaspec simulate: error: --policy={spec}: "
+                                           "chooses MTP draft depths; the cost table prices a "
+                                           "DSpark run\n")
+    assert cli.run(["simulate", f"--workload={workload}", f"--cost_table={table}",
+                    "--policy=fixed:3"]) == 0
 
 
 @pytest.mark.parametrize("text", ["", "\n  \n"])

@@ -182,8 +182,8 @@ def _round(data: Any, width: int, dp_size: int, where: str) -> WorkloadRound:
     if unknown:
         raise ConfigError("--workload", where, f"{unknown[0]}: not a round field; expected "
                           "requests, kv_length")
-    kv = data.get("kv_length")
-    if kv is not None and (type(kv) is not int or not 1 <= kv <= MAX_TOKENS_IN_CONTEXT):
+    kv = data.get("kv_length")  # optional, but never null: absent is how it is left out
+    if "kv_length" in data and (type(kv) is not int or not 1 <= kv <= MAX_TOKENS_IN_CONTEXT):
         raise ConfigError("--workload", where, f"kv_length={show_value(kv)}: expected an "
                           f"integer in 1..{MAX_TOKENS_IN_CONTEXT}")
     requests = tuple(_request(r, width, dp_size, f"{where}, requests[{i}]")
@@ -364,6 +364,10 @@ def make_policies(spec: str, costs: CostBundle, width: int,
         return FixedDepth(), AdaptiveVerify(costs)
     if spec == "oracle":
         return FixedDepth(), Oracle()
+    algorithm = costs.compatibility.get("algorithm")
+    if spec in ("adaptive-depth", "oracle-depth") and algorithm not in (None, "MTP"):
+        raise ConfigError("--policy", spec, f"chooses MTP draft depths; the cost table "
+                          f"prices a {algorithm} run")
     if spec == "oracle-depth":
         return OracleDepth(), FullBudget()
     if spec == "adaptive-depth":
