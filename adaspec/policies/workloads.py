@@ -75,12 +75,13 @@ SHAPE_TIERS = (8, 16, 32, 48)  # Draft5 at B = 8
 
 
 def shaped_table(theta: tuple[float, ...], bias: float = 0.01, dp_size: int = 1) -> CostBundle:
-    """A cost bundle of Draft5 at B = 8 (tiers 8, 16, 32, 48) priced ``bias + theta(G)``
-    seconds, for policy tests that need a table of a known shape."""
+    """A cost bundle of MTP Draft5 at B = 8 (tiers 8, 16, 32, 48) priced ``bias + theta(G)``
+    seconds, for policy tests that need a table of a known shape. MTP, because both kinds of
+    policy run on it: depth policies choose MTP draft steps, budget policies any drafts."""
     table = AdditiveTable(bias=bias, buckets=(8,), alpha=(0.0,), rows=SHAPE_TIERS, theta=theta,
                           residual_rms=0.0, residual_max_relative=0.0)
     compatibility = Compatibility(
-        algorithm="DSpark", draft_width=5, dp_size=dp_size, tp_size=1, unified=False, device="cpu",
+        algorithm="MTP", draft_width=5, dp_size=dp_size, tp_size=1, unified=False, device="cpu",
         target="synthetic", draft="synthetic", request_buckets=(8,), target_rows=(SHAPE_TIERS,))
     context = ContextInterval(prefill_tokens=1, min_kv_length=1, max_kv_length=4096)
     return fitted_bundle(compatibility, {}, [CostProfile(context, table)], "synthetic table")
