@@ -36,6 +36,7 @@ def test_request_fields_are_read_into_frozen_params() -> None:
     ("prompt_logprobs", 0, "logprobs are not supported"),
     ("min_tokens", 4, "minimum-length stops are not supported"),
     ("logit_bias", {"5": 1.0}, "token bias is not supported"),
+    ("logit_bias", {"5": 0, "6": False}, "token bias is not supported"),
     ("presence_penalty", 0.5, "non-neutral penalties are not supported"),
     ("frequency_penalty", -0.1, "non-neutral penalties are not supported"),
     ("repetition_penalty", 1.1, "non-neutral penalties are not supported"),
@@ -57,6 +58,8 @@ def test_unsupported_feature_is_refused_by_field(field: str, value: object, why:
 @pytest.mark.parametrize(("field", "value"), [
     ("seed", None), ("logprobs", False), ("min_tokens", 0), ("logit_bias", {}),
     ("presence_penalty", 0.0), ("frequency_penalty", 0), ("repetition_penalty", 1.0),
+    # What OpenAI clients send by default: plain text, and a bias that moves no token.
+    ("response_format", {"type": "text"}), ("logit_bias", {"65": 0, "66": 0.0}),
 ])
 def test_neutral_values_of_unsupported_features_are_accepted(field: str, value: object) -> None:
     assert SamplingParams.from_request({field: value}) == SamplingParams()

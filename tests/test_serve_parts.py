@@ -83,6 +83,17 @@ def test_the_reader_keeps_openai_defaults_where_the_launch_allows_them() -> None
                         "m", temperature_rule=None)
 
 
+def test_the_neutral_values_openai_clients_send_are_accepted_and_others_named() -> None:
+    neutral = {"model": "m", "prompt": "hi", "response_format": {"type": "text"},
+               "logit_bias": {"65": 0}}
+    assert read_completion(neutral, "m", temperature_rule=None).params.temperature == 1.0
+    for name, value in (("response_format", {"type": "json_object"}),
+                        ("logit_bias", {"65": 0, "66": -2})):
+        with pytest.raises(ApiError) as info:
+            read_completion(neutral | {name: value}, "m", temperature_rule=None)
+        assert (info.value.status, info.value.param) == (400, name)
+
+
 def test_json_constants_and_scalars_are_no_request() -> None:
     for raw, words in ((b"Infinity", "not JSON"), (b"1", "JSON number"), (b"null", "null")):
         with pytest.raises(ApiError, match=words) as info:

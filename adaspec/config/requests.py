@@ -47,13 +47,22 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple[object, ...], str]] = {
     "presence_penalty": ((None, 0, 0.0), _PENALTY),
     "frequency_penalty": ((None, 0, 0.0), _PENALTY),
     "repetition_penalty": ((None, 1, 1.0), _PENALTY),
-    "response_format": ((None,), _STRUCTURED),
+    "response_format": ((None, {"type": "text"}), _STRUCTURED),
     "structured_outputs": ((None,), _STRUCTURED),
     "guided_json": ((None,), _STRUCTURED),
     "guided_regex": ((None,), _STRUCTURED),
     "guided_choice": ((None,), _STRUCTURED),
     "guided_grammar": ((None,), _STRUCTURED),
 }
+
+
+def is_neutral(value: object, neutral: tuple[object, ...], name: str) -> bool:
+    """Whether a request field's value asks for nothing: one of its ``neutral`` values (of
+    the same type: true is no 1), or, for ``logit_bias``, a bias of 0 on every token."""
+    if any(value == n and type(value) is type(n) for n in neutral):
+        return True
+    return name == "logit_bias" and isinstance(value, dict) and all(
+        type(bias) in (int, float) and bias == 0 for bias in value.values())
 
 
 def _number(value: object) -> bool:
@@ -161,7 +170,7 @@ class SamplingParams:
             if name in UNSUPPORTED_FIELDS:
                 neutral, why = UNSUPPORTED_FIELDS[name]
                 value = plain_number(value)  # numpy 0.0 is as neutral as 0.0
-                if not any(value == n and type(value) is type(n) for n in neutral):
+                if not is_neutral(value, neutral, name):
                     shown = repr(value) if isinstance(value, str) else value
                     raise UnsupportedRequest(name, shown, why)
             elif name in known:

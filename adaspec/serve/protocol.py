@@ -10,7 +10,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from adaspec.config.requests import MAX_STOP_TOKENS, UNSUPPORTED_FIELDS, SamplingParams
+from adaspec.config.requests import (
+    MAX_STOP_TOKENS,
+    UNSUPPORTED_FIELDS,
+    SamplingParams,
+    is_neutral,
+)
 from adaspec.errors import InvalidRequest, UnsupportedRequest, printable, show_value
 
 MAX_BODY_BYTES = 8 * 2**20
@@ -173,7 +178,7 @@ def read_completion(body: Mapping[str, Any], model: str, *,
 def _check_known(name: str, value: object) -> None:
     if name in _NEUTRAL:
         neutral, why = _NEUTRAL[name]
-        if not any(value == n and type(value) is type(n) for n in neutral):
+        if not is_neutral(value, neutral, name):
             raise ApiError(400, f"{name}={show_value(value)}: {why}", param=name)
     elif name not in _READ and name not in _SAMPLING:
         raise ApiError(400, f"{name}: unknown parameter; expected one of "
