@@ -51,6 +51,8 @@ class NoObserve:
     ("event_log", 7, "expected a file path (a str or os.PathLike) or None"),
     ("event_log", b"/tmp/log.jsonl", "expected a file path (a str or os.PathLike) or None"),
     ("trace", ["/tmp/t.jsonl"], "expected a file path (a str or os.PathLike) or None"),
+    # '-' is the trace's stderr; an event log is for replay, so it is always a file.
+    ("event_log", "-", "expected a file path: replay reads an event log back from its file"),
     ("clock", "x", "expected a Clock (adaspec.runtime.events.clock: now() returns seconds) "
                    "or None; it has no now"),
     ("clock", VirtualClock, "got a class: pass an instance"),

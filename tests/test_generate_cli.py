@@ -124,6 +124,9 @@ def test_event_log_and_trace_flags_write_files_that_replay(
     # /proc passes the permission check and still creates no file: found before loading.
     (["--prompt", "x", "--max_tokens=4", "--temperature=0", "--event_log=/proc/x.jsonl"],
      "--event_log=/proc/x.jsonl: expected a file this process can create"),
+    (["--prompt", "x", "--max_tokens=4", "--temperature=0", "--event_log=-"],
+     "--event_log=-: expected a file path: replay reads an event log back from its file, so "
+     "none is written to a stream ('-' sends the state trace to stderr)"),
     # What every request of this launch would be refused for is named as the flag, at once.
     (["--prompt", "x", "--max_tokens=4", "--temperature=0.5",
       "--enable_unified_mtp_graph=true"],

@@ -47,8 +47,9 @@ from adaspec.errors import (
 )
 from adaspec.models.launch import checkpoint_models, command_tokenizer
 from adaspec.models.tokenizer import Tokenizer
-from adaspec.runtime.engine import Runtime, RuntimeOptions, rank_device
+from adaspec.runtime.engine import EVENT_LOG_NOT_A_STREAM, Runtime, RuntimeOptions, rank_device
 from adaspec.runtime.requests import RequestHandle, RequestResult
+from adaspec.runtime.trace import STDERR
 
 GENERATE = CommandFlags(
     command="generate",
@@ -187,6 +188,8 @@ def check_outputs(values: dict[str, str], launch: LaunchConfig) -> None:
     if launch.adaptive_target_verify_cost_table_output is not None:
         outputs["--adaptive_target_verify_cost_table_output"] = \
             launch.adaptive_target_verify_cost_table_output
+    if outputs.get("--event_log") == STDERR:
+        raise ConfigError("--event_log", STDERR, EVENT_LOG_NOT_A_STREAM)
     for flag, path in outputs.items():
         new_file(flag, path)
     seen: dict[str, str] = {}

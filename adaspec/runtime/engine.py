@@ -149,12 +149,13 @@ class RuntimeOptions:
 
 def _option_path(name: str, value: object) -> str | None:
     """A file-path option as a str: a str, an ``os.PathLike`` of a str, or None."""
-    if value is None or isinstance(value, str):
-        return value
-    path = os.fspath(value) if isinstance(value, os.PathLike) else None
-    if not isinstance(path, str):
+    path = value if value is None or isinstance(value, str) else (
+        os.fspath(value) if isinstance(value, os.PathLike) else value)
+    if path is not None and not isinstance(path, str):
         raise ConfigError(f"RuntimeOptions.{name}", value,
                           "expected a file path (a str or os.PathLike) or None")
+    if name == "event_log" and path == STDERR:
+        raise ConfigError(f"RuntimeOptions.{name}", path, EVENT_LOG_NOT_A_STREAM)
     return path
 
 
@@ -193,6 +194,9 @@ MODELS_IN_USE: dict[int, "weakref.ref[Runtime]"] = {}
 Weak: a runtime dropped unstopped holds nothing."""
 
 MODEL_ROLES = ("target", "mtp", "dspark")
+
+EVENT_LOG_NOT_A_STREAM = ("expected a file path: replay reads an event log back from its file, "
+                          "so none is written to a stream ('-' sends the state trace to stderr)")
 
 
 LOOPBACK_HOSTS = ("localhost", "127.", "[::1]")
