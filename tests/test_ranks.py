@@ -339,6 +339,20 @@ def test_a_rank_flag_that_contradicts_torchrun_is_refused_naming_both() -> None:
         torchrun_settings({"node_rank": "²"}, TORCHRUN)
 
 
+@pytest.mark.parametrize(("variable", "value", "expected"), [
+    ("WORLD_SIZE", "abc", "1..65536"), ("WORLD_SIZE", "0", "1..65536"),
+    ("RANK", "x", "0..1"), ("RANK", "2", "0..1"), ("MASTER_PORT", "abc", "1..65535"),
+])
+def test_a_torchrun_number_that_is_none_is_named_by_its_variable(
+        variable: str, value: str, expected: str) -> None:
+    """Not by the flag it stands for, which the user never gave."""
+    with pytest.raises(ConfigError) as raised:
+        torchrun_settings({}, {**TORCHRUN, variable: value})
+    assert str(raised.value) == (f"{variable}={value}: expected an integer in {expected} "
+                                 "(torchrun sets it; a launch by flags sets none of its "
+                                 "variables)")
+
+
 def test_a_torchrun_environment_set_in_part_is_refused_naming_what_is_missing() -> None:
     with pytest.raises(ConfigError, match=r"^MASTER_ADDR: expected it beside RANK, WORLD_SIZE "
                                           r"\(torchrun sets all four\), or none of them"):

@@ -408,6 +408,7 @@ def torchrun_settings(settings: Mapping[str, str], environ: Mapping[str, str]
         missing = next(name for name in TORCHRUN_ENV if name not in environ)
         raise ConfigError(missing, MISSING, f"expected it beside {', '.join(present)} (torchrun "
                           "sets all four), or none of them for a launch by flags")
+    _check_torchrun_numbers(environ)
     host = environ["MASTER_ADDR"]
     if ":" in host and not host.startswith("["):  # an IPv6 literal
         host = f"[{host}]"
@@ -423,6 +424,24 @@ def torchrun_settings(settings: Mapping[str, str], environ: Mapping[str, str]
                               f"{variable}, or leave the flag out under torchrun")
         merged[name] = value
     return merged
+
+
+def _check_torchrun_numbers(environ: Mapping[str, str]) -> None:
+    """torchrun's numbers, named by their variables: read as flags they would be blamed on
+    flags the user never gave."""
+    low, high = INT_RANGES["nnodes"]
+    limits = {"WORLD_SIZE": (low, high), "MASTER_PORT": (1, 65535)}
+    for variable, (low, high) in limits.items():
+        _torchrun_integer(variable, environ[variable], low, high)
+    size = int(environ["WORLD_SIZE"].strip())
+    _torchrun_integer("RANK", environ["RANK"], 0, size - 1)
+
+
+def _torchrun_integer(variable: str, text: str, low: int, high: int) -> None:
+    stripped = text.strip()
+    if not (ascii_digits(stripped) and low <= int(stripped) <= high):
+        raise ConfigError(variable, text, f"expected an integer in {low}..{high} (torchrun "
+                          "sets it; a launch by flags sets none of its variables)")
 
 
 def _normal(text: str) -> str:
