@@ -118,6 +118,8 @@ def test_a_cost_table_that_cannot_be_written_whole_leaves_no_file(tmp_path: Path
 
 ATV = ["--speculative_algorithm=DSpark", "--num_speculative_tokens=5",
        "--enable_adaptive_target_verify=true"]
+ATV_2 = [*ATV, "--max_seqs_per_batch=2"]
+"""The launch the test tables were calibrated for (buckets 1 and 2)."""
 
 
 def test_config_checks_a_saved_tables_contents_and_launch_fields(
@@ -125,7 +127,7 @@ def test_config_checks_a_saved_tables_contents_and_launch_fields(
     # Before, config only checked that the file held a JSON object: both passed, exit 0.
     damaged = tmp_path / "damaged.json"
     damaged.write_text(json.dumps(_with({"window_steps": 0})))
-    assert cli.run(["config", *ATV, f"--adaptive_target_verify_cost_table={damaged}"]) == 2
+    assert cli.run(["config", *ATV_2, f"--adaptive_target_verify_cost_table={damaged}"]) == 2
     assert capsys.readouterr().err == (
         f"adaspec config: error: --adaptive_target_verify_cost_table={damaged}: "
         "settings.window_steps=0: expected an integer in 1..1000000\n")
@@ -134,39 +136,46 @@ def test_config_checks_a_saved_tables_contents_and_launch_fields(
     data["compatibility"]["draft_width"] = 7
     data["settings"]["draft_width"] = 7
     other.write_text(json.dumps(data))
-    assert cli.run(["config", *ATV, f"--adaptive_target_verify_cost_table={other}"]) == 2
+    assert cli.run(["config", *ATV_2, f"--adaptive_target_verify_cost_table={other}"]) == 2
     assert capsys.readouterr().err == (
         f"adaspec config: error: --adaptive_target_verify_cost_table={other}: draft_width is 7 "
         "in the saved table but 5 in this launch; calibrate this launch (drop the flag) or "
         "give a table saved by a matching one\n")
     # The built-in models' identities and context limit come from their model card.
-    launch = load_config(parse_argv(ATV)).launch
+    launch = load_config(parse_argv(ATV_2)).launch
     known = builtin_checkpoints(launch)
     assert known is not None
     identities, context_limit = known
     good = tmp_path / "good.json"
     dataclasses.replace(bundle(), compatibility={**bundle().compatibility,
                                                  **identities}).save(str(good))
-    assert cli.run(["config", *ATV, f"--adaptive_target_verify_cost_table={good}"]) == 0
+    assert cli.run(["config", *ATV_2, f"--adaptive_target_verify_cost_table={good}"]) == 0
     capsys.readouterr()
-    assert cli.run(["config", *ATV, f"--adaptive_target_verify_cost_table={other}"]) == 2
+    # The geometry follows from the flags: a launch preparing other buckets is refused here,
+    # as its start would refuse it.
+    assert cli.run(["config", *ATV, f"--adaptive_target_verify_cost_table={good}"]) == 2
+    assert capsys.readouterr().err == (
+        f"adaspec config: error: --adaptive_target_verify_cost_table={good}: request_buckets "
+        "is [1, 2] in the saved table but [1, 2, 4, 8, 16] in this launch; calibrate this "
+        "launch (drop the flag) or give a table saved by a matching one\n")
+    assert cli.run(["config", *ATV_2, f"--adaptive_target_verify_cost_table={other}"]) == 2
     foreign = tmp_path / "foreign.json"
     bundle().save(str(foreign))  # measured on models whose identity is "target-id"
-    assert cli.run(["config", *ATV, f"--adaptive_target_verify_cost_table={foreign}"]) == 2
+    assert cli.run(["config", *ATV_2, f"--adaptive_target_verify_cost_table={foreign}"]) == 2
     assert "target is target-id in the saved table but " in capsys.readouterr().err
     beyond = tmp_path / "beyond.json"
     data = json.loads(good.read_text())
     data["profiles"][0]["context"]["max_kv_length"] = 4096
     data["settings"]["contexts"][0]["max_kv_length"] = 4096
     beyond.write_text(json.dumps(data))
-    assert cli.run(["config", *ATV, f"--adaptive_target_verify_cost_table={beyond}"]) == 2
+    assert cli.run(["config", *ATV_2, f"--adaptive_target_verify_cost_table={beyond}"]) == 2
     assert capsys.readouterr().err.endswith(
         f"profiles[0].context.max_kv_length=4096: expected at most the model's context limit "
         f"{context_limit}\n")
     # A legacy table records no coverage: it prices every length, past no context limit.
     legacy = tmp_path / "legacy.json"
     legacy.write_text(json.dumps({**bundle().profiles[0].table.as_dict(), "draft_width": 5}))
-    assert cli.run(["config", *ATV, f"--adaptive_target_verify_cost_table={legacy}"]) == 0
+    assert cli.run(["config", *ATV_2, f"--adaptive_target_verify_cost_table={legacy}"]) == 0
 
 
 @pytest.mark.parametrize(("buckets", "rows"), [

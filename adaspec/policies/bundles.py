@@ -271,19 +271,28 @@ def launch_fields(launch: LaunchConfig) -> dict[str, object]:
 def check_saved_table(launch: LaunchConfig) -> None:
     """A launch's saved cost table (when it names one): its contents checked as a load
     checks them, and the fields the launch fixes compared (for the built-in models also
-    their identities and context limit, from the model card), so ``adaspec config`` refuses
-    what the start would; only the captured geometry is left to the start."""
+    their identities and context limit, from the model card) and the captured geometry, so
+    ``adaspec config`` refuses what the start would."""
     path = launch.adaptive_target_verify_cost_table
     if path is None or not launch.enable_adaptive_target_verify:
         return
     bundle = load_bundle(path, read_json_object("adaptive_target_verify_cost_table", path))
+    fields = {**launch_fields(launch), **geometry_fields(launch)}
     known = builtin_checkpoints(launch)
     if known is None:
-        bundle.check_fields(launch_fields(launch), path)
+        bundle.check_fields(fields, path)
         return
     identities, context_limit = known
-    bundle.check_fields({**launch_fields(launch), **identities}, path)
+    bundle.check_fields({**fields, **identities}, path)
     bundle.check_context_limit(path, context_limit)
+
+
+def geometry_fields(launch: LaunchConfig) -> dict[str, object]:
+    """The captured geometry a launch prepares, as a saved table records it (the start
+    compares the same from its bucket geometry)."""
+    buckets = launch.prepared_request_buckets()
+    return {"request_buckets": list(buckets),
+            "target_rows": [list(launch.legal_target_rows(b)) for b in buckets]}
 
 
 def _priced(profile: CostProfile | None, num_reqs_bucket: int, second: int) -> float | None:
