@@ -298,6 +298,32 @@ def test_a_drafter_of_another_vocabulary_is_refused(tmp_path: Path,
         load_hf_models(str(target_dir), str(tmp_path))
 
 
+def test_a_draft_checkpoint_with_another_tokenizer_is_refused_naming_a_token(
+        tmp_path: Path, llama: Family) -> None:
+    """Its drafts are ids the target verifies: a token numbered otherwise is drafted as
+    another. A draft without tokenizer files drafts in the target's."""
+    from adaspec.models.launch import command_tokenizer
+
+    _, target_dir, draft_dir, _ = llama
+    draft = _copy(draft_dir, tmp_path / "draft")
+    launch = load_config({"model": str(target_dir), "draft_model": str(draft),
+                          "speculative_algorithm": "MTP", "num_speculative_tokens": 3}).launch
+    command_tokenizer(launch)  # the fixture's draft shares the target's tokenizer
+    spec = json.loads((draft / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    vocab["E"], vocab["F"] = vocab["F"], vocab["E"]
+    (draft / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(ConfigError) as info:
+        command_tokenizer(launch)
+    assert str(info.value) == (f"--draft_model={draft}: its tokenizer gives the token \"E\" "
+                               "the id 39, the target's the id 38; expected the target's "
+                               "tokenizer")
+    for name in os.listdir(draft):
+        if name.startswith(("tokenizer", "special_tokens")):
+            (draft / name).unlink()
+    command_tokenizer(launch)
+
+
 # --- the commands ---------------------------------------------------------------------------
 TEXT = "Once upon a time"
 

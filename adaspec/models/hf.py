@@ -641,6 +641,34 @@ def hf_tokenizer(path: str, flag: str = "--model") -> Any:
         raise ConfigError(flag, path, f"has no loadable tokenizer: {_reason(error)}") from None
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+"""Files of which one marks a checkpoint directory as shipping its own tokenizer."""
+
+
+def check_draft_tokenizer(path: str, target: Any) -> None:
+    """A draft checkpoint that ships a tokenizer must share the target's token map: its
+    drafts are token ids the target verifies, so a token numbered otherwise would be drafted
+    as another (lossless still, but every such draft is wasted). One without tokenizer files
+    is taken as drafting in the target's."""
+    if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
+        return
+    ours, theirs = target.get_vocab(), hf_tokenizer(path, "--draft_model").get_vocab()
+    if ours == theirs:
+        return
+    for token, index in sorted(ours.items(), key=lambda item: item[1]):
+        if theirs.get(token) != index:
+            other = theirs.get(token)
+            given = "no id" if other is None else f"the id {other}"
+            raise ConfigError("--draft_model", path, f"its tokenizer gives the token "
+                              f"{json.dumps(token)} {given}, the target's the id {index}; "
+                              "expected the target's tokenizer")
+    # Every token of the target's has its id there: the draft's holds more.
+    extra = min((index, token) for token, index in theirs.items() if token not in ours)
+    raise ConfigError("--draft_model", path, f"its tokenizer holds the token "
+                      f"{json.dumps(extra[1])} (id {extra[0]}), which the target's does not; "
+                      "expected the target's tokenizer")
+
+
 def checkpoint_tokenizer(path: str, config: dict[str, Any],
                          flag: str = "--model") -> "HfTokenizer":
     """The tokenizer of a checkpoint directory whose ``config`` ``read_config`` gave, with

@@ -39,7 +39,7 @@ def command_tokenizer(launch: LaunchConfig) -> tuple[Tokenizer, int]:
         assert builtin is not None
         return ByteTokenizer(), builtin[1]
     check_checkpoint_launch(launch)
-    from adaspec.models.hf import checkpoint_tokenizer, read_config
+    from adaspec.models.hf import check_draft_tokenizer, checkpoint_tokenizer, read_config
 
     _quiet_transformers()  # read_config validates the config with transformers
     config = read_config(launch.model, "--model")
@@ -47,7 +47,11 @@ def command_tokenizer(launch: LaunchConfig) -> tuple[Tokenizer, int]:
     if not isinstance(limit, int) or limit < 2:
         raise ConfigError("--model", launch.model, f"config.json gives no context length "
                           f"(max_position_embeddings={limit!r})")
-    return checkpoint_tokenizer(launch.model, config), limit
+    tokenizer = checkpoint_tokenizer(launch.model, config)
+    draft = launch.draft_model
+    if launch.speculative and draft is not None and draft != launch.model:
+        check_draft_tokenizer(draft, tokenizer.tokenizer)
+    return tokenizer, limit
 
 
 def checkpoint_models(launch: LaunchConfig, device: torch.device) -> ModelSet | None:
