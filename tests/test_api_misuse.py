@@ -19,7 +19,9 @@ from adaspec.models import load_reference_models
 from adaspec.policies.fixed import FixedDepth, FullBudget
 from adaspec.runtime.engine import Runtime, RuntimeOptions, WrongLoop
 from adaspec.runtime.events.clock import VirtualClock
+from adaspec.runtime.events.log import read_event_log
 from adaspec.runtime.events.types import RoundSubmitted
+from adaspec.runtime.requests import RequestFailed
 
 
 class Policy:
@@ -82,6 +84,49 @@ def test_runtime_options_take_path_likes_and_protocol_objects(tmp_path: Path) ->
                              calibration_progress=print)
     assert options.event_log == os.fspath(tmp_path / "run.jsonl")
     assert options.trace == os.fspath(tmp_path / "trace.jsonl")
+
+
+class ReadingClock:
+    """A fake clock that reads out ``readings`` one by one (the last one for ever after)."""
+
+    def __init__(self, *readings: object) -> None:
+        self.readings = list(readings)
+
+    def now(self) -> object:
+        return self.readings.pop(0) if len(self.readings) > 1 else self.readings[0]
+
+
+@pytest.mark.parametrize("reading", [float("nan"), float("inf"), "1.0", None, True])
+def test_a_clock_that_reads_no_seconds_fails_the_start_naming_it(reading: object) -> None:
+    runtime = Runtime(config("MTP", 3, 2), options=RuntimeOptions(clock=ReadingClock(reading)))
+    with pytest.raises(ConfigError, match=r"^RuntimeOptions\.clock=.*: expected now\(\) to "
+                                          r"return seconds as a finite number$"):
+        asyncio.run(runtime.start())
+
+
+def test_a_clock_that_goes_back_fails_the_request_naming_it_and_writes_no_bad_log(
+        tmp_path: Path) -> None:
+    """Before, its times went to the event log, which replay then refused."""
+    log = tmp_path / "run.jsonl"
+    runtime = Runtime(config("MTP", 3, 2), options=RuntimeOptions(
+        clock=ReadingClock(5.0, 5.0, 4.0), event_log=str(log)))
+
+    async def run() -> str:
+        await runtime.start()
+        try:
+            handle = runtime.submit(list(b"ROMEO."), SamplingParams(temperature=0.0,
+                                                                    max_tokens=8))
+            with pytest.raises(RequestFailed) as raised:
+                await handle.result()
+        finally:
+            await runtime.stop()
+        return str(raised.value)
+
+    assert "RuntimeOptions.clock=4.0: expected now() never to go back; it read 5.0 before" \
+        in asyncio.run(run())
+    _, events = read_event_log(str(log))  # every event stamped with a good reading
+    assert events
+    assert all(event.time == 5.0 for event in events)
 
 
 def test_a_runtime_is_built_from_an_effective_config_and_options_not_dicts() -> None:

@@ -68,7 +68,7 @@ from adaspec.runtime.devices.streams import (
 )
 from adaspec.runtime.drafting import Drafting, DSparkDrafting, MtpDrafting, NoDrafting
 from adaspec.runtime.events.bus import EventBus
-from adaspec.runtime.events.clock import Clock, MonotonicClock
+from adaspec.runtime.events.clock import CheckedClock, Clock, MonotonicClock
 from adaspec.runtime.events.types import RequestArrived
 from adaspec.runtime.kv_slots import KvSlotSampling, KvSlotStates
 from adaspec.runtime.pipeline import Pipeline, RuntimeStatistics
@@ -102,7 +102,8 @@ class RuntimeOptions:
     """Write the state trace (one JSON line per transition) here; off when None and
     ``ADASPEC_TRACE`` is unset."""
     clock: Clock | None = None
-    """Time source of events and the trace (a virtual clock in tests)."""
+    """Time source of events and the trace (a virtual clock in tests): seconds as a finite
+    number that never goes back, or the start or the round that read otherwise fails."""
     stage_hook: StageHook | None = None
     """Called as each stage's device work starts (fault injection in tests)."""
     depth_policy: DepthPolicy | None = None
@@ -341,7 +342,8 @@ class Runtime:
         self.config = config
         self.launch = config.launch
         self.options = options or RuntimeOptions()
-        self.clock: Clock = self.options.clock or MonotonicClock()
+        given = self.options.clock
+        self.clock: Clock = MonotonicClock() if given is None else CheckedClock(given)
         self.bus = EventBus()
         self.hooks = RoundHooks()
         self._models = models
@@ -402,6 +404,7 @@ class Runtime:
 
     async def _start(self) -> None:
         launch = self.launch
+        self.clock.now()  # an embedder's clock that reads no seconds fails here, not a request
         if launch.device == "cpu":
             cpu_threads()  # a bad ADASPEC_CPU_STREAM or _THREADS is refused before any loading
         require_device(launch.device)  # torch cannot even name "npu" without torch_npu

@@ -4,8 +4,11 @@ itself, so tests drive time by hand and never wait for real.
 Policies never read a clock (replay ignores event times); only timing and traces do.
 """
 
+import math
 import time
 from typing import Protocol
+
+from adaspec.errors import ConfigError
 
 
 class Clock(Protocol):
@@ -35,3 +38,33 @@ class VirtualClock:
         if seconds < 0:
             raise ValueError(f"a virtual clock only moves forward; got advance({seconds})")
         self._now += seconds
+
+
+class CheckedClock:
+    """An embedder's clock whose readings are checked: seconds as a finite number that never
+    goes back. The first reading that is none fails what read it (the start, a round, a
+    request's arrival) naming ``setting``, instead of stamping events replay refuses or the
+    event log cannot hold; from then on the last good reading stands, so the failure itself
+    is stamped and every request still ends."""
+
+    def __init__(self, clock: Clock, setting: str = "RuntimeOptions.clock") -> None:
+        self._clock = clock
+        self._setting = setting
+        self._last = -math.inf
+        self._failed = False
+
+    def now(self) -> float:
+        if self._failed and math.isfinite(self._last):
+            return self._last
+        value = self._clock.now()
+        if not isinstance(value, int | float) or isinstance(value, bool) \
+                or not math.isfinite(value):
+            self._failed = True
+            raise ConfigError(self._setting, value, "expected now() to return seconds as a "
+                              "finite number")
+        if value < self._last:
+            self._failed = True
+            raise ConfigError(self._setting, value, f"expected now() never to go back; it "
+                              f"read {self._last} before")
+        self._last = float(value)
+        return self._last
