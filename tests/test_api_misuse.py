@@ -96,12 +96,33 @@ class ReadingClock:
         return self.readings.pop(0) if len(self.readings) > 1 else self.readings[0]
 
 
-@pytest.mark.parametrize("reading", [float("nan"), float("inf"), "1.0", None, True])
-def test_a_clock_that_reads_no_seconds_fails_the_start_naming_it(reading: object) -> None:
+@pytest.mark.parametrize(("reading", "expected"), [
+    (float("nan"), "a finite number"), (float("inf"), "a finite number"),
+    ("1.0", "a real number; it returned a str"), (None, "a real number; it returned a NoneType"),
+    (True, "a real number; it returned a bool"),
+])
+def test_a_clock_that_reads_no_seconds_fails_the_start_naming_it(reading: object,
+                                                                  expected: str) -> None:
     runtime = Runtime(config("MTP", 3, 2), options=RuntimeOptions(clock=ReadingClock(reading)))
     with pytest.raises(ConfigError, match=r"^RuntimeOptions\.clock=.*: expected now\(\) to "
-                                          r"return seconds as a finite number$"):
+                                          rf"return seconds as {expected}$"):
         asyncio.run(runtime.start())
+
+
+@pytest.mark.parametrize("reading", [np.float32(3.5), np.int64(3), np.float64(3.5), 3])
+def test_a_clock_reading_any_real_number_type_serves(reading: object) -> None:
+    runtime = Runtime(config("MTP", 3, 2), options=RuntimeOptions(clock=ReadingClock(reading)))
+
+    async def run() -> int:
+        await runtime.start()
+        try:
+            result = await runtime.submit(list(b"RO"), SamplingParams(temperature=0.0,
+                                                                      max_tokens=4)).result()
+        finally:
+            await runtime.stop()
+        return len(result.token_ids)
+
+    assert asyncio.run(run()) == 4
 
 
 def test_a_clock_that_goes_back_fails_the_request_naming_it_and_writes_no_bad_log(

@@ -795,6 +795,8 @@ def test_config_json_end_of_sequence_ids_are_checked_where_generation_config_ove
 @pytest.mark.parametrize(("field", "value", "expected"), [
     ("repetition_penalty", 1.5, "unset or 1.0"),
     ("no_repeat_ngram_size", 3, "unset or 0"),
+    # A decoder-only generate passes the prompt as its "encoder" input: applied too.
+    ("encoder_repetition_penalty", 5.0, "unset or 1.0"),
     ("num_beams", 4, "unset or 1"),
     ("bad_words_ids", [[5]], "unset or []"),
     ("forced_eos_token_id", 6, "unset"),

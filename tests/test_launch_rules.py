@@ -150,6 +150,10 @@ RULE_CASES = [
     ("--nnodes=2 --cp_size=2",
      "--cp_size=2: expected --cp_size=1 (context parallelism is not implemented; use "
      "--tp_size to split the model across ranks)"),
+    # Named first, not as an --nnodes that cannot divide into CP shards.
+    ("--cp_size=2",
+     "--cp_size=2: expected --cp_size=1 (context parallelism is not implemented; use "
+     "--tp_size to split the model across ranks)"),
 ]
 
 # Checks across numbers, and the ranges of single flags.

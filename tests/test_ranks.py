@@ -325,6 +325,9 @@ TORCHRUN = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "10.1.2.3", "MASTER_P
                                   "master_node_addr": "10.1.2.3:29500"}),
     ({}, {**TORCHRUN, "MASTER_ADDR": "::1"}, {"node_rank": "1", "nnodes": "2",
                                               "master_node_addr": "[::1]:29500"}),
+    # torchrun reads the port as the number it spells.
+    ({}, {**TORCHRUN, "MASTER_PORT": "029500"}, {"node_rank": "1", "nnodes": "2",
+                                                 "master_node_addr": "10.1.2.3:29500"}),
 ])
 def test_torchrun_environment_becomes_the_rank_flags(
         settings: dict[str, str], environ: dict[str, str], expected: dict[str, str]) -> None:

@@ -37,6 +37,9 @@ def test_request_fields_are_read_into_frozen_params() -> None:
     ("min_tokens", 4, "minimum-length stops are not supported"),
     ("logit_bias", {"5": 1.0}, "token bias is not supported"),
     ("logit_bias", {"5": 0, "6": False}, "token bias is not supported"),
+    # A zero bias is neutral only on token ids: anything else is a malformed bias.
+    ("logit_bias", {"abc": 0}, "token bias is not supported"),
+    ("logit_bias", {"-1": 0}, "token bias is not supported"),
     ("presence_penalty", 0.5, "non-neutral penalties are not supported"),
     ("frequency_penalty", -0.1, "non-neutral penalties are not supported"),
     ("repetition_penalty", 1.1, "non-neutral penalties are not supported"),

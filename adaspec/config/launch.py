@@ -162,7 +162,8 @@ class LaunchConfig:
             raise ConfigError("--host", self.host, f"expected {HOST_EXPECTED}")
         parse_host_port("master_node_addr", self.master_node_addr)
         group = self.dp_size * self.cp_size
-        if self.nnodes % group:
+        # With CP its own rule refuses the launch, naming --cp_size rather than --nnodes.
+        if self.cp_size == 1 and self.nnodes % group:
             raise ConfigError("--nnodes", self.nnodes,
                               f"expected a multiple of dp_size*cp_size={group} (one TP group "
                               f"per DP/CP shard)")
@@ -415,7 +416,7 @@ def torchrun_settings(settings: Mapping[str, str], environ: Mapping[str, str]
     from_env = {"node_rank": ("RANK", environ["RANK"]),
                 "nnodes": ("WORLD_SIZE", environ["WORLD_SIZE"]),
                 "master_node_addr": ("MASTER_ADDR:MASTER_PORT",
-                                     f"{host}:{environ['MASTER_PORT']}")}
+                                     f"{host}:{_normal(environ['MASTER_PORT'])}")}
     merged = dict(settings)
     for name, (variable, value) in from_env.items():
         given = settings.get(name)

@@ -58,11 +58,13 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple[object, ...], str]] = {
 
 def is_neutral(value: object, neutral: tuple[object, ...], name: str) -> bool:
     """Whether a request field's value asks for nothing: one of its ``neutral`` values (of
-    the same type: true is no 1), or, for ``logit_bias``, a bias of 0 on every token."""
+    the same type: true is no 1), or, for ``logit_bias``, a bias of 0 on every token, each
+    named by its id as a string of digits (a bias on anything else is no bias at all)."""
     if any(value == n and type(value) is type(n) for n in neutral):
         return True
     return name == "logit_bias" and isinstance(value, dict) and all(
-        type(bias) in (int, float) and bias == 0 for bias in value.values())
+        isinstance(token, str) and token.isascii() and token.isdigit() and len(token) <= 10
+        and type(bias) in (int, float) and bias == 0 for token, bias in value.items())
 
 
 def _number(value: object) -> bool:

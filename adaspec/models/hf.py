@@ -722,6 +722,9 @@ def eos_token_ids(path: str, config: dict[str, Any], flag: str = "--model") -> t
 _NEUTRAL_PROCESSORS: dict[str, tuple[object, ...]] = {
     "repetition_penalty": (1, 1.0),
     "no_repeat_ngram_size": (0,),
+    # A decoder-only generate passes the prompt as the "encoder" input: these apply too.
+    "encoder_repetition_penalty": (1, 1.0),
+    "encoder_no_repeat_ngram_size": (0,),
     "min_length": (0,),
     "min_new_tokens": (0,),
     "num_beams": (1,),

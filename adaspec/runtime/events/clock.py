@@ -5,6 +5,7 @@ Policies never read a clock (replay ignores event times); only timing and traces
 """
 
 import math
+import numbers
 import time
 from typing import Protocol
 
@@ -56,13 +57,16 @@ class CheckedClock:
     def now(self) -> float:
         if self._failed and math.isfinite(self._last):
             return self._last
-        value = self._clock.now()
-        if not isinstance(value, int | float) or isinstance(value, bool) \
-                or not math.isfinite(value):
+        value: object = self._clock.now()
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            self._failed = True
+            raise ConfigError(self._setting, value, f"expected now() to return seconds as a "
+                              f"real number; it returned a {type(value).__name__}")
+        if not math.isfinite(value):
             self._failed = True
             raise ConfigError(self._setting, value, "expected now() to return seconds as a "
                               "finite number")
-        if value < self._last:
+        if float(value) < self._last:
             self._failed = True
             raise ConfigError(self._setting, value, f"expected now() never to go back; it "
                               f"read {self._last} before")
