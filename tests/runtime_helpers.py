@@ -13,7 +13,7 @@ from adaspec.models.report import heldout_excerpt
 from adaspec.policies.base import DepthContext
 from adaspec.policies.fixed import FixedDepth
 from adaspec.runtime.engine import Runtime, RuntimeOptions
-from adaspec.runtime.requests import RequestResult
+from adaspec.runtime.requests import RequestFailed, RequestResult
 
 
 def shipped_prompts() -> list[bytes]:
@@ -92,3 +92,25 @@ class CyclingDepth(FixedDepth):
     def decide(self, context: DepthContext) -> int:
         # A numpy integer, as a policy computing with numpy returns: taken as the int it is.
         return np.int64(1 + context.round % context.width)  # type: ignore[return-value]
+
+
+def first_failure(runtime: Runtime, max_tokens: int, started: Any = None) -> str:
+    """The one-line reason the first greedy request of "ROMEO." fails for (``started``, when
+    given, is called once the runtime has started); the runtime is stopped either way."""
+    async def run() -> str:
+        await runtime.start()
+        if started is not None:
+            started()
+        try:
+            handle = runtime.submit(list(b"ROMEO."), SamplingParams(temperature=0.0,
+                                                                    max_tokens=max_tokens))
+            try:
+                await handle.result()
+            except RequestFailed as failed:
+                return str(failed)
+            raise AssertionError("the request finished; expected it to fail")
+        finally:
+            await runtime.stop()
+
+    return asyncio.run(run())
+

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from runtime_helpers import config
+from runtime_helpers import config, first_failure
 
 from adaspec.config import SamplingParams
 from adaspec.errors import ConfigError, DeviceLayerError, InvalidRequest
@@ -21,7 +21,6 @@ from adaspec.runtime.engine import Runtime, RuntimeOptions, WrongLoop
 from adaspec.runtime.events.clock import VirtualClock
 from adaspec.runtime.events.log import read_event_log
 from adaspec.runtime.events.types import RoundSubmitted
-from adaspec.runtime.requests import RequestFailed
 
 
 class Policy:
@@ -132,19 +131,8 @@ def test_a_clock_that_goes_back_fails_the_request_naming_it_and_writes_no_bad_lo
     runtime = Runtime(config("MTP", 3, 2), options=RuntimeOptions(
         clock=ReadingClock(5.0, 5.0, 4.0), event_log=str(log)))
 
-    async def run() -> str:
-        await runtime.start()
-        try:
-            handle = runtime.submit(list(b"ROMEO."), SamplingParams(temperature=0.0,
-                                                                    max_tokens=8))
-            with pytest.raises(RequestFailed) as raised:
-                await handle.result()
-        finally:
-            await runtime.stop()
-        return str(raised.value)
-
     assert "RuntimeOptions.clock=4.0: expected now() never to go back; it read 5.0 before" \
-        in asyncio.run(run())
+        in first_failure(runtime, 8)
     _, events = read_event_log(str(log))  # every event stamped with a good reading
     assert events
     assert all(event.time == 5.0 for event in events)

@@ -17,13 +17,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from runtime_helpers import config
+from runtime_helpers import config, first_failure
 
 from adaspec.config import SamplingParams
 from adaspec.errors import ConfigError
 from adaspec.models import ReferenceModels, checkpoint_identity, load_reference_models
 from adaspec.runtime.engine import Runtime, RuntimeOptions
-from adaspec.runtime.requests import RequestFailed
 
 
 @pytest.fixture(scope="module")
@@ -460,19 +459,10 @@ def _failure(given: SimpleNamespace, algorithm: str, rewired: "Rewired | Failing
     """The one-line reason the first request fails for, once ``rewired`` is switched on."""
     runtime = Runtime(config(algorithm, 3, 2), models=given)
 
-    async def run() -> str:
-        await runtime.start()
+    def switch_on() -> None:
         rewired.active = True
-        try:
-            handle = runtime.submit(list(b"ROMEO."), SamplingParams(temperature=0.0,
-                                                                    max_tokens=6))
-            with pytest.raises(RequestFailed) as raised:
-                await handle.result()
-        finally:
-            await runtime.stop()
-        return str(raised.value)
 
-    return asyncio.run(run())
+    return first_failure(runtime, 6, switch_on)
 
 
 def test_outputs_the_protocol_allows_decode_as_the_models_own(models: ReferenceModels) -> None:
