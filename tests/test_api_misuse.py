@@ -97,6 +97,7 @@ class ReadingClock:
 
 @pytest.mark.parametrize(("reading", "expected"), [
     (float("nan"), "a finite number"), (float("inf"), "a finite number"),
+    (float("-inf"), "a finite number"),
     ("1.0", "a real number; it returned a str"), (None, "a real number; it returned a NoneType"),
     (True, "a real number; it returned a bool"),
 ])

@@ -430,19 +430,17 @@ def torchrun_settings(settings: Mapping[str, str], environ: Mapping[str, str]
 def _check_torchrun_numbers(environ: Mapping[str, str]) -> None:
     """torchrun's numbers, named by their variables: read as flags they would be blamed on
     flags the user never gave."""
-    low, high = INT_RANGES["nnodes"]
-    limits = {"WORLD_SIZE": (low, high), "MASTER_PORT": (1, 65535)}
-    for variable, (low, high) in limits.items():
-        _torchrun_integer(variable, environ[variable], low, high)
-    size = int(environ["WORLD_SIZE"].strip())
+    size = _torchrun_integer("WORLD_SIZE", environ["WORLD_SIZE"], *INT_RANGES["nnodes"])
+    _torchrun_integer("MASTER_PORT", environ["MASTER_PORT"], 1, 65535)
     _torchrun_integer("RANK", environ["RANK"], 0, size - 1)
 
 
-def _torchrun_integer(variable: str, text: str, low: int, high: int) -> None:
+def _torchrun_integer(variable: str, text: str, low: int, high: int) -> int:
     stripped = text.strip()
     if not (ascii_digits(stripped) and low <= int(stripped) <= high):
         raise ConfigError(variable, text, f"expected an integer in {low}..{high} (torchrun "
                           "sets it; a launch by flags sets none of its variables)")
+    return int(stripped)
 
 
 def _normal(text: str) -> str:

@@ -33,8 +33,16 @@ _STRUCTURED = "structured-output constraints are not supported"
 _PENALTY = "non-neutral penalties are not supported (the verifier samples the plain target " \
            "distribution)"
 
+def _zero_bias(value: object) -> bool:
+    """A logit_bias that moves no token: 0 on every key, each a token id spelt in digits
+    (a bias keyed by anything else is malformed, not neutral)."""
+    return isinstance(value, dict) and all(
+        isinstance(token, str) and token.isascii() and token.isdigit() and len(token) <= 10
+        and type(bias) in (int, float) and bias == 0 for token, bias in value.items())
+
+
 # Request fields adaspec knows and refuses unless they carry their neutral value:
-# name -> (neutral values, why).
+# name -> (neutral values, or predicates a neutral value meets; why).
 UNSUPPORTED_FIELDS: dict[str, tuple[tuple[object, ...], str]] = {
     "seed": ((None,), "per-request seeds are not supported; draws come from the runtime's "
                       "seeded generator so that replay is exact"),
@@ -43,7 +51,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple[object, ...], str]] = {
     "top_logprobs": ((None, 0), "logprobs are not supported"),
     "prompt_logprobs": ((None,), "logprobs are not supported"),
     "min_tokens": ((None, 0), "minimum-length stops are not supported"),
-    "logit_bias": ((None, {}), "token bias is not supported"),
+    "logit_bias": ((None, {}, _zero_bias), "token bias is not supported"),
     "presence_penalty": ((None, 0, 0.0), _PENALTY),
     "frequency_penalty": ((None, 0, 0.0), _PENALTY),
     "repetition_penalty": ((None, 1, 1.0), _PENALTY),
@@ -56,15 +64,12 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple[object, ...], str]] = {
 }
 
 
-def is_neutral(value: object, neutral: tuple[object, ...], name: str) -> bool:
-    """Whether a request field's value asks for nothing: one of its ``neutral`` values (of
-    the same type: true is no 1), or, for ``logit_bias``, a bias of 0 on every token, each
-    named by its id as a string of digits (a bias on anything else is no bias at all)."""
-    if any(value == n and type(value) is type(n) for n in neutral):
-        return True
-    return name == "logit_bias" and isinstance(value, dict) and all(
-        isinstance(token, str) and token.isascii() and token.isdigit() and len(token) <= 10
-        and type(bias) in (int, float) and bias == 0 for token, bias in value.items())
+def is_neutral(value: object, neutral: tuple[object, ...]) -> bool:
+    """Whether a field's value asks for nothing: one of its ``neutral`` values, of the same
+    type (true is no 1), or one that a neutral predicate accepts."""
+    return any(neutral_value(value) if callable(neutral_value)
+               else value == neutral_value and type(value) is type(neutral_value)
+               for neutral_value in neutral)
 
 
 def _number(value: object) -> bool:
@@ -172,7 +177,7 @@ class SamplingParams:
             if name in UNSUPPORTED_FIELDS:
                 neutral, why = UNSUPPORTED_FIELDS[name]
                 value = plain_number(value)  # numpy 0.0 is as neutral as 0.0
-                if not is_neutral(value, neutral, name):
+                if not is_neutral(value, neutral):
                     shown = repr(value) if isinstance(value, str) else value
                     raise UnsupportedRequest(name, shown, why)
             elif name in known:

@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from adaspec.config.paths import NotRegularFile, open_regular
-from adaspec.config.requests import MAX_STOP_TOKENS
+from adaspec.config.requests import MAX_STOP_TOKENS, is_neutral
 from adaspec.errors import ConfigError, InvalidRequest, show_value
 from adaspec.models.checkpoint import checkpoint_identity
 from adaspec.models.protocols import (
@@ -753,7 +753,7 @@ def refuse_unapplied_processors(fields: dict[str, Any], name: str, flag: str,
     checkpoint's own output (transformers') would differ from adaspec's without a word."""
     for key, neutral in _NEUTRAL_PROCESSORS.items():
         value = fields.get(key)
-        if value is None or any(value == n and type(value) is type(n) for n in neutral):
+        if value is None or is_neutral(value, neutral):
             continue
         unset = " or ".join(["unset", *(json.dumps(n) for n in neutral[-1:])])
         raise ConfigError(flag, path, f"{name} {key}={show_value(value)}: transformers' "
@@ -835,11 +835,12 @@ class HfTokenizer:
                 str(self.tokenizer.unk_token) not in text:
             raise InvalidRequest("prompt", text, "holds characters the checkpoint's tokenizer "
                                  f"cannot encode (they would read as {self.tokenizer.unk_token})")
-        beyond = [i for i in ids if self.vocab_size is not None and i >= self.vocab_size]
-        if beyond:
-            token = self.tokenizer.convert_ids_to_tokens(beyond[0])
+        past = None if self.vocab_size is None else next(
+            (i for i in ids if i >= self.vocab_size), None)
+        if past is not None:
+            token = self.tokenizer.convert_ids_to_tokens(past)
             raise InvalidRequest("prompt", text, f"spells the tokenizer's token {token} (id "
-                                 f"{beyond[0]}), which the model's vocabulary of "
+                                 f"{past}), which the model's vocabulary of "
                                  f"{self.vocab_size} tokens does not hold")
         return ids
 

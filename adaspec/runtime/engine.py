@@ -150,8 +150,7 @@ class RuntimeOptions:
 
 def _option_path(name: str, value: object) -> str | None:
     """A file-path option as a str: a str, an ``os.PathLike`` of a str, or None."""
-    path = value if value is None or isinstance(value, str) else (
-        os.fspath(value) if isinstance(value, os.PathLike) else value)
+    path = os.fspath(value) if isinstance(value, os.PathLike) else value
     if path is not None and not isinstance(path, str):
         raise ConfigError(f"RuntimeOptions.{name}", value,
                           "expected a file path (a str or os.PathLike) or None")

@@ -178,7 +178,7 @@ def read_completion(body: Mapping[str, Any], model: str, *,
 def _check_known(name: str, value: object) -> None:
     if name in _NEUTRAL:
         neutral, why = _NEUTRAL[name]
-        if not is_neutral(value, neutral, name):
+        if not is_neutral(value, neutral):
             raise ApiError(400, f"{name}={show_value(value)}: {why}", param=name)
     elif name not in _READ and name not in _SAMPLING:
         raise ApiError(400, f"{name}: unknown parameter; expected one of "

@@ -58,6 +58,9 @@ class CheckedClock:
         if self._failed and math.isfinite(self._last):
             return self._last
         value: object = self._clock.now()
+        if type(value) is float and math.isfinite(value) and value >= self._last:  # usual
+            self._last = value
+            return value
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             self._failed = True
             raise ConfigError(self._setting, value, f"expected now() to return seconds as a "
