@@ -21,6 +21,7 @@ from adaspec.runtime.engine import Runtime, RuntimeOptions, WrongLoop
 from adaspec.runtime.events.clock import VirtualClock
 from adaspec.runtime.events.log import read_event_log
 from adaspec.runtime.events.types import RoundSubmitted
+from adaspec.runtime.requests import RequestFailed
 
 
 class Policy:
@@ -97,7 +98,7 @@ class ReadingClock:
 
 @pytest.mark.parametrize(("reading", "expected"), [
     (float("nan"), "a finite number"), (float("inf"), "a finite number"),
-    (float("-inf"), "a finite number"),
+    (float("-inf"), "a finite number"), (10**400, "a finite number"),
     ("1.0", "a real number; it returned a str"), (None, "a real number; it returned a NoneType"),
     (True, "a real number; it returned a bool"),
 ])
@@ -107,6 +108,63 @@ def test_a_clock_that_reads_no_seconds_fails_the_start_naming_it(reading: object
     with pytest.raises(ConfigError, match=r"^RuntimeOptions\.clock=.*: expected now\(\) to "
                                           rf"return seconds as {expected}$"):
         asyncio.run(runtime.start())
+
+
+class SwitchingClock:
+    """A fake clock that counts up until ``bad`` is set, then reads ``bad_reading`` (or
+    raises it, when it is an exception)."""
+
+    def __init__(self, bad_reading: object) -> None:
+        self.time, self.bad, self.bad_reading = 100.0, False, bad_reading
+
+    def now(self) -> object:
+        if not self.bad:
+            self.time += 0.001
+            return self.time
+        if isinstance(self.bad_reading, Exception):
+            raise self.bad_reading
+        return self.bad_reading
+
+
+@pytest.mark.parametrize(("bad", "words"), [
+    (10**400, "expected now() to return seconds as a finite number"),
+    (RuntimeError("clock broke"), "now() raised RuntimeError: clock broke"),
+    (1.0, "expected now() never to go back"),
+])
+@pytest.mark.parametrize("when", ["round", "cancel"])
+def test_a_clock_failing_mid_run_ends_every_request_and_stop_returns(
+        bad: object, words: str, when: str) -> None:
+    """Whatever was being stamped (a round, a cancellation) completes on the last good
+    reading; the round loop then fails every request naming the clock."""
+    clock = SwitchingClock(bad)
+    runtime = Runtime(config("MTP", 3, 2), options=RuntimeOptions(clock=clock))
+    outcomes: list[str] = []
+
+    async def run() -> None:
+        await runtime.start()
+        handles = [runtime.submit(list(b"ROMEO."), SamplingParams(temperature=0.0,
+                                                                  max_tokens=200))
+                   for _ in range(2)]
+
+        def on_event(event: object) -> None:
+            if isinstance(event, RoundSubmitted) and not clock.bad:
+                clock.bad = True
+                if when == "cancel":
+                    runtime.cancel(handles[0].request_id)
+
+        runtime.subscribe(on_event)
+        for handle in handles:
+            try:
+                outcomes.append((await handle.result()).finish_reason)
+            except RequestFailed as failed:
+                outcomes.append(str(failed))
+        await runtime.stop()
+
+    asyncio.run(asyncio.wait_for(run(), 120))
+    if when == "cancel":
+        assert outcomes[0] == "cancelled"
+    assert words in outcomes[-1]
+    assert "RuntimeOptions.clock" in outcomes[-1]
 
 
 @pytest.mark.parametrize("reading", [np.float32(3.5), np.int64(3), np.float64(3.5), 3])

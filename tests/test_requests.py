@@ -63,6 +63,7 @@ def test_unsupported_feature_is_refused_by_field(field: str, value: object, why:
     ("presence_penalty", 0.0), ("frequency_penalty", 0), ("repetition_penalty", 1.0),
     # What OpenAI clients send by default: plain text, and a bias that moves no token.
     ("response_format", {"type": "text"}), ("logit_bias", {"65": 0, "66": 0.0}),
+    ("logit_bias", {"65": np.int64(0), "66": np.float64(0.0)}),
 ])
 def test_neutral_values_of_unsupported_features_are_accepted(field: str, value: object) -> None:
     assert SamplingParams.from_request({field: value}) == SamplingParams()

@@ -38,7 +38,8 @@ def _zero_bias(value: object) -> bool:
     (a bias keyed by anything else is malformed, not neutral)."""
     return isinstance(value, dict) and all(
         isinstance(token, str) and token.isascii() and token.isdigit() and len(token) <= 10
-        and type(bias) in (int, float) and bias == 0 for token, bias in value.items())
+        and not isinstance(bias, bool) and isinstance(bias, numbers.Real) and bias == 0
+        for token, bias in value.items())
 
 
 # Request fields adaspec knows and refuses unless they carry their neutral value:
@@ -51,7 +52,8 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple[object, ...], str]] = {
     "top_logprobs": ((None, 0), "logprobs are not supported"),
     "prompt_logprobs": ((None,), "logprobs are not supported"),
     "min_tokens": ((None, 0), "minimum-length stops are not supported"),
-    "logit_bias": ((None, {}, _zero_bias), "token bias is not supported"),
+    "logit_bias": ((None, {}, _zero_bias), "token bias is not supported; expected {} or a "
+                                           "bias of 0 on each token id (a string of digits)"),
     "presence_penalty": ((None, 0, 0.0), _PENALTY),
     "frequency_penalty": ((None, 0, 0.0), _PENALTY),
     "repetition_penalty": ((None, 1, 1.0), _PENALTY),

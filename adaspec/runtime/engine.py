@@ -68,7 +68,7 @@ from adaspec.runtime.devices.streams import (
 )
 from adaspec.runtime.drafting import Drafting, DSparkDrafting, MtpDrafting, NoDrafting
 from adaspec.runtime.events.bus import EventBus
-from adaspec.runtime.events.clock import CheckedClock, Clock, MonotonicClock
+from adaspec.runtime.events.clock import CheckedClock, Clock, MonotonicClock, clock_fault
 from adaspec.runtime.events.types import RequestArrived
 from adaspec.runtime.kv_slots import KvSlotSampling, KvSlotStates
 from adaspec.runtime.pipeline import Pipeline, RuntimeStatistics
@@ -404,6 +404,9 @@ class Runtime:
     async def _start(self) -> None:
         launch = self.launch
         self.clock.now()  # an embedder's clock that reads no seconds fails here, not a request
+        fault = clock_fault(self.clock)
+        if fault is not None:
+            raise fault
         if launch.device == "cpu":
             cpu_threads()  # a bad ADASPEC_CPU_STREAM or _THREADS is refused before any loading
         require_device(launch.device)  # torch cannot even name "npu" without torch_npu

@@ -44,7 +44,7 @@ from adaspec.runtime.devices.commit import FINISHED_LENGTH, FINISHED_STOP
 from adaspec.runtime.devices.sampling import SamplingTensors
 from adaspec.runtime.devices.streams import Completion, DeviceStream
 from adaspec.runtime.events.bus import EventBus
-from adaspec.runtime.events.clock import Clock
+from adaspec.runtime.events.clock import Clock, clock_fault
 from adaspec.runtime.events.types import (
     BudgetDecided,
     DepthDecided,
@@ -213,6 +213,7 @@ class Pipeline:
         self.bus = bus
         self.publish = bus.publish
         self.now = clock.now
+        self.clock = clock
         self.hooks = hooks
         self.seed = seed
         self.width = launch.num_speculative_tokens
@@ -346,6 +347,9 @@ class Pipeline:
 
     async def _loop(self) -> None:
         while True:
+            fault = clock_fault(self.clock)  # raised here, where failing every request is safe
+            if fault is not None:
+                raise fault
             await self._retire_due()
             if self.link is not None:
                 await self._agree(self.link)

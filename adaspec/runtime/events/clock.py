@@ -9,7 +9,7 @@ import numbers
 import time
 from typing import Protocol
 
-from adaspec.errors import ConfigError
+from adaspec.errors import MISSING, ConfigError
 
 
 class Clock(Protocol):
@@ -42,36 +42,57 @@ class VirtualClock:
 
 
 class CheckedClock:
-    """An embedder's clock whose readings are checked: seconds as a finite number that never
-    goes back. The first reading that is none fails what read it (the start, a round, a
-    request's arrival) naming ``setting``, instead of stamping events replay refuses or the
-    event log cannot hold; from then on the last good reading stands, so the failure itself
-    is stamped and every request still ends."""
+    """An embedder's clock whose readings are checked: seconds as a finite real number that
+    never goes back. A reading that is none (or a ``now()`` that raises) is never handed on:
+    the last good reading stands in for it and for every reading after it, so whatever was
+    being stamped completes, and ``fault`` holds the one-line error naming ``setting``. The
+    runtime raises it where failing is safe: at the start, and at the top of its round loop,
+    which then fails every request with it."""
 
     def __init__(self, clock: Clock, setting: str = "RuntimeOptions.clock") -> None:
         self._clock = clock
         self._setting = setting
         self._last = -math.inf
-        self._failed = False
+        self.fault: ConfigError | None = None
 
     def now(self) -> float:
-        if self._failed and math.isfinite(self._last):
-            return self._last
-        value: object = self._clock.now()
+        if self.fault is None:
+            self._read()
+        return self._last if math.isfinite(self._last) else 0.0
+
+    def _read(self) -> None:
+        try:
+            value: object = self._clock.now()
+        except Exception as error:  # the embedder's clock failed: named, never propagated
+            self.fault = ConfigError(self._setting, MISSING, f"now() raised "
+                                     f"{type(error).__name__}: {error}")
+            return
         if type(value) is float and math.isfinite(value) and value >= self._last:  # usual
             self._last = value
-            return value
+            return
+        self.fault = self._refusal(value)
+        if self.fault is None:
+            self._last = float(value)  # type: ignore[arg-type]
+
+    def _refusal(self, value: object) -> ConfigError | None:
+        """Why ``value`` is no reading after ``self._last``; None when it is one."""
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            self._failed = True
-            raise ConfigError(self._setting, value, f"expected now() to return seconds as a "
-                              f"real number; it returned a {type(value).__name__}")
-        if not math.isfinite(value):
-            self._failed = True
-            raise ConfigError(self._setting, value, "expected now() to return seconds as a "
-                              "finite number")
-        if float(value) < self._last:
-            self._failed = True
-            raise ConfigError(self._setting, value, f"expected now() never to go back; it "
-                              f"read {self._last} before")
-        self._last = float(value)
-        return self._last
+            return ConfigError(self._setting, value, f"expected now() to return seconds as a "
+                               f"real number; it returned a {type(value).__name__}")
+        try:
+            seconds = float(value)
+        except (OverflowError, ValueError):
+            seconds = math.inf
+        if not math.isfinite(seconds):
+            return ConfigError(self._setting, value, "expected now() to return seconds as a "
+                               "finite number")
+        if seconds < self._last:
+            return ConfigError(self._setting, value, f"expected now() never to go back; it "
+                               f"read {self._last} before")
+        return None
+
+
+def clock_fault(clock: Clock) -> ConfigError | None:
+    """The error of a checked clock that read something other than seconds; None for any
+    other clock, or one whose readings were all good."""
+    return clock.fault if isinstance(clock, CheckedClock) else None
