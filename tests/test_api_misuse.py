@@ -4,6 +4,7 @@ option accepted only to fail every request later."""
 
 import asyncio
 import os
+import re
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -55,6 +56,8 @@ class NoObserve:
     ("trace", ["/tmp/t.jsonl"], "expected a file path (a str or os.PathLike) or None"),
     # '-' is the trace's stderr; an event log is for replay, so it is always a file.
     ("event_log", "-", "expected a file path: replay reads an event log back from its file"),
+    ("trace", "", "expected a file path, or None for no trace"),
+    ("event_log", "", "expected a file path, or None for no event log"),
     ("clock", "x", "expected a Clock (adaspec.runtime.events.clock: now() returns seconds) "
                    "or None; it has no now"),
     ("clock", VirtualClock, "got a class: pass an instance"),
@@ -86,6 +89,13 @@ def test_runtime_options_take_path_likes_and_protocol_objects(tmp_path: Path) ->
     assert options.trace == os.fspath(tmp_path / "trace.jsonl")
 
 
+class UnreadableSeconds(float):
+    """A fake reading: a float whose own conversion to float is broken."""
+
+    def __float__(self) -> float:
+        raise TypeError("no float for you")
+
+
 class ReadingClock:
     """A fake clock that reads out ``readings`` one by one (the last one for ever after)."""
 
@@ -101,12 +111,14 @@ class ReadingClock:
     (float("-inf"), "a finite number"), (10**400, "a finite number"),
     ("1.0", "a real number; it returned a str"), (None, "a real number; it returned a NoneType"),
     (True, "a real number; it returned a bool"),
+    (UnreadableSeconds(1.0), "a real number; float() of its UnreadableSeconds raised "
+                             "TypeError: no float for you"),
 ])
 def test_a_clock_that_reads_no_seconds_fails_the_start_naming_it(reading: object,
                                                                   expected: str) -> None:
     runtime = Runtime(config("MTP", 3, 2), options=RuntimeOptions(clock=ReadingClock(reading)))
-    with pytest.raises(ConfigError, match=r"^RuntimeOptions\.clock=.*: expected now\(\) to "
-                                          rf"return seconds as {expected}$"):
+    with pytest.raises(ConfigError, match=r"^RuntimeOptions\.clock(=.*)?: expected now\(\) "
+                                          rf"to return seconds as {re.escape(expected)}$"):
         asyncio.run(runtime.start())
 
 
@@ -130,6 +142,7 @@ class SwitchingClock:
     (10**400, "expected now() to return seconds as a finite number"),
     (RuntimeError("clock broke"), "now() raised RuntimeError: clock broke"),
     (1.0, "expected now() never to go back"),
+    (UnreadableSeconds(200.0), "float() of its UnreadableSeconds raised TypeError"),
 ])
 @pytest.mark.parametrize("when", ["round", "cancel"])
 def test_a_clock_failing_mid_run_ends_every_request_and_stop_returns(
@@ -339,8 +352,9 @@ def test_two_running_runtimes_never_share_model_objects() -> None:
     asyncio.run(scenario())
 
 
-def test_submit_and_cancel_from_another_thread_are_refused_naming_the_loop() -> None:
-    """Nothing would wake the runtime's loop for a request queued from a thread: refused."""
+def test_submit_cancel_and_stop_from_another_thread_are_refused_naming_the_loop() -> None:
+    """Nothing would wake the runtime's loop for a request queued from a thread: refused. A
+    stop() on another loop is refused too, and leaves the runtime to stop on its own."""
     async def scenario() -> list[str]:
         runtime = Runtime(config("none", 0, 2))
         await runtime.start()
@@ -355,14 +369,20 @@ def test_submit_and_cancel_from_another_thread_are_refused_naming_the_loop() -> 
                     call()
                 except WrongLoop as error:
                     errors.append(str(error))
+            try:
+                asyncio.run(runtime.stop())  # a loop of the thread's own
+            except WrongLoop as error:
+                errors.append(str(error))
 
         await asyncio.to_thread(from_thread)
         assert len((await handle.result()).token_ids) == 8  # the thread's cancel did nothing
         await runtime.stop()
+        assert runtime._stream is None
         return errors
 
     errors = asyncio.run(scenario())
-    assert [e.split(" was called")[0] for e in errors] == ["submit()", "cancel()", "cancel()"]
+    assert [e.split(" was called")[0] for e in errors] == ["submit()", "cancel()", "cancel()",
+                                                          "stop()"]
     assert all(e.endswith("call it on that loop, for example through "
                           "loop.call_soon_threadsafe or asyncio.run_coroutine_threadsafe")
                for e in errors)

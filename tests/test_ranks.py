@@ -461,6 +461,7 @@ def test_a_round_that_fails_on_one_rank_stops_every_rank() -> None:
      "--num_speculative_tokens=2: expected 3"),
     (["--prompt=ab"], ["--prompt=cd", "--prompt=ef"], "--prompt=['cd', 'ef']: expected ab"),
     ([], ["--seed=5"], "--seed=5: expected (not given)"),
+    (["--seed=5"], ["--seed=+5"], "--seed=+5: expected 5"),
 ])
 def test_a_rank_started_with_another_command_line_says_which_flag_differs(
         first: list[str], second: list[str], named: str) -> None:
@@ -483,10 +484,10 @@ def test_a_rank_started_with_another_command_line_says_which_flag_differs(
     assert odd.returncode == 2
     assert odd.stderr.strip().splitlines()[-1] == (
         f"adaspec generate: error: {named}, rank 0's: every rank starts with the same "
-        "command line (its own --node_rank, --host and --port aside)")
+        "command line, each flag written alike (its own --node_rank, --host and --port aside)")
     # Rank 0 names the rank and the flag too, instead of meeting its exit in a collective.
     assert front.returncode == 2
     assert front.stderr.strip().splitlines()[-1] == (
         f"adaspec generate: error: {named.replace(': expected', ': on rank 1; expected')}, "
-        "rank 0's: every rank starts with the same command line (its own --node_rank, --host "
-        "and --port aside)")
+        "rank 0's: every rank starts with the same command line, each flag written alike (its "
+        "own --node_rank, --host and --port aside)")

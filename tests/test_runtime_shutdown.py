@@ -93,14 +93,18 @@ def test_a_cancelled_round_loop_fails_every_request_in_one_line(
         assert "\n" not in str(error)
 
 
+@pytest.mark.parametrize("bug", [RuntimeError("observer bug on finish"),
+                                 asyncio.CancelledError(), GeneratorExit()])
 def test_a_raising_subscriber_is_dropped_and_every_request_decodes_exactly(
         models: ReferenceModels, target_only: list[tuple[int, ...]],
-        caplog: pytest.LogCaptureFixture) -> None:
+        caplog: pytest.LogCaptureFixture, bug: BaseException) -> None:
+    """A plain call cannot be cancelled by the loop: a subscriber raising CancelledError or
+    GeneratorExit is as broken as one raising any other error."""
     runtime = Runtime(config("DSpark", 3, 2), models=models)
 
     def on_finished(event: Event) -> None:
         if isinstance(event, RequestFinished):
-            raise RuntimeError("observer bug on finish")
+            raise bug
 
     def on_retired(event: Event) -> None:
         if isinstance(event, RoundRetired):

@@ -154,6 +154,9 @@ def _option_path(name: str, value: object) -> str | None:
     if path is not None and not isinstance(path, str):
         raise ConfigError(f"RuntimeOptions.{name}", value,
                           "expected a file path (a str or os.PathLike) or None")
+    if path == "":  # not "none": None says that
+        raise ConfigError(f"RuntimeOptions.{name}", path, "expected a file path, or None for "
+                          f"no {name.replace('_', ' ')}")
     if name == "event_log" and path == STDERR:
         raise ConfigError(f"RuntimeOptions.{name}", path, EVENT_LOG_NOT_A_STREAM)
     return path
@@ -272,8 +275,10 @@ def rank_of(collectives: Collectives) -> int:
     return collectives.dp_rank * collectives.tp_size + collectives.tp_rank
 
 
-SAME_LINE = ("every rank starts with the same command line (its own --node_rank, --host and "
-             "--port aside)")
+# Command flags (prompts, sampling) are compared as written, since only the command knows
+# how to read them: 0 and 0.0 differ there, and the message says so.
+SAME_LINE = ("every rank starts with the same command line, each flag written alike (its own "
+             "--node_rank, --host and --port aside)")
 
 
 def command_values(flags: Sequence[tuple[str, str]]) -> dict[str, list[str]]:
@@ -360,6 +365,7 @@ class Runtime:
         self._closers: list[Any] = []
         self._detach: list[Callable[[], None]] = []  # undoes what _open_observers attached
         self._starting = False
+        self._starting_on: asyncio.AbstractEventLoop | None = None  # the loop start() runs on
         self._start_ended: asyncio.Event | None = None  # set once the start has ended
         self.costs: CostBundle | None = None
         """The immutable cost table installed at start (adaptive target verify only)."""
@@ -375,6 +381,7 @@ class Runtime:
             raise RuntimeStopped("the runtime is starting, running or still shutting down: "
                                  "await stop() before starting it again")
         self._starting = True
+        self._starting_on = asyncio.get_running_loop()
         ended = self._start_ended = asyncio.Event()
         self._stopping = None  # a stop() from now on abandons this start
         try:
@@ -821,7 +828,9 @@ class Runtime:
 
         The shutdown runs as a task of its own: a caller that cancels ``stop`` (or whose
         ``wait_for`` times out) stops waiting, not the shutdown, so every request still ends;
-        a second ``stop`` waits for the first one's shutdown to finish."""
+        a second ``stop`` waits for the first one's shutdown to finish. Called from another
+        loop than the runtime's, it raises ``WrongLoop`` and changes nothing."""
+        self._on_loop("stop()")
         if self._stopping is None:
             self._stopping = asyncio.get_running_loop().create_task(self._shut_down())
         await asyncio.shield(self._stopping)
@@ -904,16 +913,24 @@ class Runtime:
                                   f"the front; {call} there")
 
     def _on_loop(self, call: str) -> None:
-        """Refuse ``call`` unless it runs on the loop the runtime's round loop runs on."""
-        task = self._task
-        if task is None:
+        """Refuse ``call`` unless it runs on the loop the runtime lives on while it starts,
+        runs or shuts down."""
+        home = self._home_loop()
+        if home is None:
             return
         try:
             running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:  # a thread without a loop
             running = None
-        if running is not task.get_loop():
+        if running is not home:
             raise WrongLoop(call)
+
+    def _home_loop(self) -> asyncio.AbstractEventLoop | None:
+        if self._task is not None:
+            return self._task.get_loop()
+        if self._stopping is not None and not self._stopping.done():
+            return self._stopping.get_loop()
+        return self._starting_on if self._starting else None
 
     def _running(self) -> Pipeline:
         pipeline = self._pipeline

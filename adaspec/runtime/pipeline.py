@@ -331,10 +331,16 @@ class Pipeline:
                 self.fail_all(f"runtime fault: {type(error).__name__}: {error}")
 
     def fail_all(self, reason: str) -> None:
-        """Fail every request that has not ended (the loop can no longer serve them)."""
+        """Fail every request that has not ended (the loop can no longer serve them). An
+        interrupt raised while one is retired (a subscriber's ``KeyboardInterrupt``) is raised
+        once every request has ended, not before."""
+        interrupt: BaseException | None = None
         for request in [*self.active, *self.waiting]:
             if request.running:
-                self._fail_request(request, reason)
+                try:
+                    self._fail_request(request, reason)
+                except BaseException as error:  # the request has ended: end the others too
+                    interrupt = interrupt or error
         # No rank recorded these (the front's waiting for the next plan, other shards'
         # requests): each ends without an event of this rank's.
         for request in [*self.arrived, *(request for _, request in self.remote.values())]:
@@ -344,6 +350,8 @@ class Pipeline:
         self.remote.clear()
         self.waiting.clear()
         self.arrived.clear()
+        if interrupt is not None:
+            raise interrupt
 
     async def _loop(self) -> None:
         while True:

@@ -27,6 +27,9 @@ Handler = Callable[[Event], object]
 Match = str | type[Event] | Callable[[Event], bool]
 """What ``next`` waits for: an event ``kind``, an event class, or a predicate."""
 
+_OBSERVER_BUGS = (Exception, asyncio.CancelledError, GeneratorExit)
+"""What a handler's call may raise without reaching the publisher (see ``EventBus``)."""
+
 _Waiter = tuple[Callable[[Event], bool], "asyncio.Future[Event]"]
 
 
@@ -36,8 +39,10 @@ class EventBus:
     A handler whose call raises an ``Exception`` is a broken observer, not a broken round: it
     is unsubscribed (every subscription of it) and its failure logged once, as an error on the
     ``adaspec.events`` logger naming the handler and the event; the other handlers and the
-    waiters still get the event, and the publisher never sees the error. A ``BaseException``
-    (an interrupt, a cancellation) still propagates to the publisher. A handler may publish in
+    waiters still get the event, and the publisher never sees the error. So is one raising
+    ``CancelledError`` or ``GeneratorExit``: a plain call cannot be cancelled by the loop,
+    so either is the handler's own bug. An interrupt (``KeyboardInterrupt``, ``SystemExit``)
+    still propagates to the publisher. A handler may publish in
     turn; that nested event is delivered in full before the outer one reaches later handlers.
     ``publish`` and ``next`` belong to the loop's thread (loop futures are not thread-safe).
     """
@@ -107,19 +112,23 @@ class EventBus:
                 continue
             try:
                 handler(event)
-            except Exception as error:  # the observer's bug, not the round's
+            except _OBSERVER_BUGS as error:  # the observer's bug, not the round's
                 dropped = [*(dropped or ()), handler]
                 self._drop(handler, event, error)
         if self._waiters:
             self._resolve(event)
 
-    def _drop(self, handler: Handler, event: Event, error: Exception) -> None:
+    def _drop(self, handler: Handler, event: Event, error: BaseException) -> None:
         if handler in self._dropped:  # subscribed twice: already dropped and logged
             return
         self._handlers = tuple(h for h in self._handlers if h != handler)
         self._dropped.append(handler)
         name = _name(handler)
-        message = str(error).splitlines()[0] if str(error) else ""
+        try:
+            text = str(error)
+        except Exception:  # an exception whose own message is broken: its type says enough
+            text = ""
+        message = text.splitlines()[0] if text else ""
         LOG.error("event subscriber %s raised %s: %s on a %s event; it is unsubscribed and "
                   "gets no further events", name, type(error).__name__, message, event.kind)
 

@@ -9,7 +9,7 @@ import numbers
 import time
 from typing import Protocol
 
-from adaspec.errors import MISSING, ConfigError
+from adaspec.errors import MISSING, ConfigError, show_value
 
 
 class Clock(Protocol):
@@ -65,31 +65,49 @@ class CheckedClock:
             value: object = self._clock.now()
         except Exception as error:  # the embedder's clock failed: named, never propagated
             self.fault = ConfigError(self._setting, MISSING, f"now() raised "
-                                     f"{type(error).__name__}: {error}")
+                                     f"{type(error).__name__}: {_text(error)}")
             return
         if type(value) is float and math.isfinite(value) and value >= self._last:  # usual
             self._last = value
             return
-        self.fault = self._refusal(value)
-        if self.fault is None:
-            self._last = float(value)  # type: ignore[arg-type]
+        try:
+            self._last = self._seconds(value)
+        except ConfigError as error:
+            self.fault = error
+        except Exception as error:  # a number type broken beyond reading
+            self.fault = ConfigError(self._setting, MISSING, f"now() returned a "
+                                     f"{type(value).__name__} that could not be read as "
+                                     f"seconds ({type(error).__name__})")
 
-    def _refusal(self, value: object) -> ConfigError | None:
-        """Why ``value`` is no reading after ``self._last``; None when it is one."""
+    def _seconds(self, value: object) -> float:
+        """``value`` as seconds after ``self._last``; a ConfigError says why it is none."""
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            return ConfigError(self._setting, value, f"expected now() to return seconds as a "
-                               f"real number; it returned a {type(value).__name__}")
+            raise ConfigError(self._setting, _text(value), f"expected now() to return seconds "
+                              f"as a real number; it returned a {type(value).__name__}")
         try:
             seconds = float(value)
         except (OverflowError, ValueError):
             seconds = math.inf
+        except Exception as error:  # a Real whose own __float__ is broken
+            raise ConfigError(self._setting, MISSING, f"expected now() to return seconds as a "
+                              f"real number; float() of its {type(value).__name__} raised "
+                              f"{type(error).__name__}: {_text(error)}") from None
         if not math.isfinite(seconds):
-            return ConfigError(self._setting, value, "expected now() to return seconds as a "
-                               "finite number")
+            raise ConfigError(self._setting, _text(value), "expected now() to return seconds "
+                              "as a finite number")
         if seconds < self._last:
-            return ConfigError(self._setting, value, f"expected now() never to go back; it "
-                               f"read {self._last} before")
-        return None
+            raise ConfigError(self._setting, _text(value), f"expected now() never to go back; "
+                              f"it read {self._last} before")
+        return seconds
+
+
+def _text(value: object) -> str:
+    """``value`` as a message shows it, even when its own ``__str__`` is broken: the fault is
+    rendered long after the reading, where raising would leave requests without an end."""
+    try:
+        return show_value(value)
+    except Exception:
+        return f"<a {type(value).__name__}>"
 
 
 def clock_fault(clock: Clock) -> ConfigError | None:
