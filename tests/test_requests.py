@@ -2,6 +2,8 @@
 
 import dataclasses
 import json
+from collections import OrderedDict
+from types import MappingProxyType
 
 import numpy as np
 import pytest
@@ -29,6 +31,8 @@ def test_request_fields_are_read_into_frozen_params() -> None:
 @pytest.mark.parametrize(("field", "value", "why"), [
     ("seed", 7, "per-request seeds are not supported"),
     ("logprobs", True, "logprobs are not supported"),
+    ("logprobs", np.True_, "logprobs are not supported"),
+    ("response_format", OrderedDict(type="json_object"), "structured-output constraints"),
     ("top_logprobs", 5, "logprobs are not supported"),
     ("prompt_logprobs", 1, "logprobs are not supported"),
     # 0 still asks for the chosen (or prompt) tokens' own logprobs: not a neutral value.
@@ -64,6 +68,9 @@ def test_unsupported_feature_is_refused_by_field(field: str, value: object, why:
     # What OpenAI clients send by default: plain text, and a bias that moves no token.
     ("response_format", {"type": "text"}), ("logit_bias", {"65": 0, "66": 0.0}),
     ("logit_bias", {"65": np.int64(0), "66": np.float64(0.0)}),
+    # An engine's own types: numpy's false is false, and any mapping reads as a dict.
+    ("logprobs", np.False_), ("response_format", OrderedDict(type="text")),
+    ("logit_bias", MappingProxyType({})), ("logit_bias", OrderedDict({"65": 0})),
 ])
 def test_neutral_values_of_unsupported_features_are_accepted(field: str, value: object) -> None:
     assert SamplingParams.from_request({field: value}) == SamplingParams()
@@ -174,6 +181,21 @@ def test_unified_graphs_refuse_positive_temperature_instead_of_decoding_greedily
         "request field temperature=0.5: expected 0: --enable_unified_mtp_graph=true captures "
         "greedy rounds only; use --enable_unified_mtp_graph=false for positive temperatures")
     check_request(SamplingParams(temperature=0.0), launch)
+
+
+@pytest.mark.parametrize(("fields", "shown"), [
+    ({"temperature": 0, "top_k": 3}, "top_k=3"), ({"top_p": 0.5}, "top_p=0.5"),
+    ({"temperature": 0.0, "min_p": 0.2, "top_p": 0.9}, "top_p=0.9"),
+])
+def test_a_greedy_request_with_a_filter_is_refused_as_the_cli_and_http_refuse_it(
+        fields: dict[str, object], shown: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        check_request(SamplingParams.from_request(fields), launch_config_from_settings({}))
+    assert str(info.value) == (f"request field {shown}: filters sampled requests only; "
+                               "expected a positive temperature with it")
+    check_request(SamplingParams(temperature=0.5, **{k: v for k, v in fields.items()
+                                                     if k != "temperature"}),
+                  launch_config_from_settings({}))
 
 
 def test_temperature_is_optional_without_adaptive_target_verify() -> None:

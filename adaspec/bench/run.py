@@ -152,7 +152,10 @@ class BenchPlan:
         return [prompt for prompt, _ in self.level_requests(level)]
 
     def params(self, temperature: float) -> SamplingParams:
-        """The sampling parameters of a request at ``temperature``."""
+        """The sampling parameters of a request at ``temperature``: a greedy request takes
+        no filter (it would filter nothing, and requests refuse it)."""
+        if not temperature:
+            return SamplingParams(temperature=temperature, max_tokens=self.max_tokens)
         return SamplingParams(temperature=temperature, top_k=self.top_k, top_p=self.top_p,
                               min_p=self.min_p, max_tokens=self.max_tokens)
 

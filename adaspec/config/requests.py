@@ -13,6 +13,8 @@ import reprlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
+import numpy as np
+
 from adaspec.config.launch import LaunchConfig
 from adaspec.errors import MISSING, InvalidRequest, UnsupportedRequest
 
@@ -36,7 +38,7 @@ _PENALTY = "non-neutral penalties are not supported (the verifier samples the pl
 def _zero_bias(value: object) -> bool:
     """A logit_bias that moves no token: 0 on every key, each a token id spelt in digits
     (a bias keyed by anything else is malformed, not neutral)."""
-    return isinstance(value, dict) and all(
+    return isinstance(value, Mapping) and all(
         isinstance(token, str) and token.isascii() and token.isdigit() and len(token) <= 10
         and not isinstance(bias, bool) and isinstance(bias, numbers.Real) and bias == 0
         for token, bias in value.items())
@@ -68,10 +70,27 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple[object, ...], str]] = {
 
 def is_neutral(value: object, neutral: tuple[object, ...]) -> bool:
     """Whether a field's value asks for nothing: one of its ``neutral`` values, of the same
-    type (true is no 1), or one that a neutral predicate accepts."""
+    kind (true is no 1, but numpy's false is false and an OrderedDict is a dict), or one that
+    a neutral predicate accepts."""
     return any(neutral_value(value) if callable(neutral_value)
-               else value == neutral_value and type(value) is type(neutral_value)
+               else _kind(value) is _kind(neutral_value) and _plain(value) == neutral_value
                for neutral_value in neutral)
+
+
+def _kind(value: object) -> type:
+    """What a neutral value is compared as: any bool, any real number or any mapping alike;
+    every other value only with its own type."""
+    if isinstance(value, bool | np.bool_):
+        return bool
+    if isinstance(value, numbers.Real):
+        return numbers.Real
+    return Mapping if isinstance(value, Mapping) else type(value)
+
+
+def _plain(value: object) -> object:
+    if isinstance(value, np.bool_):
+        return bool(value)
+    return dict(value) if isinstance(value, Mapping) else value
 
 
 def _number(value: object) -> bool:
@@ -256,6 +275,24 @@ def check_request(params: SamplingParams, launch: LaunchConfig) -> None:
     if len(params.stop) > MAX_STOP_TOKENS:
         raise InvalidRequest("stop", f"{len(params.stop)} token ids",
                              f"expected at most {MAX_STOP_TOKENS} stop token ids")
+    name = idle_filter(params)
+    if name is not None:
+        raise InvalidRequest(name, getattr(params, name), IDLE_FILTER)
+
+
+IDLE_FILTER = "filters sampled requests only; expected a positive temperature with it"
+
+
+def idle_filter(params: SamplingParams) -> str | None:
+    """The first filter a greedy request sets, which would filter nothing (greedy decoding
+    takes the argmax), so it is refused rather than taken silently; None when there is none."""
+    if not params.greedy:
+        return None
+    if params.top_k:
+        return "top_k"
+    if params.top_p < 1.0:
+        return "top_p"
+    return "min_p" if params.min_p else None
 
 
 def check_room(context_limit: int, num_prompt_tokens: int, max_tokens: int) -> None:

@@ -11,9 +11,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from adaspec.config.requests import (
+    IDLE_FILTER,
     MAX_STOP_TOKENS,
     UNSUPPORTED_FIELDS,
     SamplingParams,
+    idle_filter,
     is_neutral,
 )
 from adaspec.errors import InvalidRequest, UnsupportedRequest, printable, show_value
@@ -315,8 +317,7 @@ def _sampling(body: Mapping[str, Any], stop_ids: tuple[int, ...],
         params = SamplingParams(stop=stop_ids, **values)  # type: ignore[arg-type]
     except (InvalidRequest, UnsupportedRequest) as error:
         raise refused(error) from None
-    if params.greedy and (params.top_k or params.top_p < 1.0 or params.min_p):
-        name = "top_k" if params.top_k else "top_p" if params.top_p < 1.0 else "min_p"
-        raise bad_field(name, values[name], "filters sampled requests only; expected a "
-                        "positive temperature with it")
+    idle = idle_filter(params)
+    if idle is not None:
+        raise bad_field(idle, values[idle], IDLE_FILTER)
     return params
