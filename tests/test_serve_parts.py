@@ -1,6 +1,7 @@
 """The server's parts on their own: stop strings over a stream of byte tokens, the request
 reader, and a server whose runtime has not started yet (on a real socket)."""
 
+import asyncio
 import json
 import re
 import socket
@@ -14,7 +15,15 @@ from aiohttp.test_utils import TestClient, TestServer
 from gloo_job import PROCESS_LIMIT_S, REPO, peer_environment
 from rank_launch import free_port
 
-from adaspec.bench.load import HttpTarget, LoadError, closed_loop, served_model
+from adaspec.bench.load import (
+    HttpTarget,
+    LevelRun,
+    LoadError,
+    closed_loop,
+    request_limit_s,
+    served_model,
+)
+from adaspec.bench.url import report_text
 from adaspec.config import SamplingParams, load_config
 from adaspec.models.tokenizer import ByteTokenizer
 from adaspec.runtime.engine import Runtime
@@ -247,3 +256,62 @@ async def test_bench_url_counts_a_stream_aiohttp_cannot_parse_as_a_failed_reques
     assert words in error, error
     assert "\n" not in error, error
     assert len(error) < 200, error
+
+
+def _events(*events: object) -> bytes:
+    return b"".join(b"data: " + (e if isinstance(e, bytes) else json.dumps(e).encode())
+                    + b"\n\n" for e in events)
+
+
+CHUNK = {"choices": [{"index": 0, "text": "hi"}]}
+USAGE = {"choices": [], "usage": {"completion_tokens": 4}}
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("body", "words"), [
+    (_events(CHUNK, b"5", USAGE, b"[DONE]"), "a stream event is not a JSON object: b'5'"),
+    (_events(CHUNK, b'"x"', USAGE, b"[DONE]"), "a stream event is not a JSON object: b'\"x\"'"),
+    (_events(USAGE, b"[DONE]"), "the stream carried no completion choice, only other events"),
+    (_events(CHUNK, USAGE), "the stream ended without data: [DONE]; it may have been cut short"),
+    (_events(CHUNK, b"[DONE]", USAGE), "the stream ended without a usage chunk; the server "
+                                       "must support stream_options.include_usage"),
+])
+async def test_bench_url_counts_a_stream_that_is_no_whole_completion_as_a_failure(
+        body: bytes, words: str) -> None:
+    async with TestServer(_broken_stream_app(body, {}), host="127.0.0.1") as fake, \
+            aiohttp.ClientSession() as session:
+        target = HttpTarget(str(fake.make_url("/")), "m", session)
+        run = await closed_loop(target, [("x", SamplingParams(temperature=0, max_tokens=4))], 1)
+    assert run.timings == [None]
+    assert run.errors == [f"request 0: {words}"]
+
+
+@pytest.mark.asyncio
+async def test_bench_url_fails_a_stream_kept_alive_past_its_limit() -> None:
+    """A server pinging for ever (a fake, the point of the test) fails the request at its
+    whole-time limit, here shortened, instead of holding the bench."""
+    async def completion(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        await response.write(_events(CHUNK))
+        while True:
+            await response.write(b": ping\n\n")
+            await asyncio.sleep(0)
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completion)
+    async with TestServer(app, host="127.0.0.1") as fake, aiohttp.ClientSession() as session:
+        target = HttpTarget(str(fake.make_url("/")), "m", session, limit_s=lambda _: 0.2)
+        run = await closed_loop(target, [("x", SamplingParams(temperature=0, max_tokens=4))], 1)
+    assert run.errors == ["request 0: the stream did not end within 0.2 s (300 s and 1 s per "
+                          "token asked)"]
+    assert request_limit_s(4) == 304.0
+
+
+def test_a_servers_model_name_and_errors_cannot_draw_on_the_terminal() -> None:
+    run = LevelRun(concurrency=1, timings=[None], errors=["request 0: bad\x1b[2J\nline"])
+    text = report_text("http://127.0.0.1:1", "m\x1b[31m\nbench of FAKE", [run], "4 tokens")
+    assert text.splitlines()[0] == "bench of http://127.0.0.1:1 (model m\\x1b[31m\\nbench of " \
+                                   "FAKE): 4 tokens"
+    assert text.splitlines()[-1] == "     failed: request 0: bad\\x1b[2J\\nline"
+    assert "\x1b" not in text

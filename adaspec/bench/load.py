@@ -12,7 +12,7 @@ import asyncio
 import json
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -91,6 +91,25 @@ def percentiles(seconds: Sequence[float]) -> dict[str, float | None]:
             "p99": round(1000 * cuts[98], 3)}
 
 
+MODELS_TIMEOUT_S = 30
+"""The longest ``GET /v1/models`` may take: a server answers it at once."""
+
+READ_TIMEOUT_S = 300
+"""The longest a request may go without a byte from the server (its TTFT included) before it
+counts as failed."""
+
+
+def request_limit_s(max_tokens: int) -> float:
+    """The longest a streamed request may take in all: the wait for a first byte, plus a
+    second per token asked. A server that keeps the stream alive without ending it (pings
+    forever) fails the request at this limit rather than holding the bench."""
+    return float(READ_TIMEOUT_S + max_tokens)
+
+
+def client_timeout() -> aiohttp.ClientTimeout:
+    return aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=READ_TIMEOUT_S)
+
+
 class Target(Protocol):
     async def complete(self, prompt: str, params: SamplingParams) -> Timing: ...
 
@@ -118,10 +137,12 @@ class HttpTarget:
     """An OpenAI-compatible server's ``/v1/completions``, streamed, with the usage chunk
     (``stream_options.include_usage``) as the count of tokens."""
 
-    def __init__(self, url: str, model: str, session: aiohttp.ClientSession) -> None:
+    def __init__(self, url: str, model: str, session: aiohttp.ClientSession,
+                 limit_s: Callable[[int], float] = request_limit_s) -> None:
         self.endpoint = url.rstrip("/") + "/v1/completions"
         self.model = model
         self.session = session
+        self.limit_s = limit_s  # a request's whole time, given its max_tokens
 
     def body(self, prompt: str, params: SamplingParams) -> dict[str, Any]:
         body: dict[str, Any] = {"model": self.model, "prompt": prompt,
@@ -137,8 +158,16 @@ class HttpTarget:
         return body
 
     async def complete(self, prompt: str, params: SamplingParams) -> Timing:
+        limit = self.limit_s(params.max_tokens)
+        deadline = asyncio.timeout(limit)
         try:
-            return await self._stream(prompt, params)
+            async with deadline:
+                return await self._stream(prompt, params)
+        except TimeoutError:
+            if not deadline.expired():  # aiohttp's own: no byte for READ_TIMEOUT_S
+                raise
+            raise LoadError(f"the stream did not end within {limit:g} s ({READ_TIMEOUT_S} s "
+                            "and 1 s per token asked)") from None
         except (HttpProcessingError, aiohttp.ClientPayloadError) as error:
             # A body aiohttp cannot parse (a line past its 512 KiB limit, a broken chunked or
             # compressed encoding) raises these, the first no ClientError and both with a
@@ -151,23 +180,39 @@ class HttpTarget:
         async with self.session.post(self.endpoint, json=self.body(prompt, params)) as response:
             if response.status != 200:
                 raise LoadError(f"HTTP {response.status}: {await _error_text(response)}")
+            chosen = done = False
             async for line in response.content:
                 event = _sse_data(line)
                 if event is None:
                     continue
+                if event is DONE:
+                    done = True
+                    break
                 if "error" in event:
-                    raise LoadError(f"error event: {event['error']}")
+                    raise LoadError(f"error event: {printable(str(event['error']))}")
+                chosen = chosen or bool(event.get("choices"))
                 for text in _texts(event):
                     first = first if first is not None else time.perf_counter()
                     pieces.append(text)
                 if event.get("usage"):
                     tokens = _completion_tokens(event["usage"], params.max_tokens)
         ended = time.perf_counter()
-        if tokens is None:
-            raise LoadError("the stream ended without a usage chunk; the server must support "
-                            "stream_options.include_usage")
+        _check_ending(done, chosen, tokens)
+        assert tokens is not None
         return Timing(tokens=tokens, ttft_s=(first or ended) - sent, e2e_s=ended - sent,
                       text="".join(pieces))
+
+
+def _check_ending(done: bool, chosen: bool, tokens: int | None) -> None:
+    """Refuse a stream that is no whole completion: one cut before ``data: [DONE]``, one
+    that answered with no choice at all, or one without the usage chunk that counts it."""
+    if not done:
+        raise LoadError("the stream ended without data: [DONE]; it may have been cut short")
+    if not chosen:
+        raise LoadError("the stream carried no completion choice, only other events")
+    if tokens is None:
+        raise LoadError("the stream ended without a usage chunk; the server must support "
+                        "stream_options.include_usage")
 
 
 def _http_fault(error: Exception) -> str:
@@ -202,12 +247,19 @@ def _completion_tokens(usage: object, max_tokens: int) -> int:
     return tokens
 
 
+DONE: dict[str, Any] = {}
+"""What ``_sse_data`` returns for ``data: [DONE]``, the end of an OpenAI stream."""
+
+
 def _sse_data(line: bytes) -> dict[str, Any] | None:
-    """A server-sent event's JSON data; None for anything else (blank lines, [DONE])."""
+    """A server-sent event's JSON object, ``DONE`` for the stream's end, None for anything
+    else (blank lines, comments such as keep-alive pings)."""
     if not line.startswith(b"data:"):
         return None
     data = line[5:].strip()
-    if data == b"[DONE]" or not data:
+    if data == b"[DONE]":
+        return DONE
+    if not data:
         return None
     try:
         event = json.loads(data)
@@ -215,7 +267,9 @@ def _sse_data(line: bytes) -> dict[str, Any] | None:
         raise LoadError(f"a stream event is not JSON: {data[:80]!r}") from None
     except RecursionError:  # nesting deeper than the parser follows: no event of a server
         raise LoadError(f"a stream event is nested too deeply to read: {data[:40]!r}") from None
-    return event if isinstance(event, dict) else None
+    if not isinstance(event, dict):  # no completion chunk is anything but an object
+        raise LoadError(f"a stream event is not a JSON object: {data[:80]!r}")
+    return event
 
 
 async def _error_text(response: aiohttp.ClientResponse) -> str:
@@ -243,25 +297,13 @@ async def closed_loop(target: Target, requests: Sequence[tuple[str, SamplingPara
             except (LoadError, aiohttp.ClientError, AdaspecError) as error:
                 run.errors.append(f"request {index}: {error}")
             except TimeoutError:
-                run.errors.append(f"request {index}: no data from the server for "
+                run.errors.append(f"request {index}: no byte from the server for "
                                   f"{READ_TIMEOUT_S} s")
 
     started = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))
     run.seconds = time.perf_counter() - started
     return run
-
-
-MODELS_TIMEOUT_S = 30
-"""The longest ``GET /v1/models`` may take: a server answers it at once."""
-
-READ_TIMEOUT_S = 300
-"""The longest a request may go without a byte from the server (its TTFT included) before it
-counts as failed."""
-
-
-def client_timeout() -> aiohttp.ClientTimeout:
-    return aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=READ_TIMEOUT_S)
 
 
 async def served_model(url: str, session: aiohttp.ClientSession) -> str:
@@ -288,6 +330,7 @@ async def served_model(url: str, session: aiohttp.ClientSession) -> str:
                         f"{data!r:.80}")
     names: list[str] = [m["id"] for m in models]
     if len(names) != 1:
-        raise LoadError(f"the server lists {len(names)} models ({', '.join(names)}); name "
-                        "one with --served_model_name")
+        listed = printable(", ".join(names))
+        raise LoadError(f"the server lists {len(names)} models ({listed}); name one with "
+                        "--served_model_name")
     return names[0]

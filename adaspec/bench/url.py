@@ -23,7 +23,7 @@ from adaspec.bench.load import (
 )
 from adaspec.bench.run import shipped_prompts
 from adaspec.config import SamplingParams
-from adaspec.errors import ConfigError
+from adaspec.errors import ConfigError, printable
 
 URL_FLAGS = ("url", "served_model_name", "quick", "concurrency", "requests", "max_tokens",
              "temperature", "top_k", "top_p", "min_p", "json")
@@ -92,7 +92,9 @@ async def bench_url(url: str, model: str | None, levels: dict[int, int],
 
 
 def report_text(url: str, model: str, runs: Sequence[LevelRun], header: str) -> str:
-    lines = [f"bench of {url} (model {model}): {header}",
+    # The model's name and the errors come from the server: escaped, so none can draw on
+    # the terminal or forge a line of the report.
+    lines = [f"bench of {url} (model {printable(model)}): {header}",
              f"{'C':>4} {'requests':>8} {'errors':>6} {'tok/s':>9}   "
              f"{'TTFT ms p50':>11} {'p90':>7} {'p99':>7}   {'TPOT ms p50':>11} {'p90':>7} "
              f"{'p99':>7}   {'E2E ms p50':>10} {'p90':>8} {'p99':>8}"]
@@ -105,7 +107,7 @@ def report_text(url: str, model: str, runs: Sequence[LevelRun], header: str) -> 
                      f"{cells[2]:>7}   {cells[3]:>11} {cells[4]:>7} {cells[5]:>7}   "
                      f"{cells[6]:>10} {cells[7]:>8} {cells[8]:>8}")
         for error in s["first_errors"]:
-            lines.append(f"     failed: {error}")
+            lines.append(f"     failed: {printable(error)}")
     return "\n".join(lines)
 
 
