@@ -518,6 +518,24 @@ def test_verify_hidden_in_another_dtype_fails_the_round_naming_both(
                      r"torch\.float32 \(the target's dtype\)$", message), message
 
 
+@pytest.mark.parametrize(("change", "got", "wanted"), [
+    (lambda logits: logits > 0, "of dtype torch.bool", " of a floating dtype"),
+    (lambda logits: logits.to(torch.complex64), "of dtype torch.complex64",
+     " of a floating dtype"),
+    (lambda logits: logits.to("meta"), "on meta", " on cpu"),
+])
+def test_verify_logits_of_no_floating_dtype_or_on_another_device_fail_the_round_naming_them(
+        models: ReferenceModels, change: Any, got: str, wanted: str) -> None:
+    """The sampler would fail on them with torch's message, blamed on the sample stage."""
+    target = Rewired(models.target, "verify", lambda out: type(out)(
+        logits=change(out.logits), hidden=out.hidden))
+    message = _failure(SimpleNamespace(target=target, mtp=models.mtp, dspark=None), "MTP",
+                       target)
+    assert re.search(rf"failed in verify: ModelOutputError: target\.verify returned logits "
+                     rf"{got}: expected \[\d+, \d+\] \(\[G, vocab_size\]\){wanted}$",
+                     message), message
+
+
 def test_verify_returning_no_target_output_fails_the_round_naming_its_type(
         models: ReferenceModels) -> None:
     target = Rewired(models.target, "verify", lambda out: (out.logits, out.hidden))

@@ -186,25 +186,43 @@ def _integral(dtype: torch.dtype) -> bool:
 
 
 def check_output(method: str, field: str, value: object, shape: tuple[int, ...],
-                 meaning: str, *, integer: bool = False, dtype: torch.dtype | None = None
-                 ) -> None:
+                 meaning: str, *, integer: bool = False, dtype: torch.dtype | None = None,
+                 device: torch.device | None = None) -> None:
     """Refuse (``ModelOutputError``) an output that is no tensor of ``shape`` (of an integer
     dtype where ``integer``: token ids, lengths; of ``dtype`` where given: hidden states the
-    runtime stores beside the target's own); ``meaning`` spells the shape as the protocol
-    does (``[G, vocab_size]``). Metadata only: nothing is read from the device."""
-    if isinstance(value, Tensor) and value.shape == shape and (
-            not integer or _integral(value.dtype)) and dtype in (None, value.dtype):
+    runtime stores beside the target's own; else of a floating dtype: logits, probabilities)
+    on ``device`` where given; ``meaning`` spells the shape as the protocol does
+    (``[G, vocab_size]``). Metadata only: nothing is read from the device."""
+    if isinstance(value, Tensor) and value.shape == shape and _dtype_fits(
+            value.dtype, integer, dtype) and (device is None or _on(value, device)):
         return
+    # The refusal names the shape and a dtype the protocol fixes; a floating dtype and the
+    # device only when they are what is wrong.
     wanted = f"{_dims(shape)} ({meaning})" + (" of an integer dtype" if integer else "") + \
         (f" in {dtype} (the target's dtype)" if dtype is not None else "")
     if not isinstance(value, Tensor):
-        kind = type(value)
-        got = f"of type {kind.__module__}.{kind.__qualname__}".replace("builtins.", "")
+        given = type(value)
+        got = f"of type {given.__module__}.{given.__qualname__}".replace("builtins.", "")
     elif value.shape != shape:
         got = f"of shape {_dims(tuple(value.shape))}"
-    else:
+    elif not _dtype_fits(value.dtype, integer, dtype):
         got = f"of dtype {value.dtype}"
+        wanted += "" if integer or dtype is not None else " of a floating dtype"
+    else:
+        got = f"on {value.device}"
+        wanted += f" on {device}"
     raise ModelOutputError(method, field, wanted, got)
+
+
+def _dtype_fits(dtype: torch.dtype, integer: bool, wanted: torch.dtype | None) -> bool:
+    if wanted is not None:
+        return dtype == wanted
+    return _integral(dtype) if integer else dtype.is_floating_point
+
+
+def _on(value: Tensor, device: torch.device) -> bool:
+    """Whether ``value`` lies on ``device`` (any index of its type when it names none)."""
+    return value.device.type == device.type and device.index in (None, value.device.index)
 
 
 def _dims(shape: tuple[int, ...]) -> str:

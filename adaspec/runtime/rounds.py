@@ -426,12 +426,13 @@ def check_target_output(method: str, out: object, num_rows: int, rows: str,
     logits, hidden = _ROW_SHAPES[rows]
     check_returned_kind(method, out, "a TargetOutput", ("logits", "hidden"))
     check_output(method, "logits", getattr(out, "logits", None), (num_rows, ctx.vocab_size),
-                 logits)
+                 logits, device=ctx.device)
     # Stored beside the hidden states of earlier rounds when a drafter reads them
     # (KvSlotStates): then in their dtype.
     states = ctx.states
     check_output(method, "hidden", getattr(out, "hidden", None), (num_rows, ctx.hidden_size),
-                 hidden, dtype=states.hidden.dtype if states.keeps_hidden else None)
+                 hidden, dtype=states.hidden.dtype if states.keeps_hidden else None,
+                 device=ctx.device)
     return out  # type: ignore[return-value]
 
 
@@ -458,7 +459,7 @@ def check_prefill_output(out: object, num: int, longest: int, ctx: DeviceContext
     padded = hidden.shape[1] if isinstance(hidden, Tensor) and hidden.dim() == 3 and \
         hidden.shape[1] >= longest else longest
     check_output("target.prefill", "hidden", hidden, (num, padded, ctx.hidden_size),
-                 "[B, T, hidden_size], T at least the longest prompt")
+                 "[B, T, hidden_size], T at least the longest prompt", device=ctx.device)
     check_output("target.prefill", "lengths", getattr(out, "lengths", None), (num,), "[B]",
                  integer=True)
 
@@ -485,11 +486,12 @@ class CheckedDrafter:
                                        kv_slots)
         n, method = token_ids.shape[0], "mtp.step"
         check_returned_kind(method, out, "an MtpStep", ("hidden", "token_ids", "probs"))
+        on = hidden.device  # every output lies where its inputs were given
         check_output(method, "token_ids", getattr(out, "token_ids", None), (n,), "[N]",
-                     integer=True)
-        check_output(method, "probs", getattr(out, "probs", None), (n,), "[N]")
+                     integer=True, device=on)
+        check_output(method, "probs", getattr(out, "probs", None), (n,), "[N]", device=on)
         check_output(method, "hidden", getattr(out, "hidden", None), tuple(hidden.shape),
-                     "[N, hidden_size], the shape of the hidden it was given")
+                     "[N, hidden_size], the shape of the hidden it was given", device=on)
         return out  # its logits are never read: a drafter may draft from its own vocabulary
 
     def draft(self, hidden: Tensor, token_ids: Tensor, positions: Tensor, kv_slots: Tensor,
@@ -499,9 +501,9 @@ class CheckedDrafter:
         n, method = token_ids.shape[0], "dspark.draft"
         check_returned_kind(method, out, "a DSparkBlock", ("token_ids", "confidences"))
         check_output(method, "token_ids", getattr(out, "token_ids", None), (n, width),
-                     "[N, width]", integer=True)
+                     "[N, width]", integer=True, device=hidden.device)
         check_output(method, "confidences", getattr(out, "confidences", None), (n, width),
-                     "[N, width]")
+                     "[N, width]", device=hidden.device)
         return out  # its logits are never read, as step's
 
 
