@@ -245,6 +245,35 @@ def test_a_sliding_window_applies_to_the_layers_transformers_applies_it_to(
     assert list(result.token_ids) == _generate(reference, prompt, 16)
 
 
+@pytest.mark.parametrize(("fields", "words"), [
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0}},
+     "config.json rope_parameters rope_type=longrope: its frequencies follow the longest "
+     "position of each forward, so verifying several tokens at once would not decode as "
+     "transformers does; expected another rope type"),
+    ({"rope_scaling": {"type": "longrope"}}, "config.json rope_scaling rope_type=longrope: "),
+    ({"rope_parameters": {"full_attention": {"rope_type": "longrope"}}},
+     "config.json rope_parameters rope_type=longrope: "),
+    ({"dtype": "int8"}, "config.json dtype=int8: expected a floating dtype (float32, "
+                        "bfloat16, float16, ...)"),
+    ({"torch_dtype": "bool"}, "config.json torch_dtype=bool: expected a floating dtype"),
+])
+def test_a_config_adaspec_cannot_decode_as_transformers_does_is_refused(
+        tmp_path: Path, fields: dict[str, object], words: str) -> None:
+    """longrope switches its frequencies with the longest position of a forward: a verify
+    crossing the switch decoded otherwise than transformers (from the 17th token of a
+    40-token greedy run); transformers refuses a dtype that is not floating."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **fields}))
+    with pytest.raises(ConfigError) as info:
+        load_hf_models(str(tmp_path))
+    assert str(info.value).startswith(f"--model={tmp_path}: {words}")
+    # Rope types whose frequencies are fixed, and floating dtypes, go on to the next check.
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "rope_parameters": {"rope_type": "yarn", "factor": 2.0},
+        "dtype": "bfloat16"}))
+    with pytest.raises(ConfigError, match="has no \\*.safetensors weights"):
+        load_hf_models(str(tmp_path))
+
+
 @pytest.mark.parametrize("window", [0, -3, 2.5, "4", True])
 def test_a_sliding_window_in_use_must_be_a_positive_integer(tmp_path: Path,
                                                             window: object) -> None:
@@ -800,6 +829,11 @@ def test_config_json_end_of_sequence_ids_are_checked_where_generation_config_ove
     ("num_beams", 4, "unset or 1"),
     ("bad_words_ids", [[5]], "unset or []"),
     ("forced_eos_token_id", 6, "unset"),
+    # They need generate's tokenizer: with it they change the output, without it they raise.
+    ("stop_strings", ["p"], "unset or []"),
+    ("token_healing", True, "unset or false"),
+    # Shown as the file spells it: the string "1.5" is no number 1.5.
+    ("repetition_penalty", "1.5", "unset or 1.0"),
 ])
 def test_a_logits_processor_the_generation_config_turns_on_is_refused(
         llama: Family, tmp_path: Path, field: str, value: object, expected: str) -> None:

@@ -264,6 +264,8 @@ def read_config(path: str, flag: str) -> dict[str, Any]:
             raise ConfigError(flag, path, f"config field {field}={config[field]!r}: {what} "
                               "is not supported")
     _check_window(config, flag, path)
+    _check_rope(config, flag, path)
+    _check_dtype(config, flag, path)
     if not any(name.endswith(".safetensors") for name in os.listdir(folder)):
         raise ConfigError(flag, path, "has no *.safetensors weights (other formats are not "
                           "loaded)")
@@ -271,6 +273,42 @@ def read_config(path: str, flag: str) -> dict[str, Any]:
     _validate_config(path, flag)
     _refuse_unread_weight_files(folder, flag, path)
     return config
+
+
+_FORWARD_DEPENDENT_ROPE = ("longrope",)
+"""RoPE types whose frequencies follow the longest position of each forward: a verify of
+several rows would encode a row otherwise than the token-by-token decode transformers runs,
+so greedy output would not be the checkpoint's."""
+
+
+def _check_rope(config: dict[str, Any], flag: str, path: str) -> None:
+    for field in ("rope_parameters", "rope_scaling"):
+        for rope in _rope_settings(config.get(field)):
+            kind = rope.get("rope_type", rope.get("type"))
+            if kind in _FORWARD_DEPENDENT_ROPE:
+                raise ConfigError(flag, path, f"config.json {field} rope_type={kind}: its "
+                                  "frequencies follow the longest position of each forward, "
+                                  "so verifying several tokens at once would not decode as "
+                                  "transformers does; expected another rope type")
+
+
+def _rope_settings(value: object) -> list[dict[str, Any]]:
+    """The RoPE settings of a config field: one dict, or one per layer type."""
+    if not isinstance(value, dict):
+        return []
+    if "rope_type" in value or "type" in value:
+        return [value]
+    return [inner for inner in value.values() if isinstance(inner, dict)]
+
+
+def _check_dtype(config: dict[str, Any], flag: str, path: str) -> None:
+    """transformers refuses to build a model in a dtype that is not floating."""
+    for field in ("dtype", "torch_dtype"):
+        name = config.get(field)
+        dtype = getattr(torch, name, None) if isinstance(name, str) else None
+        if isinstance(dtype, torch.dtype) and not dtype.is_floating_point:
+            raise ConfigError(flag, path, f"config.json {field}={name}: expected a floating "
+                              "dtype (float32, bfloat16, float16, ...)")
 
 
 def _check_window(config: dict[str, Any], flag: str, path: str) -> None:
@@ -741,6 +779,9 @@ _NEUTRAL_PROCESSORS: dict[str, tuple[object, ...]] = {
     "exponential_decay_length_penalty": (),
     "dola_layers": (),
     "watermarking_config": (),
+    # Need the tokenizer in generate: with it they change the output, without it they raise.
+    "stop_strings": ([],),
+    "token_healing": (False,),
 }
 """Generation settings that change what transformers' greedy ``generate`` emits (logits
 processors, beam or contrastive search), with the values that leave it unchanged (null is
@@ -756,7 +797,9 @@ def refuse_unapplied_processors(fields: dict[str, Any], name: str, flag: str,
         if value is None or is_neutral(value, neutral):
             continue
         unset = " or ".join(["unset", *(json.dumps(n) for n in neutral[-1:])])
-        raise ConfigError(flag, path, f"{name} {key}={show_value(value)}: transformers' "
+        # As the file spells it: a string "1.5" is no number 1.5.
+        raise ConfigError(flag, path, f"{name} {key}={show_value(json.dumps(value))}: "
+                          "transformers' "
                           "generate applies it and adaspec does not, so their output would "
                           f"differ; expected {unset} (edit the file to run without it)")
 
