@@ -3,6 +3,7 @@ by the library check the runtime calls, by `adaspec config` and by every command
 
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -103,6 +104,23 @@ def test_config_refuses_what_the_builtin_models_cannot_draft(width: int, model: 
     assert done.stderr == f"adaspec config: error: {too_wide(width, model)}\n"
 
 
+@pytest.mark.parametrize(("flags", "tp_size"), [
+    (["--nnodes=3"], 3), (["--nnodes=65536", "--node_rank=65535"], 65536),
+    (["--nnodes=8", "--tp_size=8", "--dp_size=1"], 8),
+])
+def test_config_refuses_a_tp_size_the_builtin_models_cannot_split(
+        flags: list[str], tp_size: int) -> None:
+    """Every rank would refuse it after the rendezvous and the model load: config, and
+    every command, refuse it from the model card."""
+    done = subprocess.run([sys.executable, "-m", "adaspec", "config", *flags],
+                          capture_output=True, text=True, check=False, timeout=120)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (f"adaspec config: error: --tp_size={tp_size}: expected a divisor "
+                           "of the model's attention heads (4): each TP rank keeps an equal "
+                           "share\n")
+    check_builtin_limits(load_config({"nnodes": 4}).launch)  # 4 splits them
+
+
 GENERATE = ["--prompt", "ROMEO.", "--max_tokens=4", "--temperature=0"]
 
 
@@ -113,6 +131,8 @@ GENERATE = ["--prompt", "ROMEO.", "--max_tokens=4", "--temperature=0"]
     (["bench", "--speculative_algorithm=DSpark", "--num_speculative_tokens=16"], too_wide(16)),
     (["bench", *DSPARK_8, "--enable_adaptive_target_verify=true"], too_wide(8)),
     (["bench", *DSPARK_8, "--arms=none,fixed:8"], too_wide(8)),
+    (["generate", "--nnodes=3", "--node_rank=1", "--master_node_addr=127.0.0.1:1", *GENERATE],
+     "--tp_size=3: expected a divisor of the model's attention heads (4)"),
     # The adaptive arm a launch turns on is refused with its reason, never skipped.
     (["bench", "--speculative_algorithm=DSpark", "--num_speculative_tokens=6",
       "--enable_adaptive_target_verify=true"],
@@ -278,3 +298,25 @@ def test_a_drafter_max_width_of_any_integer_type_is_read_as_an_integer() -> None
     own.dspark.max_width = "7"
     with pytest.raises(ConfigError, match=r"max_width='7': .*\(got a str\)"):
         check_model_limits(launch, own)
+
+
+def test_config_refuses_a_checkpoint_flag_naming_no_checkpoint_directory(
+        tmp_path: Path) -> None:
+    """generate refuses them before loading anything: so does config."""
+    (tmp_path / "config.json").write_text("{}")
+    cases = [
+        ([f"--model={tmp_path / 'none'}"], f"--model={tmp_path / 'none'}: expected a directory "
+         "holding a Hugging Face causal LM (config.json and *.safetensors)"),
+        ([f"--model={tmp_path / 'config.json'}"], f"--model={tmp_path / 'config.json'}: "
+         "expected a directory"),
+        ([f"--model={tmp_path}", f"--draft_model={tmp_path / 'none'}",
+          "--speculative_algorithm=MTP", "--num_speculative_tokens=3"],
+         f"--draft_model={tmp_path / 'none'}: expected a directory"),
+        ([f"--model={tmp_path.parent}"], f"--model={tmp_path.parent}: has no config.json; "
+         "expected a Hugging Face causal LM checkpoint directory"),
+    ]
+    for flags, message in cases:
+        done = subprocess.run([sys.executable, "-m", "adaspec", "config", *flags],
+                              capture_output=True, text=True, check=False, timeout=120)
+        assert (done.returncode, done.stdout) == (2, ""), done.stderr
+        assert done.stderr.startswith(f"adaspec config: error: {message}"), done.stderr

@@ -8,7 +8,11 @@ from dataclasses import fields
 from adaspec import __version__
 from adaspec.cli.flags import CommandFlags, Flag, launch_settings
 from adaspec.config import RULES, LaunchConfig, load_config
-from adaspec.config.builtin import check_builtin_limits, check_checkpoint_launch
+from adaspec.config.builtin import (
+    check_builtin_limits,
+    check_checkpoint_folders,
+    check_checkpoint_launch,
+)
 from adaspec.config.flags import field_docs, parse_argv
 from adaspec.config.launch import launch_field_types, metavar
 from adaspec.config.rules import CROSS_CHECKS
@@ -62,6 +66,7 @@ def run(argv: Sequence[str]) -> int:
     # checkpoints themselves are checked when they load.
     check_builtin_limits(effective.launch)
     check_checkpoint_launch(effective.launch)
+    check_checkpoint_folders(effective.launch)
     # The saved table's contents and the fields the launch fixes; the model identities and
     # the captured geometry are compared when the runtime starts. Imported here: it loads
     # scipy, which would make every command start slower (and longer to interrupt cleanly).

@@ -7,6 +7,7 @@ failing every request at its first round. Kept free of torch so ``adaspec config
 
 import json
 from pathlib import Path
+from typing import Any
 
 from adaspec.config.launch import LaunchConfig
 from adaspec.config.limits import BUILTIN_TARGETS
@@ -32,9 +33,7 @@ def builtin_checkpoints(launch: LaunchConfig) -> tuple[dict[str, str], int] | No
     models."""
     if not uses_builtin_models(launch):
         return None
-    folder = BUILTIN_FOLDERS[BUILTIN_TARGETS[launch.model]]
-    card = json.loads((WEIGHTS / folder / "model_card.json").read_text(encoding="utf-8"))
-    models = card["models"]
+    models = _card(launch)["models"]
     drafter = {"MTP": "mtp", "DSpark": "dspark"}.get(launch.speculative_algorithm)
     identities = {"target": models["target"]["identity"],
                   "draft": models[drafter]["identity"] if drafter else "none"}
@@ -50,13 +49,38 @@ def uses_builtin_models(launch: LaunchConfig) -> bool:
 def check_builtin_limits(launch: LaunchConfig) -> None:
     """Refuse a launch of the built-in models that they cannot draft; a launch of other
     models is left to ``adaspec.models.limits.check_model_limits`` on the models themselves."""
-    if not uses_builtin_models(launch) or launch.speculative_algorithm != "DSpark":
+    if not uses_builtin_models(launch):
+        return
+    _check_tp_split(launch)
+    if launch.speculative_algorithm != "DSpark":
         return
     limit = BUILTIN_DSPARK_MAX_WIDTH[BUILTIN_TARGETS[launch.model]]
     if launch.num_speculative_tokens > limit:
         raise ConfigError("--num_speculative_tokens", launch.num_speculative_tokens,
                           f"expected 1..{limit}: the built-in DSpark drafter of "
                           f"--model={launch.model} drafts at most {limit} tokens per block")
+
+
+def _check_tp_split(launch: LaunchConfig) -> None:
+    """Each TP rank keeps an equal share of every built-in model's heads and MLP units, as
+    the split at start requires (read from the model card: nothing loads)."""
+    tp_size = launch.resolved.tp_size
+    if tp_size == 1:
+        return
+    models = _card(launch)["models"]
+    for model in models.values():
+        for what, key in (("attention heads", "num_heads"), ("MLP hidden units", "mlp_hidden")):
+            count = model["config"].get(key)
+            if isinstance(count, int) and count % tp_size:
+                raise ConfigError("--tp_size", tp_size, f"expected a divisor of the model's "
+                                  f"{what} ({count}): each TP rank keeps an equal share")
+
+
+def _card(launch: LaunchConfig) -> dict[str, Any]:
+    folder = BUILTIN_FOLDERS[BUILTIN_TARGETS[launch.model]]
+    card: dict[str, Any] = json.loads((WEIGHTS / folder / "model_card.json").read_text(
+        encoding="utf-8"))
+    return card
 
 
 def check_checkpoint_launch(launch: LaunchConfig) -> None:
@@ -74,3 +98,18 @@ def check_checkpoint_launch(launch: LaunchConfig) -> None:
     if launch.resolved.tp_size > 1:
         raise ConfigError("--tp_size", launch.resolved.tp_size, "a Hugging Face checkpoint "
                           "runs whole on each rank; expected 1 (DP shards may be several)")
+
+
+def check_checkpoint_folders(launch: LaunchConfig) -> None:
+    """A checkpoint flag names a directory holding ``config.json``, as loading requires (its
+    contents are checked when it loads)."""
+    for flag, path in (("--model", launch.model), ("--draft_model", launch.draft_model)):
+        if path is None or path in BUILTIN_TARGETS or path.startswith("builtin:"):
+            continue
+        folder = Path(path)
+        if not folder.is_dir():
+            raise ConfigError(flag, path, "expected a directory holding a Hugging Face causal "
+                              "LM (config.json and *.safetensors)")
+        if not (folder / "config.json").is_file():
+            raise ConfigError(flag, path, "has no config.json; expected a Hugging Face "
+                              "causal LM checkpoint directory")
