@@ -425,6 +425,19 @@ def test_an_empty_workload_file_is_named_as_the_workload_flag(
         "lines, docs/workload.md) or an event log\n")
 
 
+def test_a_workload_starting_with_a_byte_order_mark_is_named_so(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Its first line is a workload header behind the mark: refusing the header would
+    mislead."""
+    path = tmp_path / "bom.jsonl"
+    path.write_text("\ufeff" + json.dumps({"format": "adaspec-workload", "version": 1,
+                                           "width": 5}) + "\n", encoding="utf-8")
+    assert cli.run(["simulate", f"--workload={path}", "--policy=fixed:1"]) == 2
+    assert capsys.readouterr().err == (
+        f"adaspec simulate: error: --workload={path}: starts with a byte-order mark; expected "
+        "UTF-8 JSON lines without one\n")
+
+
 @pytest.mark.parametrize(("header", "expected"), [
     ({"format": "x", "version": 1, "width": 5}, 'format="x": expected '),
     ({"requests": [], "kv_length": 8}, 'expected a first line that is a JSON object with '

@@ -88,6 +88,9 @@ def _check_policy_names(policies: Sequence[str], run: "RecordedRun | None") -> N
 def read_workload(path: str) -> tuple[Workload, "RecordedRun | None"]:
     """The workload of a file, and the checked run when the file is an event log."""
     text = _read_text(path)
+    if text.startswith("\ufeff"):  # json refuses it, and the header would not be named
+        raise ConfigError("--workload", path, "starts with a byte-order mark; expected UTF-8 "
+                          "JSON lines without one")
     if not text.strip():
         raise ConfigError("--workload", path, "empty file; expected a workload (JSON lines, "
                           "docs/workload.md) or an event log")

@@ -13,8 +13,6 @@ import reprlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
-import numpy as np
-
 from adaspec.config.launch import LaunchConfig
 from adaspec.errors import MISSING, InvalidRequest, UnsupportedRequest
 
@@ -80,15 +78,23 @@ def is_neutral(value: object, neutral: tuple[object, ...]) -> bool:
 def _kind(value: object) -> type:
     """What a neutral value is compared as: any bool, any real number or any mapping alike;
     every other value only with its own type."""
-    if isinstance(value, bool | np.bool_):
+    if _is_bool(value):
         return bool
     if isinstance(value, numbers.Real):
         return numbers.Real
     return Mapping if isinstance(value, Mapping) else type(value)
 
 
+def _is_bool(value: object) -> bool:
+    """A bool, or numpy's bool scalar (known by its dtype: config imports no numpy)."""
+    if isinstance(value, bool):
+        return True
+    dtype = getattr(value, "dtype", None)
+    return getattr(value, "shape", None) == () and getattr(dtype, "kind", None) == "b"
+
+
 def _plain(value: object) -> object:
-    if isinstance(value, np.bool_):
+    if _is_bool(value):
         return bool(value)
     return dict(value) if isinstance(value, Mapping) else value
 
