@@ -6,6 +6,7 @@ into frozen dataclasses in one go or rejected.
 """
 
 import json
+import sys
 from collections.abc import Iterable, Mapping
 
 from adaspec.config.calibration import (
@@ -60,6 +61,15 @@ def _no_constants(name: str) -> object:
     raise ValueError(f"{name} is not JSON")
 
 
+def json_fault(error: ValueError) -> str:
+    """What json's own ValueError says, in the user's terms: an integer past Python's digit
+    limit comes with advice for a programmer (``sys.set_int_max_str_digits``)."""
+    if "int_max_str_digits" in str(error):
+        return (f"a number of more than {sys.get_int_max_str_digits()} digits; no value of "
+                "the file is that long")
+    return str(error)
+
+
 def read_json_object(flag: str, path: str) -> dict[str, object]:
     """The top-level object of a JSON file, or a ConfigError naming the flag and file."""
     setting = f"--{flag}"
@@ -74,7 +84,7 @@ def read_json_object(flag: str, path: str) -> dict[str, object]:
     except RecursionError:
         raise ConfigError(setting, path, "expected JSON nested less deeply") from None
     except ValueError as error:
-        raise ConfigError(setting, path, f"expected valid JSON; {error}") from None
+        raise ConfigError(setting, path, f"expected valid JSON; {json_fault(error)}") from None
     if not isinstance(data, dict):
         raise ConfigError(setting, path, "expected a JSON object at the top level")
     return data

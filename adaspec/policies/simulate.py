@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from adaspec.config.calibration import MAX_TOKENS_IN_CONTEXT, DraftStepPolicyConfig, json_type
+from adaspec.config.files import json_fault
 from adaspec.config.limits import MAX_PARALLEL_SIZE
 from adaspec.config.requests import MAX_REQUEST_ID
 from adaspec.errors import ConfigError, show_value
@@ -153,7 +154,7 @@ def _json(source: str, number: int, text: str) -> Any:
         return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
     except ValueError as error:
         raise ConfigError("--workload", f"{source}:{number}",
-                          f"expected one JSON object per line ({error})") from None
+                          f"expected one JSON object per line ({json_fault(error)})") from None
     except RecursionError:
         raise ConfigError("--workload", f"{source}:{number}", "expected one JSON object per "
                           "line (this one is nested too deeply)") from None
