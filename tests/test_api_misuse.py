@@ -388,6 +388,18 @@ def test_submit_cancel_and_stop_from_another_thread_are_refused_naming_the_loop(
                for e in errors)
 
 
+def test_a_runtime_whose_loop_asyncio_run_closed_stops_from_a_new_loop() -> None:
+    """asyncio.run cancels the round loop as it closes its loop: nothing lives on that loop
+    any more, so a stop() from the next loop is no wrong-loop call, and it ends the run."""
+    runtime = Runtime(config("none", 0, 2))
+    asyncio.run(runtime.start())
+    asyncio.run(runtime.stop())
+    assert runtime._stream is None
+    assert runtime._task is None
+    asyncio.run(runtime.start())  # and it starts again
+    asyncio.run(runtime.stop())
+
+
 def test_a_batch_never_outgrows_the_graph_batch_limit() -> None:
     """--acl_graph_decode_batch_size_limit below --max_seqs_per_batch: a round holds at most
     the largest prepared bucket and the other requests wait, instead of failing the runtime."""

@@ -10,6 +10,7 @@ import pytest
 
 from adaspec.config import SamplingParams, check_request, load_config, load_config_from_argv
 from adaspec.config.flags import launch_config_from_settings
+from adaspec.config.requests import refuse_idle_filter
 from adaspec.errors import InvalidRequest, UnsupportedRequest
 
 ATV = {"speculative_algorithm": "DSpark", "num_speculative_tokens": 7,
@@ -189,8 +190,12 @@ def test_unified_graphs_refuse_positive_temperature_instead_of_decoding_greedily
 ])
 def test_a_greedy_request_with_a_filter_is_refused_as_the_cli_and_http_refuse_it(
         fields: dict[str, object], shown: str) -> None:
+    """Runtime.submit refuses it; check_request does not (it decodes exactly, and logs that
+    recorded such requests still replay)."""
+    params = SamplingParams.from_request(fields)
+    check_request(params, launch_config_from_settings({}))
     with pytest.raises(InvalidRequest) as info:
-        check_request(SamplingParams.from_request(fields), launch_config_from_settings({}))
+        refuse_idle_filter(params)
     assert str(info.value) == (f"request field {shown}: filters sampled requests only; "
                                "expected a positive temperature with it")
     check_request(SamplingParams(temperature=0.5, **{k: v for k, v in fields.items()

@@ -288,6 +288,9 @@ def test_requests_the_launch_cannot_honour_are_refused_before_execution(
         with pytest.raises(InvalidRequest, match="request field prompt=300: expected token ids "
                                                  r"in 0\.\.255"):
             runtime.submit([65, 300], SamplingParams(temperature=0.0, max_tokens=4))
+        with pytest.raises(InvalidRequest, match="request field top_k=3: filters sampled "
+                                                 "requests only"):
+            runtime.submit([65, 66], SamplingParams(temperature=0.0, top_k=3, max_tokens=4))
         # Nothing of them ran; the runtime still serves.
         result = await runtime.submit([65, 66], SamplingParams(temperature=0.0,
                                                                 max_tokens=4)).result()

@@ -272,7 +272,8 @@ USAGE = {"choices": [], "usage": {"completion_tokens": 4}}
     (_events(CHUNK, b"5", USAGE, b"[DONE]"), "a stream event is not a JSON object: b'5'"),
     (_events(CHUNK, b'"x"', USAGE, b"[DONE]"), "a stream event is not a JSON object: b'\"x\"'"),
     (_events(USAGE, b"[DONE]"), "the stream carried no completion choice, only other events"),
-    (_events(CHUNK, USAGE), "the stream ended without data: [DONE]; it may have been cut short"),
+    (_events(CHUNK, USAGE), "the stream ended without data: [DONE] or a finish_reason; it "
+                            "may have been cut short"),
     (_events(CHUNK, b"[DONE]", USAGE), "the stream ended without a usage chunk; the server "
                                        "must support stream_options.include_usage"),
 ])
@@ -284,6 +285,23 @@ async def test_bench_url_counts_a_stream_that_is_no_whole_completion_as_a_failur
         run = await closed_loop(target, [("x", SamplingParams(temperature=0, max_tokens=4))], 1)
     assert run.timings == [None]
     assert run.errors == [f"request 0: {words}"]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("body", [
+    # A finish_reason ends the choice: some servers close the stream there, with no [DONE].
+    _events(CHUNK, {"choices": [{"index": 0, "text": "!", "finish_reason": "length"}],
+                    "usage": {"completion_tokens": 4}}),
+    # Whatever follows [DONE] is read (so the connection is reused) and ignored.
+    _events(CHUNK, USAGE, b"[DONE]", b"5", {"error": "late"}),
+])
+async def test_bench_url_takes_a_whole_completion_however_it_ends(body: bytes) -> None:
+    async with TestServer(_broken_stream_app(body, {}), host="127.0.0.1") as fake, \
+            aiohttp.ClientSession() as session:
+        target = HttpTarget(str(fake.make_url("/")), "m", session)
+        run = await closed_loop(target, [("x", SamplingParams(temperature=0, max_tokens=4))], 1)
+    assert run.errors == []
+    assert [t.tokens for t in run.done] == [4]
 
 
 @pytest.mark.asyncio

@@ -180,34 +180,47 @@ class HttpTarget:
         async with self.session.post(self.endpoint, json=self.body(prompt, params)) as response:
             if response.status != 200:
                 raise LoadError(f"HTTP {response.status}: {await _error_text(response)}")
-            chosen = done = False
+            chosen = finished = done = False
             async for line in response.content:
-                event = _sse_data(line)
+                # Read to the end after [DONE]: a body left unread closes the connection,
+                # and the client's next request would pay for a new one.
+                event = None if done else _sse_data(line)
                 if event is None:
                     continue
                 if event is DONE:
                     done = True
-                    break
+                    continue
                 if "error" in event:
                     raise LoadError(f"error event: {printable(str(event['error']))}")
                 chosen = chosen or bool(event.get("choices"))
+                finished = finished or _finished(event)
                 for text in _texts(event):
                     first = first if first is not None else time.perf_counter()
                     pieces.append(text)
                 if event.get("usage"):
                     tokens = _completion_tokens(event["usage"], params.max_tokens)
         ended = time.perf_counter()
-        _check_ending(done, chosen, tokens)
+        _check_ending(done or finished, chosen, tokens)
         assert tokens is not None
         return Timing(tokens=tokens, ttft_s=(first or ended) - sent, e2e_s=ended - sent,
                       text="".join(pieces))
 
 
+def _finished(event: dict[str, Any]) -> bool:
+    """Whether a chunk ends its choice (a finish_reason): a stream may close after it, as
+    some servers do, without ``data: [DONE]``."""
+    choices = event.get("choices")
+    return isinstance(choices, list) and any(
+        isinstance(c, dict) and c.get("finish_reason") is not None for c in choices)
+
+
 def _check_ending(done: bool, chosen: bool, tokens: int | None) -> None:
-    """Refuse a stream that is no whole completion: one cut before ``data: [DONE]``, one
-    that answered with no choice at all, or one without the usage chunk that counts it."""
+    """Refuse a stream that is no whole completion: one cut before ``data: [DONE]`` and
+    before any finish_reason, one that answered with no choice at all, or one without the
+    usage chunk that counts it."""
     if not done:
-        raise LoadError("the stream ended without data: [DONE]; it may have been cut short")
+        raise LoadError("the stream ended without data: [DONE] or a finish_reason; it may "
+                        "have been cut short")
     if not chosen:
         raise LoadError("the stream carried no completion choice, only other events")
     if tokens is None:

@@ -281,6 +281,12 @@ def check_request(params: SamplingParams, launch: LaunchConfig) -> None:
     if len(params.stop) > MAX_STOP_TOKENS:
         raise InvalidRequest("stop", f"{len(params.stop)} token ids",
                              f"expected at most {MAX_STOP_TOKENS} stop token ids")
+
+
+def refuse_idle_filter(params: SamplingParams) -> None:
+    """Refuse a filter on a greedy request, as the commands and the server do. Not part of
+    ``check_request``: such a request decodes exactly, and logs recorded before this rule
+    still replay."""
     name = idle_filter(params)
     if name is not None:
         raise InvalidRequest(name, getattr(params, name), IDLE_FILTER)

@@ -221,8 +221,12 @@ def _dtype_fits(dtype: torch.dtype, integer: bool, wanted: torch.dtype | None) -
 
 
 def _on(value: Tensor, device: torch.device) -> bool:
-    """Whether ``value`` lies on ``device`` (any index of its type when it names none)."""
-    return value.device.type == device.type and device.index in (None, value.device.index)
+    """Whether ``value`` lies on ``device``; a CUDA device that names no index is the
+    current one, where the runtime's stream runs."""
+    index: int | None = device.index
+    if index is None and device.type == "cuda":
+        index = torch.cuda.current_device()
+    return value.device.type == device.type and index in (None, value.device.index)
 
 
 def _dims(shape: tuple[int, ...]) -> str:

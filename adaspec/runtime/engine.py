@@ -32,7 +32,13 @@ from adaspec.config.launch import (
 )
 from adaspec.config.limits import BUILTIN_DRAFTS, BUILTIN_TARGETS
 from adaspec.config.paths import new_file
-from adaspec.config.requests import MAX_SEED, SamplingParams, check_request, check_room
+from adaspec.config.requests import (
+    MAX_SEED,
+    SamplingParams,
+    check_request,
+    check_room,
+    refuse_idle_filter,
+)
 from adaspec.errors import AdaspecError, ConfigError, DeviceLayerError, InvalidRequest
 from adaspec.models.checkpoint import ReferenceModels, load_reference_models
 from adaspec.models.limits import check_model_limits, check_num_kv_slots
@@ -103,7 +109,8 @@ class RuntimeOptions:
     ``ADASPEC_TRACE`` is unset."""
     clock: Clock | None = None
     """Time source of events and the trace (a virtual clock in tests): seconds as a finite
-    number that never goes back, or the start or the round that read otherwise fails."""
+    real number that never goes back. A reading that is none fails the start, or every
+    request at the round loop's next pass, naming this option; a later start reads again."""
     stage_hook: StageHook | None = None
     """Called as each stage's device work starts (fault injection in tests)."""
     depth_policy: DepthPolicy | None = None
@@ -410,6 +417,8 @@ class Runtime:
 
     async def _start(self) -> None:
         launch = self.launch
+        if isinstance(self.clock, CheckedClock):
+            self.clock.fault = None  # a start reads the clock afresh
         self.clock.now()  # an embedder's clock that reads no seconds fails here, not a request
         fault = clock_fault(self.clock)
         if fault is not None:
@@ -896,6 +905,7 @@ class Runtime:
         pipeline = self._running()
         self._front_only("submit")
         check_request(params, self.launch)
+        refuse_idle_filter(params)
         ids = prompt_ids(prompt)
         check_prompt(pipeline.ctx.target, ids)
         check_room(pipeline.ctx.context_limit, len(ids), params.max_tokens)
@@ -926,10 +936,11 @@ class Runtime:
             raise WrongLoop(call)
 
     def _home_loop(self) -> asyncio.AbstractEventLoop | None:
-        if self._task is not None:
-            return self._task.get_loop()
-        if self._stopping is not None and not self._stopping.done():
-            return self._stopping.get_loop()
+        """The loop the runtime lives on; None once its tasks have ended (a loop that
+        asyncio.run closed leaves them cancelled: a new loop may then stop the runtime)."""
+        for task in (self._task, self._stopping):
+            if task is not None and not task.done():
+                return task.get_loop()
         return self._starting_on if self._starting else None
 
     def _running(self) -> Pipeline:
