@@ -429,6 +429,18 @@ def test_cli_json_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[s
                                            "existing directory"),
     (["--model=/models/other"], "--draft_model: required with --model=/models/other"),
     (["--num_speculative_tokens=five"], "--num_speculative_tokens=five: expected an integer"),
+    # An adaptive flag whose arm does not run would be ignored; its file is never read.
+    (["--arms=fixed:2", "--adaptive_target_verify_cost_table=/nonexistent"],
+     "--adaptive_target_verify_cost_table=/nonexistent: configures the adaptive-verify arm, "
+     "which --arms=fixed:2 does not run; expected adaptive-verify in --arms, or no "
+     "--adaptive_target_verify_cost_table"),
+    (["--arms=none,adaptive-verify", "--enable_adaptive_draft_step=true"],
+     "--enable_adaptive_draft_step=true: configures the adaptive-depth arm, which "
+     "--arms=none,adaptive-verify does not run"),
+    # Without --arms, a file given for an adaptive arm asks for it: refused, not skipped.
+    (["--adaptive_target_verify_cost_table=/nonexistent"],
+     "--adaptive_target_verify_cost_table=/nonexistent: asks for the adaptive-verify arm, "
+     "which this launch cannot run (--adaptive_target_verify_cost_table=/nonexistent: "),
 ])
 def test_bad_flags_are_refused_in_one_line_before_anything_runs(
         flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

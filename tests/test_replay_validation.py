@@ -348,6 +348,14 @@ def unknown_header_field(records: Records) -> None:
     records[0]["adaspec_version"] = "0.1.0"
 
 
+def stray_policy_setting(records: Records) -> None:
+    records[0]["policies"]["budget"]["settings"] = {"bogus": 1}
+
+
+def adaptive_policy_without_costs(records: Records) -> None:
+    records[0]["policies"]["budget"]["name"] = "adaptive-verify"
+
+
 def seventeen_stop_tokens(records: Records) -> None:
     records[request_event(records, "request_arrived", 0)]["sampling"]["stop"] = [1] * 17
 
@@ -556,6 +564,13 @@ DAMAGE: dict[str, tuple[Callable[[Records], None], int, str]] = {
     "unknown header field": (
         unknown_header_field, 1, 'header has unknown field "adaspec_version"; expected '
         '"config", "cost_table", "models", "context_limit", "seeds", "lag", "policies"'),
+    # A built-in policy the header could not have recorded; an embedder's own name passes.
+    "stray setting of a built-in policy": (
+        stray_policy_setting, 1, "header policies: budget_policy full settings={'bogus': 1}: "
+        "bogus is not a setting of full; expected none"),
+    "adaptive policy without a cost table": (
+        adaptive_policy_without_costs, 1, "header policies: budget_policy=adaptive-verify: "
+        "needs a cost table (calibrated at start, or the one an event log's header carries)"),
     "seventeen stop tokens": (
         seventeen_stop_tokens, 2, "request_arrived event of request 0: sampling: request "
         "field stop=17 token ids: expected at most 16 stop token ids"),
@@ -897,3 +912,21 @@ def test_a_header_policy_with_a_setting_it_does_not_have_is_refused(
     path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
     assert cli.run(["replay", str(path)]) == 2
     assert "bogus is not a setting of full; expected none" in one_error_line(capsys, "replay")
+
+
+def test_a_run_of_an_embedders_own_policy_simulates_and_replays_only_given_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # The runtime records an own policy by its name; its feedback is as good as any run's.
+    path = write_run(tmp_path / "run.jsonl")
+    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    records[0]["policies"]["budget"]["name"] = "my-budget"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    table().save(str(tmp_path / "costs.json"))
+    assert cli.run(["simulate", "--workload", str(path), "--cost_table",
+                    str(tmp_path / "costs.json"), "--policy", "fixed:3", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["rounds"] == NUM_ROUNDS
+    assert cli.run(["replay", str(path)]) == 2
+    assert "budget_policy=my-budget: expected one of" in one_error_line(capsys, "replay")
+    header, events = read_event_log(str(path))
+    report = replay(header, events, budget_policy=FullBudget(), path=str(path))
+    assert report.ok

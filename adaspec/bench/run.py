@@ -83,6 +83,10 @@ ADAPTIVE_FLAGS = ("enable_adaptive_target_verify", "enable_adaptive_draft_step",
                   "adaptive_target_verify_cost_table_output", "adaptive_draft_step_config")
 """Launch flags that belong to the adaptive arms only (the fixed arms run without them)."""
 
+ADAPTIVE_ARM_OF = {flag: "adaptive-depth" if "draft_step" in flag else "adaptive-verify"
+                   for flag in ADAPTIVE_FLAGS}
+"""The adaptive arm each adaptive flag configures."""
+
 DRAFT_ONLY_FLAGS = ("draft_model", "enable_unified_mtp_graph")
 """Launch flags that need a draft model: the ``none`` arm runs without them."""
 
@@ -212,6 +216,8 @@ def plan_arms(settings: Mapping[str, object], *, widths: Sequence[int] | None,
         raise ConfigError("--speculative_algorithm", algorithm, "expected MTP or DSpark: the "
                           "bench always runs the target alone as its baseline")
     adaptive = {k: base.pop(k) for k in ADAPTIVE_FLAGS if k in base}
+    if names is not None:
+        _refuse_unused_adaptive_flags(adaptive, names)
     base.setdefault("max_seqs_per_batch", max(16, max(levels)))
     _check_capacity(base, levels)
     fixed_widths = tuple(widths) if widths else tuple(range(1, width + 1))
@@ -232,6 +238,24 @@ def plan_arms(settings: Mapping[str, object], *, widths: Sequence[int] | None,
         **{f"fixed:{k}": _fixed(base, algorithm, k) for k in fixed_widths},
         **_adaptive(base, adaptive, algorithm, width, quick, levels, scratch)}
     return _choose(candidates, names, tuple(temperatures))
+
+
+def asks_for(flag: str, value: object) -> bool:
+    """Whether an adaptive flag given asks for its arm (an enable flag set false does not)."""
+    if flag.startswith("enable_"):
+        return _typed(value, flag) is True
+    return True
+
+
+def _refuse_unused_adaptive_flags(adaptive: Mapping[str, object], names: Sequence[str]) -> None:
+    """An adaptive flag configures its arm only: one whose arm ``--arms`` leaves out would be
+    ignored, so it is refused (its file is never read)."""
+    for flag, value in adaptive.items():
+        arm = ADAPTIVE_ARM_OF[flag]
+        if arm not in names and asks_for(flag, value):
+            raise ConfigError(f"--{flag}", value, f"configures the {arm} arm, which "
+                              f"--arms={','.join(names)} does not run; expected {arm} in "
+                              f"--arms, or no --{flag}")
 
 
 def _fixed(base: Mapping[str, object], algorithm: str, k: int

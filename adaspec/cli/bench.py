@@ -28,12 +28,14 @@ from typing import Any, TextIO
 import torch
 
 from adaspec.bench.run import (
+    ADAPTIVE_ARM_OF,
     PLAIN,
     SAMPLED,
     Arm,
     BenchPlan,
     RunProgress,
     RunRecord,
+    asks_for,
     dp1_twins,
     event_log_name,
     plan_arms,
@@ -281,24 +283,18 @@ def check_outputs(choices: Choices, arm_names: Sequence[str]) -> None:
                               "'adaspec[plot]'") from None
 
 
-REQUESTED_ARMS = {"enable_adaptive_target_verify": "adaptive-verify",
-                  "enable_adaptive_draft_step": "adaptive-depth"}
-"""The adaptive flag that asks for each adaptive arm."""
-
-
 def check_arms(settings: Mapping[str, str], arms: Sequence[Arm],
                skipped: Sequence[tuple[str, str]]) -> None:
-    """Every arm must run on the built-in models and this device; an adaptive arm the launch
-    turns on was asked for, so it is refused with its reason, never skipped."""
+    """Every arm must run on the built-in models and this device; an adaptive arm that a
+    flag of the launch asks for or configures is refused with its reason, never skipped."""
     # Widest first, so a width beyond the drafter is refused at the launch's own width.
     for arm in sorted(arms, key=lambda arm: -arm.config.launch.num_speculative_tokens):
         check_runnable_here(arm.config.launch)
     reasons = dict(skipped)
-    for flag, arm_name in REQUESTED_ARMS.items():
-        asked = flag in settings and coerce(flag, settings[flag], bool) is True
-        if asked and arm_name in reasons:
-            raise ConfigError(f"--{flag}", True, f"asks for the {arm_name} arm, which this "
-                              f"launch cannot run ({reasons[arm_name]})")
+    for flag, arm_name in ADAPTIVE_ARM_OF.items():
+        if flag in settings and asks_for(flag, settings[flag]) and arm_name in reasons:
+            raise ConfigError(f"--{flag}", settings[flag], f"asks for the {arm_name} arm, "
+                              f"which this launch cannot run ({reasons[arm_name]})")
 
 
 def machine() -> str:

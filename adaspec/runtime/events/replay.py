@@ -40,7 +40,12 @@ from adaspec.policies.bundles import (
     CostBundle,
     bundle_from_dict,
 )
-from adaspec.policies.registry import make_budget_policy, make_depth_policy
+from adaspec.policies.registry import (
+    BUDGET_POLICIES,
+    DEPTH_POLICIES,
+    make_budget_policy,
+    make_depth_policy,
+)
 from adaspec.runtime.events.log import LogHeader, RunShape, check_run, read_event_log
 from adaspec.runtime.events.types import (
     BudgetDecided,
@@ -177,12 +182,24 @@ def _policy_text(entry: Mapping[str, Any]) -> str:
     return str(entry["name"]) + (f" {json.dumps(settings, sort_keys=True)}" if settings else "")
 
 
-def _policies(header: LogHeader, costs: CostBundle | None
-              ) -> tuple[DepthPolicy, BudgetPolicy]:
-    policies = header.policies
-    return (make_depth_policy(policies["depth"]["name"], policies["depth"]["settings"], costs),
-            make_budget_policy(policies["budget"]["name"], policies["budget"]["settings"],
-                               costs))
+def _recorded_policy(header: LogHeader, role: str, costs: CostBundle | None, path: str
+                     ) -> Any:
+    """A fresh instance of the ``role`` (depth or budget) policy the header names."""
+    entry = header.policies[role]
+    make = make_depth_policy if role == "depth" else make_budget_policy
+    try:
+        return make(entry["name"], entry["settings"], costs)
+    except ConfigError as error:
+        raise EventLogError(path, 1, f"header policies: {error}") from None
+
+
+def _check_built_in_policies(header: LogHeader, costs: CostBundle | None, path: str) -> None:
+    """A policy the header names from the registry must be one it builds (its settings, the
+    cost table it needs); another name is an embedder's own policy, which only a replay given
+    that policy can run."""
+    for role, known in (("depth", DEPTH_POLICIES), ("budget", BUDGET_POLICIES)):
+        if header.policies[role]["name"] in known:
+            _recorded_policy(header, role, costs, path)
 
 
 def recorded_costs(header: LogHeader) -> CostBundle | None:
@@ -211,11 +228,12 @@ class RecordedRun:
 def check_recorded_run(header: LogHeader, events: Sequence[Event], path: str
                        ) -> RecordedRun:
     """Check a log read by ``read_event_log`` as one run; ``EventLogError`` for the first
-    problem, naming the line: the header's launch settings (as a launch checks them), its lag
-    and cost table against them, then every event (``log.check_run``)."""
+    problem, naming the line: the header's launch settings (as a launch checks them), its lag,
+    cost table and built-in policies against them, then every event (``log.check_run``)."""
     launch = _recorded_launch(header, path)
     lag = _recorded_lag(header, launch, path)
     costs = _header_costs(header, path)
+    _check_built_in_policies(header, costs, path)
     run = RecordedRun(launch=launch, lag=lag, costs=costs,
                       compatibility=_compatibility(launch, header.models),
                       context_limit=header.context_limit)
@@ -433,9 +451,10 @@ def replay(
     replay feeds them the whole run from its first event)."""
     events = list(events)
     run = check_recorded_run(header, events, path)
-    if depth_policy is None or budget_policy is None:
-        depth, budget = _policies(header, run.costs)  # the header's table is parsed once
-        depth_policy, budget_policy = depth_policy or depth, budget_policy or budget
+    if depth_policy is None:  # the header's table is parsed once, by the check
+        depth_policy = _recorded_policy(header, "depth", run.costs, path)
+    if budget_policy is None:
+        budget_policy = _recorded_policy(header, "budget", run.costs, path)
     return _replayed(header, events, run, depth_policy, budget_policy)
 
 
@@ -539,8 +558,5 @@ def replay_file(path: str) -> ReplayReport:
     """Read, check and replay the event log at ``path`` with its recorded policies."""
     header, events = read_event_log(path)
     run = check_recorded_run(header, events, path)
-    try:
-        depth_policy, budget_policy = _policies(header, run.costs)
-    except ConfigError as error:
-        raise EventLogError(path, 1, f"header policies: {error}") from None
-    return _replayed(header, events, run, depth_policy, budget_policy)
+    return _replayed(header, events, run, _recorded_policy(header, "depth", run.costs, path),
+                     _recorded_policy(header, "budget", run.costs, path))
