@@ -160,8 +160,20 @@ class CollectiveError(DeviceLayerError):
         self.reason = reason
 
     def __str__(self) -> str:
-        ranks = ",".join(map(str, self.group))
-        return (f"collective {self.op} over ranks [{ranks}] failed: {self.reason}")
+        return f"collective {self.op} over ranks [{rank_runs(self.group)}] failed: {self.reason}"
+
+
+def rank_runs(ranks: tuple[int, ...]) -> str:
+    """Ranks as comma-separated runs, ``0..1023`` for three or more consecutive ones, so a
+    message about a large world stays a short line."""
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][-1] + 1:
+            runs[-1].append(rank)
+        else:
+            runs.append([rank])
+    return ",".join(f"{run[0]}..{run[-1]}" if len(run) > 2 else ",".join(map(str, run))
+                    for run in runs)
 
 
 class ConsensusMismatch(DeviceLayerError):

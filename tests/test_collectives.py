@@ -20,6 +20,7 @@ from adaspec.runtime.devices.collectives import (
     Collectives,
     DistributedCollectives,
     LocalCollectives,
+    await_rendezvous,
     backend_reason,
     dp_ranks,
     open_collectives,
@@ -193,6 +194,16 @@ def test_rendezvous_timeout_is_a_collective_error_of_init_process_group(tmp_path
                                init_method=f"file://{tmp_path / 'store'}", device="cpu",
                                timeout=datetime.timedelta(seconds=0.2))
     assert not dist.is_initialized()
+
+
+def test_a_collective_over_a_large_world_is_named_by_runs_of_ranks() -> None:
+    # Nothing listens on port 1, and a zero timeout gives up at the first refusal.
+    with pytest.raises(CollectiveError) as info:
+        await_rendezvous("tcp://127.0.0.1:1", 65536, datetime.timedelta(0))
+    assert str(info.value).startswith("collective init_process_group over ranks [0..65535] "
+                                      "failed: nothing listens at 127.0.0.1:1")
+    assert str(CollectiveError("tp_broadcast", (0, 1, 4, 5, 6, 9), "lost")) == (
+        "collective tp_broadcast over ranks [0,1,4..6,9] failed: lost")
 
 
 @pytest.mark.parametrize(("backend_message", "reason"), [

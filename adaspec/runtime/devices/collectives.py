@@ -29,7 +29,7 @@ from torch import Tensor
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, unstubbed
 
 from adaspec.availability import require_device
-from adaspec.errors import CollectiveError, ConfigError, ConsensusMismatch
+from adaspec.errors import CollectiveError, ConfigError, ConsensusMismatch, rank_runs
 from adaspec.runtime.devices.liveness import Liveness
 
 Device = Literal["cpu", "cuda", "npu"]
@@ -128,7 +128,7 @@ def _collective(op: str, group: tuple[int, ...], liveness: Liveness | None = Non
         reason = backend_reason(error)
         stopped = [] if liveness is None else liveness.stopped_peers(group)
         if stopped:
-            reason += f"; rank {', '.join(map(str, stopped))} stopped"
+            reason += f"; rank {rank_runs(tuple(stopped))} stopped"
         raise CollectiveError(op, group, reason) from error
 
 
