@@ -93,6 +93,34 @@ def test_a_cancelled_round_loop_fails_every_request_in_one_line(
         assert "\n" not in str(error)
 
 
+def test_an_interrupt_while_failing_requests_leaves_none_of_them_active(
+        models: ReferenceModels) -> None:
+    """A subscriber's KeyboardInterrupt reaches the caller, after every request has ended
+    and left the batch: none is kept as if it were still decoding."""
+    runtime = Runtime(config("DSpark", 3, 2), models=models)
+    handles: list[Any] = []
+
+    def interrupted(event: Event) -> None:
+        if isinstance(event, RequestFinished) and event.reason == "failed":
+            raise KeyboardInterrupt
+
+    async def run() -> None:
+        await runtime.start()
+        runtime.bus.subscribe(interrupted)
+        handles.extend(runtime.submit(list(p), q)
+                       for p, q in zip(PROMPTS, greedy(6), strict=True))
+        await handles[0].__aiter__().__anext__()  # decoding has begun
+        assert runtime._task is not None
+        runtime._task.cancel()
+        await asyncio.wait_for(runtime._task, HANG)
+
+    with pytest.raises(KeyboardInterrupt):
+        asyncio.run(run())
+    assert runtime._pipeline is not None
+    assert all(h.done for h in handles)
+    assert runtime._pipeline.active == []
+
+
 @pytest.mark.parametrize("bug", [RuntimeError("observer bug on finish"),
                                  asyncio.CancelledError(), GeneratorExit()])
 def test_a_raising_subscriber_is_dropped_and_every_request_decodes_exactly(

@@ -1062,15 +1062,17 @@ class Pipeline:
     def _retire_request(self, request: Request, reason: str) -> None:
         if self.link is not None:  # each rank's record of what it committed, in order
             self.commits.update(f"{request.id}:{reason}:{request.tokens}\n".encode())
-        self.publish(RequestFinished(time=self.now(), request_id=request.id, reason=reason,
-                                     num_tokens=len(request.tokens)))
-        self._composition += 1
-        if request in self.active:
-            self.active.remove(request)
-        if self.sharded and self.shard != 0:
-            self.ended_since.append(request)
-        self.kv_slots.hold(request)
-        self.wake.set()
+        try:
+            self.publish(RequestFinished(time=self.now(), request_id=request.id,
+                                         reason=reason, num_tokens=len(request.tokens)))
+        finally:  # an interrupt a subscriber raises leaves the request retired all the same
+            self._composition += 1
+            if request in self.active:
+                self.active.remove(request)
+            if self.sharded and self.shard != 0:
+                self.ended_since.append(request)
+            self.kv_slots.hold(request)
+            self.wake.set()
 
     def _prefill_pending(self, request: HoldsKvSlot) -> bool:
         return any(isinstance(entry, PendingPrefill) and request in entry.admitted
