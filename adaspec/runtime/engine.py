@@ -847,18 +847,33 @@ class Runtime:
     async def _shut_down(self) -> None:
         if self._pipeline is not None:
             self._pipeline.stop()
-        if self._task is not None:
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                if not self._task.cancelled():  # this shutdown was cancelled, not the loop
-                    raise
-                # The loop was cancelled under us, maybe before its first step: no request
-                # may be left waiting for it.
-                if self._pipeline is not None:
-                    self._pipeline.fail_all("runtime stopped: its loop was interrupted "
-                                            "(CancelledError)")
+        try:
+            await self._end_loop()
+        finally:  # an interrupt while waiting for the loop still releases what it holds
+            await self._release()
+
+    async def _end_loop(self) -> None:
+        task = self._task
+        if task is None:
+            return
+        if _ended_by_interrupt(task):
+            # The interrupt reached the loop's caller when it happened, after every request
+            # had ended: stopping has only to release what remains.
             self._task = None
+            return
+        try:
+            await task
+        except asyncio.CancelledError:
+            if not task.cancelled():  # this shutdown was cancelled, not the loop
+                raise
+            # The loop was cancelled under us, maybe before its first step: no request
+            # may be left waiting for it.
+            if self._pipeline is not None:
+                self._pipeline.fail_all("runtime stopped: its loop was interrupted "
+                                        "(CancelledError)")
+        self._task = None
+
+    async def _release(self) -> None:
         if self._stream is not None:
             self._stream.close()
             self._stream = None
@@ -1021,3 +1036,9 @@ def adaptive_budget(launch: LaunchConfig) -> bool:
     """Whether the budget policy may pick any legal G (adaptive target verify or depth)."""
     return bool(launch.enable_adaptive_target_verify or launch.enable_adaptive_draft_step)
 
+
+def _ended_by_interrupt(task: asyncio.Task[None]) -> bool:
+    """Whether the loop's task ended with ``KeyboardInterrupt`` or ``SystemExit`` (which
+    asyncio raises to the loop's caller as well as storing it)."""
+    return task.done() and not task.cancelled() and \
+        isinstance(task.exception(), KeyboardInterrupt | SystemExit)
