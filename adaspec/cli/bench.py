@@ -6,8 +6,9 @@
                   [--event_log_dir DIR] [--plot FILE.png] [--json]
 
 Launch flags are those of ``adaspec config`` (default: DSpark, width 5, on the built-in
-reference models); the fixed arms drop the adaptive flags, the adaptive arms keep them. See
-``adaspec.bench.run`` for what is measured and how.
+reference models); the fixed arms drop the adaptive flags, the adaptive arms keep them. An
+adaptive flag asks for its arm: one whose arm cannot run, or that ``--arms`` leaves out, is
+refused. See ``adaspec.bench.run`` for what is measured and how.
 """
 
 import asyncio
@@ -74,7 +75,8 @@ ABOUT = (
     "their own figures and no token-equality verdict. Launch flags are those of `adaspec "
     "config --help` (default: --speculative_algorithm=DSpark --num_speculative_tokens=5); the "
     "adaptive ones (cost table, calibration and draft-step files) go to the adaptive arms "
-    "only; --arms picks the arms.\n\n"
+    "only, and each asks for its arm (refused where that arm cannot run or --arms leaves it "
+    "out); --arms picks the arms.\n\n"
     "Two regimes ship: --model=builtin:target (default) has verified rows nearly free on a "
     "CPU, as an accelerator at low load; with --model=builtin:target-large --concurrency=1,64 "
     "verified rows cost at 64 requests, as at high load.\n\n"
