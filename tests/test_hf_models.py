@@ -697,10 +697,10 @@ def test_a_kv_cache_the_device_cannot_hold_is_refused_in_one_line(
     assert done.stderr.startswith(
         f"adaspec generate: error: --model={folder}: config.json max_position_embeddings="
         f"1000000000000 needs a KV cache of {needed} bytes for 33 KV slots, more than the ")
-    assert done.stderr.endswith(" bytes of cpu memory; expected a context length whose KV "
-                                "cache fits the device\n")
+    assert done.stderr.endswith(" bytes of cpu memory; expected a context length (or a "
+                                "--max_seqs_per_batch) whose KV cache fits the device\n")
     target = load_hf_models(str(folder), drafter=False).target
-    monkeypatch.setattr(hf, "_device_memory", lambda device: None)  # the allocator decides
+    monkeypatch.setattr(hf, "device_memory", lambda device: None)  # the allocator decides
     with pytest.raises(ConfigError) as info:
         target.allocate(1)
     assert str(info.value).startswith(

@@ -320,3 +320,18 @@ def test_config_refuses_a_checkpoint_flag_naming_no_checkpoint_directory(
                               capture_output=True, text=True, check=False, timeout=120)
         assert (done.returncode, done.stdout) == (2, ""), done.stderr
         assert done.stderr.startswith(f"adaspec config: error: {message}"), done.stderr
+
+
+def test_a_batch_whose_kv_caches_the_device_cannot_hold_is_refused_in_one_line(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # 131,073 KV slots of the built-in target's context need about a terabyte: more than
+    # any machine the suite runs on, so the check refuses before allocating anything.
+    assert cli.run(["generate", "--max_seqs_per_batch=65536", *GENERATE]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(
+        "adaspec generate: error: --max_seqs_per_batch=65536: the KV caches of its 131072 KV "
+        "slots (two per sequence, one waiting for the rounds in flight) do not fit: a KV cache "
+        "of ")
+    assert "bytes of cpu memory; expected fewer sequences per batch\n" in captured.err
+    assert captured.err.count("\n") == 1

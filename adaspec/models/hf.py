@@ -45,6 +45,7 @@ from adaspec.config.paths import NotRegularFile, open_regular
 from adaspec.config.requests import MAX_STOP_TOKENS, is_neutral
 from adaspec.errors import ConfigError, InvalidRequest, show_value
 from adaspec.models.checkpoint import checkpoint_identity
+from adaspec.models.layers import device_memory
 from adaspec.models.protocols import (
     ContextRows,
     MtpStep,
@@ -118,19 +119,6 @@ def slot_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: T
         weights = _softmax(scores, visible, q.dtype)
         out = torch.einsum("nkgl,nkld->nkgd", weights, held_v)
     return out.reshape(count, heads, dim)[None], None
-
-
-def _device_memory(device: torch.device) -> int | None:
-    """Bytes of memory the device has in all (a CPU's: the machine's RAM), or None where
-    that cannot be told: no allocation on it can be larger."""
-    try:
-        if device.type == "cuda":
-            return int(torch.cuda.get_device_properties(device).total_memory)
-        if device.type == "cpu":
-            return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError, RuntimeError):  # no sysconf name, no driver
-        return None
-    return None
 
 
 def _softmax(scores: Tensor, visible: Tensor, dtype: torch.dtype) -> Tensor:
@@ -544,7 +532,7 @@ class _CausalLM:
         shape = (num_kv_slots + 1, kv_heads, self.context_limit, head_dim)
         layers = config.num_hidden_layers
         needed = 2 * layers * math.prod(shape) * self.dtype.itemsize  # keys and values
-        memory = _device_memory(self.device)
+        memory = device_memory(self.device)
         if memory is not None and needed > memory:
             self._refuse_kv_cache(num_kv_slots, needed, f"more than the {memory} bytes of "
                                   f"{self.device.type} memory")
@@ -567,7 +555,7 @@ class _CausalLM:
         raise ConfigError(self.loaded.flag, self.loaded.path, f"config.json {field}="
                           f"{self.context_limit} needs a KV cache of {needed} bytes for "
                           f"{num_kv_slots + 1} KV slots, {why}; expected a context length "
-                          "whose KV cache fits the device")
+                          "(or a --max_seqs_per_batch) whose KV cache fits the device")
 
     def hidden(self, token_ids: Tensor, kv_slots: Tensor, positions: Tensor) -> Tensor:
         """``[N, hidden_size]`` final hidden states of the rows (a ``[1]`` ``kv_slots``: all

@@ -14,6 +14,7 @@ Two attention entry points serve the runtime:
 """
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -209,3 +210,16 @@ def init_weights(module: nn.Module, num_layers: int) -> None:
         if name.endswith(("attn.out.weight", "mlp.down.weight")):
             std /= math.sqrt(2 * num_layers)
         nn.init.normal_(param, mean=0.0, std=std)
+
+
+def device_memory(device: torch.device) -> int | None:
+    """Bytes of memory the device has in all (a CPU's: the machine's RAM), or None where
+    that cannot be told: no allocation on it can be larger."""
+    try:
+        if device.type == "cuda":
+            return int(torch.cuda.get_device_properties(device).total_memory)
+        if device.type == "cpu":
+            return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError, RuntimeError):  # no sysconf name, no driver
+        return None
+    return None

@@ -1,5 +1,6 @@
 """The reference target: a small byte-level decoder-only transformer with a slotted KV cache."""
 
+import math
 from dataclasses import asdict, dataclass
 from typing import cast
 
@@ -12,6 +13,7 @@ from adaspec.models.layers import (
     Block,
     RMSNorm,
     additive_mask,
+    device_memory,
     init_weights,
     sequence_mask,
     window_mask,
@@ -72,9 +74,23 @@ class KVCache:
 
     def __init__(self, num_layers: int, num_kv_slots: int, context_limit: int, num_heads: int,
                  head_dim: int, device: torch.device, dtype: torch.dtype) -> None:
+        """``MemoryError`` naming the bytes for a cache the device cannot hold: refused before
+        allocating when it exceeds the device's memory, and when the allocation fails."""
         shape = (num_kv_slots + 1, context_limit, num_heads, head_dim)
-        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        needed = 2 * num_layers * math.prod(shape) * dtype.itemsize  # keys and values
+        what = f"a KV cache of {needed} bytes for {num_kv_slots + 1} KV slots"
+        memory = device_memory(device)
+        if memory is not None and needed > memory:
+            raise MemoryError(f"{what}, more than the {memory} bytes of {device.type} memory")
+        try:
+            self.keys = [torch.zeros(shape, device=device, dtype=dtype)
+                         for _ in range(num_layers)]
+            self.values = [torch.zeros(shape, device=device, dtype=dtype)
+                           for _ in range(num_layers)]
+        except RuntimeError as error:  # torch.OutOfMemoryError and the CPU allocator's
+            reason = " ".join(str(error).split())[:200]
+            raise MemoryError(f"{what}, which {device.type} memory cannot hold: {reason}") \
+                from None
         self.num_kv_slots = num_kv_slots
         self.context_limit = context_limit
 

@@ -604,7 +604,14 @@ class Runtime:
                                saved: CostBundle | None) -> None:
         launch = self.launch
         assert self._stream is not None
-        ctx = self._device_context(models, device)
+        try:
+            ctx = self._device_context(models, device)
+        except (MemoryError, torch.OutOfMemoryError) as error:
+            reason = " ".join(str(error).split()) or type(error).__name__
+            raise ConfigError("--max_seqs_per_batch", launch.max_seqs_per_batch, (
+                f"the KV caches of its {2 * launch.max_seqs_per_batch} KV slots (two per "
+                f"sequence, one waiting for the rounds in flight) do not fit: {reason}; "
+                "expected fewer sequences per batch")) from None
         registries = await self._prepare_bindings(models, ctx, geometry)
         self._abandoned()  # a stop during the last binding: no calibration on a closed stream
         if saved is not None:
