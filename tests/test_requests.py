@@ -105,6 +105,13 @@ def test_a_string_where_a_neutral_number_goes_is_shown_as_a_string() -> None:
     ({"top_p": 1.5}, "request field top_p=1.5: expected a number in (0, 1]"),
     ({"min_p": 2}, "request field min_p=2: expected a number in [0, 1]"),
     ({"max_tokens": 0}, "request field max_tokens=0: expected an integer in 1..1048576"),
+    # An int past float's range is refused by the range check, not by an OverflowError.
+    ({"temperature": 10**400}, "request field temperature=1" + "0" * 116 + "...: expected 0 "
+                               "(greedy) or a number in 1e-05..100"),
+    ({"top_p": 10**400}, "request field top_p=1" + "0" * 116 + "...: expected a number in "
+                         "(0, 1]"),
+    ({"min_p": -10**400}, "request field min_p=-1" + "0" * 115 + "...: expected a number in "
+                          "[0, 1]"),
     ({"stop": [-1]}, "request field stop=[-1]: expected a list of non-negative token ids"),
     ({"stop": 5}, "request field stop=5: expected a list of non-negative token ids"),
     ({"stop_token_ids": [2]}, "request field stop_token_ids=[2]: give stop token ids as the "

@@ -174,6 +174,12 @@ REFUSED = [  # (body, status, param named)
     (_base(temperature=0.7, top_p=0), 400, "top_p"),
     (_base(temperature=0.7, top_k=1.5), 400, "top_k"),
     (_base(temperature=0.7, min_p=2), 400, "min_p"),
+    # Integers past float's range: a range check refuses them, not an OverflowError (500).
+    (_base(temperature=10**400), 400, "temperature"),
+    (_base(temperature=0.7, top_p=10**400), 400, "top_p"),
+    (_base(temperature=0.7, min_p=-10**400), 400, "min_p"),
+    (_base(temperature=0.7, top_k=10**400), 400, "top_k"),
+    (_base(top_p=10**400), 400, "top_p"),
     (_base(top_k=5), 400, "top_k"),  # a filter on a greedy request would do nothing
     (_base(stop=5), 400, "stop"),
     (_base(stop=[""]), 400, "stop"),

@@ -100,8 +100,9 @@ def _plain(value: object) -> object:
 
 
 def _number(value: object) -> bool:
+    """A finite int or float (an int past float's range is finite: range checks refuse it)."""
     return isinstance(value, int | float) and not isinstance(value, bool) \
-        and math.isfinite(value)
+        and (isinstance(value, int) or math.isfinite(value))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

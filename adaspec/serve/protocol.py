@@ -302,7 +302,7 @@ def _sampling(body: Mapping[str, Any], stop_ids: tuple[int, ...],
                                  if body.get(name) is not None}
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, int | float) or \
-                not math.isfinite(value):
+                isinstance(value, float) and not math.isfinite(value):
             kind = f", not a JSON {_json_kind(value)}" if not isinstance(value, float) else ""
             raise bad_field(name, value, f"expected a number{kind}")
     values.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
