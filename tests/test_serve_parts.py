@@ -187,7 +187,7 @@ def _lying_app(models: object, usage: object) -> web.Application:
     ({"data": "m"}, {"completion_tokens": 1}, "no list of models with string ids"),
     ({"data": [{"id": "m"}]}, {"completion_tokens": 1e30}, "no completion_tokens count"),
     ({"data": [{"id": "m"}]}, {"completion_tokens": 10**30},
-     "completion_tokens=1e+30 for a request of max_tokens=4"),
+     "completion_tokens=100000000000... (31 digits) for a request of max_tokens=4"),
 ])
 async def test_bench_url_refuses_what_no_honest_server_reports(
         models: object, usage: object, words: str) -> None:
@@ -276,6 +276,9 @@ USAGE = {"choices": [], "usage": {"completion_tokens": 4}}
                             "may have been cut short"),
     (_events(CHUNK, b"[DONE]", USAGE), "the stream ended without a usage chunk; the server "
                                        "must support stream_options.include_usage"),
+    (_events(CHUNK, {"choices": [], "usage": {"completion_tokens": int("1" * 400)}},
+             b"[DONE]"), "the usage chunk counts completion_tokens=111111111111... (400 digits) "
+                         "for a request of max_tokens=4"),
 ])
 async def test_bench_url_counts_a_stream_that_is_no_whole_completion_as_a_failure(
         body: bytes, words: str) -> None:
@@ -302,6 +305,24 @@ async def test_bench_url_takes_a_whole_completion_however_it_ends(body: bytes) -
         run = await closed_loop(target, [("x", SamplingParams(temperature=0, max_tokens=4))], 1)
     assert run.errors == []
     assert [t.tokens for t in run.done] == [4]
+
+
+@pytest.mark.asyncio
+async def test_bench_url_reads_only_the_start_of_an_endless_error_body() -> None:
+    """A server answering 500 with a body that never ends (a fake, the point of the test)
+    fails the request with the body's start, read to a bound, not to memory's end."""
+    async def completion(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(status=500)
+        await response.prepare(request)
+        while True:
+            await response.write(b"x" * 2**20)
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completion)
+    async with TestServer(app, host="127.0.0.1") as fake, aiohttp.ClientSession() as session:
+        target = HttpTarget(str(fake.make_url("/")), "m", session)
+        run = await closed_loop(target, [("x", SamplingParams(temperature=0, max_tokens=4))], 1)
+    assert run.errors == ["request 0: HTTP 500: " + "x" * 120 + " (not an OpenAI error body)"]
 
 
 @pytest.mark.asyncio

@@ -255,7 +255,9 @@ def _completion_tokens(usage: object, max_tokens: int) -> int:
     if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
         raise LoadError(f"the usage chunk holds no completion_tokens count: {usage!r:.80}")
     if tokens > max_tokens:
-        raise LoadError(f"the usage chunk counts completion_tokens={tokens:.6g} for a "
+        digits = str(tokens)
+        shown = digits if len(digits) <= 20 else f"{digits[:12]}... ({len(digits)} digits)"
+        raise LoadError(f"the usage chunk counts completion_tokens={shown} for a "
                         f"request of max_tokens={max_tokens}")
     return tokens
 
@@ -285,9 +287,19 @@ def _sse_data(line: bytes) -> dict[str, Any] | None:
     return event
 
 
+ERROR_BODY_LIMIT = 64 * 1024
+"""Bytes of an error answer's body read: an endless one must not fill the bench's memory."""
+
+
 async def _error_text(response: aiohttp.ClientResponse) -> str:
     """OpenAI's error message, or the start of whatever else the body holds, on one line."""
-    raw = await response.text(errors="replace")
+    body = bytearray()
+    while len(body) < ERROR_BODY_LIMIT:
+        chunk = await response.content.read(ERROR_BODY_LIMIT - len(body))
+        if not chunk:
+            break
+        body += chunk
+    raw = body.decode("utf-8", errors="replace")
     try:
         text = str(json.loads(raw)["error"]["message"])
     except (ValueError, KeyError, TypeError, RecursionError):
