@@ -21,7 +21,8 @@ from adaspec.policies.fixed import FixedDepth, FullBudget
 from adaspec.runtime.engine import Runtime, RuntimeOptions, WrongLoop
 from adaspec.runtime.events.clock import VirtualClock
 from adaspec.runtime.events.log import read_event_log
-from adaspec.runtime.events.types import RoundSubmitted
+from adaspec.runtime.events.replay import replay_file
+from adaspec.runtime.events.types import RequestArrived, RoundSubmitted
 from adaspec.runtime.requests import RequestFailed
 
 
@@ -178,6 +179,30 @@ def test_a_clock_failing_mid_run_ends_every_request_and_stop_returns(
         assert outcomes[0] == "cancelled"
     assert words in outcomes[-1]
     assert "RuntimeOptions.clock" in outcomes[-1]
+
+
+def test_a_subscriber_cancels_a_request_as_it_arrives(tmp_path: Path) -> None:
+    """The request is queued before its arrival is published, so a subscriber reacting to
+    it finds it by id; the log records the arrival, then the cancel, and replays."""
+    log = tmp_path / "run.jsonl"
+    runtime = Runtime(config("MTP", 3, 2), options=RuntimeOptions(event_log=log))
+
+    def on_arrival(event: object) -> None:
+        if isinstance(event, RequestArrived) and event.request_id == 0:
+            runtime.cancel(event.request_id)
+
+    async def run() -> list[tuple[str, int]]:
+        await runtime.start()
+        runtime.subscribe(on_arrival)
+        handles = [runtime.submit(list(b"ROMEO."), SamplingParams(temperature=0.0,
+                                                                  max_tokens=8))
+                   for _ in range(2)]
+        results = [await handle.result() for handle in handles]
+        await runtime.stop()
+        return [(r.finish_reason, len(r.token_ids)) for r in results]
+
+    assert asyncio.run(asyncio.wait_for(run(), 120)) == [("cancelled", 0), ("length", 8)]
+    assert replay_file(str(log)).ok
 
 
 @pytest.mark.parametrize("reading", [np.float32(3.5), np.int64(3), np.float64(3.5), 3])

@@ -912,9 +912,11 @@ class Runtime:
         self._on_loop("submit()")
         pipeline = self._running()
         request = Request(id=next(self._ids), prompt=ids, params=params)
+        # Queued before its arrival is told, so a subscriber can cancel it by id, and an
+        # interrupt a subscriber raises leaves a request that ends as the log says it arrived.
+        pipeline.add(request)
         if pipeline.link is None:  # with several ranks, once the plan gives it a shard
             self.bus.publish(RequestArrived.of(request, self.clock.now()))
-        pipeline.add(request)
         return RequestHandle(request, self._cancel)
 
     def check(self, prompt: Sequence[int], params: SamplingParams) -> tuple[int, ...]:
