@@ -191,6 +191,9 @@ def two_contexts(first: tuple[int, int, int], second: tuple[int, int, int]) -> o
     ({"contexts": [{"prefill_tokens": 8, "min_kv_length": 100, "max_kv_length": 10}]},
      "contexts[0].max_kv_length=10: expected at least min_kv_length=100 (the interval is "
      "inverted)"),
+    ({"contexts": [{"prefill_tokens": 10, "min_kv_length": 500, "max_kv_length": 600}]},
+     "contexts[0].prefill_tokens=10: expected at least min_kv_length=500 (windows are "
+     "measured from the prefill on: a shorter prompt prices KV lengths outside the interval)"),
     ({"contexts": [{"prefill_tokens": 8, "min_kv_length": 1}]},
      "contexts[0].max_kv_length: missing; expected an integer"),
     ({"contexts": [{"prefill_tokens": 8, "min_kv_length": 1, "max_kv_length": 9, "x": 1}]},
@@ -201,11 +204,11 @@ def two_contexts(first: tuple[int, int, int], second: tuple[int, int, int]) -> o
      "would leave the KV interval)"),
     ({"contexts": ["2048"]},
      "contexts[0]=2048: expected an object with prefill_tokens, min_kv_length, max_kv_length"),
-    ({"contexts": two_contexts((512, 1, 1024), (512, 1024, 2048))},
-     "contexts[1]={'prefill_tokens': 512, 'min_kv_length': 1024, 'max_kv_length': 2048}: "
+    ({"contexts": two_contexts((512, 1, 1024), (1500, 1024, 2048))},
+     "contexts[1]={'prefill_tokens': 1500, 'min_kv_length': 1024, 'max_kv_length': 2048}: "
      "expected KV intervals that do not overlap; it overlaps 1..1024"),
-    ({"contexts": two_contexts((512, 2000, 4000), (512, 1, 2500))},
-     "contexts[0]={'prefill_tokens': 512, 'min_kv_length': 2000, 'max_kv_length': 4000}: "
+    ({"contexts": two_contexts((2500, 2000, 4000), (512, 1, 2500))},
+     "contexts[0]={'prefill_tokens': 2500, 'min_kv_length': 2000, 'max_kv_length': 4000}: "
      "expected KV intervals that do not overlap; it overlaps 1..2500"),
     ({"step_cost_models": {}},
      "step_cost_models={...}: precomputed cost tables are not accepted by this file; costs are "
@@ -228,7 +231,7 @@ def test_bad_calibration_file_is_rejected(tmp_path: Path, changes: dict[str, obj
 
 
 def test_adjacent_context_intervals_are_accepted(tmp_path: Path) -> None:
-    data = with_calibration(contexts=two_contexts((512, 1, 1023), (512, 1024, 2048)))
+    data = with_calibration(contexts=two_contexts((512, 1, 1023), (1500, 1024, 2048)))
     cal = launch(calibration(tmp_path, data)).target_verify_calibration
     assert cal is not None
     assert len(cal.contexts) == 2

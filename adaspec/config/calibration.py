@@ -115,6 +115,11 @@ class ContextInterval:
             raise ConfigError("max_kv_length", self.max_kv_length,
                               f"expected at least min_kv_length={self.min_kv_length} "
                               f"(the interval is inverted)")
+        if self.prefill_tokens < self.min_kv_length:
+            raise ConfigError("prefill_tokens", self.prefill_tokens,
+                              f"expected at least min_kv_length={self.min_kv_length} (windows "
+                              "are measured from the prefill on: a shorter prompt prices KV "
+                              "lengths outside the interval)")
         if self.prefill_tokens > self.max_kv_length:
             raise ConfigError("prefill_tokens", self.prefill_tokens,
                               f"expected at most max_kv_length={self.max_kv_length} (the "
