@@ -525,6 +525,19 @@ def test_a_damaged_checkpoint_and_text_its_tokenizer_cannot_hold_are_one_line(
                            "checkpoint's tokenizer cannot encode (they would read as <unk>)\n")
 
 
+def test_a_character_the_vocabulary_lacks_is_refused_beside_a_spelled_unknown_token(
+        llama: Family) -> None:
+    from adaspec.models.hf import checkpoint_tokenizer, read_config
+
+    _, target_dir, _, _ = llama
+    tokenizer = checkpoint_tokenizer(str(target_dir), read_config(str(target_dir), "--model"))
+    unknown = tokenizer.tokenizer.unk_token_id
+    assert tokenizer.encode("<unk>").count(unknown) == 1  # spelled out: that token, kept
+    with pytest.raises(InvalidRequest, match="holds characters the checkpoint's tokenizer "
+                                             "cannot encode"):
+        tokenizer.encode("\u00e9<unk>")  # before: read as two <unk> tokens
+
+
 # --- what a checkpoint must be to load --------------------------------------------------------
 def _copy(source: Path, folder: Path, change: Any = None) -> Path:
     """A copy of a checkpoint directory, its weights changed in place by ``change``."""

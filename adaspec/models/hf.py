@@ -862,8 +862,9 @@ class HfTokenizer:
         unknown token) is refused, never substituted."""
         ids = list(self.tokenizer.encode(text))
         unknown = getattr(self.tokenizer, "unk_token_id", None)
-        if unknown is not None and unknown in ids and \
-                str(self.tokenizer.unk_token) not in text:
+        # Each unknown id must be the unknown token spelled out: one more is a character the
+        # vocabulary lacks, even beside a spelled one.
+        if unknown is not None and ids.count(unknown) > text.count(str(self.tokenizer.unk_token)):
             raise InvalidRequest("prompt", text, "holds characters the checkpoint's tokenizer "
                                  f"cannot encode (they would read as {self.tokenizer.unk_token})")
         past = None if self.vocab_size is None else next(
