@@ -426,6 +426,10 @@ def execution_size_as_true(records: Records) -> None:
     records[0]["config"]["execution"]["world_size"] = True  # equal to 1, but no integer
 
 
+def execution_binding_edited(records: Records) -> None:
+    records[0]["config"]["execution"]["prepared_bindings"]["4"] = [8, 16]
+
+
 def execution_bucket_as_float(records: Records) -> None:
     buckets = records[0]["config"]["execution"]["prepared_request_buckets"]
     buckets[-1] = float(buckets[-1])
@@ -642,6 +646,9 @@ DAMAGE: dict[str, tuple[Callable[[Records], None], int, str]] = {
     "an execution bucket given as a float": (
         execution_bucket_as_float, 1, 'header "config.execution.prepared_request_buckets" '
         "expected [1, 2, 4] (what the launch settings make it), got [1, 2, 4.0]"),
+    "an execution binding edited": (
+        execution_binding_edited, 1, 'header "config.execution.prepared_bindings.4" expected '
+        "[16] (what the launch settings make it), got [8, 16]"),
     "seeds under another name": (
         seeds_renamed, 1, 'header "seeds" must be {"run": integer in 0..1099511627775} (the '
         'run seed), got {"sampling": 0}'),

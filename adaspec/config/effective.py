@@ -82,7 +82,7 @@ class EffectiveConfig:
 
 
 EXECUTION_SHAPE = ("world_size", "tp_size", "seqs_per_shard", "prepared_request_buckets",
-                   "prepared_target_rows")
+                   "prepared_target_rows", "prepared_bindings")
 """The execution section's numbers, which the launch settings alone make (a reader of an
 event log's header compares them); its other entries are descriptions in words."""
 
