@@ -563,6 +563,17 @@ def test_a_drafter_returning_a_tuple_fails_the_round_naming_its_type(
     assert failure.endswith(f"ModelOutputError: {message}"), failure
 
 
+def test_prefill_returning_no_prefill_output_fails_the_prefill_naming_its_type(
+        models: ReferenceModels) -> None:
+    target = Rewired(models.target, "prefill", lambda out: {
+        "last": out.last, "hidden": out.hidden, "lengths": out.lengths})
+    message = _failure(SimpleNamespace(target=target, mtp=models.mtp, dspark=None), "MTP",
+                       target)
+    assert message.endswith("prefill failed: ModelOutputError: target.prefill returned a value "
+                            "of type dict: expected a PrefillOutput (last, hidden, lengths)"), \
+        message
+
+
 def test_verify_with_too_few_rows_fails_the_round(models: ReferenceModels) -> None:
     target = Rewired(models.target, "verify", lambda out: type(out)(
         logits=out.logits[:1], hidden=out.hidden[:1]))

@@ -453,6 +453,7 @@ _ROW_SHAPES = {rows: (f"[{rows}, vocab_size]", f"[{rows}, hidden_size]") for row
 def check_prefill_output(out: object, num: int, longest: int, ctx: DeviceContext) -> None:
     """Refuse a ``PrefillOutput`` of other shapes than the protocol's for ``num`` prompts of
     at most ``longest`` tokens."""
+    check_returned_kind("target.prefill", out, "a PrefillOutput", ("last", "hidden", "lengths"))
     check_target_output("target.prefill (last)", getattr(out, "last", None), num, "B", ctx)
     hidden = getattr(out, "hidden", None)
     # T may be padded past the longest prompt (a prefill bucket): at least that long.
