@@ -103,6 +103,19 @@ def test_the_neutral_values_openai_clients_send_are_accepted_and_others_named() 
         assert (info.value.status, info.value.param) == (400, name)
 
 
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("n", "1", "n=1: one completion per prompt is supported; expected 1, not a JSON string"),
+    ("echo", "false", "echo=false: echoing the prompt is not supported; expected false, not a "
+                      "JSON string"),
+])
+def test_a_neutral_value_sent_as_a_string_is_named_a_string(
+        field: str, value: str, message: str) -> None:
+    with pytest.raises(ApiError) as info:
+        read_completion({"model": "m", "prompt": "hi", field: value}, "m",
+                        temperature_rule=None)
+    assert str(info.value) == message
+
+
 def test_json_constants_and_scalars_are_no_request() -> None:
     for raw, words in ((b"Infinity", "not JSON"), (b"1", "JSON number"), (b"null", "null")):
         with pytest.raises(ApiError, match=words) as info:

@@ -181,7 +181,9 @@ def _check_known(name: str, value: object) -> None:
     if name in _NEUTRAL:
         neutral, why = _NEUTRAL[name]
         if not is_neutral(value, neutral):
-            raise ApiError(400, f"{name}={show_value(value)}: {why}", param=name)
+            # A string shows unquoted: "1" would read as the very value expected.
+            kind = ", not a JSON string" if isinstance(value, str) else ""
+            raise ApiError(400, f"{name}={show_value(value)}: {why}{kind}", param=name)
     elif name not in _READ and name not in _SAMPLING:
         raise ApiError(400, f"{name}: unknown parameter; expected one of "
                        f"{', '.join(sorted({*_READ, *_SAMPLING}))}", param=name)
