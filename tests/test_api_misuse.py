@@ -80,6 +80,43 @@ def test_runtime_options_of_the_wrong_kind_are_refused_naming_the_option(
     assert "\n" not in message
 
 
+async def async_hook(round: int, stage: str) -> None:
+    raise RuntimeError("never runs: nobody awaits it")
+
+
+class Named(Policy):
+    """A policy of the protocol under any name, with any settings."""
+
+    def __init__(self, name: object, settings: object = None) -> None:
+        self.name = name  # type: ignore[assignment]
+        self._settings = {} if settings is None else settings
+
+    def settings(self) -> Any:
+        return self._settings
+
+
+@pytest.mark.parametrize(("option", "value", "message"), [
+    ("stage_hook", async_hook, "RuntimeOptions.stage_hook=<function async_hook at "),
+    ("depth_policy", Named("fixed"), "RuntimeOptions.depth_policy.name=fixed: is a built-in "
+                                     "policy's name; expected another, so that a replay does "
+                                     "not rebuild the built-in one in this policy's place"),
+    ("budget_policy", Named(5), "RuntimeOptions.budget_policy.name=5: expected a non-empty str"),
+    ("budget_policy", Named("mine", {"x": float("nan")}),
+     "RuntimeOptions.budget_policy.settings()['x']=nan: expected a JSON value"),
+    ("depth_policy", Named("mine", {"x": object()}),
+     "RuntimeOptions.depth_policy.settings()['x']=<object"),
+])
+def test_an_option_the_runtime_could_not_run_or_record_is_refused_naming_it(
+        option: str, value: object, message: str) -> None:
+    """An async hook would never run; an own policy named like a built-in one would be
+    rebuilt as that one by a replay; settings an event log cannot hold would fail the start
+    with the JSON encoder's words."""
+    with pytest.raises(ConfigError) as raised:
+        RuntimeOptions(**{option: value})  # type: ignore[arg-type]
+    assert str(raised.value).startswith(message)
+    assert "\n" not in str(raised.value)
+
+
 def test_runtime_options_take_path_likes_and_protocol_objects(tmp_path: Path) -> None:
     options = RuntimeOptions(event_log=tmp_path / "run.jsonl",  # type: ignore[arg-type]
                              trace=tmp_path / "trace.jsonl",  # type: ignore[arg-type]
@@ -517,3 +554,32 @@ def test_a_model_that_raises_at_start_is_named_in_one_line(raising: str, what: s
         asyncio.run(start())
     assert str(info.value) == (f"preparing the graph bindings at start: {what} "
                                "raised ZeroDivisionError: division by zero")
+
+
+class FloatBudget(Named):
+    """A budget policy that picks the widest legal G, as a float."""
+
+    def decide(self, context: Any) -> Any:
+        return float(context.legal_rows[-1])
+
+
+def test_a_budget_policy_choosing_a_non_integer_g_fails_naming_it() -> None:
+    """4.0 or True would reach the event log and the device's shapes as such: a G is an
+    integer, as a depth is."""
+    runtime = Runtime(config("MTP", 3, 2), options=RuntimeOptions(
+        budget_policy=FloatBudget("widest-float")))
+
+    async def run() -> str:
+        await runtime.start()
+        handle = runtime.submit(list(b"ROMEO."), SamplingParams(temperature=0.0, max_tokens=8))
+        try:
+            await handle.result()
+        except RequestFailed as failed:
+            return str(failed)
+        finally:
+            await runtime.stop()
+        return "decoded"
+
+    message = asyncio.run(asyncio.wait_for(run(), 120))
+    assert re.search(r"budget policy widest-float chose G=\d+\.0; expected one of the legal "
+                     r"rows \[", message), message

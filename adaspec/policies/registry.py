@@ -33,6 +33,10 @@ BUDGET_POLICIES: dict[str, Callable[[Mapping[str, object], CostBundle | None],
     "full": lambda settings, costs: FullBudget(),
     "adaptive-verify": lambda settings, costs: AdaptiveVerify(costs),
 }
+BUILT_IN_CLASSES: dict[str, type] = {"fixed": FixedDepth, "adaptive-depth": AdaptiveDepth,
+                                     "full": FullBudget, "adaptive-verify": AdaptiveVerify}
+"""The class of each built-in policy name: an event log's header names a policy, and a
+replay rebuilds the built-in one of that name."""
 Policy = TypeVar("Policy", DepthPolicy, BudgetPolicy)
 NEEDS_COSTS = frozenset({"adaptive-verify", "adaptive-depth"})
 

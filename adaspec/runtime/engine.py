@@ -9,6 +9,7 @@ itself is ``adaspec.runtime.pipeline``.
 import asyncio
 import datetime
 import functools
+import inspect
 import itertools
 import json
 import logging
@@ -16,7 +17,7 @@ import numbers
 import os
 import reprlib
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +52,7 @@ from adaspec.policies.bundles import (
     bundle_from_dict,
     launch_fields,
 )
-from adaspec.policies.registry import make_budget_policy, make_depth_policy
+from adaspec.policies.registry import BUILT_IN_CLASSES, make_budget_policy, make_depth_policy
 from adaspec.runtime.calibration import (
     CalibrationPlan,
     CalibrationRun,
@@ -149,10 +150,15 @@ class RuntimeOptions:
             if value is not None and not callable(value):
                 raise ConfigError(f"RuntimeOptions.{name}", value,
                                   f"expected a callable, called with {called}, or None")
+            if value is not None and (inspect.iscoroutinefunction(value) or
+                                      inspect.iscoroutinefunction(type(value).__call__)):
+                raise ConfigError(f"RuntimeOptions.{name}", value, "expected a plain function: "
+                                  "an async def one would only make coroutines nobody awaits")
         for name, protocol in (("depth_policy", DepthPolicy),
                                ("budget_policy", BudgetPolicy)):
             _check_protocol(f"RuntimeOptions.{name}", getattr(self, name), protocol,
                             f"a {protocol.__name__} (adaspec.policies.base) or None")
+            _check_recordable(f"RuntimeOptions.{name}", getattr(self, name))
 
 
 def _option_path(name: str, value: object) -> str | None:
@@ -179,6 +185,35 @@ def _check_protocol(setting: str, value: object, protocol: type, what: str) -> N
     missing = missing_member(value, protocol)
     if missing is not None:
         raise ConfigError(setting, value, f"expected {what}; it has {missing}")
+
+
+def _check_recordable(setting: str, policy: object) -> None:
+    """An event log's header records a policy by its name and settings, and a replay rebuilds
+    a built-in policy from its name: an own policy needs a name of its own (a str) and
+    settings a JSON object can hold."""
+    if policy is None:
+        return
+    name = policy.name  # type: ignore[attr-defined]  # checked by _check_protocol
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{setting}.name", name, "expected a non-empty str (the event log "
+                          "records the policy by it)")
+    built_in = BUILT_IN_CLASSES.get(name)
+    if built_in is not None and not isinstance(policy, built_in):
+        raise ConfigError(f"{setting}.name", name, "is a built-in policy's name; expected "
+                          "another, so that a replay does not rebuild the built-in one in "
+                          "this policy's place")
+    settings = policy.settings()  # type: ignore[attr-defined]
+    if not isinstance(settings, Mapping) or not all(isinstance(k, str) for k in settings):
+        raise ConfigError(f"{setting}.settings()", reprlib.repr(settings), "expected a "
+                          "mapping of str keys to JSON values")
+    for key, value in settings.items():
+        try:
+            json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError, RecursionError):
+            raise ConfigError(f"{setting}.settings()[{key!r}]", reprlib.repr(value),
+                              "expected a JSON value (finite numbers, str, bool, None, lists "
+                              "and str-keyed objects of them): the event log records it") \
+                from None
 
 
 def builtin_models(launch: LaunchConfig, device: torch.device) -> ReferenceModels:

@@ -774,9 +774,12 @@ class Pipeline:
                                 request_ids=common.request_ids,
                                 max_kv_length=common.max_kv_length,
                                 shard_sizes=common.shard_sizes)
-        chosen = self.budget_policy.decide(context)
+        picked: object = self.budget_policy.decide(context)
+        # Integers only, as for depths: 4.0 or True would reach the log and the device as such.
+        whole = isinstance(picked, numbers.Integral) and not isinstance(picked, bool)
+        chosen = operator.index(picked) if whole else -1  # type: ignore[arg-type]
         if chosen not in legal_rows:
-            raise AdaspecError(f"budget policy {self.budget_policy.name} chose G={chosen}; "
+            raise AdaspecError(f"budget policy {self.budget_policy.name} chose G={picked!r}; "
                                f"expected one of the legal rows {list(legal_rows)}")
         bound, binding = chosen, None
         if self.registries is not None:
