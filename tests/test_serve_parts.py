@@ -15,6 +15,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from gloo_job import PROCESS_LIMIT_S, REPO, peer_environment
 from rank_launch import free_port
 
+from adaspec.bench import load
 from adaspec.bench.load import (
     HttpTarget,
     LevelRun,
@@ -289,6 +290,10 @@ USAGE = {"choices": [], "usage": {"completion_tokens": 4}}
                             "may have been cut short"),
     (_events(CHUNK, b"[DONE]", USAGE), "the stream ended without a usage chunk; the server "
                                        "must support stream_options.include_usage"),
+    (_events({"choices": [{}]}, USAGE, b"[DONE]"), "a stream event's choice has no text string"),
+    (_events(CHUNK, {"choices": [], "usage": {"completion_tokens": 0}}, b"[DONE]"),
+     "the usage chunk counts completion_tokens=0 for a stream that carried text"),
+    (_events(CHUNK, USAGE, USAGE, b"[DONE]"), "the stream carried two usage chunks; expected one"),
     (_events(CHUNK, {"choices": [], "usage": {"completion_tokens": int("1" * 400)}},
              b"[DONE]"), "the usage chunk counts completion_tokens=111111111111... (400 digits) "
                          "for a request of max_tokens=4"),
@@ -310,6 +315,8 @@ async def test_bench_url_counts_a_stream_that_is_no_whole_completion_as_a_failur
                     "usage": {"completion_tokens": 4}}),
     # Whatever follows [DONE] is read (so the connection is reused) and ignored.
     _events(CHUNK, USAGE, b"[DONE]", b"5", {"error": "late"}),
+    # An error field that is null reports no error.
+    _events({**CHUNK, "error": None}, USAGE, b"[DONE]"),
 ])
 async def test_bench_url_takes_a_whole_completion_however_it_ends(body: bytes) -> None:
     async with TestServer(_broken_stream_app(body, {}), host="127.0.0.1") as fake, \
@@ -318,6 +325,31 @@ async def test_bench_url_takes_a_whole_completion_however_it_ends(body: bytes) -
         run = await closed_loop(target, [("x", SamplingParams(temperature=0, max_tokens=4))], 1)
     assert run.errors == []
     assert [t.tokens for t in run.done] == [4]
+
+
+@pytest.mark.asyncio
+async def test_bench_url_stops_the_clock_at_done_whatever_the_server_does_next(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server holding the connection open after [DONE] (a fake, the point of the test)
+    neither fails the request nor adds the wait to its time: the rest is read for
+    AFTER_DONE_S at most, after the clock stopped."""
+    monkeypatch.setattr(load, "AFTER_DONE_S", 0.3)
+
+    async def completion(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        await response.write(_events(CHUNK, USAGE, b"[DONE]"))
+        await asyncio.Event().wait()  # never set: the connection stays open
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completion)
+    async with TestServer(app, host="127.0.0.1") as fake, aiohttp.ClientSession() as session:
+        target = HttpTarget(str(fake.make_url("/")), "m", session)
+        run = await closed_loop(target, [("x", SamplingParams(temperature=0, max_tokens=4))], 1)
+    assert run.errors == []
+    [timing] = run.done
+    assert timing.e2e_s < 0.3
 
 
 @pytest.mark.asyncio

@@ -182,15 +182,13 @@ class HttpTarget:
                 raise LoadError(f"HTTP {response.status}: {await _error_text(response)}")
             chosen = finished = done = False
             async for line in response.content:
-                # Read to the end after [DONE]: a body left unread closes the connection,
-                # and the client's next request would pay for a new one.
-                event = None if done else _sse_data(line)
+                event = _sse_data(line)
                 if event is None:
                     continue
                 if event is DONE:
                     done = True
-                    continue
-                if "error" in event:
+                    break
+                if event.get("error") is not None:
                     raise LoadError(f"error event: {printable(str(event['error']))}")
                 chosen = chosen or bool(event.get("choices"))
                 finished = finished or _finished(event)
@@ -198,12 +196,29 @@ class HttpTarget:
                     first = first if first is not None else time.perf_counter()
                     pieces.append(text)
                 if event.get("usage"):
-                    tokens = _completion_tokens(event["usage"], params.max_tokens)
-        ended = time.perf_counter()
-        _check_ending(done or finished, chosen, tokens)
+                    tokens = _completion_tokens(event["usage"], params.max_tokens, tokens)
+            ended = time.perf_counter()  # the completion is whole: what follows is no part
+            if done:
+                await _read_rest(response)
+        _check_ending(done or finished, chosen, tokens, bool(pieces))
         assert tokens is not None
         return Timing(tokens=tokens, ttft_s=(first or ended) - sent, e2e_s=ended - sent,
                       text="".join(pieces))
+
+
+AFTER_DONE_S = 1.0
+"""Seconds the rest of a body after ``data: [DONE]`` is read for: read whole, the connection
+serves the client's next request; held open longer, it is closed instead."""
+
+
+async def _read_rest(response: aiohttp.ClientResponse) -> None:
+    """Read and ignore what follows ``data: [DONE]``, for at most ``AFTER_DONE_S``."""
+    try:
+        async with asyncio.timeout(AFTER_DONE_S):
+            while await response.content.readany():
+                pass
+    except TimeoutError:
+        response.close()
 
 
 def _finished(event: dict[str, Any]) -> bool:
@@ -214,10 +229,10 @@ def _finished(event: dict[str, Any]) -> bool:
         isinstance(c, dict) and c.get("finish_reason") is not None for c in choices)
 
 
-def _check_ending(done: bool, chosen: bool, tokens: int | None) -> None:
+def _check_ending(done: bool, chosen: bool, tokens: int | None, texts: bool) -> None:
     """Refuse a stream that is no whole completion: one cut before ``data: [DONE]`` and
-    before any finish_reason, one that answered with no choice at all, or one without the
-    usage chunk that counts it."""
+    before any finish_reason, one that answered with no choice at all, one without the
+    usage chunk that counts it, or one whose text that chunk counts as no token."""
     if not done:
         raise LoadError("the stream ended without data: [DONE] or a finish_reason; it may "
                         "have been cut short")
@@ -226,6 +241,9 @@ def _check_ending(done: bool, chosen: bool, tokens: int | None) -> None:
     if tokens is None:
         raise LoadError("the stream ended without a usage chunk; the server must support "
                         "stream_options.include_usage")
+    if tokens == 0 and texts:
+        raise LoadError("the usage chunk counts completion_tokens=0 for a stream that "
+                        "carried text")
 
 
 def _http_fault(error: Exception) -> str:
@@ -243,14 +261,17 @@ def _texts(event: dict[str, Any]) -> list[str]:
     if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
         raise LoadError(f"a stream event's choices are not a list of objects: {choices!r:.80}")
     texts = [c.get("text") for c in choices]
-    if not all(isinstance(t, str | None) for t in texts):
-        raise LoadError("a stream event's choice text is not a string")
+    if not all(isinstance(t, str) for t in texts):
+        raise LoadError("a stream event's choice has no text string")
     return [t for t in texts if t]
 
 
-def _completion_tokens(usage: object, max_tokens: int) -> int:
+def _completion_tokens(usage: object, max_tokens: int, earlier: int | None) -> int:
     """The usage chunk's count, which no honest server puts past the request's max_tokens
-    (one that does would inflate every rate the bench reports)."""
+    (one that does would inflate every rate the bench reports); ``earlier`` is an earlier
+    usage chunk's count (None: this is the first), since a second one would override it."""
+    if earlier is not None:
+        raise LoadError("the stream carried two usage chunks; expected one")
     tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
     if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
         raise LoadError(f"the usage chunk holds no completion_tokens count: {usage!r:.80}")
