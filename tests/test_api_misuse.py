@@ -22,7 +22,7 @@ from adaspec.runtime.engine import Runtime, RuntimeOptions, WrongLoop
 from adaspec.runtime.events.clock import VirtualClock
 from adaspec.runtime.events.log import read_event_log
 from adaspec.runtime.events.replay import replay_file
-from adaspec.runtime.events.types import RequestArrived, RoundSubmitted
+from adaspec.runtime.events.types import RequestArrived, RequestFinished, RoundSubmitted
 from adaspec.runtime.requests import RequestFailed
 
 
@@ -239,6 +239,37 @@ def test_a_subscriber_cancels_a_request_as_it_arrives(tmp_path: Path) -> None:
         return [(r.finish_reason, len(r.token_ids)) for r in results]
 
     assert asyncio.run(asyncio.wait_for(run(), 120)) == [("cancelled", 0), ("length", 8)]
+    assert replay_file(str(log)).ok
+
+
+def test_a_cancel_while_a_round_is_retired_waits_for_the_round(tmp_path: Path) -> None:
+    """Request 0's finish makes a subscriber cancel request 1, which the same round ended
+    too (same prompt, same budget): it keeps its own reason, and request 2, which the
+    round did not end, is cancelled after the round's retirement; the log replays."""
+    log = tmp_path / "run.jsonl"
+    runtime = Runtime(config("MTP", 3, 4), options=RuntimeOptions(event_log=log))
+    ids: list[int] = []
+
+    def on_finish(event: object) -> None:
+        if isinstance(event, RequestFinished) and event.request_id == ids[0]:
+            runtime.cancel(ids[1])
+            runtime.cancel(ids[2])
+
+    async def run() -> list[tuple[str, int]]:
+        await runtime.start()
+        runtime.subscribe(on_finish)
+        handles = [runtime.submit(list(b"ROMEO."), SamplingParams(temperature=0.0,
+                                                                  max_tokens=budget))
+                   for budget in (12, 12, 40)]
+        ids.extend(handle.request_id for handle in handles)
+        results = [await handle.result() for handle in handles]
+        await runtime.stop()
+        return [(r.finish_reason, len(r.token_ids)) for r in results]
+
+    outcomes = asyncio.run(asyncio.wait_for(run(), 120))
+    assert outcomes[:2] == [("length", 12), ("length", 12)]
+    assert outcomes[2][0] == "cancelled"
+    assert 12 <= outcomes[2][1] < 40
     assert replay_file(str(log)).ok
 
 

@@ -243,6 +243,10 @@ class Pipeline:
         self.link = link
         self.arrived: list[Request] = []
         self.cancelled: list[int] = []
+        # Cancels asked while a round's retirement is told (a subscriber reacting to a
+        # finish): applied once its round_retired is published, so a request ends after the
+        # round whose tokens it holds, and one the round ended keeps its own reason.
+        self.deferred_cancels: list[Request] | None = None
         self.stop_asked = False
         self.commits = hashlib.sha256()
         # DP shards (ranks.py): the shard's retired feedback until the next turn shares it;
@@ -282,7 +286,10 @@ class Pipeline:
         include it still run, their tokens for it are dropped, and its KV slot is freed after
         them."""
         if self.link is None:
-            self._finish(request, "cancelled")
+            if self.deferred_cancels is not None:
+                self.deferred_cancels.append(request)
+            else:
+                self._finish(request, "cancelled")
             return
         if request.id not in self.cancelled:
             self.cancelled.append(request.id)
@@ -907,6 +914,17 @@ class Pipeline:
                                 record.error)
             return
         assert host is not None
+        self.deferred_cancels = []
+        try:
+            self._retired(record, host)
+        finally:
+            deferred, self.deferred_cancels = self.deferred_cancels, None
+            for request in deferred:
+                if request.running:
+                    self._finish(request, "cancelled")
+
+    def _retired(self, record: RoundRecord, host: RetiredRound) -> None:
+        """Deliver a round that completed, let the policies observe it, and say so."""
         feedback = self._feedback(record, host)
         if self.ending:
             self._check_ending()
