@@ -295,3 +295,23 @@ def test_a_depth_price_moves_to_the_rows_the_round_verifies() -> None:
     contradicting = dataclasses.replace(costs, profiles=(costs.profiles[0], dear))
     assert contradicting.depth_cost_ms(4, 3, 100, num_rows=12) is None
     assert contradicting.depth_cost_ms(4, 2, 100, num_rows=12) == pytest.approx(14.0)
+
+
+def test_a_run_priced_by_a_legacy_table_writes_a_log_that_replays(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The header records a legacy table in its own form, which reads back as the same
+    table: before, it was written as a bundle of version null, which no reader takes."""
+    path = tmp_path / "legacy.json"
+    path.write_text(json.dumps({**fit_sps(SAMPLES).as_dict(), "draft_width": 5}),
+                    encoding="utf-8")
+    log = tmp_path / "run.jsonl"
+    assert cli.run(["generate", "--speculative_algorithm=DSpark", "--num_speculative_tokens=5",
+                    "--enable_adaptive_target_verify=true", "--max_seqs_per_batch=2",
+                    f"--adaptive_target_verify_cost_table={path}", "--prompt=ROMEO.",
+                    "--max_tokens=8", "--temperature=0", f"--event_log={log}"]) == 0
+    header = json.loads(log.read_text(encoding="utf-8").splitlines()[0])
+    assert header["cost_table"]["draft_width"] == 5
+    assert "version" not in header["cost_table"]
+    capsys.readouterr()
+    assert cli.run(["replay", str(log)]) == 0
+    assert "decisions match the log" in capsys.readouterr().out

@@ -190,6 +190,10 @@ class CostBundle:
         return tuple(name for name in COMPATIBILITY_FIELDS if name not in self.compatibility)
 
     def as_dict(self) -> dict[str, object]:
+        if self.version is None:  # a legacy table as it was read: it reads back the same
+            table = self.profiles[0].as_dict()["table"]
+            assert isinstance(table, dict)
+            return {**table, "draft_width": self.compatibility["draft_width"]}
         return {"version": self.version, "format": BUNDLE_FORMAT,
                 "compatibility": dict(self.compatibility), "settings": dict(self.settings),
                 "profiles": [profile.as_dict() for profile in self.profiles]}
