@@ -453,3 +453,27 @@ def test_a_file_of_neither_format_names_the_workload_flag_and_both_formats(
     assert capsys.readouterr().err == (
         f"adaspec simulate: error: --workload={path}:2: {expected}\"adaspec-workload\" (a "
         'workload, docs/workload.md) or "adaspec-event-log" (an event log)\n')
+
+
+def test_adaptive_depth_simulates_a_recorded_run_with_the_settings_it_recorded(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before, the defaults (20, 5, 0.05) ran in the recorded policy's place, unsaid."""
+    settings = {"window_size": 2, "update_interval": 1, "switch_min_gain": 0.0}
+    steps = tmp_path / "steps.json"
+    steps.write_text(json.dumps({"version": 1, "policy": settings, "calibration": {
+        "request_buckets": [1, 2], "contexts": [
+            {"prefill_tokens": 32, "min_kv_length": 1, "max_kv_length": 1024}],
+        "warmup_steps": 1, "window_steps": 2, "windows_per_point": 1}}), encoding="utf-8")
+    log = tmp_path / "run.jsonl"
+    assert cli.run(["generate", "--speculative_algorithm=MTP", "--num_speculative_tokens=3",
+                    "--enable_adaptive_draft_step=true", f"--adaptive_draft_step_config={steps}",
+                    "--max_seqs_per_batch=2", "--prompt=ROMEO.", "--prompt=The king",
+                    "--max_tokens=24", "--temperature=0", f"--event_log={log}"]) == 0
+    capsys.readouterr()
+    assert cli.run(["simulate", "--workload", str(log), "--policy=adaptive-depth",
+                    "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["adaptive_depth_settings"] == {**settings, "from": "the event log's header"}
+    assert cli.run(["simulate", "--workload", str(log), "--policy=adaptive-depth"]) == 0
+    assert "adaptive-depth settings: window_size=2, update_interval=1, switch_min_gain=0.0 " \
+           "(from the event log's header)" in capsys.readouterr().out

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from adaspec.cli.flags import CommandFlags, Flag
+from adaspec.config.calibration import DraftStepPolicyConfig
 from adaspec.config.files import read_json_object
 from adaspec.config.paths import read_regular
 from adaspec.errors import MISSING, ConfigError, EventLogError, IncompatibleCostTable
@@ -65,8 +66,13 @@ def run(argv: Sequence[str]) -> int:
     costs = _costs(table, run, workload.name)
     for spec in policies:  # every name checked before any policy runs
         make_policies(spec, costs, workload.width)
-    results = [simulate(spec, workload, costs, table or "log") for spec in policies]
+    settings = None if run is None else run.depth_settings
+    results = [simulate(spec, workload, costs, table or "log", settings) for spec in policies]
     report = _report(workload, costs, results)
+    if "adaptive-depth" in policies:  # which settings it ran with: the log's, or defaults
+        report["adaptive_depth_settings"] = {
+            **DraftStepPolicyConfig(**settings or {}).as_dict(),
+            "from": "the event log's header" if settings is not None else "the defaults"}
     if "json" in args:
         print(json.dumps(report, indent=2))
     else:
@@ -260,6 +266,10 @@ def _table(report: dict[str, Any]) -> str:
         lines.append(f"{outside} of {report['rounds']} rounds have a KV length outside the cost "
                      f"table's intervals ({report['kv_intervals']}); their time is predicted "
                      "from the nearest interval")
+    depth = report.get("adaptive_depth_settings")
+    if depth is not None:
+        values = ", ".join(f"{key}={value}" for key, value in depth.items() if key != "from")
+        lines.append(f"adaptive-depth settings: {values} (from {depth['from']})")
     if "vs_best_fixed" not in report["policies"][0]:
         lines.append("vs best fixed: - (no fixed:K policy given)")
     if "vs_oracle" not in report["policies"][0]:

@@ -347,7 +347,8 @@ def depth_pricing(costs: CostBundle, geometry: "Geometry") -> DepthPricing:
 
 
 def make_policies(spec: str, costs: CostBundle, width: int,
-                  geometry: "Geometry | None" = None) -> PolicySpec:
+                  geometry: "Geometry | None" = None,
+                  depth_settings: Mapping[str, Any] | None = None) -> PolicySpec:
     """``fixed:K``, ``adaptive-depth``, ``adaptive-verify`` or ``oracle`` as a (depth,
     budget) pair."""
     if spec.startswith("fixed:"):
@@ -373,7 +374,8 @@ def make_policies(spec: str, costs: CostBundle, width: int,
         return OracleDepth(), FullBudget()
     if spec == "adaptive-depth":
         pricing = depth_pricing(costs, geometry) if geometry is not None else None
-        return AdaptiveDepth(DraftStepPolicyConfig(), pricing), FullBudget()
+        config = DraftStepPolicyConfig(**depth_settings or {})
+        return AdaptiveDepth(config, pricing), FullBudget()
     raise ConfigError("--policy", spec, f"expected fixed:K (K in 1..{width}), "
                       "adaptive-depth, adaptive-verify, oracle or oracle-depth")
 
@@ -391,9 +393,10 @@ class FixedAt(FixedDepth):
         return self.depth
 
 
-def simulate(spec: str, workload: Workload, costs: CostBundle, path: str = "cost table"
-             ) -> SimulationResult:
-    """Run one policy over the workload (fresh policy instances)."""
+def simulate(spec: str, workload: Workload, costs: CostBundle, path: str = "cost table",
+             depth_settings: Mapping[str, Any] | None = None) -> SimulationResult:
+    """Run one policy over the workload (fresh policy instances); ``adaptive-depth`` with
+    ``depth_settings`` (a recorded run's), else with the default settings."""
     geometry = Geometry(costs, path)
     if workload.width != geometry.width:
         raise ConfigError("--workload", workload.where,
@@ -403,7 +406,8 @@ def simulate(spec: str, workload: Workload, costs: CostBundle, path: str = "cost
         raise ConfigError("--workload", workload.where,
                           f"dp_size {workload.dp_size} differs from the cost table's dp_size "
                           f"{geometry.dp_size}")
-    depth_policy, budget_policy = make_policies(spec, costs, workload.width, geometry)
+    depth_policy, budget_policy = make_policies(spec, costs, workload.width, geometry,
+                                                depth_settings)
     result = SimulationResult(policy=spec)
     pending: list[RoundFeedback] = []
     default_kv = costs.profiles[0].context.max_kv_length

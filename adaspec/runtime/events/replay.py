@@ -223,6 +223,7 @@ class RecordedRun:
     costs: CostBundle | None  # the table the run installed (the header's)
     compatibility: Compatibility  # what a cost table must share with the run to price it
     context_limit: int  # the target's, from the header
+    depth_settings: Mapping[str, Any] | None = None  # the recorded adaptive-depth policy's
 
 
 def check_recorded_run(header: LogHeader, events: Sequence[Event], path: str
@@ -236,7 +237,9 @@ def check_recorded_run(header: LogHeader, events: Sequence[Event], path: str
     _check_built_in_policies(header, costs, path)
     run = RecordedRun(launch=launch, lag=lag, costs=costs,
                       compatibility=_compatibility(launch, header.models),
-                      context_limit=header.context_limit)
+                      context_limit=header.context_limit,
+                      depth_settings=header.policies["depth"]["settings"]
+                      if header.policies["depth"]["name"] == "adaptive-depth" else None)
     if costs is not None:
         try:
             check_table_for_run(costs, run, "the header")
