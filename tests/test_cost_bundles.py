@@ -315,3 +315,17 @@ def test_a_run_priced_by_a_legacy_table_writes_a_log_that_replays(
     capsys.readouterr()
     assert cli.run(["replay", str(log)]) == 0
     assert "decisions match the log" in capsys.readouterr().out
+
+
+def test_a_table_priced_per_draft_depth_is_no_verify_table(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Adaptive verify would find no G priced in it and verify full width in silence."""
+    path = tmp_path / "depth.json"
+    depth_bundle().save(str(path))
+    assert cli.run(["config", "--speculative_algorithm=MTP", "--num_speculative_tokens=5",
+                    "--enable_adaptive_target_verify=true",
+                    f"--adaptive_target_verify_cost_table={path}"]) == 2
+    assert capsys.readouterr().err == (
+        f"adaspec config: error: --adaptive_target_verify_cost_table={path}: is priced per "
+        "draft depth (adaptive draft steps); expected a table priced over target rows G, as "
+        "--adaptive_target_verify_cost_table_output saves one\n")

@@ -596,11 +596,18 @@ def _list(name: str, value: object) -> list[Any]:
 
 
 def load_bundle(path: str, data: Mapping[str, object], *,
-                flag: str = "--adaptive_target_verify_cost_table") -> CostBundle:
+                flag: str = "--adaptive_target_verify_cost_table",
+                verify: bool = True) -> CostBundle:
     """The bundle saved at ``path`` (already read as ``data``), errors prefixed with the flag
-    that named it."""
+    that named it; with ``verify``, one priced over target rows G, as adaptive target verify
+    reads it (a table priced per draft depth would price nothing it asks)."""
     with key_prefix(f"{flag}={path}: "):
-        return bundle_from_dict(data, source=f"saved table {path}")
+        bundle = bundle_from_dict(data, source=f"saved table {path}")
+    if verify and any(profile.over != "rows" for profile in bundle.profiles):
+        raise ConfigError(flag, path, "is priced per draft depth (adaptive draft steps); "
+                          "expected a table priced over target rows G, as "
+                          "--adaptive_target_verify_cost_table_output saves one")
+    return bundle
 
 
 def fitted_bundle(compatibility: Compatibility, settings: Mapping[str, object],
