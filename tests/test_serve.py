@@ -402,14 +402,15 @@ def small_server() -> Iterator[Served]:
         assert served.stop() == 0, served.other
 
 
-def _open_stream(served: Served, max_tokens: int) -> socket.socket:
-    """A streamed request whose first event has come; the socket is left open."""
+def _open_stream(served: Served, max_tokens: int, events: int = 1) -> socket.socket:
+    """A streamed request whose first ``events`` events have come; the socket is left
+    open."""
     body = json.dumps(_base(prompt="Once upon a time", max_tokens=max_tokens, stream=True))
     sock = socket.create_connection(("127.0.0.1", served.port), timeout=PROCESS_LIMIT_S)
     sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
                  f"\r\nContent-Length: {len(body)}\r\n\r\n{body}".encode())
     seen = b""
-    while b"data: {" not in seen:
+    while seen.count(b"data: {") < events:
         seen += sock.recv(4096)
     return sock
 
@@ -417,11 +418,15 @@ def _open_stream(served: Served, max_tokens: int) -> socket.socket:
 def test_a_client_gone_mid_stream_cancels_its_request_and_frees_its_kv_slot(
         small_server: Served) -> None:
     for number in range(1, 4):  # more than the two KV slots: a leaked one would hang the next
-        _open_stream(small_server, 900).close()
+        # Three events: the prefill's token and at least two rounds' tokens.
+        _open_stream(small_server, 900, events=3).close()
         small_server.wait_for("completion", number)
     gone = small_server.events("completion")
     assert [line["status"] for line in gone] == [499] * 3
     assert all(line["finish_reasons"] == ["cancelled"] for line in gone)
+    # The rounds that ran are reported, though the result was never read.
+    assert all(line["drafted_verified"] > 0 for line in gone)
+    assert all(line["acceptance_length"] is not None for line in gone)
     status, body = small_server.post(_base(max_tokens=5))
     assert status == 200
     assert body["usage"]["completion_tokens"] == 5

@@ -205,6 +205,12 @@ class RequestHandle:
         dropped and its KV slot is freed once they retire."""
         self._cancel(self._request)
 
+    def drafted(self) -> tuple[int, int, int]:
+        """Rounds taken part in, drafted tokens verified and accepted so far: a consumer that
+        stops before ``result()`` (a client gone) still reports the rounds that ran."""
+        request = self._request
+        return request.rounds, request.verified, request.accepted
+
     async def result(self) -> RequestResult:
         await self._request.done.wait()
         if self._request.error is not None:

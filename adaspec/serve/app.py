@@ -396,6 +396,8 @@ class CompletionServer:
     def _log(self, completion: Completion) -> None:
         ended = time.perf_counter()
         choices = completion.choices
+        for choice in choices:  # one whose follower was cancelled never read its result
+            choice.rounds, choice.verified, choice.accepted = choice.handle.drafted()
         rounds = sum(c.rounds for c in choices)
         firsts = [c.first_token for c in choices if c.first_token is not None]
         self.log.info(
