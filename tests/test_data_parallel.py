@@ -152,7 +152,7 @@ def test_a_killed_rank_among_four_is_named_by_every_other_rank() -> None:
     for process, (_, err) in zip(ranks[:3], ended, strict=True):
         assert process.returncode != 0
         last = err.strip().splitlines()[-1]
-        assert re.search(r"collective \w+ over ranks \[[0-3,]+\] failed: "
+        assert re.search(r"collective \w+ over ranks \[[0-3,.]+\] failed: "
                          r".*; rank 3 stopped$", last), last
 
 
