@@ -329,10 +329,12 @@ def fit_additive(samples: Sequence[CostSample], *, level: bool = True) -> Additi
     # priced below anything measured (at or below zero on a very noisy grid): no shape is
     # cheaper than the cheapest point measured.
     bias = max(bias, float(np.min(measured)) - alpha[0] - theta[0])
+    # The diagnostics are the table's as it prices, after the repair and the levelling.
+    priced = measured - (bias + np.array(terms))
     return AdditiveTable(
         bias=bias, buckets=buckets, alpha=alpha, rows=rows, theta=theta,
-        residual_rms=float(np.sqrt(np.mean(residuals ** 2))),
-        residual_max_relative=float(np.max(np.abs(residuals) / measured)))
+        residual_rms=float(np.sqrt(np.mean(priced ** 2))),
+        residual_max_relative=float(np.max(np.abs(priced) / np.abs(measured))))
 
 
 def _pass_thetas(raw: Sequence[CostSample], points: Sequence[CostSample],
