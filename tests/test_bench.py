@@ -437,6 +437,23 @@ def test_cli_json_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[s
     (["--arms=none,adaptive-verify", "--enable_adaptive_draft_step=true"],
      "--enable_adaptive_draft_step=true: configures the adaptive-depth arm, which "
      "--arms=none,adaptive-verify does not run"),
+    # An enable flag set false turns its arm off: not named, not configured.
+    (["--speculative_algorithm=MTP", "--num_speculative_tokens=2", "--arms=adaptive-depth",
+      "--enable_adaptive_draft_step=false"],
+     "--enable_adaptive_draft_step=false: turns off the adaptive-depth arm, which "
+     "--arms=adaptive-depth runs; expected true, or adaptive-depth left out of --arms"),
+    (["--enable_adaptive_target_verify=false", "--adaptive_target_verify_cost_table=/x.json"],
+     "--adaptive_target_verify_cost_table=/x.json: configures the adaptive-verify arm, which "
+     "--enable_adaptive_target_verify=false turns off; expected one or the other"),
+    # Outputs: logs only runtime arms write; no two outputs one file.
+    (["--arms=plain", "--event_log_dir=/tmp"], "--event_log_dir=/tmp: expected an arm that "
+                                               "writes an event log; plain runs outside the "
+                                               "runtime"),
+    (["--arms=adaptive-verify", "--adaptive_target_verify_cost_table_output=/tmp/adaspec-c.png",
+      "--plot=/tmp/adaspec-c.png"],
+     "--plot=/tmp/adaspec-c.png: expected a file of its own; "
+     "--adaptive_target_verify_cost_table_output=/tmp/adaspec-c.png names /tmp/adaspec-c.png "
+     "too"),
     # Without --arms, a file given for an adaptive arm asks for it: refused, not skipped.
     (["--adaptive_target_verify_cost_table=/nonexistent"],
      "--adaptive_target_verify_cost_table=/nonexistent: asks for the adaptive-verify arm, "
@@ -449,6 +466,16 @@ def test_bad_flags_are_refused_in_one_line_before_anything_runs(
     assert captured.out == ""
     assert captured.err.startswith(f"adaspec bench: error: {message}")
     assert captured.err.count("\n") == 1
+
+
+def test_an_adaptive_arm_turned_off_by_its_flag_is_not_run(tmp_path: Path) -> None:
+    arms, skipped = plan_arms({"speculative_algorithm": "MTP", "num_speculative_tokens": 3,
+                               "enable_adaptive_target_verify": "false"},
+                              widths=(3,), names=None, quick=True, levels=(1,),
+                              scratch=tmp_path)
+    names = [arm.name for arm in arms] + [name for name, _ in skipped]
+    assert "adaptive-verify" not in names
+    assert "adaptive-depth" in names
 
 
 def test_the_readme_main_command_prints_the_table() -> None:

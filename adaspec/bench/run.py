@@ -216,6 +216,7 @@ def plan_arms(settings: Mapping[str, object], *, widths: Sequence[int] | None,
         raise ConfigError("--speculative_algorithm", algorithm, "expected MTP or DSpark: the "
                           "bench always runs the target alone as its baseline")
     adaptive = {k: base.pop(k) for k in ADAPTIVE_FLAGS if k in base}
+    turned_off = _turned_off_arms(adaptive, names)
     if names is not None:
         _refuse_unused_adaptive_flags(adaptive, names)
     base.setdefault("max_seqs_per_batch", max(16, max(levels)))
@@ -237,7 +238,32 @@ def plan_arms(settings: Mapping[str, object], *, widths: Sequence[int] | None,
         PLAIN: target_only, "none": target_only,
         **{f"fixed:{k}": _fixed(base, algorithm, k) for k in fixed_widths},
         **_adaptive(base, adaptive, algorithm, width, quick, levels, scratch)}
+    for arm in turned_off:
+        del candidates[arm]
     return _choose(candidates, names, tuple(temperatures))
+
+
+def _turned_off_arms(adaptive: Mapping[str, object], names: Sequence[str] | None
+                     ) -> tuple[str, ...]:
+    """The adaptive arms an enable flag set false leaves out; refused where ``--arms`` names
+    the arm, or another flag configures it."""
+    off = []
+    for flag, value in adaptive.items():
+        if not flag.startswith("enable_") or asks_for(flag, value):
+            continue
+        arm = ADAPTIVE_ARM_OF[flag]
+        if names is not None and arm in names:
+            raise ConfigError(f"--{flag}", value, f"turns off the {arm} arm, which "
+                              f"--arms={','.join(names)} runs; expected true, or {arm} left "
+                              "out of --arms")
+        configuring = next((other for other in adaptive
+                            if other != flag and ADAPTIVE_ARM_OF[other] == arm), None)
+        if configuring is not None:
+            raise ConfigError(f"--{configuring}", adaptive[configuring], f"configures the "
+                              f"{arm} arm, which --{flag}={value} turns off; expected one or "
+                              "the other")
+        off.append(arm)
+    return tuple(off)
 
 
 def asks_for(flag: str, value: object) -> bool:

@@ -264,17 +264,29 @@ def requests_per_level(choices: Choices) -> dict[int, int]:
     return {level: max(8, 2 * level) for level in choices.levels}
 
 
-def check_outputs(choices: Choices, arm_names: Sequence[str]) -> None:
-    """Output places are checked before anything runs: nothing is overwritten."""
+def check_outputs(choices: Choices, arm_names: Sequence[str],
+                  cost_table_output: str | None = None) -> None:
+    """Output places are checked before anything runs: nothing is overwritten, and no two
+    outputs (the event logs, the plot, the adaptive-verify arm's cost table) are one file."""
+    outputs: dict[str, str] = {}  # real path -> the flag that names it
+    if cost_table_output is not None:
+        outputs[os.path.realpath(cost_table_output)] = \
+            f"--adaptive_target_verify_cost_table_output={cost_table_output}"
     if choices.event_log_dir is not None:
         folder = choices.event_log_dir
         existing_directory("--event_log_dir", folder)
-        for name in arm_names:
+        logged = [name for name in arm_names if name.split("@")[0] != PLAIN]
+        if not logged:
+            raise ConfigError("--event_log_dir", folder, f"expected an arm that writes an "
+                              f"event log; {', '.join(arm_names)} runs outside the runtime")
+        for name in logged:
             log = event_log_name(name)
             if path_status("--event_log_dir", os.path.join(folder, log), follow=False):
                 raise ConfigError("--event_log_dir", folder, f"{log} exists already; expected "
                                   "a folder without this bench's logs")
+            _own_file(outputs, os.path.join(folder, log), f"--event_log_dir={folder}")
     if choices.plot is not None:
+        _own_file(outputs, choices.plot, f"--plot={choices.plot}")
         if Path(choices.plot).suffix.lower() != ".png":
             raise ConfigError("--plot", choices.plot, "expected a .png file name")
         new_file("--plot", choices.plot)
@@ -283,6 +295,16 @@ def check_outputs(choices: Choices, arm_names: Sequence[str]) -> None:
         except ImportError:
             raise ConfigError("--plot", choices.plot, "needs matplotlib: pip install "
                               "'adaspec[plot]'") from None
+
+
+def _own_file(outputs: dict[str, str], path: str, named: str) -> None:
+    """Record ``path`` as the output ``named`` names, refused when another output names it."""
+    real = os.path.realpath(path)
+    if real in outputs:
+        flag, _, value = named.partition("=")
+        raise ConfigError(flag, value, f"expected a file of its own; {outputs[real]} names "
+                          f"{path} too")
+    outputs[real] = named
 
 
 def check_arms(settings: Mapping[str, str], arms: Sequence[Arm],
@@ -491,7 +513,9 @@ def run(argv: Sequence[str]) -> int:
             arms += dp1_twins(settings, arms, widths=choices.widths, quick=choices.quick,
                               levels=choices.levels, scratch=Path(scratch),
                               temperatures=choices.temperatures, cores=available_cores())
-        check_outputs(choices, [arm.name for arm in arms])
+        check_outputs(choices, [arm.name for arm in arms],
+                      next((arm.config.launch.adaptive_target_verify_cost_table_output
+                            for arm in arms if arm.name == "adaptive-verify"), None))
         threads = torch_threads(arms)  # a bad ADASPEC_CPU_THREADS is refused before any run
         plan = BenchPlan(arms=arms, levels=choices.levels, prompts=prompts,
                          requests=requests_per_level(choices), max_tokens=choices.max_tokens,
