@@ -614,3 +614,30 @@ def test_a_budget_policy_choosing_a_non_integer_g_fails_naming_it() -> None:
     message = asyncio.run(asyncio.wait_for(run(), 120))
     assert re.search(r"budget policy widest-float chose G=\d+\.0; expected one of the legal "
                      r"rows \[", message), message
+
+
+def test_a_reader_cancelled_while_it_waits_leaves_the_other_readers_reading() -> None:
+    """Readers of one handle wait on one future: cancelling one reader had cancelled that
+    future, so another reader (or the next one started) ended with CancelledError while the
+    request ran on."""
+    runtime = Runtime(config("MTP", 3, 2))
+
+    async def run() -> tuple[int, int]:
+        await runtime.start()
+        handle = runtime.submit(list(b"ROMEO."), SamplingParams(temperature=0.0,
+                                                                max_tokens=60))
+
+        async def listen() -> int:
+            return sum([len(chunk) async for chunk in handle])
+
+        leaving, staying = asyncio.ensure_future(listen()), asyncio.ensure_future(listen())
+        await asyncio.sleep(0)  # both wait for the first chunk
+        leaving.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await leaving
+        got = await staying
+        later = await listen()  # a reader started after the cancel reads everything too
+        await runtime.stop()
+        return got, later
+
+    assert asyncio.run(asyncio.wait_for(run(), 120)) == (60, 60)

@@ -155,9 +155,10 @@ class Request:
     async def wait_beyond(self, count: int) -> None:
         """Return once more than ``count`` tokens exist or the request has ended."""
         while len(self.tokens) <= count and self.running:
-            if self._wakeup is None:  # shared by every consumer waiting now
+            if self._wakeup is None or self._wakeup.done():  # shared by every consumer
                 self._wakeup = asyncio.get_running_loop().create_future()
-            await self._wakeup
+            # Shielded: a consumer cancelled while it waits leaves the others waiting.
+            await asyncio.shield(self._wakeup)
 
     def result(self) -> RequestResult:
         assert self.finish_reason is not None
