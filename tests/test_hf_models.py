@@ -696,7 +696,7 @@ def test_a_kv_cache_the_device_cannot_hold_is_refused_in_one_line(
     """The KV cache spans max_position_embeddings for every KV slot: a context of 10**12
     positions is refused before allocating (more bytes than the device has), and an
     allocation that fails anyway is the same one line, not an allocator's traceback."""
-    from adaspec.models import hf
+    from adaspec.models import layers
 
     _, target_dir, _, _ = llama
     folder = _copy(target_dir, tmp_path / "context")
@@ -713,7 +713,7 @@ def test_a_kv_cache_the_device_cannot_hold_is_refused_in_one_line(
     assert done.stderr.endswith(" bytes of cpu memory; expected a context length (or a "
                                 "--max_seqs_per_batch) whose KV cache fits the device\n")
     target = load_hf_models(str(folder), drafter=False).target
-    monkeypatch.setattr(hf, "device_memory", lambda device: None)  # the allocator decides
+    monkeypatch.setattr(layers, "device_memory", lambda device: None)  # the allocator decides
     with pytest.raises(ConfigError) as info:
         target.allocate(1)
     assert str(info.value).startswith(

@@ -45,7 +45,7 @@ from adaspec.config.paths import NotRegularFile, open_regular
 from adaspec.config.requests import MAX_STOP_TOKENS, is_neutral
 from adaspec.errors import ConfigError, InvalidRequest, show_value
 from adaspec.models.checkpoint import checkpoint_identity
-from adaspec.models.layers import device_memory
+from adaspec.models.layers import beyond_memory
 from adaspec.models.protocols import (
     ContextRows,
     MtpStep,
@@ -532,10 +532,9 @@ class _CausalLM:
         shape = (num_kv_slots + 1, kv_heads, self.context_limit, head_dim)
         layers = config.num_hidden_layers
         needed = 2 * layers * math.prod(shape) * self.dtype.itemsize  # keys and values
-        memory = device_memory(self.device)
-        if memory is not None and needed > memory:
-            self._refuse_kv_cache(num_kv_slots, needed, f"more than the {memory} bytes of "
-                                  f"{self.device.type} memory")
+        beyond = beyond_memory(needed, self.device)
+        if beyond is not None:
+            self._refuse_kv_cache(num_kv_slots, needed, beyond)
         # A reallocation does not hold the old cache meanwhile (nor keep it, if it fails).
         self._cache, self._num_kv_slots = None, 0
         try:

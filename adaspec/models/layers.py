@@ -223,3 +223,12 @@ def device_memory(device: torch.device) -> int | None:
     except (ValueError, OSError, AttributeError, RuntimeError):  # no sysconf name, no driver
         return None
     return None
+
+
+def beyond_memory(needed: int, device: torch.device) -> str | None:
+    """Why ``needed`` bytes cannot be allocated on ``device`` (more than it has in all), or
+    None when they may be (the allocation itself decides)."""
+    memory = device_memory(device)
+    if memory is not None and needed > memory:
+        return f"more than the {memory} bytes of {device.type} memory"
+    return None

@@ -13,7 +13,7 @@ from adaspec.models.layers import (
     Block,
     RMSNorm,
     additive_mask,
-    device_memory,
+    beyond_memory,
     init_weights,
     sequence_mask,
     window_mask,
@@ -79,9 +79,9 @@ class KVCache:
         shape = (num_kv_slots + 1, context_limit, num_heads, head_dim)
         needed = 2 * num_layers * math.prod(shape) * dtype.itemsize  # keys and values
         what = f"a KV cache of {needed} bytes for {num_kv_slots + 1} KV slots"
-        memory = device_memory(device)
-        if memory is not None and needed > memory:
-            raise MemoryError(f"{what}, more than the {memory} bytes of {device.type} memory")
+        beyond = beyond_memory(needed, device)
+        if beyond is not None:
+            raise MemoryError(f"{what}, {beyond}")
         try:
             self.keys = [torch.zeros(shape, device=device, dtype=dtype)
                          for _ in range(num_layers)]

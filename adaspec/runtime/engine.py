@@ -9,7 +9,6 @@ itself is ``adaspec.runtime.pipeline``.
 import asyncio
 import datetime
 import functools
-import inspect
 import itertools
 import json
 import logging
@@ -74,7 +73,7 @@ from adaspec.runtime.devices.streams import (
     share_cores,
 )
 from adaspec.runtime.drafting import Drafting, DSparkDrafting, MtpDrafting, NoDrafting
-from adaspec.runtime.events.bus import EventBus
+from adaspec.runtime.events.bus import EventBus, is_async_callable
 from adaspec.runtime.events.clock import CheckedClock, Clock, MonotonicClock, clock_fault
 from adaspec.runtime.events.types import RequestArrived
 from adaspec.runtime.kv_slots import KvSlotSampling, KvSlotStates
@@ -150,8 +149,7 @@ class RuntimeOptions:
             if value is not None and not callable(value):
                 raise ConfigError(f"RuntimeOptions.{name}", value,
                                   f"expected a callable, called with {called}, or None")
-            if value is not None and (inspect.iscoroutinefunction(value) or
-                                      inspect.iscoroutinefunction(type(value).__call__)):
+            if value is not None and is_async_callable(value):
                 raise ConfigError(f"RuntimeOptions.{name}", value, "expected a plain function: "
                                   "an async def one would only make coroutines nobody awaits")
         for name, protocol in (("depth_policy", DepthPolicy),

@@ -70,8 +70,7 @@ class EventBus:
         again, and is dropped again if it raises again."""
         if not callable(handler):
             raise TypeError(f"an event subscriber must be callable, got {_shown(handler)}")
-        if inspect.iscoroutinefunction(handler) or \
-                inspect.iscoroutinefunction(type(handler).__call__):
+        if is_async_callable(handler):
             raise TypeError(f"subscribe({_name(handler)}): an async def handler would only "
                             "make coroutines nobody awaits; expected a plain function (it may "
                             "start a task of its own)")
@@ -199,3 +198,10 @@ def _name(handler: object) -> str:
 def _shown(value: object) -> str:
     """``repr(value)``, short and on one line (repr escapes control characters)."""
     return reprlib.repr(value)
+
+
+def is_async_callable(value: object) -> bool:
+    """Whether calling ``value`` only makes a coroutine (an ``async def`` function, a partial
+    of one, or an object whose ``__call__`` is one): a plain caller would never await it."""
+    return inspect.iscoroutinefunction(value) or \
+        inspect.iscoroutinefunction(type(value).__call__)
