@@ -3,6 +3,7 @@ option, the value and what is expected: never a raw AttributeError from deep ins
 option accepted only to fail every request later."""
 
 import asyncio
+import functools
 import os
 import re
 from pathlib import Path
@@ -95,6 +96,21 @@ class Named(Policy):
         return self._settings
 
 
+class RaisingSettings(Named):
+    def settings(self) -> Any:
+        raise RuntimeError("boom")
+
+
+class SubFixed(FixedDepth):
+    def decide(self, context: Any) -> int:
+        return 1
+
+
+class AsyncCall:
+    async def __call__(self, round: int, stage: str) -> None:
+        """Never awaited by the runtime."""
+
+
 @pytest.mark.parametrize(("option", "value", "message"), [
     ("stage_hook", async_hook, "RuntimeOptions.stage_hook=<function async_hook at "),
     ("depth_policy", Named("fixed"), "RuntimeOptions.depth_policy.name=fixed: is a built-in "
@@ -102,9 +118,20 @@ class Named(Policy):
                                      "not rebuild the built-in one in this policy's place"),
     ("budget_policy", Named(5), "RuntimeOptions.budget_policy.name=5: expected a non-empty str"),
     ("budget_policy", Named("mine", {"x": float("nan")}),
-     "RuntimeOptions.budget_policy.settings()['x']=nan: expected a JSON value"),
+     "RuntimeOptions.budget_policy.settings()['x']=nan: expected a str key and a JSON value"),
     ("depth_policy", Named("mine", {"x": object()}),
      "RuntimeOptions.depth_policy.settings()['x']=<object"),
+    # JSON would hold these otherwise than the policy returned them.
+    ("depth_policy", Named("mine", {"x": {1: 2}}), "RuntimeOptions.depth_policy.settings()"
+                                                   "['x']={1: 2}: expected a str key"),
+    ("depth_policy", Named("mine", {"x": (1, 2)}), "RuntimeOptions.depth_policy.settings()"
+                                                   "['x']=(1, 2): expected a str key"),
+    ("budget_policy", RaisingSettings("mine"), "RuntimeOptions.budget_policy.settings(): "
+                                               "raised RuntimeError: boom; expected a dict"),
+    # A subclass of a built-in policy decides otherwise under its name.
+    ("depth_policy", SubFixed(), "RuntimeOptions.depth_policy.name=fixed: is a built-in "
+                                 "policy's name"),
+    ("stage_hook", functools.partial(AsyncCall()), "RuntimeOptions.stage_hook="),
 ])
 def test_an_option_the_runtime_could_not_run_or_record_is_refused_naming_it(
         option: str, value: object, message: str) -> None:

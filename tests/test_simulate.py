@@ -477,3 +477,14 @@ def test_adaptive_depth_simulates_a_recorded_run_with_the_settings_it_recorded(
     assert cli.run(["simulate", "--workload", str(log), "--policy=adaptive-depth"]) == 0
     assert "adaptive-depth settings: window_size=2, update_interval=1, switch_min_gain=0.0 " \
            "(from the event log's header)" in capsys.readouterr().out
+
+
+def test_recorded_adaptive_depth_settings_must_name_every_setting() -> None:
+    """The runtime records all three: a header missing one would run it at a default
+    while simulate says the header gave it."""
+    from adaspec.policies.registry import make_depth_policy
+
+    with pytest.raises(ConfigError, match=r"expected the keys window_size, update_interval, "
+                                          r"switch_min_gain"):
+        make_depth_policy("adaptive-depth", {"window_size": 20, "update_interval": 5},
+                          depth_bundle())

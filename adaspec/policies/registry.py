@@ -14,7 +14,10 @@ from adaspec.policies.verify import AdaptiveVerify
 
 
 def _adaptive_depth(settings: Mapping[str, object], costs: CostBundle | None) -> DepthPolicy:
+    keys = {"window_size", "update_interval", "switch_min_gain"}
     try:
+        if set(settings) != keys:  # the runtime records all three: none is left to a default
+            raise TypeError
         config = DraftStepPolicyConfig(**settings)  # type: ignore[arg-type]
     except TypeError:
         raise ConfigError("adaptive-depth settings", dict(settings), "expected the keys "

@@ -12,11 +12,12 @@ import functools
 import itertools
 import json
 import logging
+import math
 import numbers
 import os
 import reprlib
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +40,7 @@ from adaspec.config.requests import (
     check_room,
     refuse_idle_filter,
 )
-from adaspec.errors import AdaspecError, ConfigError, DeviceLayerError, InvalidRequest
+from adaspec.errors import MISSING, AdaspecError, ConfigError, DeviceLayerError, InvalidRequest
 from adaspec.models.checkpoint import ReferenceModels, load_reference_models
 from adaspec.models.limits import check_model_limits, check_num_kv_slots
 from adaspec.models.parallel import split_blocks
@@ -196,22 +197,41 @@ def _check_recordable(setting: str, policy: object) -> None:
         raise ConfigError(f"{setting}.name", name, "expected a non-empty str (the event log "
                           "records the policy by it)")
     built_in = BUILT_IN_CLASSES.get(name)
-    if built_in is not None and not isinstance(policy, built_in):
+    if built_in is not None and type(policy) is not built_in:  # a subclass decides otherwise
         raise ConfigError(f"{setting}.name", name, "is a built-in policy's name; expected "
                           "another, so that a replay does not rebuild the built-in one in "
                           "this policy's place")
-    settings = policy.settings()  # type: ignore[attr-defined]
-    if not isinstance(settings, Mapping) or not all(isinstance(k, str) for k in settings):
-        raise ConfigError(f"{setting}.settings()", reprlib.repr(settings), "expected a "
-                          "mapping of str keys to JSON values")
+    try:
+        settings = policy.settings()  # type: ignore[attr-defined]
+    except Exception as error:  # the policy's bug, named before anything runs
+        raise ConfigError(f"{setting}.settings()", MISSING, f"raised "
+                          f"{type(error).__name__}: {error}; expected a dict of settings") \
+            from None
+    if type(settings) is not dict:
+        raise ConfigError(f"{setting}.settings()", reprlib.repr(settings), "expected a dict "
+                          "of str keys to JSON values")
     for key, value in settings.items():
-        try:
-            json.dumps(value, allow_nan=False)
-        except (TypeError, ValueError, RecursionError):
+        if not isinstance(key, str) or not _json_exact(value):
             raise ConfigError(f"{setting}.settings()[{key!r}]", reprlib.repr(value),
-                              "expected a JSON value (finite numbers, str, bool, None, lists "
-                              "and str-keyed objects of them): the event log records it") \
-                from None
+                              "expected a str key and a JSON value (finite numbers, str, bool, "
+                              "None, lists and str-keyed dicts of them): the event log "
+                              "records it as it is")
+
+
+def _json_exact(value: object, depth: int = 0) -> bool:
+    """Whether JSON holds ``value`` as it is (no tuple read back as a list, no int key as a
+    str, no NaN)."""
+    if depth > 32:
+        return False
+    if value is None or isinstance(value, bool | str):
+        return True
+    if isinstance(value, int | float):
+        return type(value) in (int, float) and (type(value) is int or math.isfinite(value))
+    if type(value) is list:
+        return all(_json_exact(item, depth + 1) for item in value)
+    if type(value) is dict:
+        return all(isinstance(k, str) and _json_exact(v, depth + 1) for k, v in value.items())
+    return False
 
 
 def builtin_models(launch: LaunchConfig, device: torch.device) -> ReferenceModels:

@@ -9,6 +9,7 @@ depends on scheduling. Waiting code uses ``next``, a loop future resolved by ``p
 """
 
 import asyncio
+import functools
 import inspect
 import logging
 import reprlib
@@ -203,5 +204,7 @@ def _shown(value: object) -> str:
 def is_async_callable(value: object) -> bool:
     """Whether calling ``value`` only makes a coroutine (an ``async def`` function, a partial
     of one, or an object whose ``__call__`` is one): a plain caller would never await it."""
+    while isinstance(value, functools.partial):  # what a partial calls is what counts
+        value = value.func
     return inspect.iscoroutinefunction(value) or \
         inspect.iscoroutinefunction(type(value).__call__)
