@@ -76,9 +76,15 @@ def kill_at_round(victim: subprocess.Popen[str], number: int) -> float:
     """Kill ``victim`` once its state trace (``--trace=-``, on its stderr) shows round
     ``number`` under way; the monotonic time of the kill."""
     assert victim.stderr is not None
+    seen = []
     for line in victim.stderr:  # blocks on the pipe: no sleeping
         if f'"round": {number}' in line or f'"round":{number}' in line:
             break
+        seen.append(line)
+    else:  # the victim ended first: what it said is the reason, so keep it in the failure
+        victim.wait()
+        raise AssertionError(f"the rank to kill exited {victim.returncode} before round "
+                             f"{number}:\n{''.join(seen[-20:])}")
     victim.kill()
     return time.monotonic()
 

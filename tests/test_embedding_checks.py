@@ -465,12 +465,15 @@ def _failure(given: SimpleNamespace, algorithm: str, rewired: "Rewired | Failing
     return first_failure(runtime, 6, switch_on)
 
 
-def test_outputs_the_protocol_allows_decode_as_the_models_own(models: ReferenceModels) -> None:
-    # A prefill padded past the longest prompt with int32 lengths, int32 draft ids and
-    # drafter logits over another vocabulary (never read) are all the protocol's: they
+@pytest.mark.parametrize("lengths", [torch.int32, torch.int8])
+def test_outputs_the_protocol_allows_decode_as_the_models_own(models: ReferenceModels,
+                                                               lengths: torch.dtype) -> None:
+    # A prefill padded past the longest prompt with lengths of any integer dtype (int8 cannot
+    # hold the context limit of 1024, which the runtime compares them with), int32 draft ids
+    # and drafter logits over another vocabulary (never read) are all the protocol's: they
     # decode as before.
     target = Rewired(models.target, "prefill", lambda out: type(out)(
-        last=out.last, lengths=out.lengths.to(torch.int32),
+        last=out.last, lengths=out.lengths.to(lengths),
         hidden=torch.nn.functional.pad(out.hidden, (0, 0, 0, 3))))
     drafter = Rewired(models.mtp, "step", lambda out: type(out)(
         hidden=out.hidden, token_ids=out.token_ids.to(torch.int32), probs=out.probs,
@@ -491,6 +494,25 @@ def test_outputs_the_protocol_allows_decode_as_the_models_own(models: ReferenceM
                           []))
     assert asyncio.run(run(SimpleNamespace(target=target, mtp=drafter, dspark=None),
                            [target, drafter])) == own
+
+
+@pytest.mark.parametrize(("change", "field", "got", "wanted"), [
+    (lambda out: type(out)(last=out.last, hidden=out.hidden.double(), lengths=out.lengths),
+     "hidden", "of dtype torch.float64",
+     r"\[1, 6, \d+\] \(\[B, T, hidden_size\], T at least the longest prompt\) in "
+     r"torch\.float32 \(the target's dtype\)"),
+    (lambda out: type(out)(last=out.last, hidden=out.hidden, lengths=out.lengths.to("meta")),
+     "lengths", "on meta", r"\[1\] \(\[B\]\) of an integer dtype on cpu"),
+], ids=["hidden", "lengths"])
+def test_prefill_hidden_in_another_dtype_or_lengths_elsewhere_fail_the_prefill_naming_them(
+        models: ReferenceModels, change: Any, field: str, got: str, wanted: str) -> None:
+    """A drafter reads the prompt's hidden states beside the verify rows' (so in their dtype),
+    and the runtime compares the lengths on its device."""
+    target = Rewired(models.target, "prefill", change)
+    message = _failure(SimpleNamespace(target=target, mtp=models.mtp, dspark=None), "MTP",
+                       target)
+    assert re.search(rf"prefill failed: ModelOutputError: target\.prefill returned {field} "
+                     rf"{got}: expected {wanted}$", message), message
 
 
 def test_verify_logits_of_the_wrong_shape_fail_the_round_naming_both_shapes(
@@ -591,7 +613,8 @@ def test_prefill_hidden_of_the_wrong_shape_fails_the_prefill(models: ReferenceMo
     hidden = models.target.hidden_size
     assert message.endswith(f"prefill failed: ModelOutputError: target.prefill returned hidden "
                             f"of shape [1, 1, {hidden}]: expected [1, 6, {hidden}] ([B, T, "
-                            "hidden_size], T at least the longest prompt)"), message
+                            "hidden_size], T at least the longest prompt) in torch.float32 "
+                            "(the target's dtype)"), message
 
 
 def test_mtp_draft_tokens_of_the_wrong_shape_fail_the_round(models: ReferenceModels) -> None:

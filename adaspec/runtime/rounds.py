@@ -404,13 +404,14 @@ def _prefill(ctx: DeviceContext, inputs: PrefillInputs) -> PrefillResult:
     # TP ranks commit TP rank 0's first tokens, as they do every round's sampled ones.
     ctx.collectives.tp_broadcast(first)
     stopped = (first[:, None] == inputs.stop_token_ids).any(dim=1)
-    room = out.lengths < ctx.context_limit - 1
+    # In int64, whatever integer dtype the model gave: a narrow one cannot hold the limit.
+    lengths = out.lengths.to(torch.int64, copy=True)
+    room = lengths < ctx.context_limit - 1
     remaining = inputs.max_tokens - 1
     live = ~stopped & (remaining > 0) & room
     hidden = out.last.hidden if ctx.states.keeps_hidden else out.last.hidden[:, :0]
     ctx.states.scatter(inputs.kv_slots, KvSlotStates(
-        # A copy, as int64 whatever integer dtype the model gave (the KV slot states hold int64).
-        anchor_ids=first, anchor_positions=out.lengths.to(torch.int64, copy=True),
+        anchor_ids=first, anchor_positions=lengths,
         hidden=hidden,
         remaining=remaining, live=live))
     ctx.sampling.write(inputs.kv_slots, inputs.sampling, inputs.stop_token_ids)
@@ -459,10 +460,13 @@ def check_prefill_output(out: object, num: int, longest: int, ctx: DeviceContext
     # T may be padded past the longest prompt (a prefill bucket): at least that long.
     padded = hidden.shape[1] if isinstance(hidden, Tensor) and hidden.dim() == 3 and \
         hidden.shape[1] >= longest else longest
+    # A drafter reads these beside the verify rows' hidden states: then in their dtype.
+    states = ctx.states
     check_output("target.prefill", "hidden", hidden, (num, padded, ctx.hidden_size),
-                 "[B, T, hidden_size], T at least the longest prompt", device=ctx.device)
+                 "[B, T, hidden_size], T at least the longest prompt",
+                 dtype=states.hidden.dtype if states.keeps_hidden else None, device=ctx.device)
     check_output("target.prefill", "lengths", getattr(out, "lengths", None), (num,), "[B]",
-                 integer=True)
+                 integer=True, device=ctx.device)
 
 
 class CheckedDrafter:
