@@ -4,6 +4,7 @@
 import asyncio
 import gzip
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -539,6 +540,64 @@ def test_rank_0_serves_http_while_the_other_dp_shard_decodes_its_share(
         if follower.poll() is None:
             follower.kill()
             follower.communicate()
+
+
+def _read_to_the_end(sock: socket.socket) -> bytes:
+    received = b""
+    while not received.endswith(b"data: [DONE]\n\n") and b"0\r\n\r\n" not in received:
+        piece = sock.recv(65536)
+        if not piece:
+            break
+        received += piece
+    sock.close()
+    return received
+
+
+@pytest.mark.parametrize("follower_ends", ["by SIGTERM", "killed"])
+def test_a_signal_to_every_rank_drains_the_stream_in_flight_through_the_follower(
+        follower_ends: str) -> None:
+    """A launcher (torchrun) signals every rank at once: the follower keeps decoding until
+    rank 0 has drained, so the stream in flight ends whole and both ranks exit 0. A follower
+    lost while rank 0 drains fails the stream, and rank 0 exits non-zero saying so."""
+    rendezvous = f"--master_node_addr=127.0.0.1:{free_port()}"
+    common = ["--nnodes=2", "--speculative_algorithm=MTP", "--num_speculative_tokens=3",
+              "--collective_timeout_s=30", rendezvous]
+    follower = subprocess.Popen([sys.executable, "-m", "adaspec", "serve", *common,
+                                 "--node_rank=1"], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, env=peer_environment(),
+                                cwd=REPO)
+    try:
+        front = start_server(*common, "--node_rank=0")
+        sock = _open_stream(front, 300)
+        if follower_ends == "killed":
+            front.process.send_signal(signal.SIGTERM)
+            front.wait_for("draining", 1)
+            follower.kill()
+        else:
+            follower.send_signal(signal.SIGTERM)
+            front.process.send_signal(signal.SIGTERM)
+        received = _read_to_the_end(sock)
+        code = front.stop()
+        _, errors = follower.communicate(timeout=PROCESS_LIMIT_S)
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+            follower.communicate()
+    finished = front.events("completion")
+    if follower_ends == "killed":
+        assert code == 2, front.other
+        assert finished[-1]["completion_tokens"] < 300, finished[-1]
+        assert b'"error"' in received
+        assert front.other[-1].startswith("adaspec serve: error: the runtime stopped while "
+                                          "draining: "), front.other
+        assert re.search(r"draining: collective \w+ over ranks \[0,1\] failed: ",
+                         front.other[-1]), front.other
+        return
+    assert b"data: [DONE]" in received
+    assert (code, follower.returncode) == (0, 0), (front.other, errors)
+    assert (finished[-1]["status"], finished[-1]["completion_tokens"]) == (200, 300)
+    draining = [json.loads(line) for line in errors.splitlines() if '"draining"' in line]
+    assert [(line["rank"], line["signal"]) for line in draining] == [(1, "SIGTERM")], errors
 
 
 # --- adaspec bench --url -----------------------------------------------------------------------

@@ -86,7 +86,7 @@ def temperature_rule(launch: LaunchConfig) -> str | None:
 
 def run(argv: Sequence[str]) -> int:
     from adaspec.serve.app import ServeSettings
-    from adaspec.serve.server import json_logger, serve_http
+    from adaspec.serve.server import follow_front, json_logger, serve_http
 
     parsed = SERVE.parse(argv)
     if parsed.help:
@@ -113,15 +113,10 @@ def run(argv: Sequence[str]) -> int:
     log = json_logger(sys.stderr)
     try:
         if launch.node_rank != 0:  # the same launch line on every rank: rank 0 serves HTTP
-            asyncio.run(_follow(runtime))
+            asyncio.run(follow_front(runtime, log))
             return 0
         asyncio.run(serve_http(runtime, tokenizer, serve, host=launch.host,
                                port=launch.port, log=log))
     except OutputWriteError as error:  # the trace or event log, said when the runtime stops
         raise output_named_by_flag(error) from None
     return 0
-
-
-async def _follow(runtime: Runtime) -> None:
-    await runtime.start()
-    await runtime.serve()

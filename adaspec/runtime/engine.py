@@ -637,9 +637,15 @@ class Runtime:
             await asyncio.shield(self._task)
         finally:
             await self.stop()
-        fault = None if self._pipeline is None else self._pipeline.fault
-        if fault is not None:
-            raise fault
+        if self.fault is not None:
+            raise self.fault
+
+    @property
+    def fault(self) -> BaseException | None:
+        """What ended the round loop when it faulted (a dead peer, a failed round the loop
+        cannot go on from), kept after ``stop()``; None while it runs or once it stopped
+        cleanly."""
+        return None if self._pipeline is None else self._pipeline.fault
 
     async def ended(self) -> None:
         """Return once the round loop has ended: after ``stop()``, or on a fault (a dead
@@ -648,9 +654,8 @@ class Runtime:
         if task is None:
             raise RuntimeStopped("the runtime is not running: await start() first")
         await asyncio.wait({task})  # a caller cancelled here leaves the loop running
-        fault = None if self._pipeline is None else self._pipeline.fault
-        if fault is not None:
-            raise fault
+        if self.fault is not None:
+            raise self.fault
 
     async def _start_on_stream(self, models: ModelSet, device: torch.device,
                                geometry: BucketGeometry, plan: CalibrationPlan | None,

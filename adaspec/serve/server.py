@@ -124,7 +124,39 @@ async def serve_http(runtime: Runtime, tokenizer: Tokenizer, settings: ServeSett
         await runner.cleanup()
         signals.remove(loop)
         await runtime.stop()
+    if runtime.fault is not None:  # while draining (a rank lost): it failed the requests left
+        raise ServeFailed(f"the runtime stopped while draining: {runtime.fault}")
     log.info("stopped")
+
+
+async def follow_front(runtime: Runtime, log: Any) -> None:
+    """A rank behind rank 0: decode its requests until it stops this rank. A launcher such as
+    torchrun signals every rank at once, so the first SIGTERM or SIGINT here only says so:
+    rank 0 drains its requests, which need this rank, then stops it. A second signal acts as
+    it would by default (the process ends); a signal during the start abandons it, as on
+    rank 0."""
+    loop = asyncio.get_running_loop()
+    signalled = asyncio.Event()
+
+    def received(number: signal.Signals) -> None:
+        for each in FOLLOWER_SIGNALS:
+            loop.remove_signal_handler(each)
+        signalled.set()
+        log.info("draining", rank=runtime.rank, signal=number.name,
+                 until="rank 0 has drained its requests and stops this rank")
+
+    for number in FOLLOWER_SIGNALS:
+        loop.add_signal_handler(number, received, number)
+    try:
+        if await _start_unless_signalled(runtime, signalled):
+            await runtime.serve()
+    finally:
+        for number in FOLLOWER_SIGNALS:
+            loop.remove_signal_handler(number)
+        await runtime.stop()
+
+
+FOLLOWER_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 async def _listen(runner: web.AppRunner, host: str, port: int) -> None:
@@ -166,7 +198,6 @@ async def _serve_until_drained(runtime: Runtime, server: CompletionServer, signa
             return
         server.state, server.failure = FAILED, str(error)
         raise ServeFailed(f"the runtime stopped while serving: {error}")
-    ended.cancel()
     server.state = DRAINING
     log.info("draining", in_flight=len(server.in_flight))
     now = asyncio.ensure_future(signals.now.wait())
@@ -177,6 +208,7 @@ async def _serve_until_drained(runtime: Runtime, server: CompletionServer, signa
         server.cancel_all()
         await drained
     now.cancel()
+    ended.cancel()
 
 
 def default_log() -> Any:
