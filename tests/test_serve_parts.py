@@ -278,6 +278,8 @@ def _events(*events: object) -> bytes:
 
 
 CHUNK = {"choices": [{"index": 0, "text": "hi"}]}
+LONG = b'{"choices": [], "usage": {"completion_tokens": ' + b"1" * 5000 + b"}}"
+"""JSON still, with a number of more digits than Python reads."""
 USAGE = {"choices": [], "usage": {"completion_tokens": 4}}
 
 
@@ -297,6 +299,16 @@ USAGE = {"choices": [], "usage": {"completion_tokens": 4}}
     (_events(CHUNK, {"choices": [], "usage": {"completion_tokens": int("1" * 400)}},
              b"[DONE]"), "the usage chunk counts completion_tokens=111111111111... (400 digits) "
                          "for a request of max_tokens=4"),
+    # A choice the server gave up (vLLM and SGLang say abort) is no completion.
+    (_events(CHUNK, {"choices": [{"index": 0, "text": "", "finish_reason": "abort"}]}, USAGE,
+             b"[DONE]"), "a choice ended with finish_reason='abort'; expected stop or length"),
+    (_events(CHUNK, {"choices": [{"index": 0, "text": "", "finish_reason": 5}]}, USAGE,
+             b"[DONE]"), "a choice ended with finish_reason=5; expected stop or length"),
+    (b"event: error\ndata: {\"message\": \"server exploded\"}\n\n" + _events(CHUNK, USAGE,
+                                                                               b"[DONE]"),
+     'an error event: {"message": "server exploded"}'),
+    pytest.param(b"data: " + LONG + b"\n\n", f"a stream event holds a number too long to "
+                 f"read: {LONG[:80]!r}", id="a-number-past-the-digit-limit"),
 ])
 async def test_bench_url_counts_a_stream_that_is_no_whole_completion_as_a_failure(
         body: bytes, words: str) -> None:
@@ -317,6 +329,10 @@ async def test_bench_url_counts_a_stream_that_is_no_whole_completion_as_a_failur
     _events(CHUNK, USAGE, b"[DONE]", b"5", {"error": "late"}),
     # An error field that is null reports no error.
     _events({**CHUNK, "error": None}, USAGE, b"[DONE]"),
+    # One event's data over several lines is joined (the event-stream format), comments and
+    # other fields are skipped, and lines may end in CRLF.
+    b'data: {"choices":\r\ndata: [{"index": 0, "text": "hi"}]}\r\n: ping\r\nid: 3\r\n\r\n'
+    + _events(USAGE, b"[DONE]"),
 ])
 async def test_bench_url_takes_a_whole_completion_however_it_ends(body: bytes) -> None:
     async with TestServer(_broken_stream_app(body, {}), host="127.0.0.1") as fake, \
@@ -349,6 +365,32 @@ async def test_bench_url_stops_the_clock_at_done_whatever_the_server_does_next(
         run = await closed_loop(target, [("x", SamplingParams(temperature=0, max_tokens=4))], 1)
     assert run.errors == []
     [timing] = run.done
+    assert timing.e2e_s < 0.3
+
+
+@pytest.mark.asyncio
+async def test_bench_url_stops_the_clock_at_the_usage_chunk_of_a_finished_choice(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream may end at a finish_reason without [DONE]: a server that then holds the
+    connection open (a fake, the point of the test) adds nothing to the request's time."""
+    monkeypatch.setattr(load, "AFTER_DONE_S", 0.3)
+
+    async def completion(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        await response.write(_events(
+            CHUNK, {"choices": [{"index": 0, "text": "", "finish_reason": "stop"}]}, USAGE))
+        await asyncio.Event().wait()  # never set: the connection stays open
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completion)
+    async with TestServer(app, host="127.0.0.1") as fake, aiohttp.ClientSession() as session:
+        target = HttpTarget(str(fake.make_url("/")), "m", session)
+        run = await closed_loop(target, [("x", SamplingParams(temperature=0, max_tokens=4))], 1)
+    assert run.errors == []
+    [timing] = run.done
+    assert (timing.tokens, timing.text) == (4, "hi")
     assert timing.e2e_s < 0.3
 
 

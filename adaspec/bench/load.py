@@ -181,8 +181,9 @@ class HttpTarget:
             if response.status != 200:
                 raise LoadError(f"HTTP {response.status}: {await _error_text(response)}")
             chosen = finished = done = False
+            events = SseEvents()
             async for line in response.content:
-                event = _sse_data(line)
+                event = events.feed(line)
                 if event is None:
                     continue
                 if event is DONE:
@@ -197,8 +198,10 @@ class HttpTarget:
                     pieces.append(text)
                 if event.get("usage"):
                     tokens = _completion_tokens(event["usage"], params.max_tokens, tokens)
+                if finished and tokens is not None:  # the usage chunk ends a finished choice
+                    break
             ended = time.perf_counter()  # the completion is whole: what follows is no part
-            if done:
+            if done or (finished and tokens is not None):
                 await _read_rest(response)
         _check_ending(done or finished, chosen, tokens, bool(pieces))
         assert tokens is not None
@@ -221,12 +224,22 @@ async def _read_rest(response: aiohttp.ClientResponse) -> None:
         response.close()
 
 
+ENDINGS = ("stop", "length")
+"""The finish_reasons of a completion that ended well; a server says ``abort`` or ``error``
+for one it gave up."""
+
+
 def _finished(event: dict[str, Any]) -> bool:
     """Whether a chunk ends its choice (a finish_reason): a stream may close after it, as
-    some servers do, without ``data: [DONE]``."""
+    some servers do, without ``data: [DONE]``. A choice the server gave up fails."""
     choices = event.get("choices")
-    return isinstance(choices, list) and any(
-        isinstance(c, dict) and c.get("finish_reason") is not None for c in choices)
+    reasons = [c.get("finish_reason") for c in choices if isinstance(c, dict)] \
+        if isinstance(choices, list) else []
+    for reason in reasons:
+        if reason is not None and reason not in ENDINGS:
+            raise LoadError(f"a choice ended with finish_reason={printable(repr(reason)):.80}; "
+                            f"expected {' or '.join(ENDINGS)}")
+    return any(reason is not None for reason in reasons)
 
 
 def _check_ending(done: bool, chosen: bool, tokens: int | None, texts: bool) -> None:
@@ -287,19 +300,44 @@ DONE: dict[str, Any] = {}
 """What ``_sse_data`` returns for ``data: [DONE]``, the end of an OpenAI stream."""
 
 
-def _sse_data(line: bytes) -> dict[str, Any] | None:
-    """A server-sent event's JSON object, ``DONE`` for the stream's end, None for anything
-    else (blank lines, comments such as keep-alive pings)."""
-    if not line.startswith(b"data:"):
-        return None
-    data = line[5:].strip()
+class SseEvents:
+    """Server-sent events from a body's lines, as the event-stream format reads them: an
+    event's ``data:`` lines joined by newlines, dispatched at the blank line that ends it;
+    comments (keep-alive pings) and other fields skipped. An event typed ``error`` fails the
+    request."""
+
+    def __init__(self) -> None:
+        self.kind = b""
+        self.data: list[bytes] = []
+
+    def feed(self, line: bytes) -> dict[str, Any] | None:
+        """The JSON object of the event ``line`` ends, ``DONE`` for the stream's end, None
+        while an event is still being read or carries no data."""
+        line = line.rstrip(b"\r\n")
+        if line:
+            name, _, value = line.partition(b":")
+            if name == b"data":
+                self.data.append(value[1:] if value.startswith(b" ") else value)
+            elif name == b"event":
+                self.kind = value.strip()
+            return None
+        kind, data = self.kind, b"\n".join(self.data).strip()
+        self.kind, self.data = b"", []
+        if kind == b"error":
+            raise LoadError(f"an error event: {printable(data[:120].decode('utf-8', 'replace'))}")
+        return _sse_data(data) if data else None
+
+
+def _sse_data(data: bytes) -> dict[str, Any]:
+    """One event's data: ``DONE`` for the stream's end, else its JSON object."""
     if data == b"[DONE]":
         return DONE
-    if not data:
-        return None
     try:
         event = json.loads(data)
-    except ValueError:
+    except ValueError as error:
+        if "int_max_str_digits" in str(error):  # JSON still, past what Python reads
+            raise LoadError(f"a stream event holds a number too long to read: {data[:80]!r}"
+                            ) from None
         raise LoadError(f"a stream event is not JSON: {data[:80]!r}") from None
     except RecursionError:  # nesting deeper than the parser follows: no event of a server
         raise LoadError(f"a stream event is nested too deeply to read: {data[:40]!r}") from None
