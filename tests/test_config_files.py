@@ -242,6 +242,11 @@ def test_adjacent_context_intervals_are_accepted(tmp_path: Path) -> None:
     ('{"warmup_steps": NaN}', "expected valid JSON; NaN is not JSON"),
     ('{"model": ', "expected valid JSON; Expecting value at line 1 column 11"),
     ("[1, 2]", "expected a JSON object at the top level"),
+    # Numbers a double cannot be: the file means them as written, as a flag would.
+    ('{"window_steps": 1e400}', "expected valid JSON; 1e400 is beyond a double; expected a "
+                                "finite number"),
+    ('{"window_steps": 1.5e-400}', "expected valid JSON; 1.5e-400 is a nonzero number below "
+                                   "the smallest double"),
 ])
 def test_malformed_json_is_rejected(tmp_path: Path, text: str, expected: str) -> None:
     path = write(tmp_path, text)

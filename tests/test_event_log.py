@@ -192,12 +192,16 @@ def test_an_unknown_format(tmp_path: Path) -> None:
                re.escape('unknown format "other-log"; expected "adaspec-event-log"'))
 
 
-def test_a_number_beyond_a_double_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("number", "reason"), [
+    ("1e400", "1e400 is beyond a double; expected a finite number"),
+    ("5E-400", "5E-400 is a nonzero number below the smallest double"),
+])
+def test_a_number_a_double_cannot_be_is_refused(tmp_path: Path, number: str,
+                                                reason: str) -> None:
     def edit(lines: list[str]) -> None:
-        lines[1] = lines[1].replace('"time":0.5', '"time":1e400')
+        lines[1] = lines[1].replace('"time":0.5', f'"time":{number}')
 
-    read_error(damaged(tmp_path, edit), 2, "invalid JSON: 1e400 is beyond a double; expected "
-                                           "a finite number")
+    read_error(damaged(tmp_path, edit), 2, f"invalid JSON: {reason}")
 
 
 def test_another_version_names_both_versions(tmp_path: Path) -> None:

@@ -125,6 +125,13 @@ def test_a_workload_file_round_trips_and_bad_lines_name_file_line_and_field(
         parse_workload(with_request_field(lines, 3, 1, "accepted", 9), "w.jsonl")
     with pytest.raises(ConfigError, match=r"--workload=w\.jsonl:1: expected a first line"):
         parse_workload(lines[1:], "w.jsonl")
+    # A confidence a double cannot hold is no confidence of 0.
+    tiny = lines[:2] + [lines[2].replace(lines[2][lines[2].index("[", lines[2].index(
+        "confidences")) + 1:].split(",")[0], "1e-400", 1)] + lines[3:]
+    with pytest.raises(ConfigError, match=r"--workload=w\.jsonl:3: expected one JSON object "
+                                          r"per line \(1e-400 is a nonzero number below the "
+                                          r"smallest double\)$"):
+        parse_workload(tiny, "w.jsonl")
 
 
 @pytest.mark.parametrize(("line", "field", "value", "message"), [
@@ -257,6 +264,21 @@ def test_control_characters_in_a_workload_name_are_shown_escaped(
         synthetic(HOSTILE_NAME)
     assert str(raised.value) == ("workload='\\x1b[31mred\\nsecond line': expected one of "
                                  "high, low, step, drift, alternating")
+
+
+@pytest.mark.parametrize("separator", ["\n", "\r\n"])
+def test_a_workload_breaks_only_at_newlines_whatever_its_strings_hold(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], separator: str) -> None:
+    """JSON strings may hold U+2028, U+2029 and U+0085 as they are; they end no line."""
+    workload, table = tmp_path / "w.jsonl", tmp_path / "costs.json"
+    named = dataclasses.replace(synthetic("high", rounds=10), name="a\u2028b\x85c\u2029d")
+    lines = [json.dumps(json.loads(line), ensure_ascii=False) for line in named.as_lines()]
+    workload.write_text(separator.join(lines) + separator, encoding="utf-8", newline="")
+    TABLES["staircase"].save(str(table))
+    assert cli.run(["simulate", "--workload", str(workload), "--cost_table", str(table),
+                    "--policy", "fixed:5"]) == 0, capsys.readouterr().err
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("workload 'a\\u2028b\\x85c\\u2029d': 10 rounds, width 5;"), first
 
 
 def test_cli_refuses_an_unknown_policy_before_running_any(

@@ -101,7 +101,7 @@ def read_workload(path: str) -> tuple[Workload, "RecordedRun | None"]:
         raise ConfigError("--workload", path, "empty file; expected a workload (JSON lines, "
                           "docs/workload.md) or an event log")
     if _header_format(text, path) == WORKLOAD_FORMAT:
-        return parse_workload(text.splitlines(), path), None
+        return parse_workload(json_lines(text), path), None
     from adaspec.runtime.events.log import read_event_log
     from adaspec.runtime.events.replay import check_recorded_run
 
@@ -114,11 +114,21 @@ def read_workload(path: str) -> tuple[Workload, "RecordedRun | None"]:
     return _workload_of_run(run, events, path), run
 
 
+def json_lines(text: str) -> list[str]:
+    """The lines of a JSON Lines text: broken at newlines only, a carriage return before one
+    dropped. ``str.splitlines`` would also break at U+2028 or U+0085, which a JSON string may
+    hold as they are."""
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    return [line[:-1] if line.endswith("\r") else line for line in lines]
+
+
 def _header_format(text: str, path: str) -> str:
     """The ``format`` of the first non-blank line, which must be a workload's or an event
     log's. The parsed value decides, not the text: an event log's header may well mention
     "adaspec-workload" elsewhere (a cost table's file name, say)."""
-    number, line = next((n, line) for n, line in enumerate(text.splitlines(), start=1)
+    number, line = next((n, line) for n, line in enumerate(json_lines(text), start=1)
                         if line.strip())
     try:
         header = json.loads(line)

@@ -6,6 +6,7 @@ into frozen dataclasses in one go or rejected.
 """
 
 import json
+import math
 import sys
 from collections.abc import Iterable, Mapping
 
@@ -61,6 +62,18 @@ def _no_constants(name: str) -> object:
     raise ValueError(f"{name} is not JSON")
 
 
+def exact_double(text: str) -> float:
+    """A JSON number as a double, refused where the double is not the number: one too large
+    for a double (1e400, inf) or a nonzero one too small (1e-400, 0.0), which a file means
+    as given and the flags refuse too."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is beyond a double; expected a finite number")
+    if value == 0 and any(digit in text.lower().split("e")[0] for digit in "123456789"):
+        raise ValueError(f"{text} is a nonzero number below the smallest double")
+    return value
+
+
 def json_fault(error: ValueError) -> str:
     """What json's own ValueError says, in the user's terms: an integer past Python's digit
     limit comes with advice for a programmer (``sys.set_int_max_str_digits``)."""
@@ -75,7 +88,8 @@ def read_json_object(flag: str, path: str) -> dict[str, object]:
     setting = f"--{flag}"
     text = _read_text(setting, path)
     try:
-        data = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constants)
+        data = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constants,
+                          parse_float=exact_double)
     except json.JSONDecodeError as error:
         raise ConfigError(setting, path, f"expected valid JSON; {error.msg} at line "
                                          f"{error.lineno} column {error.colno}") from None

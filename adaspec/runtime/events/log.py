@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, get_args, get_origin
 
+from adaspec.config.files import exact_double
 from adaspec.config.launch import prepared_rows
 from adaspec.config.paths import NotRegularFile, open_regular
 from adaspec.config.requests import MAX_REQUEST_ID, MAX_SEED, SamplingParams, check_room
@@ -279,7 +280,7 @@ def _json_line(name: str, number: int, raw: bytes) -> object:
         raise EventLogError(name, number, "blank line; expected one JSON object per line")
     try:
         return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant,
-                          parse_float=_finite)
+                          parse_float=exact_double)
     except json.JSONDecodeError as error:
         hint = "" if raw.endswith(b"\n") else (
             "; the last line is cut short (did the run stop before closing the log?)")
@@ -302,13 +303,6 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         repeated = next(key for key in keys if keys.count(key) > 1)
         raise ValueError(f"key {_show(repeated)} appears twice in one object")
     return data
-
-
-def _finite(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):  # 1e400: JSON, but beyond a double
-        raise ValueError(f"{text} is beyond a double; expected a finite number")
-    return value
 
 
 def _no_constant(name: str) -> object:
