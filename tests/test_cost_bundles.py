@@ -196,6 +196,21 @@ def test_coverage_gaps_have_no_price() -> None:
     (lambda d: d["profiles"].append(d["profiles"][0]),
      r"profiles\[1\]\.context=.*expected KV intervals that do not overlap; it overlaps "
      r"1\.\.1024"),
+    # A table's axes are the shapes its samples were measured at: one cut short leaves a
+    # captured bucket unpriced (verified whole, unsaid), one past them prices guesses.
+    (lambda d: d["profiles"][0]["table"].update(buckets=[1], alpha=[0.0]),
+     r"profiles\[0\]\.table\.buckets=\[1\]: expected the values the profile's samples were "
+     r"measured at \[1, 2\]$"),
+    (lambda d: d["profiles"][0]["table"].update(buckets=[1, 4]),
+     r"profiles\[0\]\.table\.buckets=\[1, 4\]: expected values from the shapes the "
+     r"compatibility captured \[1, 2\]$"),
+    (lambda d: d["profiles"][0]["table"].update(rows=[1, 2, 4, 6, 8, 13]),
+     r"profiles\[0\]\.table\.rows=\[1, 2, 4, 6, 8, 13\]: expected values from the shapes "
+     r"the compatibility captured \[1, 2, 4, 6, 8, 12\]$"),
+    (lambda d: (d["profiles"][0].update(samples=[s for s in d["profiles"][0]["samples"]
+                                                 if s[1] != 8])),
+     r"profiles\[0\]\.table\.rows=\[1, 2, 4, 6, 8, 12\]: expected the values the profile's "
+     r"samples were measured at \[1, 2, 4, 6, 12\]$"),
 ])
 def test_a_damaged_bundle_is_refused_naming_the_key(tmp_path: Path, change: object,
                                                      message: str) -> None:

@@ -342,6 +342,7 @@ def bundle_from_dict(data: Mapping[str, object], source: str) -> CostBundle:
             if name in settings:
                 require_int(name, settings[name], low, high)
     _check_samples(compatibility, parsed)
+    _check_table_axes(compatibility, parsed)
     return CostBundle(compatibility=compatibility, settings=settings, profiles=tuple(parsed),
                       source=source)
 
@@ -478,6 +479,33 @@ def _check_samples(compatibility: Mapping[str, Any], profiles: Sequence[CostProf
                                   "expected [Bcap, G or depth, seconds] at a shape of the "
                                   "compatibility (Bcap in request_buckets and G one of its "
                                   "target_rows, or a depth 1..draft_width)")
+
+
+def _check_table_axes(compatibility: Mapping[str, Any], profiles: Sequence[CostProfile]
+                      ) -> None:
+    """A table prices the shapes its profile's samples were measured at, which the launch
+    captured: an axis cut short would leave captured shapes unpriced (the policy then
+    verifies them whole, unsaid), one past them would price shapes never measured."""
+    captured = dict(zip(compatibility["request_buckets"], compatibility["target_rows"],
+                        strict=True))
+    width = compatibility["draft_width"]
+    for index, profile in enumerate(profiles):
+        table = profile.table
+        legal_rows = {g for bucket in captured for g in _legal_seconds(
+            bucket, captured, width, {profile.over})}
+        axes = [("rows", tuple(getattr(table, "rows", ())), legal_rows,
+                 {s.num_rows for s in profile.samples})]
+        if hasattr(table, "buckets"):
+            axes.insert(0, ("buckets", tuple(table.buckets), set(captured),
+                            {s.num_reqs_bucket for s in profile.samples}))
+        for name, values, legal, sampled in axes:
+            key = f"profiles[{index}].table.{name}"
+            if not set(values) <= legal:
+                raise ConfigError(key, list(values), f"expected values from the shapes the "
+                                  f"compatibility captured {sorted(legal)}")
+            if profile.samples and set(values) != sampled:
+                raise ConfigError(key, list(values), f"expected the values the profile's "
+                                  f"samples were measured at {sorted(sampled)}")
 
 
 ALL_TIERS = "all legal prepared tiers"
