@@ -108,11 +108,21 @@ def test_the_neutral_values_openai_clients_send_are_accepted_and_others_named() 
     ("n", "1", "n=1: one completion per prompt is supported; expected 1, not a JSON string"),
     ("echo", "false", "echo=false: echoing the prompt is not supported; expected false, not a "
                       "JSON string"),
+    ("stream", "false", "stream=false: expected true or false, not a JSON string"),
+    ("stream_options", {"include_usage": "true"},
+     "stream_options.include_usage=true: expected true or false, not a JSON string"),
+    # A string that reads as no neutral value is not told apart from one.
+    ("suffix", "", "suffix='': suffixes (insertion) are not supported; expected null"),
+    ("stream", "yes", "stream=yes: expected true or false"),
+    # An integer field's 1.0 is no 1, as max_tokens=8.0 is no 8.
+    ("n", 1.0, "n=1.0: one completion per prompt is supported; expected 1"),
+    ("min_tokens", 0.0, "min_tokens=0.0: minimum-length stops are not supported"),
 ])
-def test_a_neutral_value_sent_as_a_string_is_named_a_string(
-        field: str, value: str, message: str) -> None:
+def test_a_neutral_value_of_another_json_kind_is_refused_naming_the_kind(
+        field: str, value: object, message: str) -> None:
+    stream = {"stream": True} if field == "stream_options" else {}
     with pytest.raises(ApiError) as info:
-        read_completion({"model": "m", "prompt": "hi", field: value}, "m",
+        read_completion({"model": "m", "prompt": "hi", **stream, field: value}, "m",
                         temperature_rule=None)
     assert str(info.value) == message
 

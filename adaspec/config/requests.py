@@ -76,10 +76,13 @@ def is_neutral(value: object, neutral: tuple[object, ...]) -> bool:
 
 
 def _kind(value: object) -> type:
-    """What a neutral value is compared as: any bool, any real number or any mapping alike;
-    every other value only with its own type."""
+    """What a neutral value is compared as: any bool, any integer, any other real number or
+    any mapping alike; every other value only with its own type. An integer field's 1.0 is
+    no 1, as its max_tokens of 8.0 is refused."""
     if _is_bool(value):
         return bool
+    if isinstance(value, numbers.Integral):
+        return numbers.Integral
     if isinstance(value, numbers.Real):
         return numbers.Real
     return Mapping if isinstance(value, Mapping) else type(value)

@@ -75,7 +75,7 @@ _NEUTRAL: dict[str, tuple[tuple[object, ...], str]] = {
     "n": ((None, 1), "one completion per prompt is supported; expected 1"),
     "best_of": ((None, 1), "best-of sampling is not supported; expected 1"),
     "echo": ((None, False), "echoing the prompt is not supported; expected false"),
-    "suffix": ((None,), "suffixes (insertion) are not supported"),
+    "suffix": ((None,), "suffixes (insertion) are not supported; expected null"),
     **UNSUPPORTED_FIELDS,
 }
 
@@ -181,20 +181,29 @@ def _check_known(name: str, value: object) -> None:
     if name in _NEUTRAL:
         neutral, why = _NEUTRAL[name]
         if not is_neutral(value, neutral):
-            # A string shows unquoted: "1" would read as the very value expected.
-            kind = ", not a JSON string" if isinstance(value, str) else ""
-            raise ApiError(400, f"{name}={show_value(value)}: {why}{kind}", param=name)
+            raise ApiError(400, f"{name}={show_value(value)}: {why}{_spelled(value)}",
+                           param=name)
     elif name not in _READ and name not in _SAMPLING:
         raise ApiError(400, f"{name}: unknown parameter; expected one of "
                        f"{', '.join(sorted({*_READ, *_SAMPLING}))}", param=name)
+
+
+def _spelled(value: object) -> str:
+    """A string shows unquoted: "1" or "false" would read as the very value expected."""
+    return ", not a JSON string" if isinstance(value, str) and value.strip().lower() in (
+        "1", "0", "1.0", "true", "false", "null") else ""
 
 
 def _flag(body: Mapping[str, Any], name: str) -> bool:
     value = body.get(name, False)
     if value is None:
         return False
+    return _true_or_false(name, value)
+
+
+def _true_or_false(param: str, value: object) -> bool:
     if not isinstance(value, bool):
-        raise bad_field(name, value, "expected true or false")
+        raise bad_field(param, value, f"expected true or false{_spelled(value)}")
     return value
 
 
@@ -205,10 +214,7 @@ def _stream_options(options: object, stream: bool) -> bool:
         raise bad_field("stream_options", options, "allowed only with \"stream\": true")
     if not isinstance(options, dict) or set(options) - {"include_usage"}:
         raise bad_field("stream_options", options, "expected {\"include_usage\": true|false}")
-    usage = options.get("include_usage", False)
-    if not isinstance(usage, bool):
-        raise bad_field("stream_options.include_usage", usage, "expected true or false")
-    return usage
+    return _true_or_false("stream_options.include_usage", options.get("include_usage", False))
 
 
 PROMPT_EXPECTED = ("expected a string, an array of token ids, or an array of (at most "
