@@ -229,6 +229,19 @@ def test_a_malformed_body_is_a_400_saying_what_is_wrong(
     assert words in json.loads(body)["error"]["message"]
 
 
+@pytest.mark.parametrize(("query", "param"), [("stream=true", "stream"),
+                                               ("max_tokens=1&n=2", "max_tokens"),
+                                               ("%0a", "\\n")])
+def test_a_parameter_in_the_url_query_is_refused_naming_it(server: Served, query: str,
+                                                           param: str) -> None:
+    """It would be ignored: the body alone holds a completion's parameters."""
+    status, _, body = server.request("POST", f"/v1/completions?{query}", _base())
+    error = json.loads(body)["error"]
+    assert (status, error["param"]) == (400, param)
+    assert error["message"] == (f"{param}: given in the URL's query; expected every parameter "
+                                "in the JSON body")
+
+
 def test_a_key_with_a_newline_is_named_on_one_line(server: Served) -> None:
     status, body = server.post(b'{"model": "builtin:target", "prompt": "a", "fo\\no": 1}')
     assert status == 400

@@ -24,7 +24,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
-from adaspec.errors import InvalidRequest, UnsupportedRequest
+from adaspec.errors import InvalidRequest, UnsupportedRequest, printable
 from adaspec.models.tokenizer import Tokenizer
 from adaspec.runtime.engine import Runtime, RuntimeStopped
 from adaspec.runtime.requests import RequestFailed, RequestHandle
@@ -180,6 +180,7 @@ class CompletionServer:
         self._check_open()
         raw = await self._body(request)
         self._check_open()  # a drain may have begun while the body came
+        _check_no_query(request)
         job = read_completion(parse_body(raw), self.settings.model_name,
                               temperature_rule=self.settings.temperature_rule,
                               eos_token_ids=self.tokenizer.eos_token_ids)
@@ -411,6 +412,15 @@ class CompletionServer:
             ttft_s=round(min(firsts) - completion.arrived, 6) if firsts else None,
             e2e_s=round(ended - completion.arrived, 6),
             finish_reasons=[c.finish_reason for c in choices], error=completion.error)
+
+
+def _check_no_query(request: web.Request) -> None:
+    """Parameters come in the JSON body only: one in the URL (``?stream=true``) would be
+    ignored, so it is refused by name."""
+    if request.query_string:
+        name = next(iter(request.query), request.query_string)
+        raise ApiError(400, f"{printable(name)}: given in the URL's query; expected every "
+                       "parameter in the JSON body", param=printable(name))
 
 
 async def _until_all_end(pieces: "asyncio.Queue[dict[str, Any] | None]", count: int
