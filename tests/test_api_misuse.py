@@ -19,7 +19,7 @@ from adaspec.config import SamplingParams
 from adaspec.errors import ConfigError, DeviceLayerError, InvalidRequest
 from adaspec.models import load_reference_models
 from adaspec.policies.fixed import FixedDepth, FullBudget
-from adaspec.runtime.engine import Runtime, RuntimeOptions, WrongLoop
+from adaspec.runtime.engine import Runtime, RuntimeOptions, RuntimeStopped, WrongLoop
 from adaspec.runtime.events.clock import VirtualClock
 from adaspec.runtime.events.log import read_event_log
 from adaspec.runtime.events.replay import replay_file
@@ -513,6 +513,15 @@ def test_a_runtime_whose_loop_asyncio_run_closed_stops_from_a_new_loop() -> None
     any more, so a stop() from the next loop is no wrong-loop call, and it ends the run."""
     runtime = Runtime(config("none", 0, 2))
     asyncio.run(runtime.start())
+
+    async def submit() -> None:  # before the stop: the runtime says what happened to it
+        runtime.submit(list(b"abc"), SamplingParams(temperature=0, max_tokens=5))
+
+    with pytest.raises(RuntimeStopped, match=r"^the runtime's round loop was cancelled without "
+                                             r"stop\(\) \(an event loop closed under it\?\): "
+                                             r"await stop\(\), then start\(\) on the loop that "
+                                             r"is to run it$"):
+        asyncio.run(submit())
     asyncio.run(runtime.stop())
     assert runtime._stream is None
     assert runtime._task is None

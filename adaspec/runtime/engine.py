@@ -1030,8 +1030,14 @@ class Runtime:
         if pipeline is None or self._task is None or pipeline.stop_asked:
             raise RuntimeStopped("the runtime is not running: await start() first, and do "
                                  "not submit after stop()")
-        if pipeline.fault is not None:
-            fault = pipeline.fault
+        fault = pipeline.fault
+        if isinstance(fault, asyncio.CancelledError) or self._task.cancelled():
+            # No fault of the runtime: its loop was cancelled under it, as asyncio.run does
+            # to the tasks left when it closes its event loop.
+            raise RuntimeStopped("the runtime's round loop was cancelled without stop() (an "
+                                 "event loop closed under it?): await stop(), then start() "
+                                 "on the loop that is to run it")
+        if fault is not None:
             raise RuntimeStopped(f"the runtime stopped after an internal error: "
                                  f"{type(fault).__name__}: {fault}")
         return pipeline
