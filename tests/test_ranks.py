@@ -283,6 +283,24 @@ def test_a_rank_whose_rendezvous_port_holds_another_service_says_so_instead_of_w
         "2 s; is another service on that port?"], done.stderr
 
 
+def test_rank_0_on_a_rendezvous_port_in_use_names_the_flag_in_one_line() -> None:
+    import socket
+
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        address = f"127.0.0.1:{other.getsockname()[1]}"
+        done = subprocess.run(
+            [sys.executable, "-m", "adaspec", "generate", "--nnodes=2", "--node_rank=0",
+             f"--master_node_addr={address}", "--collective_timeout_s=2", "--prompt=abc",
+             "--max_tokens=4", "--temperature=0"], capture_output=True, text=True,
+            env=peer_environment(), timeout=PROCESS_LIMIT_S, check=False)
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        f"adaspec generate: error: --master_node_addr={address}: rank 0 cannot listen there "
+        "for the rendezvous: the port is in use; expected a free port"], done.stderr
+
+
 def test_the_front_takes_requests_cancels_and_stops_for_every_rank() -> None:
     runs = finish(start_ranks(2, ["--speculative_algorithm=MTP", "--num_speculative_tokens=3"],
                               program=(str(Path(__file__).with_name("runtime_peer.py")),)))

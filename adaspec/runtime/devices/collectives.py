@@ -249,10 +249,18 @@ class DistributedCollectives:
         if self._owns_default_group:
             if rank != 0 and init_method.startswith("tcp://"):
                 await_rendezvous(init_method, world_size, rendezvous_timeout)
-            with _collective("init_process_group", tuple(range(world_size))):
-                dist.init_process_group(DEVICE_BACKENDS[device], init_method=init_method,
-                                        rank=rank, world_size=world_size,
-                                        timeout=rendezvous_timeout)
+            try:
+                with _collective("init_process_group", tuple(range(world_size))):
+                    dist.init_process_group(DEVICE_BACKENDS[device], init_method=init_method,
+                                            rank=rank, world_size=world_size,
+                                            timeout=rendezvous_timeout)
+            except CollectiveError as error:
+                if rank == 0 and "EADDRINUSE" in str(error.__cause__):
+                    # Rank 0 listens there for the rendezvous: the flag is what to change.
+                    raise ConfigError("--master_node_addr", init_method.removeprefix(
+                        "tcp://"), "rank 0 cannot listen there for the rendezvous: the port "
+                        "is in use; expected a free port") from None
+                raise
         else:
             _check_existing_group(rank, world_size)
         try:
