@@ -868,6 +868,10 @@ def test_a_logits_processor_the_generation_config_turns_on_is_refused(
     neutral = {"repetition_penalty": 1.0, "num_beams": 1, "bad_words_ids": None}
     (saved / "generation_config.json").write_text(json.dumps(generation | neutral))
     command_tokenizer(launch)
+    # Counts transformers compares as numbers: a float of the neutral value is neutral too.
+    floats = {"num_beams": 1.0, "min_length": 0.0, "no_repeat_ngram_size": 0.0}
+    (saved / "generation_config.json").write_text(json.dumps(generation | floats))
+    command_tokenizer(launch)
 
 
 def test_generate_stops_at_the_checkpoints_end_of_sequence_as_transformers_does(

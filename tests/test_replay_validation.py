@@ -27,6 +27,7 @@ from adaspec.config.effective import load_config
 from adaspec.errors import EventLogError
 from adaspec.policies.base import BudgetContext, DepthContext, RoundFeedback, covering_rows
 from adaspec.policies.bundles import Compatibility, CostBundle
+from adaspec.policies.costs import AdditiveTable
 from adaspec.policies.fixed import FixedDepth, FullBudget
 from adaspec.policies.workloads import shaped_tables, synthetic
 from adaspec.runtime.events.log import EventLogWriter, LogHeader, read_event_log
@@ -116,9 +117,18 @@ def compatibility(**changes: object) -> dict[str, object]:
 
 
 def table(**changes: object) -> CostBundle:
-    """A staircase-priced table, saved by the synthetic launch (or one differing so)."""
-    return dataclasses.replace(shaped_tables()["staircase"],
-                               compatibility=compatibility(**changes))
+    """A staircase-priced table over the synthetic launch's largest bucket and its tiers,
+    saved by that launch (or one differing so)."""
+    staircase = shaped_tables()["staircase"]
+    launch = load_config(LAUNCH).launch
+    largest = launch.prepared_request_buckets()[-1]
+    rows = launch.legal_target_rows(largest)
+    priced = AdditiveTable(bias=0.01, buckets=(largest,), alpha=(0.0,), rows=rows,
+                           theta=tuple(0.006 * (2 * i >= len(rows)) for i in range(len(rows))),
+                           residual_rms=0.0, residual_max_relative=0.0)
+    profile = dataclasses.replace(staircase.profiles[0], table=priced)
+    return dataclasses.replace(staircase, compatibility=compatibility(**changes),
+                               profiles=(profile,))
 
 
 def write_run(path: Path, *, cost_table: CostBundle | None = None,

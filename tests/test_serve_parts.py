@@ -114,6 +114,9 @@ def test_the_neutral_values_openai_clients_send_are_accepted_and_others_named() 
     # A string that reads as no neutral value is not told apart from one.
     ("suffix", "", "suffix='': suffixes (insertion) are not supported; expected null"),
     ("stream", "yes", "stream=yes: expected true or false"),
+    ("presence_penalty", "0.0", "presence_penalty=0.0: non-neutral penalties are not "
+                                "supported (the verifier samples the plain target "
+                                "distribution), not a JSON string"),
     # An integer field's 1.0 is no 1, as max_tokens=8.0 is no 8.
     ("n", 1.0, "n=1.0: one completion per prompt is supported; expected 1"),
     ("min_tokens", 0.0, "min_tokens=0.0: minimum-length stops are not supported"),
@@ -311,9 +314,9 @@ USAGE = {"choices": [], "usage": {"completion_tokens": 4}}
                          "for a request of max_tokens=4"),
     # A choice the server gave up (vLLM and SGLang say abort) is no completion.
     (_events(CHUNK, {"choices": [{"index": 0, "text": "", "finish_reason": "abort"}]}, USAGE,
-             b"[DONE]"), "a choice ended with finish_reason='abort'; expected stop or length"),
+             b"[DONE]"), "the server gave the choice up: finish_reason='abort'"),
     (_events(CHUNK, {"choices": [{"index": 0, "text": "", "finish_reason": 5}]}, USAGE,
-             b"[DONE]"), "a choice ended with finish_reason=5; expected stop or length"),
+             b"[DONE]"), "a choice's finish_reason is 5; expected a string or null"),
     (b"event: error\ndata: {\"message\": \"server exploded\"}\n\n" + _events(CHUNK, USAGE,
                                                                                b"[DONE]"),
      'an error event: {"message": "server exploded"}'),
@@ -343,6 +346,12 @@ async def test_bench_url_counts_a_stream_that_is_no_whole_completion_as_a_failur
     # other fields are skipped, and lines may end in CRLF.
     b'data: {"choices":\r\ndata: [{"index": 0, "text": "hi"}]}\r\n: ping\r\nid: 3\r\n\r\n'
     + _events(USAGE, b"[DONE]"),
+    # TGI: an empty finish_reason before the last chunk, its own reason and the usage in it.
+    _events({"choices": [{"index": 0, "text": "hi", "finish_reason": ""}]},
+            {"choices": [{"index": 0, "text": "", "finish_reason": "eos_token"}],
+             "usage": {"completion_tokens": 4}}, b"[DONE]"),
+    # A last event the body ends without its blank line is read.
+    _events(CHUNK, USAGE) + b"data: [DONE]",
 ])
 async def test_bench_url_takes_a_whole_completion_however_it_ends(body: bytes) -> None:
     async with TestServer(_broken_stream_app(body, {}), host="127.0.0.1") as fake, \
@@ -354,42 +363,22 @@ async def test_bench_url_takes_a_whole_completion_however_it_ends(body: bytes) -
 
 
 @pytest.mark.asyncio
-async def test_bench_url_stops_the_clock_at_done_whatever_the_server_does_next(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A server holding the connection open after [DONE] (a fake, the point of the test)
-    neither fails the request nor adds the wait to its time: the rest is read for
+@pytest.mark.parametrize("body", [
+    _events(CHUNK, USAGE, b"[DONE]"),
+    # A stream may end at a finish_reason without [DONE]: its usage chunk ends it then.
+    _events(CHUNK, {"choices": [{"index": 0, "text": "", "finish_reason": "stop"}]}, USAGE),
+], ids=["done", "finish-and-usage"])
+async def test_bench_url_stops_the_clock_at_the_end_whatever_the_server_does_next(
+        monkeypatch: pytest.MonkeyPatch, body: bytes) -> None:
+    """A server holding the connection open after a whole completion (a fake, the point of
+    the test) neither fails the request nor adds the wait to its time: the rest is read for
     AFTER_DONE_S at most, after the clock stopped."""
     monkeypatch.setattr(load, "AFTER_DONE_S", 0.3)
 
     async def completion(request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse()
         await response.prepare(request)
-        await response.write(_events(CHUNK, USAGE, b"[DONE]"))
-        await asyncio.Event().wait()  # never set: the connection stays open
-        return response
-
-    app = web.Application()
-    app.router.add_post("/v1/completions", completion)
-    async with TestServer(app, host="127.0.0.1") as fake, aiohttp.ClientSession() as session:
-        target = HttpTarget(str(fake.make_url("/")), "m", session)
-        run = await closed_loop(target, [("x", SamplingParams(temperature=0, max_tokens=4))], 1)
-    assert run.errors == []
-    [timing] = run.done
-    assert timing.e2e_s < 0.3
-
-
-@pytest.mark.asyncio
-async def test_bench_url_stops_the_clock_at_the_usage_chunk_of_a_finished_choice(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A stream may end at a finish_reason without [DONE]: a server that then holds the
-    connection open (a fake, the point of the test) adds nothing to the request's time."""
-    monkeypatch.setattr(load, "AFTER_DONE_S", 0.3)
-
-    async def completion(request: web.Request) -> web.StreamResponse:
-        response = web.StreamResponse()
-        await response.prepare(request)
-        await response.write(_events(
-            CHUNK, {"choices": [{"index": 0, "text": "", "finish_reason": "stop"}]}, USAGE))
+        await response.write(body)
         await asyncio.Event().wait()  # never set: the connection stays open
         return response
 

@@ -12,7 +12,7 @@ import asyncio
 import json
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -182,7 +182,7 @@ class HttpTarget:
                 raise LoadError(f"HTTP {response.status}: {await _error_text(response)}")
             chosen = finished = done = False
             events = SseEvents()
-            async for line in response.content:
+            async for line in _ended(response.content):
                 event = events.feed(line)
                 if event is None:
                     continue
@@ -224,22 +224,25 @@ async def _read_rest(response: aiohttp.ClientResponse) -> None:
         response.close()
 
 
-ENDINGS = ("stop", "length")
-"""The finish_reasons of a completion that ended well; a server says ``abort`` or ``error``
-for one it gave up."""
+GAVE_UP = ("abort", "error", "cancelled")
+"""finish_reasons of a choice the server gave up (vLLM and SGLang say abort): no completion.
+Any other ends one: OpenAI's stop and length, TGI's eos_token and stop_sequence."""
 
 
 def _finished(event: dict[str, Any]) -> bool:
     """Whether a chunk ends its choice (a finish_reason): a stream may close after it, as
-    some servers do, without ``data: [DONE]``. A choice the server gave up fails."""
+    some servers do, without ``data: [DONE]``. Null or empty (TGI's chunks before the last)
+    ends nothing; a choice the server gave up fails."""
     choices = event.get("choices")
     reasons = [c.get("finish_reason") for c in choices if isinstance(c, dict)] \
         if isinstance(choices, list) else []
     for reason in reasons:
-        if reason is not None and reason not in ENDINGS:
-            raise LoadError(f"a choice ended with finish_reason={printable(repr(reason)):.80}; "
-                            f"expected {' or '.join(ENDINGS)}")
-    return any(reason is not None for reason in reasons)
+        if reason is not None and not isinstance(reason, str):
+            raise LoadError(f"a choice's finish_reason is {printable(repr(reason)):.80}; "
+                            "expected a string or null")
+        if reason in GAVE_UP:
+            raise LoadError(f"the server gave the choice up: finish_reason={reason!r}")
+    return any(reasons)
 
 
 def _check_ending(done: bool, chosen: bool, tokens: int | None, texts: bool) -> None:
@@ -298,6 +301,14 @@ def _completion_tokens(usage: object, max_tokens: int, earlier: int | None) -> i
 
 DONE: dict[str, Any] = {}
 """What ``_sse_data`` returns for ``data: [DONE]``, the end of an OpenAI stream."""
+
+
+async def _ended(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+    """A body's lines, then a blank one: an event the body ends without its blank line is
+    read too."""
+    async for line in content:
+        yield line
+    yield b"\n"
 
 
 class SseEvents:

@@ -745,15 +745,17 @@ def eos_token_ids(path: str, config: dict[str, Any], flag: str = "--model") -> t
 
 
 _NEUTRAL_PROCESSORS: dict[str, tuple[object, ...]] = {
+    # transformers compares the counts below as numbers: a float 1.0 is its 1. The last
+    # neutral value is the one a refusal names.
     "repetition_penalty": (1, 1.0),
-    "no_repeat_ngram_size": (0,),
+    "no_repeat_ngram_size": (0.0, 0),
     # A decoder-only generate passes the prompt as the "encoder" input: these apply too.
     "encoder_repetition_penalty": (1, 1.0),
-    "encoder_no_repeat_ngram_size": (0,),
-    "min_length": (0,),
-    "min_new_tokens": (0,),
-    "num_beams": (1,),
-    "num_beam_groups": (1,),
+    "encoder_no_repeat_ngram_size": (0.0, 0),
+    "min_length": (0.0, 0),
+    "min_new_tokens": (0.0, 0),
+    "num_beams": (1.0, 1),
+    "num_beam_groups": (1.0, 1),
     "diversity_penalty": (0, 0.0),
     "guidance_scale": (1, 1.0),
     "penalty_alpha": (0, 0.0),

@@ -642,9 +642,9 @@ class Runtime:
 
     @property
     def fault(self) -> BaseException | None:
-        """What ended the round loop when it faulted (a dead peer, a failed round the loop
-        cannot go on from), kept after ``stop()``; None while it runs or once it stopped
-        cleanly."""
+        """What ended the last start's round loop other than ``stop()`` (a dead peer, a failed
+        round the loop cannot go on from, an interrupt), kept after ``stop()``; None while
+        that loop runs or when ``stop()`` ended it."""
         return None if self._pipeline is None else self._pipeline.fault
 
     async def ended(self) -> None:

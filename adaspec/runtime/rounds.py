@@ -460,11 +460,12 @@ def check_prefill_output(out: object, num: int, longest: int, ctx: DeviceContext
     # T may be padded past the longest prompt (a prefill bucket): at least that long.
     padded = hidden.shape[1] if isinstance(hidden, Tensor) and hidden.dim() == 3 and \
         hidden.shape[1] >= longest else longest
-    # A drafter reads these beside the verify rows' hidden states: then in their dtype.
-    states = ctx.states
+    # A drafter that keeps a context reads these beside the verify rows' hidden states: then
+    # in their dtype (others never read them).
+    published = getattr(ctx.drafting, "context", None) is not None
     check_output("target.prefill", "hidden", hidden, (num, padded, ctx.hidden_size),
                  "[B, T, hidden_size], T at least the longest prompt",
-                 dtype=states.hidden.dtype if states.keeps_hidden else None, device=ctx.device)
+                 dtype=ctx.states.hidden.dtype if published else None, device=ctx.device)
     check_output("target.prefill", "lengths", getattr(out, "lengths", None), (num,), "[B]",
                  integer=True, device=ctx.device)
 

@@ -24,12 +24,13 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
-from adaspec.errors import InvalidRequest, UnsupportedRequest, printable
+from adaspec.errors import InvalidRequest, UnsupportedRequest
 from adaspec.models.tokenizer import Tokenizer
 from adaspec.runtime.engine import Runtime, RuntimeStopped
 from adaspec.runtime.requests import RequestFailed, RequestHandle
 from adaspec.serve.metrics import CONTENT_TYPE, ServerMetrics
 from adaspec.serve.protocol import (
+    COMPLETION_FIELDS,
     MAX_BODY_BYTES,
     ApiError,
     CompletionJob,
@@ -415,12 +416,13 @@ class CompletionServer:
 
 
 def _check_no_query(request: web.Request) -> None:
-    """Parameters come in the JSON body only: one in the URL (``?stream=true``) would be
-    ignored, so it is refused by name."""
-    if request.query_string:
-        name = next(iter(request.query), request.query_string)
-        raise ApiError(400, f"{printable(name)}: given in the URL's query; expected every "
-                       "parameter in the JSON body", param=printable(name))
+    """Completion parameters come in the JSON body only: one in the URL (``?stream=true``)
+    would be ignored, so it is refused by name. Other query parameters (a gateway's
+    ``api-version``) ask nothing of the completion and are left alone."""
+    for name in request.query:
+        if name in COMPLETION_FIELDS:
+            raise ApiError(400, f"{name}: given in the URL's query; expected every completion "
+                           "parameter in the JSON body", param=name)
 
 
 async def _until_all_end(pieces: "asyncio.Queue[dict[str, Any] | None]", count: int

@@ -78,6 +78,8 @@ _NEUTRAL: dict[str, tuple[tuple[object, ...], str]] = {
     "suffix": ((None,), "suffixes (insertion) are not supported; expected null"),
     **UNSUPPORTED_FIELDS,
 }
+COMPLETION_FIELDS = frozenset({*_READ, *_SAMPLING, *_NEUTRAL})
+"""Every field a completion request's body may name."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,9 +191,15 @@ def _check_known(name: str, value: object) -> None:
 
 
 def _spelled(value: object) -> str:
-    """A string shows unquoted: "1" or "false" would read as the very value expected."""
-    return ", not a JSON string" if isinstance(value, str) and value.strip().lower() in (
-        "1", "0", "1.0", "true", "false", "null") else ""
+    """A string shows unquoted: one that reads as JSON ("1", "false", "{}") would read as the
+    very value expected."""
+    if not isinstance(value, str):
+        return ""
+    try:
+        json.loads(value)
+    except (ValueError, RecursionError):
+        return ""
+    return ", not a JSON string"
 
 
 def _flag(body: Mapping[str, Any], name: str) -> bool:

@@ -124,8 +124,8 @@ async def serve_http(runtime: Runtime, tokenizer: Tokenizer, settings: ServeSett
         await runner.cleanup()
         signals.remove(loop)
         await runtime.stop()
-    if runtime.fault is not None:  # while draining (a rank lost): it failed the requests left
-        raise ServeFailed(f"the runtime stopped while draining: {runtime.fault}")
+    if runtime.fault is not None:  # after the drain began (a rank lost): requests may have failed
+        raise ServeFailed(f"the runtime faulted while draining or stopping: {runtime.fault}")
     log.info("stopped")
 
 
