@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from adaspec.availability import require_device
 from adaspec.config.builtin import check_builtin_limits, check_checkpoint_launch
+from adaspec.config.files import underflows
 from adaspec.config.flags import parse_argv
 from adaspec.config.launch import LaunchConfig, launch_field_types, torchrun_settings
 from adaspec.config.requests import SamplingParams
@@ -291,9 +292,7 @@ def sampling_flag(name: str, raw: str) -> int | float:
         value = int(text)
     elif name != "top_k" and DECIMAL.fullmatch(text) and math.isfinite(float(text)):
         value = float(text)  # 1e999 reads as inf: refused with the other non-numbers
-        if value == 0 and any(digit in text.split("e")[0].split("E")[0] for digit in
-                              "123456789"):
-            # 1e-400 reads as 0.0: what was asked for is a tiny number, not greedy decoding.
+        if underflows(text, value):  # a tiny number was asked for, not greedy decoding
             raise ConfigError(f"--{name}", raw, "a nonzero number below the smallest double; "
                               "expected 0 or a number the field's range allows")
     # Text that is no finite number is refused with the field's range: NaN stands for it, as

@@ -62,14 +62,20 @@ def _no_constants(name: str) -> object:
     raise ValueError(f"{name} is not JSON")
 
 
+def underflows(text: str, value: float) -> bool:
+    """Whether ``value``, read from the decimal ``text``, is a zero the text is not: 1e-400
+    reads as 0.0, though what was written is a tiny nonzero number."""
+    return value == 0 and any(digit in text.lower().split("e")[0] for digit in "123456789")
+
+
 def exact_double(text: str) -> float:
     """A JSON number as a double, refused where the double is not the number: one too large
-    for a double (1e400, inf) or a nonzero one too small (1e-400, 0.0), which a file means
-    as given and the flags refuse too."""
+    for a double (1e400 reads as inf) or a nonzero one too small (``underflows``), as the
+    flags refuse them too."""
     value = float(text)
     if not math.isfinite(value):
         raise ValueError(f"{text} is beyond a double; expected a finite number")
-    if value == 0 and any(digit in text.lower().split("e")[0] for digit in "123456789"):
+    if underflows(text, value):
         raise ValueError(f"{text} is a nonzero number below the smallest double")
     return value
 

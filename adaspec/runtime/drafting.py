@@ -41,6 +41,12 @@ class Drafting(Protocol):
     """Whether the work of ``draft`` depends on ``depth`` (MTP runs ``depth`` steps; a DSpark
     block always drafts the width), so a prepared draft binding is keyed by it."""
 
+    @property
+    def context(self) -> "PublishedContext | None":
+        """The context the drafter keeps from published rows, or None: only then does it
+        read the prompts' hidden states a prefill returns."""
+        ...
+
     def draft(self, states: KvSlotStates, kv_slots: Tensor, depth: int) -> tuple[Tensor, Tensor]:
         """Drafted token ids and confidences, both ``[Bcap, width]``, for the gathered
         ``states`` of the batch entries at ``kv_slots [Bcap]``."""
@@ -102,6 +108,7 @@ class NoDrafting:
 
     width = 0
     keeps_hidden = False
+    context = None
     drafts_by_depth = False
 
     def __init__(self) -> None:

@@ -462,7 +462,7 @@ def check_prefill_output(out: object, num: int, longest: int, ctx: DeviceContext
         hidden.shape[1] >= longest else longest
     # A drafter that keeps a context reads these beside the verify rows' hidden states: then
     # in their dtype (others never read them).
-    published = getattr(ctx.drafting, "context", None) is not None
+    published = ctx.drafting.context is not None
     check_output("target.prefill", "hidden", hidden, (num, padded, ctx.hidden_size),
                  "[B, T, hidden_size], T at least the longest prompt",
                  dtype=ctx.states.hidden.dtype if published else None, device=ctx.device)

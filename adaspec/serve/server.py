@@ -198,6 +198,7 @@ async def _serve_until_drained(runtime: Runtime, server: CompletionServer, signa
             return
         server.state, server.failure = FAILED, str(error)
         raise ServeFailed(f"the runtime stopped while serving: {error}")
+    ended.cancel()
     server.state = DRAINING
     log.info("draining", in_flight=len(server.in_flight))
     now = asyncio.ensure_future(signals.now.wait())
@@ -208,7 +209,6 @@ async def _serve_until_drained(runtime: Runtime, server: CompletionServer, signa
         server.cancel_all()
         await drained
     now.cancel()
-    ended.cancel()
 
 
 def default_log() -> Any:
