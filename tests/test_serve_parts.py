@@ -362,12 +362,15 @@ async def test_bench_url_takes_a_whole_completion_however_it_ends(body: bytes) -
     assert [t.tokens for t in run.done] == [4]
 
 
+WHOLE = [_events(CHUNK, USAGE, b"[DONE]"),
+         # A stream may end at a finish_reason without [DONE]: its usage chunk ends it then.
+         _events(CHUNK, {"choices": [{"index": 0, "text": "", "finish_reason": "stop"}]},
+                 USAGE)]
+"""Whole completions, ended both ways a server may end one."""
+
+
 @pytest.mark.asyncio
-@pytest.mark.parametrize("body", [
-    _events(CHUNK, USAGE, b"[DONE]"),
-    # A stream may end at a finish_reason without [DONE]: its usage chunk ends it then.
-    _events(CHUNK, {"choices": [{"index": 0, "text": "", "finish_reason": "stop"}]}, USAGE),
-], ids=["done", "finish-and-usage"])
+@pytest.mark.parametrize("body", WHOLE, ids=["done", "finish-and-usage"])
 async def test_bench_url_stops_the_clock_at_the_end_whatever_the_server_does_next(
         monkeypatch: pytest.MonkeyPatch, body: bytes) -> None:
     """A server holding the connection open after a whole completion (a fake, the point of
@@ -391,6 +394,29 @@ async def test_bench_url_stops_the_clock_at_the_end_whatever_the_server_does_nex
     [timing] = run.done
     assert (timing.tokens, timing.text) == (4, "hi")
     assert timing.e2e_s < 0.3
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("body", WHOLE, ids=["done", "finish-and-usage"])
+async def test_bench_url_takes_a_whole_completion_whose_server_then_cuts_the_body(
+        body: bytes) -> None:
+    """A server (a fake on a raw socket, the point of the test) that closes the connection
+    after a whole completion but before the chunked body's last chunk cuts nothing of it."""
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n"
+                     + f"{len(body):x}\r\n".encode() + body + b"\r\n")
+        await writer.drain()
+        writer.close()  # no terminating 0-length chunk
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server, aiohttp.ClientSession() as session:
+        target = HttpTarget(f"http://127.0.0.1:{port}", "m", session)
+        run = await closed_loop(target, [("x", SamplingParams(temperature=0, max_tokens=4))], 1)
+    assert run.errors == []
+    assert [(t.tokens, t.text) for t in run.done] == [(4, "hi")]
 
 
 @pytest.mark.asyncio

@@ -215,12 +215,14 @@ serves the client's next request; held open longer, it is closed instead."""
 
 
 async def _read_rest(response: aiohttp.ClientResponse) -> None:
-    """Read and ignore what follows ``data: [DONE]``, for at most ``AFTER_DONE_S``."""
+    """Read and ignore what follows a whole completion, for at most ``AFTER_DONE_S``. A body
+    cut short there (a server closing before its last chunk) cuts nothing of the completion:
+    the connection is closed, as one held open too long is."""
     try:
         async with asyncio.timeout(AFTER_DONE_S):
             while await response.content.readany():
                 pass
-    except TimeoutError:
+    except (TimeoutError, HttpProcessingError, aiohttp.ClientPayloadError):
         response.close()
 
 
