@@ -3,6 +3,7 @@ the specification launches them (each with its own --node_rank, one rendezvous o
 loopback), and collect what each printed. A hang fails the test at a hard limit."""
 
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -58,18 +59,35 @@ def start_ranks(nnodes: int, argv: list[str], program: tuple[str, ...] = ("-m", 
 
 
 def finish(ranks: list[subprocess.Popen[str]]) -> list[RankRun]:
-    """Every rank's output once it has exited; any still running at the limit is killed."""
-    runs = []
-    try:
-        for rank, process in enumerate(ranks):
-            out, err = process.communicate(timeout=PROCESS_LIMIT_S)
-            runs.append(RankRun(rank, process.returncode, out, err))
-    finally:
-        for process in ranks:
-            if process.poll() is None:
-                process.kill()
-                process.communicate()
+    """Every rank's output once it has exited. Ranks still running at the limit are killed,
+    and the failure shows what every rank had said: the rank that hung is often waiting for
+    one that exited early, whose output is the reason."""
+    deadline = time.monotonic() + PROCESS_LIMIT_S
+    runs, hung = [], []
+    for rank, process in enumerate(ranks):
+        try:
+            out, err = process.communicate(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            out, err = stack_and_kill(process)
+            hung.append(rank)
+        runs.append(RankRun(rank, process.returncode, out, err))
+    if hung:
+        said = "\n".join(f"--- rank {run.rank} exited {run.returncode}:\n"
+                          + "\n".join(run.stderr.splitlines()[-40:]) for run in runs)
+        raise AssertionError(f"rank {', '.join(map(str, hung))} still ran after "
+                             f"{PROCESS_LIMIT_S} s (killed):\n{said}")
     return runs
+
+
+def stack_and_kill(process: subprocess.Popen[str]) -> tuple[str, str]:
+    """End a rank that hung, its threads' Python stacks on its stderr first (SIGABRT makes
+    the fault handler that peer_environment turns on print them)."""
+    process.send_signal(signal.SIGABRT)
+    try:
+        return process.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        return process.communicate()
 
 
 def kill_at_round(victim: subprocess.Popen[str], number: int) -> float:

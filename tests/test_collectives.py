@@ -20,12 +20,12 @@ from adaspec.runtime.devices.collectives import (
     Collectives,
     DistributedCollectives,
     LocalCollectives,
-    await_rendezvous,
     backend_reason,
     dp_ranks,
     open_collectives,
     shard_ranks,
 )
+from adaspec.runtime.devices.rendezvous import join_store
 
 
 def run_round(tmp_path: Path, tp_size: int, dp_size: int,
@@ -199,7 +199,7 @@ def test_rendezvous_timeout_is_a_collective_error_of_init_process_group(tmp_path
 def test_a_collective_over_a_large_world_is_named_by_runs_of_ranks() -> None:
     # Nothing listens on port 1, and a zero timeout gives up at the first refusal.
     with pytest.raises(CollectiveError) as info:
-        await_rendezvous("tcp://127.0.0.1:1", 65536, datetime.timedelta(0))
+        join_store("tcp://127.0.0.1:1", 65536, datetime.timedelta(0))
     assert str(info.value).startswith("collective init_process_group over ranks [0..65535] "
                                       "failed: nothing listens at 127.0.0.1:1")
     assert str(CollectiveError("tp_broadcast", (0, 1, 4, 5, 6, 9), "lost")) == (

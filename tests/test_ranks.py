@@ -301,6 +301,118 @@ def test_rank_0_on_a_rendezvous_port_in_use_names_the_flag_in_one_line() -> None
         "for the rendezvous: the port is in use; expected a free port"], done.stderr
 
 
+def _rank(command: str, nnodes: int, rank: int, port: int, *flags: str
+          ) -> subprocess.Popen[str]:
+    """One rank of an MTP launch at 127.0.0.1:``port``, waiting for the ranks far longer than
+    the test's limit, so only a wait that ends early ends before the limit."""
+    request = ["--prompt=abc", "--max_tokens=4", "--temperature=0"] if command == "generate" \
+        else [f"--port={free_port()}"]
+    return subprocess.Popen(
+        [sys.executable, "-m", "adaspec", command, f"--nnodes={nnodes}", f"--node_rank={rank}",
+         f"--master_node_addr=127.0.0.1:{port}", "--speculative_algorithm=MTP",
+         "--num_speculative_tokens=3", f"--collective_timeout_s={3 * PROCESS_LIMIT_S}",
+         *flags, *request], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=peer_environment())
+
+
+def _arrived(port: int, rank: int) -> None:
+    """Block until ``rank`` has arrived in the rendezvous store rank 0 hosts at ``port``."""
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                     timeout=datetime.timedelta(seconds=PROCESS_LIMIT_S))
+    store.wait([f"adaspec/start/arrived/{rank}"])
+
+
+def _last_lines(ranks: list[subprocess.Popen[str]]) -> list[tuple[int, str]]:
+    try:
+        ended = [process.communicate(timeout=PROCESS_LIMIT_S) for process in ranks]
+    finally:
+        _end_all(ranks)
+    return [(process.returncode, err.splitlines()[-1] if err else "")
+            for process, (_, err) in zip(ranks, ended, strict=True)]
+
+
+ERROR = "adaspec generate: error: "
+START = f"{ERROR}collective init_process_group over ranks "
+
+
+def test_ranks_started_with_different_nnodes_say_so_at_once() -> None:
+    port = free_port()
+    ranks = [_rank("generate", 2, 0, port), _rank("generate", 4, 1, port, "--dp_size=2")]
+    assert _last_lines(ranks) == [
+        (2, f"{START}[0,1] failed: rank 1 was started with --nnodes=4, rank 0 with "
+            "--nnodes=2"),
+        (2, f"{ERROR}--nnodes=4: expected 2, as rank 0 was started with: every rank of a "
+            "launch gives the same")]
+
+
+def test_two_ranks_started_with_one_node_rank_are_named_at_once() -> None:
+    port = free_port()
+    ranks = [_rank("generate", 4, rank, port, "--dp_size=2") for rank in (0, 1, 1)]
+    lines = _last_lines(ranks)
+    told = (2, f"{START}[0..3] failed: two ranks were started with --node_rank=1")
+    refused = (2, f"{ERROR}--node_rank=1: expected a rank no other rank of this launch was "
+                  "started with")
+    assert lines[0] == told
+    assert sorted(lines[1:]) == sorted([told, refused])
+
+
+def test_a_rank_that_arrived_and_died_is_named_before_the_others_arrive() -> None:
+    port = free_port()
+    front, victim = _rank("generate", 4, 0, port, "--dp_size=2"), \
+        _rank("generate", 4, 1, port, "--dp_size=2")
+    try:
+        _arrived(port, 1)
+        victim.kill()
+        (code, line), = _last_lines([front])
+    finally:
+        _end_all([front, victim])
+    assert code == 2
+    assert re.fullmatch(re.escape(f"{START}[0..3] failed: rank 1 arrived, then stopped: ")
+                        + r"no heartbeat for \d+ s", line), line
+
+
+@pytest.mark.parametrize(("command", "rank", "signal_number", "said"), [
+    ("serve", 0, "SIGTERM", '"stopped"'),
+    ("generate", 0, "SIGINT", "adaspec generate: interrupted"),
+    ("serve", 1, "SIGTERM", '"reason": "signalled during the start, which is abandoned"'),
+])
+def test_a_signal_while_the_ranks_gather_ends_the_start_at_once(
+        command: str, rank: int, signal_number: str, said: str) -> None:
+    """Rank 1 of the launch never comes: the wait for it would outlast the test's limit."""
+    import signal
+
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    port = free_port()
+    host = None
+    if rank != 0:  # the test stands in for rank 0's store
+        host = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                        timeout=datetime.timedelta(seconds=PROCESS_LIMIT_S))
+        host.set("adaspec/start/world_size", "2")
+    waiting = _rank(command, 2, rank, port)
+    try:
+        _arrived(port, rank)
+        waiting.send_signal(getattr(signal, signal_number))
+        _, errors = waiting.communicate(timeout=PROCESS_LIMIT_S)
+    finally:
+        _end_all([waiting])
+    assert waiting.returncode == (130 if signal_number == "SIGINT" else 0), errors
+    assert said in errors.splitlines()[-1], errors
+    assert "Traceback" not in errors
+
+
+def _end_all(ranks: list[subprocess.Popen[str]]) -> None:
+    for process in ranks:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        for stream in (process.stdout, process.stderr):
+            if stream is not None:
+                stream.close()
+
+
 def test_the_front_takes_requests_cancels_and_stops_for_every_rank() -> None:
     runs = finish(start_ranks(2, ["--speculative_algorithm=MTP", "--num_speculative_tokens=3"],
                               program=(str(Path(__file__).with_name("runtime_peer.py")),)))

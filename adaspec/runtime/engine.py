@@ -546,6 +546,8 @@ class Runtime:
             return
         if given is None:
             timeout = datetime.timedelta(seconds=launch.collective_timeout_s)
+            ended = self._start_ended
+            assert ended is not None, "ranks are opened by start()"
             # In a worker thread: the rendezvous waits for every rank, and the loop (an
             # engine's, maybe) keeps running meanwhile.
             self._collectives = self._opened = await asyncio.to_thread(
@@ -555,7 +557,10 @@ class Runtime:
                 init_method=f"tcp://{launch.master_node_addr}", device=launch.device,
                 # A rank that has not arrived within the timeout is as good as dead: the
                 # others say so in one line instead of waiting on in silence.
-                timeout=timeout, rendezvous_timeout=timeout)
+                timeout=timeout, rendezvous_timeout=timeout,
+                # A stop(), or a start cancelled under way (Ctrl-C), ends the wait for the
+                # ranks at once: the thread would otherwise hold the process until timeout.
+                stopped=lambda: self._stop_called() or ended.is_set())
         comm = self._collectives
         if launch.device == "cpu":
             share_cores(ranks_on_this_host(launch))

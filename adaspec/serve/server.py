@@ -137,18 +137,24 @@ async def follow_front(runtime: Runtime, log: Any) -> None:
     rank 0."""
     loop = asyncio.get_running_loop()
     signalled = asyncio.Event()
+    started = False
 
     def received(number: signal.Signals) -> None:
         for each in FOLLOWER_SIGNALS:
             loop.remove_signal_handler(each)
         signalled.set()
-        log.info("draining", rank=runtime.rank, signal=number.name,
-                 until="rank 0 has drained its requests and stops this rank")
+        if not started:
+            log.info("stopping", rank=runtime.rank, signal=number.name,
+                     reason="signalled during the start, which is abandoned")
+        else:
+            log.info("draining", rank=runtime.rank, signal=number.name,
+                     until="rank 0 has drained its requests and stops this rank")
 
     for number in FOLLOWER_SIGNALS:
         loop.add_signal_handler(number, received, number)
     try:
         if await _start_unless_signalled(runtime, signalled):
+            started = True
             await runtime.serve()
     finally:
         for number in FOLLOWER_SIGNALS:

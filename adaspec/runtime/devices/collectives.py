@@ -15,11 +15,8 @@ rank in every shard.
 """
 
 import datetime
-import socket
-import threading
-import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Literal, Protocol
 
@@ -31,6 +28,18 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, 
 from adaspec.availability import require_device
 from adaspec.errors import CollectiveError, ConfigError, ConsensusMismatch, rank_runs
 from adaspec.runtime.devices.liveness import Liveness
+from adaspec.runtime.devices.rendezvous import (
+    Connecting,
+    arrive,
+    await_every_rank,
+    backend_store,
+    client,
+    host_store,
+    join_store,
+    tcp_address,
+    tell_failure,
+    watch,
+)
 
 Device = Literal["cpu", "cuda", "npu"]
 
@@ -132,44 +141,6 @@ def _collective(op: str, group: tuple[int, ...], liveness: Liveness | None = Non
         raise CollectiveError(op, group, reason) from error
 
 
-def await_rendezvous(init_method: str, world_size: int, timeout: datetime.timedelta) -> None:
-    """Before a rank other than 0 joins, wait until rank 0's rendezvous store answers at the
-    ``tcp://`` address, within ``timeout``. c10d would wait in silence on a listener that is
-    no store (another service on the port), and print pages of C++ stack frames while
-    nothing listens; either is one CollectiveError here, saying which it was."""
-    host, _, port = init_method.removeprefix("tcp://").rpartition(":")
-    host = host.strip("[]")
-    deadline = time.monotonic() + timeout.total_seconds()
-    group = tuple(range(world_size))
-    while True:
-        try:
-            socket.create_connection((host, int(port)), timeout=1.0).close()
-            break
-        except OSError:
-            if time.monotonic() >= deadline:
-                raise CollectiveError("init_process_group", group, (
-                    f"nothing listens at {host}:{port} after {timeout.total_seconds():g} s; "
-                    "is rank 0 started, with this --master_node_addr?")) from None
-            time.sleep(0.1)
-    answered: list[object] = []
-
-    def handshake() -> None:
-        try:
-            store = TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                             timeout=timeout)
-            answered.append(store)
-        except (RuntimeError, ValueError) as error:
-            answered.append(error)
-
-    worker = threading.Thread(target=handshake, name="adaspec-rendezvous-check", daemon=True)
-    worker.start()
-    worker.join(max(1.0, deadline - time.monotonic()))
-    if not answered or not isinstance(answered[0], TCPStore):
-        raise CollectiveError("init_process_group", group, (
-            f"{host}:{port} accepts connections but no rendezvous store answered there within "
-            f"{timeout.total_seconds():g} s; is another service on that port?"))
-
-
 def _check_layout(rank: int, world_size: int, tp_size: int, dp_size: int) -> None:
     for name, size in (("tp_size", tp_size), ("dp_size", dp_size)):
         if size < 1:
@@ -217,7 +188,9 @@ class DistributedCollectives:
 
     ``timeout`` bounds every collective of a round. ``rendezvous_timeout`` (default:
     ``timeout``) bounds only the wait for all ranks to start, which may include loading
-    weights and is often much longer than a round's collectives should ever take.
+    weights and is often much longer than a round's collectives should ever take. With a
+    ``tcp://`` address the ranks meet as the rendezvous module describes, and the wait ends
+    early, as a CollectiveError, once ``stopped()`` turns true (a stop during the start).
 
     On cuda and npu a failed broadcast may only be reported asynchronously by the backend's
     watchdog (which aborts the process), because reporting it here would need a host sync.
@@ -225,14 +198,15 @@ class DistributedCollectives:
 
     def __init__(self, *, rank: int, world_size: int, tp_size: int, dp_size: int,
                  init_method: str, device: Device, timeout: datetime.timedelta,
-                 rendezvous_timeout: datetime.timedelta | None = None) -> None:
+                 rendezvous_timeout: datetime.timedelta | None = None,
+                 stopped: Callable[[], bool] = lambda: False) -> None:
         _check_layout(rank, world_size, tp_size, dp_size)
         _check_timeout("timeout", timeout)
         if rendezvous_timeout is None:
             rendezvous_timeout = timeout
         _check_timeout("rendezvous_timeout", rendezvous_timeout)
         require_device(device)  # refuses unknown devices; the only path that imports torch_npu
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.device = rank, world_size, device
         self.timeout = timeout  # what a rank waiting for a peer waits at most
         self.tp_rank, self.tp_size = rank % tp_size, tp_size
         self.dp_rank, self.dp_size = rank // tp_size, dp_size
@@ -246,35 +220,69 @@ class DistributedCollectives:
         # An engine that already runs torch.distributed keeps its default group: we join it
         # and, on close, destroy only the groups we created.
         self._owns_default_group = not dist.is_initialized()
-        if self._owns_default_group:
-            if rank != 0 and init_method.startswith("tcp://"):
-                await_rendezvous(init_method, world_size, rendezvous_timeout)
-            try:
+        self._store: TCPStore | None = None  # the start's own rendezvous, for tcp://
+        self._connecting: Connecting | None = None  # a connection the start left waiting
+        try:
+            if not self._owns_default_group:
+                _check_existing_group(rank, world_size)
+                self._make_groups()
+            elif init_method.startswith("tcp://"):
+                self._meet(init_method, rendezvous_timeout, stopped)
+            else:
                 with _collective("init_process_group", tuple(range(world_size))):
                     dist.init_process_group(DEVICE_BACKENDS[device], init_method=init_method,
                                             rank=rank, world_size=world_size,
                                             timeout=rendezvous_timeout)
-            except CollectiveError as error:
-                if rank == 0 and "EADDRINUSE" in str(error.__cause__):
-                    # Rank 0 listens there for the rendezvous: the flag is what to change.
-                    raise ConfigError("--master_node_addr", init_method.removeprefix(
-                        "tcp://"), "rank 0 cannot listen there for the rendezvous: the port "
-                        "is in use; expected a free port") from None
-                raise
-        else:
-            _check_existing_group(rank, world_size)
-        try:
-            if self._owns_default_group and init_method.startswith("tcp://"):
-                host, _, port = init_method.removeprefix("tcp://").rpartition(":")
-                self._liveness = Liveness(host.strip("[]"), int(port), rank, world_size,
-                                          min(1.0, timeout.total_seconds() / 8))
-            self._tp_group = self._subgroup(shard_ranks(tp_size, dp_size), None, timeout)
-            # G is compared over every rank, not only across DP shards: a TP rank that
-            # decided differently would hang later collectives just the same.
-            self._host_group = self._subgroup([list(range(world_size))], "gloo", timeout)
+                self._make_groups()
         except BaseException:
             self.close()
             raise
+
+    def _make_groups(self) -> None:
+        self._tp_group = self._subgroup(shard_ranks(self.tp_size, self.dp_size), None,
+                                        self.timeout)
+        # G is compared over every rank, not only across DP shards: a TP rank that decided
+        # differently would hang later collectives just the same.
+        self._host_group = self._subgroup([list(range(self.world_size))], "gloo",
+                                          self.timeout)
+
+    def _meet(self, init_method: str, timeout: datetime.timedelta,
+              stopped: Callable[[], bool]) -> None:
+        """Meet every rank at the ``tcp://`` address (see rendezvous), beating from arrival
+        on, then let the backend connect them over the same store while this thread
+        watches the others' heartbeats. A failure here is written down for the others."""
+        rank, world_size = self.rank, self.world_size
+        group = tuple(range(world_size))
+        with _collective("init_process_group", group):
+            store = self._store = (host_store(init_method, world_size, timeout) if rank == 0
+                                   else join_store(init_method, world_size, timeout, stopped))
+        connecting = None
+        try:
+            with _collective("init_process_group", group):
+                host, port = tcp_address(init_method)
+                liveness = self._liveness = Liveness(
+                    host, port, rank, world_size, min(1.0, self.timeout.total_seconds() / 8),
+                    connect_timeout=timeout)
+                watcher = client(host, port, timeout)
+                arrive(store, rank, world_size)
+                await_every_rank(watcher, rank, world_size, liveness.beat_s, timeout, stopped)
+            connecting = Connecting(self._connect_groups)
+            watch(connecting, watcher, rank, world_size, liveness.beat_s, stopped)
+        except Exception as error:
+            if connecting is not None and connecting.is_alive():
+                # Its C++ wait cannot be interrupted: the groups are left to it as they are.
+                self._connecting = connecting
+            tell_failure(store, rank, str(error))
+            raise
+
+    def _connect_groups(self) -> None:
+        """The backend's connections between the ranks, over the start's store."""
+        assert self._store is not None
+        with _collective("init_process_group", tuple(range(self.world_size))):
+            dist.init_process_group(DEVICE_BACKENDS[self.device],
+                                    store=backend_store(self._store), rank=self.rank,
+                                    world_size=self.world_size, timeout=self.timeout)
+        self._make_groups()
 
     def _subgroup(self, groups: Sequence[Sequence[int]], backend: str | None,
                   timeout: datetime.timedelta) -> dist.ProcessGroup | None:
@@ -347,9 +355,10 @@ class DistributedCollectives:
             return
         self._closed = True
         liveness, self._liveness = self._liveness, None
-        if not dist.is_initialized():
+        if not dist.is_initialized() or self._connecting is not None:
             if liveness is not None:
                 liveness.close()
+            self._store = None
             return
         with _collective("destroy_process_group", tuple(range(self.world_size))):
             for group in self._groups:  # wakes the ranks still waiting in them
@@ -359,6 +368,7 @@ class DistributedCollectives:
                 liveness.close()
             if self._owns_default_group:
                 dist.destroy_process_group()
+        self._store = None  # rank 0's: the others have read what they needed from it
 
     def __enter__(self) -> "DistributedCollectives":
         return self

@@ -1,8 +1,8 @@
 """Which peer stopped: every rank's heartbeat in the rendezvous store.
 
 A failed collective tells a rank that the group broke, not which rank broke it: gloo reports
-a closed connection or a timeout. So each rank keeps a counter in the store that
-``init_process_group`` opened at ``--master_node_addr`` (rank 0 hosts it) and bumps it every
+a closed connection or a timeout. So each rank keeps a counter in the rendezvous store at
+``--master_node_addr`` (rank 0 hosts it), from its arrival there on, and bumps it every
 ``beat_s``. A rank whose collective failed reads every peer's counter twice, a few beats
 apart: a peer whose counter did not move has stopped (died, or hangs with its process
 frozen). When the store itself cannot be reached, rank 0, which hosts it, is the one gone.
@@ -31,8 +31,10 @@ BEATS_TO_WAIT = 3
 class Liveness:
     """This rank's heartbeat, and the probe that names the peers that stopped."""
 
-    def __init__(self, host: str, port: int, rank: int, world_size: int, beat_s: float) -> None:
+    def __init__(self, host: str, port: int, rank: int, world_size: int, beat_s: float, *,
+                 connect_timeout: datetime.timedelta | None = None) -> None:
         self.host, self.port, self.rank, self.beat_s = host, port, rank, beat_s
+        self._connect_timeout = connect_timeout or self._timeout()
         self.world_size = world_size
         self.told: list[int] | None = None  # the verdict this rank read or wrote
         self._stopped = threading.Event()
@@ -45,9 +47,16 @@ class Liveness:
         self._thread.start()
 
     def _connect(self) -> TCPStore:
-        return TCPStore(self.host, self.port, is_master=False,
-                             timeout=datetime.timedelta(seconds=max(2.0, 2 * self.beat_s)),
-                             wait_for_workers=False)
+        """A client that may take as long as the rendezvous to connect (a loaded host accepts
+        slowly) but answers within a couple of beats once connected: a probe after a failure
+        must not wait long for a store whose host may be gone."""
+        store = TCPStore(self.host, self.port, is_master=False, timeout=self._connect_timeout,
+                         wait_for_workers=False)
+        store.set_timeout(self._timeout())
+        return store
+
+    def _timeout(self) -> datetime.timedelta:
+        return datetime.timedelta(seconds=max(2.0, 2 * self.beat_s))
 
     def _beat(self) -> None:
         count = 0
