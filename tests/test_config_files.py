@@ -243,10 +243,11 @@ def test_adjacent_context_intervals_are_accepted(tmp_path: Path) -> None:
     ('{"model": ', "expected valid JSON; Expecting value at line 1 column 11"),
     ("[1, 2]", "expected a JSON object at the top level"),
     # Numbers a double cannot be: the file means them as written, as a flag would.
-    ('{"window_steps": 1e400}', "expected valid JSON; 1e400 is beyond a double; expected a "
-                                "finite number"),
-    ('{"window_steps": 1.5e-400}', "expected valid JSON; 1.5e-400 is a nonzero number below "
-                                   "the smallest double"),
+    ('{"window_steps": 1e400}', "window_steps: 1e400 is beyond a double; expected a finite "
+                                "number"),
+    ('{"request_buckets": [1, 1.5e-400]}', "request_buckets[1]: 1.5e-400 is a nonzero number "
+                                           "below the smallest double; expected 0 or a number "
+                                           "a double can hold"),
 ])
 def test_malformed_json_is_rejected(tmp_path: Path, text: str, expected: str) -> None:
     path = write(tmp_path, text)

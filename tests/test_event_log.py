@@ -193,8 +193,9 @@ def test_an_unknown_format(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("number", "reason"), [
-    ("1e400", "1e400 is beyond a double; expected a finite number"),
-    ("5E-400", "5E-400 is a nonzero number below the smallest double"),
+    ("1e400", "time: 1e400 is beyond a double; expected a finite number"),
+    ("5E-400", "time: 5E-400 is a nonzero number below the smallest double; expected 0 or a "
+               "number a double can hold"),
 ])
 def test_a_number_a_double_cannot_be_is_refused(tmp_path: Path, number: str,
                                                 reason: str) -> None:

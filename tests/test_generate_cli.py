@@ -104,7 +104,12 @@ def test_event_log_and_trace_flags_write_files_that_replay(
      "--temperature=1e-320: expected 0 (greedy) or a number in 1e-05..100"),
     # Below the smallest double it reads as 0.0: refused, never decoded greedily.
     (["--prompt", "x", "--max_tokens=4", "--temperature=1e-400"],
-     "--temperature=1e-400: a nonzero number below the smallest double"),
+     "--temperature=1e-400: a nonzero number below the smallest double; expected 0 (greedy) "
+     "or a number in 1e-05..100"),
+    # The range offered is the field's own: top_p has no 0.
+    (["--prompt", "x", "--max_tokens=4", "--temperature=1", "--top_p=1e-400"],
+     "--top_p=1e-400: a nonzero number below the smallest double; expected a number in "
+     "(0, 1]"),
     (["--prompt", "x", "--max_tokens=4", "--temperature=1", "--top_k=1e30"],
      "--top_k=1e30: expected an integer in 0..2147483647 (0: off)"),
     (["--prompt", "x", "--max_tokens=4", "--temperature=1", "--top_p=nan"],

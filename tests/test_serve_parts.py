@@ -15,11 +15,11 @@ from aiohttp.test_utils import TestClient, TestServer
 from gloo_job import PROCESS_LIMIT_S, REPO, peer_environment
 from rank_launch import free_port
 
-from adaspec.bench import load
 from adaspec.bench.load import (
     HttpTarget,
     LevelRun,
     LoadError,
+    client_session,
     closed_loop,
     request_limit_s,
     served_model,
@@ -128,6 +128,22 @@ def test_a_neutral_value_of_another_json_kind_is_refused_naming_the_kind(
         read_completion({"model": "m", "prompt": "hi", **stream, field: value}, "m",
                         temperature_rule=None)
     assert str(info.value) == message
+
+
+@pytest.mark.parametrize(("raw", "param", "message"), [
+    # 1e-400 reads as 0.0: a temperature of it would decode greedily, unasked.
+    (b'{"temperature": 1e-400}', "temperature", "temperature: 1e-400 is a nonzero number "
+     "below the smallest double; expected 0 or a number a double can hold"),
+    (b'{"logit_bias": {"7": 1e400}}', "logit_bias", "logit_bias.7: 1e400 is beyond a double; "
+     "expected a finite number"),
+    (b'{"stop_token_ids": [3, -2.5E-999]}', "stop_token_ids", "stop_token_ids[1]: -2.5E-999 "
+     "is a nonzero number below the smallest double; expected 0 or a number a double can hold"),
+])
+def test_a_number_no_double_holds_is_refused_naming_where_it_stands(
+        raw: bytes, param: str, message: str) -> None:
+    with pytest.raises(ApiError) as info:
+        parse_body(raw)
+    assert (info.value.status, info.value.param, info.value.message) == (400, param, message)
 
 
 def test_json_constants_and_scalars_are_no_request() -> None:
@@ -338,7 +354,7 @@ async def test_bench_url_counts_a_stream_that_is_no_whole_completion_as_a_failur
     # A finish_reason ends the choice: some servers close the stream there, with no [DONE].
     _events(CHUNK, {"choices": [{"index": 0, "text": "!", "finish_reason": "length"}],
                     "usage": {"completion_tokens": 4}}),
-    # Whatever follows [DONE] is read (so the connection is reused) and ignored.
+    # Whatever follows [DONE] is no part of the completion.
     _events(CHUNK, USAGE, b"[DONE]", b"5", {"error": "late"}),
     # An error field that is null reports no error.
     _events({**CHUNK, "error": None}, USAGE, b"[DONE]"),
@@ -372,11 +388,10 @@ WHOLE = [_events(CHUNK, USAGE, b"[DONE]"),
 @pytest.mark.asyncio
 @pytest.mark.parametrize("body", WHOLE, ids=["done", "finish-and-usage"])
 async def test_bench_url_stops_the_clock_at_the_end_whatever_the_server_does_next(
-        monkeypatch: pytest.MonkeyPatch, body: bytes) -> None:
+        body: bytes) -> None:
     """A server holding the connection open after a whole completion (a fake, the point of
-    the test) neither fails the request nor adds the wait to its time: the rest is read for
-    AFTER_DONE_S at most, after the clock stopped."""
-    monkeypatch.setattr(load, "AFTER_DONE_S", 0.3)
+    the test) neither fails the request nor adds the wait to its time: the connection is
+    closed there."""
 
     async def completion(request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse()
@@ -417,6 +432,50 @@ async def test_bench_url_takes_a_whole_completion_whose_server_then_cuts_the_bod
         run = await closed_loop(target, [("x", SamplingParams(temperature=0, max_tokens=4))], 1)
     assert run.errors == []
     assert [(t.tokens, t.text) for t in run.done] == [(4, "hi")]
+
+
+def _whole_response(text: str) -> bytes:
+    body = _events({"choices": [{"index": 0, "text": text}]}, USAGE, b"[DONE]")
+    return (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+
+
+@pytest.mark.asyncio
+async def test_bench_url_never_takes_what_a_server_sent_unasked_as_the_next_answer() -> None:
+    """A server (a fake on a raw socket, the point of the test) that sends a second, unasked
+    answer once its first was read: the next request's answer is the one sent for it."""
+    first_read, unasked_sent = asyncio.Event(), asyncio.Event()
+    handlers: list[asyncio.Task[None]] = []
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        handlers.append(asyncio.current_task())  # type: ignore[arg-type]
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(_whole_response("hi"))
+            await first_read.wait()
+            if not unasked_sent.is_set():
+                writer.write(_whole_response("unasked"))
+                await writer.drain()
+                unasked_sent.set()
+            await reader.read()  # until the client closes
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server, client_session(1) as session:
+        target = HttpTarget(f"http://127.0.0.1:{port}", "m", session)
+        params = SamplingParams(temperature=0, max_tokens=4)
+        first = await target.complete("x", params)
+        first_read.set()
+        await unasked_sent.wait()
+        for _ in range(5):  # no wait in time: loop turns, for the bytes to reach the client
+            await asyncio.sleep(0)
+        second = await target.complete("x", params)
+    await asyncio.gather(*handlers)
+    assert (first.text, second.text) == ("hi", "hi")
 
 
 @pytest.mark.asyncio

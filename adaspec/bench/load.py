@@ -133,9 +133,19 @@ class RuntimeTarget:
                       e2e_s=ended - sent, text=self.tokenizer.decode(result.token_ids))
 
 
+def client_session(limit: int) -> aiohttp.ClientSession:
+    """The session a load runs in: at most ``limit`` connections, and one connection per
+    request, as other serving benchmarks open (a session each). On a connection kept alive,
+    whatever a server sent after a whole completion would be read as the next request's
+    answer, and what follows a completion need not be read to free the connection."""
+    return aiohttp.ClientSession(timeout=client_timeout(), connector=aiohttp.TCPConnector(
+        limit=limit, force_close=True))
+
+
 class HttpTarget:
     """An OpenAI-compatible server's ``/v1/completions``, streamed, with the usage chunk
-    (``stream_options.include_usage``) as the count of tokens."""
+    (``stream_options.include_usage``) as the count of tokens; ``session`` is best a
+    ``client_session``."""
 
     def __init__(self, url: str, model: str, session: aiohttp.ClientSession,
                  limit_s: Callable[[int], float] = request_limit_s) -> None:
@@ -201,29 +211,10 @@ class HttpTarget:
                 if finished and tokens is not None:  # the usage chunk ends a finished choice
                     break
             ended = time.perf_counter()  # the completion is whole: what follows is no part
-            if done or (finished and tokens is not None):
-                await _read_rest(response)
         _check_ending(done or finished, chosen, tokens, bool(pieces))
         assert tokens is not None
         return Timing(tokens=tokens, ttft_s=(first or ended) - sent, e2e_s=ended - sent,
                       text="".join(pieces))
-
-
-AFTER_DONE_S = 1.0
-"""Seconds the rest of a body after ``data: [DONE]`` is read for: read whole, the connection
-serves the client's next request; held open longer, it is closed instead."""
-
-
-async def _read_rest(response: aiohttp.ClientResponse) -> None:
-    """Read and ignore what follows a whole completion, for at most ``AFTER_DONE_S``. A body
-    cut short there (a server closing before its last chunk) cuts nothing of the completion:
-    the connection is closed, as one held open too long is."""
-    try:
-        async with asyncio.timeout(AFTER_DONE_S):
-            while await response.content.readany():
-                pass
-    except (TimeoutError, HttpProcessingError, aiohttp.ClientPayloadError):
-        response.close()
 
 
 GAVE_UP = ("abort", "error", "cancelled")

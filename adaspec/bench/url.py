@@ -11,13 +11,11 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-import aiohttp
-
 from adaspec.bench.load import (
     HttpTarget,
     LevelRun,
     LoadError,
-    client_timeout,
+    client_session,
     closed_loop,
     served_model,
 )
@@ -82,8 +80,7 @@ def _at(params: SamplingParams, temperature: float) -> SamplingParams:
 async def bench_url(url: str, model: str | None, levels: dict[int, int],
                     temperatures: Sequence[float], params: SamplingParams
                     ) -> tuple[str, list[LevelRun]]:
-    connector = aiohttp.TCPConnector(limit=max(levels))
-    async with aiohttp.ClientSession(timeout=client_timeout(), connector=connector) as session:
+    async with client_session(max(levels)) as session:
         name = model or await served_model(url, session)
         target = HttpTarget(url, name, session)
         runs = [await closed_loop(target, level_requests(count, temperatures, params), level)

@@ -294,15 +294,23 @@ def sampling_flag(name: str, raw: str) -> int | float:
         value = float(text)  # 1e999 reads as inf: refused with the other non-numbers
         if underflows(text, value):  # a tiny number was asked for, not greedy decoding
             raise ConfigError(f"--{name}", raw, "a nonzero number below the smallest double; "
-                              "expected 0 or a number the field's range allows")
+                              f"{_field_range(name, math.nan)}")
     # Text that is no finite number is refused with the field's range: NaN stands for it, as
     # the text itself would be called "not a str".
-    try:
-        SamplingParams(**{name: math.nan if value is None else value})  # type: ignore[arg-type]
-    except InvalidRequest as error:
-        raise ConfigError(f"--{name}", raw, error.expected) from None
+    refused = _field_range(name, math.nan if value is None else value)
+    if refused:
+        raise ConfigError(f"--{name}", raw, refused)
     assert value is not None
     return value
+
+
+def _field_range(name: str, value: float) -> str:
+    """What the request field ``name`` expects, when it refuses ``value`` (else "")."""
+    try:
+        SamplingParams(**{name: value})  # type: ignore[arg-type]
+    except InvalidRequest as error:
+        return error.expected
+    return ""
 
 
 def check_runnable_here(launch: LaunchConfig) -> None:

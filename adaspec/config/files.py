@@ -76,8 +76,51 @@ def exact_double(text: str) -> float:
     if not math.isfinite(value):
         raise ValueError(f"{text} is beyond a double; expected a finite number")
     if underflows(text, value):
-        raise ValueError(f"{text} is a nonzero number below the smallest double")
+        raise ValueError(f"{text} is a nonzero number below the smallest double; expected 0 "
+                         "or a number a double can hold")
     return value
+
+
+class UnheldNumber(ValueError):
+    """A number of parsed JSON that no double holds, with where it stands: ``path`` (such
+    as ``a.b[2]``) and ``key``, the top-level key it stands under (None at the top)."""
+
+    def __init__(self, path: str, key: str | None, reason: str) -> None:
+        super().__init__(f"{path}: {reason}" if path else reason)
+        self.path, self.key, self.reason = path, key, reason
+
+
+class _Unheld(float):
+    """What ``marked_double`` reads a number no double holds as: 0.0, carrying why."""
+
+    reason: str
+
+
+def marked_double(text: str) -> float:
+    """``parse_float`` for JSON whose reader then calls ``check_doubles``: the number may be
+    refused only once the reader knows where it stands, so it can name its key."""
+    try:
+        return exact_double(text)
+    except ValueError as error:
+        marked = _Unheld(0.0)
+        marked.reason = str(error)
+        return marked
+
+
+def check_doubles(data: object) -> None:
+    """Raise UnheldNumber for the first number of ``data`` (read with ``marked_double``)
+    that no double holds, naming its path."""
+    pending: list[tuple[str, str | None, object]] = [("", None, data)]
+    while pending:  # no recursion: the JSON may nest as deeply as json reads
+        path, key, value = pending.pop()
+        if isinstance(value, _Unheld):
+            raise UnheldNumber(path, key, value.reason)
+        if isinstance(value, dict):
+            pending.extend((f"{path}.{name}" if path else str(name), key or str(name), item)
+                           for name, item in reversed(value.items()))
+        elif isinstance(value, list):
+            pending.extend((f"{path}[{index}]", key, item)
+                           for index, item in reversed(list(enumerate(value))))
 
 
 def json_fault(error: ValueError) -> str:
@@ -95,7 +138,8 @@ def read_json_object(flag: str, path: str) -> dict[str, object]:
     text = _read_text(setting, path)
     try:
         data = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constants,
-                          parse_float=exact_double)
+                          parse_float=marked_double)
+        check_doubles(data)
     except json.JSONDecodeError as error:
         raise ConfigError(setting, path, f"expected valid JSON; {error.msg} at line "
                                          f"{error.lineno} column {error.colno}") from None
@@ -103,6 +147,8 @@ def read_json_object(flag: str, path: str) -> dict[str, object]:
         raise ConfigError(setting, path, f"key {error} appears twice in one object") from None
     except RecursionError:
         raise ConfigError(setting, path, "expected JSON nested less deeply") from None
+    except UnheldNumber as error:
+        raise ConfigError(setting, path, str(error)) from None
     except ValueError as error:
         raise ConfigError(setting, path, f"expected valid JSON; {json_fault(error)}") from None
     if not isinstance(data, dict):

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from adaspec.config.calibration import MAX_TOKENS_IN_CONTEXT, DraftStepPolicyConfig, json_type
-from adaspec.config.files import exact_double, json_fault
+from adaspec.config.files import check_doubles, json_fault, marked_double
 from adaspec.config.limits import MAX_PARALLEL_SIZE
 from adaspec.config.requests import MAX_REQUEST_ID
 from adaspec.errors import ConfigError, show_value
@@ -151,8 +151,10 @@ _HEADER_FIELDS = frozenset({"format", "version", "width", "name", "dp_size"})
 
 def _json(source: str, number: int, text: str) -> Any:
     try:
-        return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant,
-                          parse_float=exact_double)
+        data = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant,
+                          parse_float=marked_double)
+        check_doubles(data)
+        return data
     except ValueError as error:
         raise ConfigError("--workload", f"{source}:{number}",
                           f"expected one JSON object per line ({json_fault(error)})") from None

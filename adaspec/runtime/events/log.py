@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, get_args, get_origin
 
-from adaspec.config.files import exact_double
+from adaspec.config.files import check_doubles, marked_double
 from adaspec.config.launch import prepared_rows
 from adaspec.config.paths import NotRegularFile, open_regular
 from adaspec.config.requests import MAX_REQUEST_ID, MAX_SEED, SamplingParams, check_room
@@ -279,8 +279,10 @@ def _json_line(name: str, number: int, raw: bytes) -> object:
     if not text.strip():
         raise EventLogError(name, number, "blank line; expected one JSON object per line")
     try:
-        return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant,
-                          parse_float=exact_double)
+        data = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant,
+                          parse_float=marked_double)
+        check_doubles(data)
+        return data
     except json.JSONDecodeError as error:
         hint = "" if raw.endswith(b"\n") else (
             "; the last line is cut short (did the run stop before closing the log?)")
