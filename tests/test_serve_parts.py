@@ -331,6 +331,8 @@ USAGE = {"choices": [], "usage": {"completion_tokens": 4}}
     # A choice the server gave up (vLLM and SGLang say abort) is no completion.
     (_events(CHUNK, {"choices": [{"index": 0, "text": "", "finish_reason": "abort"}]}, USAGE,
              b"[DONE]"), "the server gave the choice up: finish_reason='abort'"),
+    (_events(CHUNK, {"choices": [{"index": 0, "text": "", "finish_reason": "Canceled"}]},
+             USAGE, b"[DONE]"), "the server gave the choice up: finish_reason='Canceled'"),
     (_events(CHUNK, {"choices": [{"index": 0, "text": "", "finish_reason": 5}]}, USAGE,
              b"[DONE]"), "a choice's finish_reason is 5; expected a string or null"),
     (b"event: error\ndata: {\"message\": \"server exploded\"}\n\n" + _events(CHUNK, USAGE,
@@ -368,6 +370,10 @@ async def test_bench_url_counts_a_stream_that_is_no_whole_completion_as_a_failur
              "usage": {"completion_tokens": 4}}, b"[DONE]"),
     # A last event the body ends without its blank line is read.
     _events(CHUNK, USAGE) + b"data: [DONE]",
+    # A byte-order mark may open the stream; an event of another type than message (a
+    # server's own ping or progress) is no chunk of the completion.
+    b"\xef\xbb\xbf" + _events(CHUNK) + b"event: progress\ndata: {\"done\": 0.5}\n\n"
+    + b"event: message\n" + _events(USAGE, b"[DONE]"),
 ])
 async def test_bench_url_takes_a_whole_completion_however_it_ends(body: bytes) -> None:
     async with TestServer(_broken_stream_app(body, {}), host="127.0.0.1") as fake, \

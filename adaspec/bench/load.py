@@ -217,7 +217,7 @@ class HttpTarget:
                       text="".join(pieces))
 
 
-GAVE_UP = ("abort", "error", "cancelled")
+GAVE_UP = ("abort", "aborted", "error", "cancelled", "canceled")
 """finish_reasons of a choice the server gave up (vLLM and SGLang say abort): no completion.
 Any other ends one: OpenAI's stop and length, TGI's eos_token and stop_sequence."""
 
@@ -233,7 +233,7 @@ def _finished(event: dict[str, Any]) -> bool:
         if reason is not None and not isinstance(reason, str):
             raise LoadError(f"a choice's finish_reason is {printable(repr(reason)):.80}; "
                             "expected a string or null")
-        if reason in GAVE_UP:
+        if reason is not None and reason.lower() in GAVE_UP:
             raise LoadError(f"the server gave the choice up: finish_reason={reason!r}")
     return any(reasons)
 
@@ -307,16 +307,20 @@ async def _ended(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
 class SseEvents:
     """Server-sent events from a body's lines, as the event-stream format reads them: an
     event's ``data:`` lines joined by newlines, dispatched at the blank line that ends it;
-    comments (keep-alive pings) and other fields skipped. An event typed ``error`` fails the
-    request."""
+    comments (keep-alive pings) and other fields skipped, a byte-order mark before the first
+    line dropped. An event typed ``error`` fails the request; one of another type than
+    ``message`` is no completion chunk (a client listening for messages never sees it)."""
 
     def __init__(self) -> None:
         self.kind = b""
         self.data: list[bytes] = []
+        self.first = True
 
     def feed(self, line: bytes) -> dict[str, Any] | None:
         """The JSON object of the event ``line`` ends, ``DONE`` for the stream's end, None
         while an event is still being read or carries no data."""
+        if self.first:
+            line, self.first = line.removeprefix(b"\xef\xbb\xbf"), False
         line = line.rstrip(b"\r\n")
         if line:
             name, _, value = line.partition(b":")
@@ -329,6 +333,8 @@ class SseEvents:
         self.kind, self.data = b"", []
         if kind == b"error":
             raise LoadError(f"an error event: {printable(data[:120].decode('utf-8', 'replace'))}")
+        if kind not in (b"", b"message"):
+            return None
         return _sse_data(data) if data else None
 
 
