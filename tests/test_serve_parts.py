@@ -116,10 +116,17 @@ def test_the_neutral_values_openai_clients_send_are_accepted_and_others_named() 
     ("stream", "yes", "stream=yes: expected true or false"),
     ("presence_penalty", "0.0", "presence_penalty=0.0: non-neutral penalties are not "
                                 "supported (the verifier samples the plain target "
-                                "distribution), not a JSON string"),
+                                "distribution); expected null or 0, not a JSON string"),
     # An integer field's 1.0 is no 1, as max_tokens=8.0 is no 8.
     ("n", 1.0, "n=1.0: one completion per prompt is supported; expected 1"),
-    ("min_tokens", 0.0, "min_tokens=0.0: minimum-length stops are not supported"),
+    ("min_tokens", 0.0, "min_tokens=0.0: minimum-length stops are not supported; expected "
+                        "null or 0"),
+    ("top_logprobs", 0.0, "top_logprobs=0.0: logprobs are not supported; expected null or 0"),
+    ("max_tokens", "1", "max_tokens=1: expected an integer, not a JSON string"),
+    # vLLM's -1 for off is read too, so the range says so; a bias shows as JSON spells it.
+    ("top_k", -2, "top_k=-2: expected an integer in 0..2147483647 (0 or -1: off)"),
+    ("logit_bias", {"5": 1}, 'logit_bias={"5": 1}: token bias is not supported; expected {} '
+                             "or a bias of 0 on each token id (a string of digits)"),
 ])
 def test_a_neutral_value_of_another_json_kind_is_refused_naming_the_kind(
         field: str, value: object, message: str) -> None:

@@ -7,6 +7,7 @@ dropped silently.
 """
 
 import dataclasses
+import json
 import math
 import numbers
 import reprlib
@@ -64,6 +65,20 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple[object, ...], str]] = {
     "guided_choice": ((None,), _STRUCTURED),
     "guided_grammar": ((None,), _STRUCTURED),
 }
+
+
+def refusal(neutral: tuple[object, ...], why: str) -> str:
+    """Why a field's value is refused, ending in the neutral values it takes where ``why``
+    does not say them already (``min_tokens``: ``...; expected null or 0``)."""
+    if "expected" in why:
+        return why
+    spelled: list[str] = []
+    for value in neutral:
+        text = json.dumps(int(value) if isinstance(value, float) and value.is_integer()
+                          else value)
+        if text not in spelled:
+            spelled.append(text)
+    return f"{why}; expected {' or '.join(spelled)}"
 
 
 def is_neutral(value: object, neutral: tuple[object, ...]) -> bool:
@@ -210,7 +225,7 @@ class SamplingParams:
                 value = plain_number(value)  # numpy 0.0 is as neutral as 0.0
                 if not is_neutral(value, neutral):
                     shown = repr(value) if isinstance(value, str) else value
-                    raise UnsupportedRequest(name, shown, why)
+                    raise UnsupportedRequest(name, shown, refusal(neutral, why))
             elif name in known:
                 values[name] = tuple(value) if isinstance(value, list) else value
             elif name == "stop_token_ids":

@@ -18,6 +18,7 @@ from adaspec.config.requests import (
     SamplingParams,
     idle_filter,
     is_neutral,
+    refusal,
 )
 from adaspec.errors import InvalidRequest, UnsupportedRequest, printable, show_value
 
@@ -59,7 +60,17 @@ class ApiError(Exception):
 
 
 def bad_field(param: str, value: object, expected: str) -> ApiError:
-    return ApiError(400, f"{param}={show_value(value)}: {expected}", param=param)
+    return ApiError(400, f"{param}={_shown(value)}: {expected}", param=param)
+
+
+def _shown(value: object) -> str:
+    """A value of the body as JSON spells it (an object or array too), short."""
+    if isinstance(value, dict | list):
+        try:
+            return show_value(json.dumps(value))
+        except (TypeError, ValueError):  # no JSON after all: a value the runtime built
+            pass
+    return show_value(value)
 
 
 def refused(error: InvalidRequest | UnsupportedRequest) -> ApiError:
@@ -188,8 +199,8 @@ def _check_known(name: str, value: object) -> None:
     if name in _NEUTRAL:
         neutral, why = _NEUTRAL[name]
         if not is_neutral(value, neutral):
-            raise ApiError(400, f"{name}={show_value(value)}: {why}{_spelled(value)}",
-                           param=name)
+            raise ApiError(400, f"{name}={_shown(value)}: {refusal(neutral, why)}"
+                           f"{_spelled(value)}", param=name)
     elif name not in _READ and name not in _SAMPLING:
         raise ApiError(400, f"{name}: unknown parameter; expected one of "
                        f"{', '.join(sorted({*_READ, *_SAMPLING}))}", param=name)
@@ -325,7 +336,8 @@ def _sampling(body: Mapping[str, Any], stop_ids: tuple[int, ...],
         if isinstance(value, bool) or not isinstance(value, int | float) or \
                 isinstance(value, float) and not math.isfinite(value):
             kind = f", not a JSON {_json_kind(value)}" if not isinstance(value, float) else ""
-            raise bad_field(name, value, f"expected a number{kind}")
+            what = "an integer" if name in ("max_tokens", "top_k") else "a number"
+            raise bad_field(name, value, f"expected {what}{kind}")
     values.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
     if "temperature" not in values:
         if temperature_rule is not None:
@@ -337,6 +349,8 @@ def _sampling(body: Mapping[str, Any], stop_ids: tuple[int, ...],
     try:
         params = SamplingParams(stop=stop_ids, **values)  # type: ignore[arg-type]
     except (InvalidRequest, UnsupportedRequest) as error:
+        if error.field == "top_k":  # the runtime's range, and the spelling of off read above
+            error.expected = error.expected.replace("(0: off)", "(0 or -1: off)")
         raise refused(error) from None
     idle = idle_filter(params)
     if idle is not None:
