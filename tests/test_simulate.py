@@ -283,6 +283,18 @@ def test_a_workload_breaks_only_at_newlines_whatever_its_strings_hold(
     assert first.startswith("workload 'a\\u2028b\\x85c\\u2029d': 10 rounds, width 5;"), first
 
 
+def test_a_workload_whose_lines_end_in_a_carriage_return_alone_is_told_so(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    workload, table = tmp_path / "w.jsonl", tmp_path / "costs.json"
+    workload.write_text("\r".join(synthetic("high", rounds=3).as_lines()) + "\r",
+                        encoding="utf-8", newline="")
+    TABLES["staircase"].save(str(table))
+    assert cli.run(["simulate", "--workload", str(workload), "--cost_table", str(table),
+                    "--policy", "fixed:5"]) == 2
+    assert capsys.readouterr().err.rstrip("\n").endswith(
+        "; its lines end in a carriage return alone, where JSON Lines end each in a newline")
+
+
 def test_cli_refuses_an_unknown_policy_before_running_any(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     workload, table = tmp_path / "w.jsonl", tmp_path / "costs.json"

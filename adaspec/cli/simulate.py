@@ -142,8 +142,11 @@ def _header_format(text: str, path: str) -> str:
     accepted = (f'"{WORKLOAD_FORMAT}" (a workload, docs/workload.md) or "{EVENT_LOG_FORMAT}" '
                 "(an event log)")
     if given is MISSING:
+        ending = "" if "\n" in text or "\r" not in line else (
+            "; its lines end in a carriage return alone, where JSON Lines end each in a "
+            "newline")
         raise ConfigError("--workload", f"{path}:{number}", "expected a first line that is "
-                          f'a JSON object with "format": {accepted}')
+                          f'a JSON object with "format": {accepted}{ending}')
     raise ConfigError("--workload", f"{path}:{number}", f"format={json.dumps(given)[:80]}: "
                       f"expected {accepted}")
 
