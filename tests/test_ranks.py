@@ -337,23 +337,35 @@ ERROR = "adaspec generate: error: "
 START = f"{ERROR}collective init_process_group over ranks "
 
 
-def test_ranks_started_with_different_nnodes_say_so_at_once() -> None:
+@pytest.mark.parametrize(("front", "other", "flag", "group"), [
+    ((2, []), (4, ["--dp_size=2"]), ("--nnodes", 4, 2), "[0,1]"),
+    # The same world in other groups: new_group would wait for the timeout, before the
+    # launch lines are ever compared.
+    ((4, ["--dp_size=2"]), (4, []), ("--dp_size", 1, 2), "[0..3]"),
+])
+def test_ranks_started_with_another_layout_say_so_at_once(
+        front: tuple[int, list[str]], other: tuple[int, list[str]], flag: tuple[str, int, int],
+        group: str) -> None:
     port = free_port()
-    ranks = [_rank("generate", 2, 0, port), _rank("generate", 4, 1, port, "--dp_size=2")]
+    ranks = [_rank("generate", front[0], 0, port, *front[1]),
+             _rank("generate", other[0], 1, port, *other[1])]
+    name, mine, theirs = flag
     assert _last_lines(ranks) == [
-        (2, f"{START}[0,1] failed: rank 1 was started with --nnodes=4, rank 0 with "
-            "--nnodes=2"),
-        (2, f"{ERROR}--nnodes=4: expected 2, as rank 0 was started with: every rank of a "
-            "launch gives the same")]
+        (2, f"{START}{group} failed: rank 1 was started with {name}={mine}, rank 0 with "
+            f"{name}={theirs}"),
+        (2, f"{ERROR}{name}={mine}: expected {theirs}, as rank 0 was started with: every "
+            "rank of a launch gives the same")]
 
 
 def test_two_ranks_started_with_one_node_rank_are_named_at_once() -> None:
     port = free_port()
     ranks = [_rank("generate", 4, rank, port, "--dp_size=2") for rank in (0, 1, 1)]
     lines = _last_lines(ranks)
-    told = (2, f"{START}[0..3] failed: two ranks were started with --node_rank=1")
+    again = "(a rank that stopped cannot be started again"
+    told = (2, f"{START}[0..3] failed: two ranks were started with --node_rank=1 {again}: the "
+               "launch starts over)")
     refused = (2, f"{ERROR}--node_rank=1: expected a rank no other rank of this launch was "
-                  "started with")
+                  f"started with {again}: start the launch over)")
     assert lines[0] == told
     assert sorted(lines[1:]) == sorted([told, refused])
 
@@ -373,6 +385,64 @@ def test_a_rank_that_arrived_and_died_is_named_before_the_others_arrive() -> Non
                         + r"no heartbeat for \d+ s", line), line
 
 
+@pytest.mark.parametrize("fault", ["killed", "frozen"])
+def test_a_rank_0_lost_while_the_ranks_gather_is_named_in_one_line(fault: str) -> None:
+    """Frozen (SIGSTOP: a hung machine), rank 0's store answers nothing, and a store client
+    has no timeout of its own; killed, c10d would print pages of C++ frames."""
+    import signal
+
+    port = free_port()
+    front, follower = (_rank("generate", 4, rank, port, "--dp_size=2") for rank in (0, 1))
+    try:
+        _arrived(port, 1)
+        front.send_signal(signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
+        _, errors = follower.communicate(timeout=PROCESS_LIMIT_S)
+    finally:
+        front.send_signal(signal.SIGCONT)
+        _end_all([front, follower])
+    gone = "is gone" if fault == "killed" else "gave no answer for 5 s"
+    assert (follower.returncode, errors.splitlines()) == (
+        2, [f"{START}[0..3] failed: rank 0 stopped: its rendezvous store {gone}"]), errors
+
+
+def test_rank_0_refuses_a_rendezvous_host_that_is_not_its_own() -> None:
+    done = subprocess.run(  # 192.0.2.1: an address for documentation, no machine's
+        [sys.executable, "-m", "adaspec", "generate", "--nnodes=2", "--node_rank=0",
+         "--master_node_addr=192.0.2.1:29500", "--prompt=abc", "--max_tokens=4",
+         "--temperature=0"], capture_output=True, text=True, env=peer_environment(),
+        timeout=PROCESS_LIMIT_S, check=False)
+    assert (done.returncode, done.stderr.splitlines()) == (2, [
+        f"{ERROR}--master_node_addr=192.0.2.1:29500: rank 0 listens there, but its host is no "
+        "address of this machine; expected a name or address of rank 0's machine"])
+
+
+def test_a_server_on_the_rendezvous_port_is_refused_naming_both() -> None:
+    port = free_port()
+    done = subprocess.run(
+        [sys.executable, "-m", "adaspec", "serve", "--nnodes=2", "--node_rank=0",
+         f"--master_node_addr=127.0.0.1:{port}", f"--port={port}"], capture_output=True,
+        text=True, env=peer_environment(), timeout=PROCESS_LIMIT_S, check=False)
+    assert (done.returncode, done.stderr.splitlines()) == (2, [
+        f"adaspec serve: error: --port={port}: expected a port other than the one of "
+        f"--master_node_addr=127.0.0.1:{port}, where rank 0 listens for the rendezvous"])
+
+
+def test_a_rank_signalled_while_the_ranks_gather_is_named_so_by_the_others() -> None:
+    import signal
+
+    port = free_port()
+    front, follower = (_rank("generate", 4, rank, port, "--dp_size=2") for rank in (0, 1))
+    try:
+        _arrived(port, 1)
+        follower.send_signal(signal.SIGINT)
+        lines = _last_lines([front, follower])
+    finally:
+        _end_all([front, follower])
+    assert lines == [(2, f"{START}[0..3] failed: rank 1 failed to start: it was stopped (a "
+                         "signal, or stop()) while the ranks gathered"),
+                     (130, "adaspec generate: interrupted")]
+
+
 @pytest.mark.parametrize(("command", "rank", "signal_number", "said"), [
     ("serve", 0, "SIGTERM", '"stopped"'),
     ("generate", 0, "SIGINT", "adaspec generate: interrupted"),
@@ -380,24 +450,19 @@ def test_a_rank_that_arrived_and_died_is_named_before_the_others_arrive() -> Non
 ])
 def test_a_signal_while_the_ranks_gather_ends_the_start_at_once(
         command: str, rank: int, signal_number: str, said: str) -> None:
-    """Rank 1 of the launch never comes: the wait for it would outlast the test's limit."""
+    """The launch's other ranks never come: the wait for them would outlast the test's
+    limit."""
     import signal
 
-    from torch.distributed import TCPStore  # type: ignore[attr-defined]
-
     port = free_port()
-    host = None
-    if rank != 0:  # the test stands in for rank 0's store
-        host = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                        timeout=datetime.timedelta(seconds=PROCESS_LIMIT_S))
-        host.set("adaspec/start/world_size", "2")
-    waiting = _rank(command, 2, rank, port)
+    ranks = [_rank(command, 4, each, port, "--dp_size=2") for each in range(rank + 1)]
+    waiting = ranks[rank]
     try:
         _arrived(port, rank)
         waiting.send_signal(getattr(signal, signal_number))
         _, errors = waiting.communicate(timeout=PROCESS_LIMIT_S)
     finally:
-        _end_all([waiting])
+        _end_all(ranks)
     assert waiting.returncode == (130 if signal_number == "SIGINT" else 0), errors
     assert said in errors.splitlines()[-1], errors
     assert "Traceback" not in errors

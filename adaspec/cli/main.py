@@ -170,6 +170,9 @@ def run_to_stdout(argv: Sequence[str]) -> int:
 def main() -> None:
     global _process_exits_at_interrupt
     _process_exits_at_interrupt = True
+    # The command says a fault in one line; c10d's warnings (a store whose host left, say)
+    # come with pages of C++ frames. Set before torch loads, unless the user set it.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     argv = sys.argv[1:]
     try:
         status = run_to_stdout(argv)

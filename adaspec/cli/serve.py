@@ -84,6 +84,16 @@ def temperature_rule(launch: LaunchConfig) -> str | None:
     return None
 
 
+def _check_own_ports(launch: LaunchConfig) -> None:
+    """Rank 0 of several listens twice, for HTTP and for the rendezvous: on one port, the
+    rendezvous would find it taken by this very server."""
+    if launch.world_size > 1 and launch.node_rank == 0 and \
+            launch.master_node_addr.rpartition(":")[2] == str(launch.port):
+        raise ConfigError("--port", launch.port, "expected a port other than the one of "
+                          f"--master_node_addr={launch.master_node_addr}, where rank 0 "
+                          "listens for the rendezvous")
+
+
 def run(argv: Sequence[str]) -> int:
     from adaspec.serve.app import ServeSettings
     from adaspec.serve.server import follow_front, json_logger, serve_http
@@ -104,6 +114,7 @@ def run(argv: Sequence[str]) -> int:
     outputs = {name: value for name, value in parsed.given if name in ("event_log", "trace")}
     check_outputs(outputs, launch)
     check_runnable_here(launch)
+    _check_own_ports(launch)
     options = RuntimeOptions(seed=seed, event_log=outputs.get("event_log"),
                              trace=outputs.get("trace"),
                              calibration_progress=progress_reporter(sys.stderr),

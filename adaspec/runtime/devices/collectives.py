@@ -253,8 +253,11 @@ class DistributedCollectives:
         watches the others' heartbeats. A failure here is written down for the others."""
         rank, world_size = self.rank, self.world_size
         group = tuple(range(world_size))
+        # What every rank must share to create the same groups: a rank given another
+        # layout would wait in new_group until the timeout, never reaching the launch check.
+        layout = {"--nnodes": world_size, "--dp_size": self.dp_size, "--tp_size": self.tp_size}
         with _collective("init_process_group", group):
-            store = self._store = (host_store(init_method, world_size, timeout) if rank == 0
+            store = self._store = (host_store(init_method, layout, timeout) if rank == 0
                                    else join_store(init_method, world_size, timeout, stopped))
         connecting = None
         try:
@@ -264,7 +267,7 @@ class DistributedCollectives:
                     host, port, rank, world_size, min(1.0, self.timeout.total_seconds() / 8),
                     connect_timeout=timeout)
                 watcher = client(host, port, timeout)
-                arrive(store, rank, world_size)
+                arrive(store, rank, layout, timeout.total_seconds())
                 await_every_rank(watcher, rank, world_size, liveness.beat_s, timeout, stopped)
             connecting = Connecting(self._connect_groups)
             watch(connecting, watcher, rank, world_size, liveness.beat_s, stopped)
@@ -272,7 +275,7 @@ class DistributedCollectives:
             if connecting is not None and connecting.is_alive():
                 # Its C++ wait cannot be interrupted: the groups are left to it as they are.
                 self._connecting = connecting
-            tell_failure(store, rank, str(error))
+            tell_failure(store, rank, error)
             raise
 
     def _connect_groups(self) -> None:

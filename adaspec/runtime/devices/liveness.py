@@ -18,9 +18,12 @@ beats for every survivor to read the verdict, and only then lets the store go.
 import datetime
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, unstubbed
+
+T = TypeVar("T")
 
 PREFIX = "adaspec/alive/"
 VERDICT = "adaspec/stopped"
@@ -71,23 +74,27 @@ class Liveness:
     def stopped_peers(self, group: Sequence[int]) -> list[int]:
         """The peers of ``group`` whose heartbeat stopped (empty when all still beat)."""
         peers = [rank for rank in group if rank != self.rank]
-        store = self._probe
         try:
-            assert store is not None, "probed after close"
-            if store.check([VERDICT]):
-                told = _ranks(store.get(VERDICT))
-            else:
-                before = _counters(store, range(self.world_size))
-                time.sleep(BEATS_TO_WAIT * self.beat_s)  # only ever after a failure
-                after = _counters(store, range(self.world_size))
-                told = [rank for rank in range(self.world_size)
-                        if rank != self.rank and before[rank] == after[rank]]
-                store.set(VERDICT, ",".join(map(str, told)))
-            store.add(READ, 1)
-        except Exception:  # no store: its host, rank 0, is gone
+            told = answered(self._verdict, (BEATS_TO_WAIT + 4) * self.beat_s + 2.0)
+        except Exception:  # no store, or one that does not answer: its host, rank 0, is gone
             return [0] if 0 in peers else []
         self.told = told
         return [rank for rank in told if rank in peers]
+
+    def _verdict(self) -> list[int]:
+        store = self._probe
+        assert store is not None, "probed after close"
+        if store.check([VERDICT]):
+            told = _ranks(store.get(VERDICT))
+        else:
+            before = _counters(store, range(self.world_size))
+            time.sleep(BEATS_TO_WAIT * self.beat_s)  # only ever after a failure
+            after = _counters(store, range(self.world_size))
+            told = [rank for rank in range(self.world_size)
+                    if rank != self.rank and before[rank] == after[rank]]
+            store.set(VERDICT, ",".join(map(str, told)))
+        store.add(READ, 1)
+        return told
 
     def linger(self) -> None:
         """Rank 0, once a failure was seen: wait (a few beats at most) until every survivor
@@ -109,6 +116,30 @@ class Liveness:
         self._stopped.set()
         self._thread.join(timeout=2 * self.beat_s + 1)
         self._store = self._probe = None
+
+
+def answered(work: Callable[[], T], limit_s: float) -> T:
+    """What ``work`` (store operations) returns, or TimeoutError after ``limit_s``. A store
+    whose host is frozen (SIGSTOP, a hung machine) never answers, and a client operation has
+    no timeout of its own: it runs in a daemon thread, left behind if it never returns."""
+    box: list[tuple[bool, object]] = []
+
+    def run() -> None:
+        try:
+            box.append((True, work()))
+        except Exception as error:  # handed to the caller
+            box.append((False, error))
+
+    worker = threading.Thread(target=run, name="adaspec-store-op", daemon=True)
+    worker.start()
+    worker.join(limit_s)
+    if not box:
+        raise TimeoutError(f"no answer within {limit_s:g} s")
+    done, value = box[0]
+    if not done:
+        assert isinstance(value, Exception)
+        raise value
+    return value  # type: ignore[return-value]
 
 
 def _ranks(text: bytes) -> list[int]:

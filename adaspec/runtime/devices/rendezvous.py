@@ -12,6 +12,7 @@ under a prefix of its own.
 """
 
 import datetime
+import json
 import socket
 import threading
 import time
@@ -20,10 +21,10 @@ from collections.abc import Callable
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
 from adaspec.errors import CollectiveError, ConfigError, rank_runs
-from adaspec.runtime.devices.liveness import BEATS_TO_WAIT
+from adaspec.runtime.devices.liveness import BEATS_TO_WAIT, T, answered
 from adaspec.runtime.devices.liveness import PREFIX as ALIVE
 
-WORLD = "adaspec/start/world_size"
+LAYOUT = "adaspec/start/layout"
 ARRIVED = "adaspec/start/arrived/"
 FAILED = "adaspec/start/failed"
 BACKEND_PREFIX = "adaspec/backend"
@@ -37,9 +38,12 @@ def tcp_address(init_method: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def host_store(init_method: str, world_size: int, timeout: datetime.timedelta) -> TCPStore:
-    """Rank 0's store, listening at the address for the others, with its world size."""
+def host_store(init_method: str, layout: dict[str, int], timeout: datetime.timedelta
+               ) -> TCPStore:
+    """Rank 0's store, listening at the address for the others, with its ``layout`` (the
+    launch flags every rank must share to create the same groups: --nnodes and the rest)."""
     host, port = tcp_address(init_method)
+    _check_own_host(init_method.removeprefix("tcp://"), host)
     try:
         store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout)
     except RuntimeError as error:
@@ -49,8 +53,29 @@ def host_store(init_method: str, world_size: int, timeout: datetime.timedelta) -
         raise ConfigError("--master_node_addr", init_method.removeprefix("tcp://"),
                           "rank 0 cannot listen there for the rendezvous: the port is in use; "
                           "expected a free port") from None
-    store.set(WORLD, str(world_size))
+    store.set(LAYOUT, json.dumps(layout))
     return store
+
+
+def _check_own_host(address: str, host: str) -> None:
+    """Rank 0 listens at the address and connects there itself: a host that does not resolve,
+    or that is no address of this machine, would fail in c10d's retries, in C++ frames."""
+    try:
+        found = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as error:
+        reason = getattr(error, "strerror", None) or str(error)
+        raise ConfigError("--master_node_addr", address, f"rank 0 listens there, but its host "
+                          f"cannot be resolved ({reason}); expected a name or address of "
+                          "rank 0's machine") from None
+    for family, kind, _, _, where in found:
+        try:
+            with socket.socket(family, kind) as probe:
+                probe.bind((where[0], 0))
+            return
+        except OSError:
+            continue
+    raise ConfigError("--master_node_addr", address, "rank 0 listens there, but its host is no "
+                      "address of this machine; expected a name or address of rank 0's machine")
 
 
 def join_store(init_method: str, world_size: int, timeout: datetime.timedelta,
@@ -94,18 +119,22 @@ def join_store(init_method: str, world_size: int, timeout: datetime.timedelta,
     return answered[0]
 
 
-def arrive(store: TCPStore, rank: int, world_size: int) -> None:
-    """Count this rank in, once its launch is known to be rank 0's."""
-    theirs = int(store.get(WORLD))
-    if theirs != world_size:
-        _fail(store, f"rank {rank} was started with --nnodes={world_size}, rank 0 with "
-                     f"--nnodes={theirs}")
-        raise ConfigError("--nnodes", world_size, f"expected {theirs}, as rank 0 was started "
-                          "with: every rank of a launch gives the same")
-    if store.add(f"{ARRIVED}{rank}", 1) > 1:
-        _fail(store, f"two ranks were started with --node_rank={rank}")
+def arrive(store: TCPStore, rank: int, layout: dict[str, int], limit_s: float) -> None:
+    """Count this rank in, once its layout is known to be rank 0's."""
+    group = tuple(range(layout["--nnodes"]))
+    theirs = json.loads(_answer(lambda: store.get(LAYOUT), limit_s, group))
+    for flag, mine in layout.items():
+        if theirs.get(flag) != mine:
+            _fail(store, f"rank {rank} was started with {flag}={mine}, rank 0 with "
+                         f"{flag}={theirs.get(flag)}")
+            raise ConfigError(flag, mine, f"expected {theirs.get(flag)}, as rank 0 was "
+                              "started with: every rank of a launch gives the same")
+    if _answer(lambda: store.add(f"{ARRIVED}{rank}", 1), limit_s, group) > 1:
+        _fail(store, f"two ranks were started with --node_rank={rank} (a rank that stopped "
+                     "cannot be started again: the launch starts over)")
         raise ConfigError("--node_rank", rank, "expected a rank no other rank of this launch "
-                          "was started with")
+                          "was started with (a rank that stopped cannot be started again: "
+                          "start the launch over)")
 
 
 def await_every_rank(store: TCPStore, rank: int, world_size: int, beat_s: float,
@@ -119,11 +148,8 @@ def await_every_rank(store: TCPStore, rank: int, world_size: int, beat_s: float,
     silence_s = max((BEATS_TO_WAIT + 2) * beat_s, MIN_SILENCE_S)
     beats: dict[int, tuple[bytes, float]] = {}  # a peer's last counter, and when it moved
     while True:
-        try:
-            reason, arrived = _look(store, rank, world_size, beats, silence_s)
-        except (RuntimeError, ValueError):  # rank 0 hosts the store: it is the one gone
-            raise CollectiveError(OP, group, "rank 0 stopped: its rendezvous store is gone"
-                                  ) from None
+        reason, arrived = _answer(lambda: _look(store, rank, world_size, beats, silence_s),
+                                  silence_s, group)
         if reason is not None:
             raise CollectiveError(OP, group, reason)
         if len(arrived) == world_size:
@@ -181,10 +207,8 @@ def watch(connecting: Connecting, watcher: TCPStore, rank: int, world_size: int,
         connecting.join(STEP_S)
         if not connecting.is_alive():
             break
-        try:
-            reason, _ = _look(watcher, rank, world_size, beats, silence_s)
-        except (RuntimeError, ValueError):
-            reason = "rank 0 stopped: its rendezvous store is gone"
+        reason, _ = _answer(lambda: _look(watcher, rank, world_size, beats, silence_s),
+                            silence_s, group)
         if reason is not None:
             raise CollectiveError(OP, group, reason)
         _check_stopped(stopped, group)
@@ -198,9 +222,13 @@ def client(host: str, port: int, timeout: datetime.timedelta) -> TCPStore:
     return TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timeout)
 
 
-def tell_failure(store: TCPStore, rank: int, reason: str) -> None:
-    """Write this rank's failed start down for the others. Rank 0 hosts the store, so it
-    waits a few polling steps for them to read it before its exit takes the store away."""
+def tell_failure(store: TCPStore, rank: int, error: Exception) -> None:
+    """Write this rank's failed start down for the others (unless a failure stands already,
+    which this one follows from). Rank 0 hosts the store, so it waits a few polling steps for
+    them to read it before its exit takes the store away."""
+    reason = error.reason if isinstance(error, CollectiveError) else str(error)
+    if reason == STOPPED:
+        reason = "it was stopped (a signal, or stop()) while the ranks gathered"
     _fail(store, f"rank {rank} failed to start: {reason}")
     if rank == 0:
         time.sleep(5 * STEP_S)
@@ -228,16 +256,32 @@ def _quiet_peers(store: TCPStore, arrived: list[int], rank: int,
     return quiet
 
 
+def _answer(work: Callable[[], T], limit_s: float, group: tuple[int, ...]) -> T:
+    """What store operations return, read on rank 0's store: a store that is gone, or that
+    gives no answer within ``limit_s`` (rank 0 frozen), fails the start naming rank 0."""
+    try:
+        return answered(work, limit_s)
+    except TimeoutError:
+        raise CollectiveError(OP, group, f"rank 0 stopped: its rendezvous store gave no "
+                              f"answer for {limit_s:g} s") from None
+    except (RuntimeError, ValueError):
+        raise CollectiveError(OP, group, "rank 0 stopped: its rendezvous store is gone"
+                              ) from None
+
+
 def _fail(store: TCPStore, reason: str) -> str:
     """Write the start's failure down for every other rank; the reason that stands (the
     first one written) is returned."""
     try:
-        stood: bytes = store.compare_set(FAILED, "", reason)
-    except (RuntimeError, ValueError):  # the store's host is gone: no one left to tell
+        stood: bytes = answered(lambda: store.compare_set(FAILED, "", reason), 2.0)
+    except (TimeoutError, RuntimeError, ValueError):  # no store to tell: no one to tell
         return reason
     return stood.decode()
 
 
+STOPPED = "the start was stopped while waiting for the ranks"
+
+
 def _check_stopped(stopped: Callable[[], bool], group: tuple[int, ...]) -> None:
     if stopped():
-        raise CollectiveError(OP, group, "the start was stopped while waiting for the ranks")
+        raise CollectiveError(OP, group, STOPPED)
