@@ -447,6 +447,45 @@ async def test_bench_url_takes_a_whole_completion_whose_server_then_cuts_the_bod
     assert [(t.tokens, t.text) for t in run.done] == [(4, "hi")]
 
 
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("answer", "words"), [
+    (b"HTTP/1.1 302 Found\r\nLocation: /v1/completions\r\nContent-Length: 0\r\n\r\n",
+     "the server redirected too many times"),
+    (b"HTTP/1.1 302 Found\r\nLocation: file:///etc/passwd\r\nContent-Length: 0\r\n\r\n",
+     "the server redirected to file:///etc/passwd, no http or https URL"),
+    # aiohttp says these as a 400 of its own; the server sent no 400.
+    (b"hello, no status line\r\n\r\n", "the response cannot be read: Bad status line"),
+    (b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n",
+     "the response cannot be read: Got more than 8190 bytes"),
+])
+async def test_bench_url_names_an_answer_aiohttp_cannot_take_for_what_it_is(
+        answer: bytes, words: str) -> None:
+    """A server answering with raw bytes (a fake, the point of the test)."""
+    handlers: list[asyncio.Task[None]] = []
+
+    async def reply(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        handlers.append(asyncio.current_task())  # type: ignore[arg-type]
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(answer)
+            await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(reply, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server, client_session(1) as session:
+        target = HttpTarget(f"http://127.0.0.1:{port}", "m", session)
+        run = await closed_loop(target, [("x", SamplingParams(temperature=0, max_tokens=4))], 1)
+    await asyncio.gather(*handlers, return_exceptions=True)
+    [error] = run.errors
+    assert error.startswith(f"request 0: {words}"), error
+    assert "\n" not in error, error
+    assert len(error) < 200, error
+
+
 def _whole_response(text: str) -> bytes:
     body = _events({"choices": [{"index": 0, "text": text}]}, USAGE, b"[DONE]")
     return (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"

@@ -183,6 +183,15 @@ class HttpTarget:
             # compressed encoding) raises these, the first no ClientError and both with a
             # message over two lines: as LoadErrors the request counts as failed, on one line.
             raise LoadError(f"the response cannot be read: {_http_fault(error)}") from None
+        except aiohttp.TooManyRedirects:
+            raise LoadError("the server redirected too many times") from None
+        except aiohttp.RedirectClientError as error:
+            raise LoadError(f"the server redirected to {printable(str(error))[:120]}, no http "
+                            "or https URL") from None
+        except aiohttp.ClientResponseError as error:
+            # The bench raises for no status: this one is aiohttp's (a status line, headers
+            # or an encoding it cannot read, said as a 400), never the server's.
+            raise LoadError(f"the response cannot be read: {_http_fault(error)}") from None
 
     async def _stream(self, prompt: str, params: SamplingParams) -> Timing:
         sent = time.perf_counter()
@@ -259,7 +268,8 @@ def _http_fault(error: Exception) -> str:
     """aiohttp's message for a fault in a body, on one line and cut short (it may quote the
     line that was too long); a ClientPayloadError carries the parser's fault as its cause."""
     fault = error.__cause__ if isinstance(error.__cause__, HttpProcessingError) else error
-    text = fault.message if isinstance(fault, HttpProcessingError) else str(fault)
+    text = fault.message if isinstance(fault, HttpProcessingError | aiohttp.ClientResponseError) \
+        else str(fault)
     text = " ".join(str(text).split()) or type(fault).__name__
     return printable(text if len(text) <= 120 else text[:117] + "...")
 
