@@ -128,6 +128,11 @@ def test_coverage_gaps_have_no_price() -> None:
      r"Bcap=1 G=1 costs 1e\+308 s"),
     (lambda d: d["profiles"][0]["table"].update(bias=1e6),
      r"profiles\[0\]\.table\.bias=1000000\.0: expected every price in 1e-06\.\.3600 s"),
+    # Too low with no negative term: the bias is the floor every other term adds to.
+    (lambda d: (d["profiles"][0]["table"].update(bias=5e-324, alpha=[0.0, 0.0]),
+                d["profiles"][0]["table"]["theta"].__setitem__(0, 0.0)),
+     r"profiles\[0\]\.table\.bias=5e-324: expected every price in 1e-06\.\.3600 s; "
+     r"Bcap=1 G=1 costs 5e-324 s"),
     (lambda d: d["profiles"][0]["table"]["theta"].__setitem__(5, 1e308),
      r"profiles\[0\]\.table\.theta\[5\]=1e\+308: expected every price .* Bcap=2 G=12 "
      r"costs 1e\+308 s"),

@@ -505,9 +505,7 @@ def check_prices(table: Loaded) -> Loaded:
     for corner in (0, -1):
         seconds = _corner_seconds(table, corner)
         if not MIN_PRICE_SECONDS <= seconds <= MAX_PRICE_SECONDS:  # NaN and inf fail too
-            # Name the term that pushes the price out most: the largest when it is too high.
-            pick = min if seconds < MIN_PRICE_SECONDS else max
-            key, value = pick(_corner_terms(table, corner), key=lambda term: term[1])
+            key, value = _blamed(_corner_terms(table, corner), seconds < MIN_PRICE_SECONDS)
             raise ConfigError(key, value, f"expected every price in {MIN_PRICE_SECONDS}.."
                               f"{MAX_PRICE_SECONDS:g} s; {_corner_name(table, corner)} "
                               f"costs {seconds} s")
@@ -521,6 +519,15 @@ def _corner_seconds(table: Loaded, corner: int) -> float:
         return table.seconds(table.buckets[corner], table.rows[corner])
     except OverflowError:  # exp() of a log-additive sum beyond any float
         return math.inf
+
+
+def _blamed(terms: list[tuple[str, float]], too_low: bool) -> tuple[str, float]:
+    """The term that pushes a price out most: the largest when it is too high; when too low,
+    the most negative one, or else the first (the bias, which no other term lowers)."""
+    if not too_low:
+        return max(terms, key=lambda term: term[1])
+    negative = [term for term in terms if term[1] < 0]
+    return min(negative, key=lambda term: term[1]) if negative else terms[0]
 
 
 def _corner_terms(table: Loaded, corner: int) -> list[tuple[str, float]]:
