@@ -2,11 +2,13 @@
 reader, and a server whose runtime has not started yet (on a real socket)."""
 
 import asyncio
+import contextlib
 import json
 import re
 import socket
 import subprocess
 import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 import pytest
@@ -447,6 +449,30 @@ async def test_bench_url_takes_a_whole_completion_whose_server_then_cuts_the_bod
     assert [(t.tokens, t.text) for t in run.done] == [(4, "hi")]
 
 
+@contextlib.asynccontextmanager
+async def _raw_server(talk: Callable[[asyncio.StreamReader, asyncio.StreamWriter],
+                                     Awaitable[None]]) -> AsyncIterator[str]:
+    """A server on a raw socket (a fake: what it sends is the point of its test) and its URL.
+    ``talk`` answers each request once its head is read; every connection has ended when the
+    block does."""
+    handlers: list[asyncio.Task[None]] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        handlers.append(asyncio.current_task())  # type: ignore[arg-type]
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            await talk(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    async with server:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    await asyncio.gather(*handlers, return_exceptions=True)
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize(("answer", "words"), [
     (b"HTTP/1.1 302 Found\r\nLocation: /v1/completions\r\nContent-Length: 0\r\n\r\n",
@@ -461,25 +487,13 @@ async def test_bench_url_takes_a_whole_completion_whose_server_then_cuts_the_bod
 async def test_bench_url_names_an_answer_aiohttp_cannot_take_for_what_it_is(
         answer: bytes, words: str) -> None:
     """A server answering with raw bytes (a fake, the point of the test)."""
-    handlers: list[asyncio.Task[None]] = []
-
     async def reply(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        handlers.append(asyncio.current_task())  # type: ignore[arg-type]
-        try:
-            await reader.readuntil(b"\r\n\r\n")
-            writer.write(answer)
-            await writer.drain()
-        except ConnectionError:
-            pass
-        finally:
-            writer.close()
+        writer.write(answer)
+        await writer.drain()
 
-    server = await asyncio.start_server(reply, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    async with server, client_session(1) as session:
-        target = HttpTarget(f"http://127.0.0.1:{port}", "m", session)
-        run = await closed_loop(target, [("x", SamplingParams(temperature=0, max_tokens=4))], 1)
-    await asyncio.gather(*handlers, return_exceptions=True)
+    async with _raw_server(reply) as url, client_session(1) as session:
+        run = await closed_loop(HttpTarget(url, "m", session),
+                                [("x", SamplingParams(temperature=0, max_tokens=4))], 1)
     [error] = run.errors
     assert error.startswith(f"request 0: {words}"), error
     assert "\n" not in error, error
@@ -497,28 +511,18 @@ async def test_bench_url_never_takes_what_a_server_sent_unasked_as_the_next_answ
     """A server (a fake on a raw socket, the point of the test) that sends a second, unasked
     answer once its first was read: the next request's answer is the one sent for it."""
     first_read, unasked_sent = asyncio.Event(), asyncio.Event()
-    handlers: list[asyncio.Task[None]] = []
 
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        handlers.append(asyncio.current_task())  # type: ignore[arg-type]
-        try:
-            await reader.readuntil(b"\r\n\r\n")
-            writer.write(_whole_response("hi"))
-            await first_read.wait()
-            if not unasked_sent.is_set():
-                writer.write(_whole_response("unasked"))
-                await writer.drain()
-                unasked_sent.set()
-            await reader.read()  # until the client closes
-        except ConnectionError:
-            pass
-        finally:
-            writer.close()
+        writer.write(_whole_response("hi"))
+        await first_read.wait()
+        if not unasked_sent.is_set():
+            writer.write(_whole_response("unasked"))
+            await writer.drain()
+            unasked_sent.set()
+        await reader.read()  # until the client closes
 
-    server = await asyncio.start_server(answer, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    async with server, client_session(1) as session:
-        target = HttpTarget(f"http://127.0.0.1:{port}", "m", session)
+    async with _raw_server(answer) as url, client_session(1) as session:
+        target = HttpTarget(url, "m", session)
         params = SamplingParams(temperature=0, max_tokens=4)
         first = await target.complete("x", params)
         first_read.set()
@@ -526,7 +530,6 @@ async def test_bench_url_never_takes_what_a_server_sent_unasked_as_the_next_answ
         for _ in range(5):  # no wait in time: loop turns, for the bytes to reach the client
             await asyncio.sleep(0)
         second = await target.complete("x", params)
-    await asyncio.gather(*handlers)
     assert (first.text, second.text) == ("hi", "hi")
 
 
