@@ -64,13 +64,21 @@ def finish(ranks: list[subprocess.Popen[str]]) -> list[RankRun]:
     one that exited early, whose output is the reason."""
     deadline = time.monotonic() + PROCESS_LIMIT_S
     runs, hung = [], []
-    for rank, process in enumerate(ranks):
-        try:
-            out, err = process.communicate(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            out, err = stack_and_kill(process)
-            hung.append(rank)
-        runs.append(RankRun(rank, process.returncode, out, err))
+    try:
+        for rank, process in enumerate(ranks):
+            # One that exited already has only its pipes to give: a few seconds do.
+            left = max(5.0 if process.poll() is not None else 0.0, deadline - time.monotonic())
+            try:
+                out, err = process.communicate(timeout=left)
+            except subprocess.TimeoutExpired:
+                out, err = stack_and_kill(process)
+                hung.append(rank)
+            runs.append(RankRun(rank, process.returncode, out, err))
+    finally:  # whatever went wrong here, no rank outlives the test
+        for process in ranks:
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
     if hung:
         said = "\n".join(f"--- rank {run.rank} exited {run.returncode}:\n"
                           + "\n".join(run.stderr.splitlines()[-40:]) for run in runs)

@@ -25,7 +25,7 @@ from adaspec.runtime.devices.collectives import (
     open_collectives,
     shard_ranks,
 )
-from adaspec.runtime.devices.rendezvous import join_store
+from adaspec.runtime.devices.rendezvous import Gathering, host_store, join_store
 
 
 def run_round(tmp_path: Path, tp_size: int, dp_size: int,
@@ -199,7 +199,7 @@ def test_rendezvous_timeout_is_a_collective_error_of_init_process_group(tmp_path
 def test_a_collective_over_a_large_world_is_named_by_runs_of_ranks() -> None:
     # Nothing listens on port 1, and a zero timeout gives up at the first refusal.
     with pytest.raises(CollectiveError) as info:
-        join_store("tcp://127.0.0.1:1", 65536, datetime.timedelta(0))
+        join_store("tcp://127.0.0.1:1", 65536, Gathering(0.0, 0.0, lambda: False))
     assert str(info.value).startswith("collective init_process_group over ranks [0..65535] "
                                       "failed: nothing listens at 127.0.0.1:1")
     assert str(CollectiveError("tp_broadcast", (0, 1, 4, 5, 6, 9), "lost")) == (
@@ -215,3 +215,19 @@ def test_a_collective_over_a_large_world_is_named_by_runs_of_ranks() -> None:
 ])
 def test_backend_reason_is_one_trimmed_line(backend_message: str, reason: str) -> None:
     assert backend_reason(RuntimeError(backend_message)) == reason
+
+
+def test_rank_0_refuses_a_rendezvous_host_that_names_nothing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lookup fails as it would for a name no resolver knows (a fake: CI has no DNS)."""
+    import socket
+
+    def unknown(*args: object, **kwargs: object) -> None:
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", unknown)
+    with pytest.raises(ConfigError) as info:
+        host_store("tcp://rank0.example:29500", datetime.timedelta(seconds=1))
+    assert str(info.value) == (
+        "--master_node_addr=rank0.example:29500: rank 0's host cannot be resolved (Name or "
+        "service not known); expected a name or address of rank 0's machine")

@@ -15,6 +15,7 @@ rank in every shard.
 """
 
 import datetime
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -29,13 +30,17 @@ from adaspec.availability import require_device
 from adaspec.errors import CollectiveError, ConfigError, ConsensusMismatch, rank_runs
 from adaspec.runtime.devices.liveness import Liveness
 from adaspec.runtime.devices.rendezvous import (
+    STOPPED,
     Connecting,
+    Gathering,
+    agent_hosts_the_store,
     arrive,
     await_every_rank,
     backend_store,
     client,
     host_store,
     join_store,
+    publish_layout,
     tcp_address,
     tell_failure,
     watch,
@@ -253,29 +258,39 @@ class DistributedCollectives:
         watches the others' heartbeats. A failure here is written down for the others."""
         rank, world_size = self.rank, self.world_size
         group = tuple(range(world_size))
+        gathering = Gathering(time.monotonic() + timeout.total_seconds(),
+                              timeout.total_seconds(), stopped)
         # What every rank must share to create the same groups: a rank given another
         # layout would wait in new_group until the timeout, never reaching the launch check.
         layout = {"--nnodes": world_size, "--dp_size": self.dp_size, "--tp_size": self.tp_size}
+        hosting = rank == 0 and not agent_hosts_the_store()
         with _collective("init_process_group", group):
-            store = self._store = (host_store(init_method, layout, timeout) if rank == 0
-                                   else join_store(init_method, world_size, timeout, stopped))
+            store = self._store = (host_store(init_method, timeout) if hosting
+                                   else join_store(init_method, world_size, gathering))
+        host, port = tcp_address(init_method)
+        if hosting:  # its own store is on this machine, whatever the name says elsewhere
+            host = "127.0.0.1"
+        told = store  # the backend's connection holds its client: failures go by another
         connecting = None
         try:
             with _collective("init_process_group", group):
-                host, port = tcp_address(init_method)
+                watcher = told = client(host, port, timeout)
+                if rank == 0:
+                    publish_layout(store, layout, gathering)
                 liveness = self._liveness = Liveness(
                     host, port, rank, world_size, min(1.0, self.timeout.total_seconds() / 8),
                     connect_timeout=timeout)
-                watcher = client(host, port, timeout)
-                arrive(store, rank, layout, timeout.total_seconds())
-                await_every_rank(watcher, rank, world_size, liveness.beat_s, timeout, stopped)
+                arrive(store, rank, layout, gathering)
+                await_every_rank(watcher, rank, world_size, liveness.beat_s, gathering)
             connecting = Connecting(self._connect_groups)
             watch(connecting, watcher, rank, world_size, liveness.beat_s, stopped)
+            if stopped():  # connected as the start was stopped: leave nothing behind
+                raise CollectiveError("init_process_group", group, STOPPED)
         except Exception as error:
             if connecting is not None and connecting.is_alive():
                 # Its C++ wait cannot be interrupted: the groups are left to it as they are.
                 self._connecting = connecting
-            tell_failure(store, rank, error)
+            tell_failure(told, rank, error)
             raise
 
     def _connect_groups(self) -> None:

@@ -8,7 +8,7 @@ apart: a peer whose counter did not move has stopped (died, or hangs with its pr
 frozen). When the store itself cannot be reached, rank 0, which hosts it, is the one gone.
 The reads wait a few beats only after a failure; serving pays one small store write per beat.
 
-The first rank to find the stopped peers writes them down (``VERDICT``) and every later
+The first rank to find the stopped peers writes them down (the verdict) and every later
 one reads them: a rank whose collective failed only because another survivor left after
 its own failure must not blame that survivor. So rank 0, whose exit would take the store
 along, closes its process groups first (waking the ranks still waiting on it), waits a few
@@ -16,6 +16,7 @@ beats for every survivor to read the verdict, and only then lets the store go.
 """
 
 import datetime
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -25,9 +26,14 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, 
 
 T = TypeVar("T")
 
-PREFIX = "adaspec/alive/"
-VERDICT = "adaspec/stopped"
-READ = "adaspec/read"
+def scope() -> str:
+    """The prefix of every key adaspec writes in the rendezvous store. torchrun's own store
+    outlives a restart of the workers (--max-restarts): each attempt keeps its own keys."""
+    return f"adaspec/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+
+
+def alive_key(rank: int) -> str:
+    return f"{scope()}alive/{rank}"
 BEATS_TO_WAIT = 3
 
 
@@ -65,7 +71,7 @@ class Liveness:
         count = 0
         while not self._stopped.is_set() and self._store is not None:
             try:
-                self._store.set(f"{PREFIX}{self.rank}", str(count))
+                self._store.set(alive_key(self.rank), str(count))
             except Exception:  # the store's host (rank 0) is gone: nothing left to tell
                 return
             count += 1
@@ -84,16 +90,17 @@ class Liveness:
     def _verdict(self) -> list[int]:
         store = self._probe
         assert store is not None, "probed after close"
-        if store.check([VERDICT]):
-            told = _ranks(store.get(VERDICT))
+        verdict = f"{scope()}stopped"
+        if store.check([verdict]):
+            told = _ranks(store.get(verdict))
         else:
             before = _counters(store, range(self.world_size))
             time.sleep(BEATS_TO_WAIT * self.beat_s)  # only ever after a failure
             after = _counters(store, range(self.world_size))
             told = [rank for rank in range(self.world_size)
                     if rank != self.rank and before[rank] == after[rank]]
-            store.set(VERDICT, ",".join(map(str, told)))
-        store.add(READ, 1)
+            store.set(verdict, ",".join(map(str, told)))
+        store.add(f"{scope()}read", 1)
         return told
 
     def linger(self) -> None:
@@ -105,7 +112,7 @@ class Liveness:
         deadline = time.monotonic() + (BEATS_TO_WAIT + 3) * self.beat_s
         store = self._probe
         try:
-            while store is not None and store.add(READ, 0) < survivors \
+            while store is not None and store.add(f"{scope()}read", 0) < survivors \
                     and time.monotonic() < deadline:
                 self._stopped.wait(self.beat_s / 4)
         except Exception:  # nothing to wait for without a store
@@ -147,5 +154,5 @@ def _ranks(text: bytes) -> list[int]:
 
 
 def _counters(store: TCPStore, ranks: Sequence[int]) -> dict[int, bytes | None]:
-    keys = {rank: f"{PREFIX}{rank}" for rank in ranks}
+    keys = {rank: alive_key(rank) for rank in ranks}
     return {rank: store.get(key) if store.check([key]) else None for rank, key in keys.items()}
