@@ -500,6 +500,18 @@ async def test_bench_url_names_an_answer_aiohttp_cannot_take_for_what_it_is(
     assert len(error) < 200, error
 
 
+@pytest.mark.asyncio
+async def test_bench_url_names_a_models_answer_aiohttp_cannot_take_for_what_it_is() -> None:
+    async def reply(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"hello, no status line\r\n\r\n")
+        await writer.drain()
+
+    async with _raw_server(reply) as url, client_session(1) as session:
+        with pytest.raises(LoadError, match=r"^GET /v1/models: the response cannot be read: "
+                                            r"Bad status line"):
+            await served_model(url, session)
+
+
 def _whole_response(text: str) -> bytes:
     body = _events({"choices": [{"index": 0, "text": text}]}, USAGE, b"[DONE]")
     return (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"

@@ -178,20 +178,8 @@ class HttpTarget:
                 raise
             raise LoadError(f"the stream did not end within {limit:g} s ({READ_TIMEOUT_S} s "
                             "and 1 s per token asked)") from None
-        except (HttpProcessingError, aiohttp.ClientPayloadError) as error:
-            # A body aiohttp cannot parse (a line past its 512 KiB limit, a broken chunked or
-            # compressed encoding) raises these, the first no ClientError and both with a
-            # message over two lines: as LoadErrors the request counts as failed, on one line.
-            raise LoadError(f"the response cannot be read: {_http_fault(error)}") from None
-        except aiohttp.TooManyRedirects:
-            raise LoadError("the server redirected too many times") from None
-        except aiohttp.RedirectClientError as error:
-            raise LoadError(f"the server redirected to {printable(str(error))[:120]}, no http "
-                            "or https URL") from None
-        except aiohttp.ClientResponseError as error:
-            # The bench raises for no status: this one is aiohttp's (a status line, headers
-            # or an encoding it cannot read, said as a 400), never the server's.
-            raise LoadError(f"the response cannot be read: {_http_fault(error)}") from None
+        except READ_FAULTS as error:
+            raise read_fault(error) from None
 
     async def _stream(self, prompt: str, params: SamplingParams) -> Timing:
         sent = time.perf_counter()
@@ -262,6 +250,29 @@ def _check_ending(done: bool, chosen: bool, tokens: int | None, texts: bool) -> 
     if tokens == 0 and texts:
         raise LoadError("the usage chunk counts completion_tokens=0 for a stream that "
                         "carried text")
+
+
+READ_FAULTS = (HttpProcessingError, aiohttp.ClientPayloadError, aiohttp.RedirectClientError,
+               aiohttp.ClientResponseError)
+"""What aiohttp raises for an answer it cannot take: as LoadErrors the request fails, on one
+line (aiohttp's messages run over several)."""
+
+
+def read_fault(error: BaseException) -> LoadError:
+    """The one-line LoadError for a READ_FAULTS error."""
+    if isinstance(error, aiohttp.TooManyRedirects):
+        return LoadError("the server redirected too many times")
+    if isinstance(error, aiohttp.InvalidUrlRedirectClientError):
+        return LoadError(f"the server redirected to {printable(str(error))[:120]}, which is "
+                         "no valid URL")
+    if isinstance(error, aiohttp.RedirectClientError):
+        return LoadError(f"the server redirected to {printable(str(error))[:120]}, no http or "
+                         "https URL")
+    # A body aiohttp cannot parse (a line past its 512 KiB limit, a broken chunked or
+    # compressed encoding), or a status line or headers it cannot read, which it says as a
+    # 400 of its own (the bench raises for no status): never the server's.
+    assert isinstance(error, Exception)
+    return LoadError(f"the response cannot be read: {_http_fault(error)}")
 
 
 def _http_fault(error: Exception) -> str:
@@ -337,7 +348,7 @@ class SseEvents:
             if name == b"data":
                 self.data.append(value[1:] if value.startswith(b" ") else value)
             elif name == b"event":
-                self.kind = value.strip()
+                self.kind = value[1:] if value.startswith(b" ") else value
             return None
         kind, data = self.kind, b"\n".join(self.data).strip()
         self.kind, self.data = b"", []
@@ -419,6 +430,8 @@ async def served_model(url: str, session: aiohttp.ClientSession) -> str:
             if response.status != 200:
                 raise LoadError(f"GET /v1/models answered HTTP {response.status}")
             data = await response.json(content_type=None)
+    except READ_FAULTS as error:
+        raise LoadError(f"GET /v1/models: {read_fault(error)}") from None
     except aiohttp.ClientError as error:
         raise LoadError(f"cannot reach {url}: {error}") from None
     except TimeoutError:
