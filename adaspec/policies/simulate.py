@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from adaspec.config.calibration import MAX_TOKENS_IN_CONTEXT, DraftStepPolicyConfig, json_type
-from adaspec.config.files import check_doubles, json_fault, marked_double
+from adaspec.config.files import UnheldNumber, check_doubles, json_fault, marked_double
 from adaspec.config.limits import MAX_PARALLEL_SIZE
 from adaspec.config.requests import MAX_REQUEST_ID
 from adaspec.errors import ConfigError, show_value
@@ -155,6 +155,8 @@ def _json(source: str, number: int, text: str) -> Any:
                           parse_float=marked_double)
         check_doubles(data)
         return data
+    except UnheldNumber as error:  # valid JSON, with a number no double holds
+        raise ConfigError("--workload", f"{source}:{number}", str(error)) from None
     except ValueError as error:
         raise ConfigError("--workload", f"{source}:{number}",
                           f"expected one JSON object per line ({json_fault(error)})") from None

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, get_args, get_origin
 
-from adaspec.config.files import check_doubles, marked_double
+from adaspec.config.files import UnheldNumber, check_doubles, marked_double
 from adaspec.config.launch import prepared_rows
 from adaspec.config.paths import NotRegularFile, open_regular
 from adaspec.config.requests import MAX_REQUEST_ID, MAX_SEED, SamplingParams, check_room
@@ -289,6 +289,8 @@ def _json_line(name: str, number: int, raw: bytes) -> object:
         # json's own wording ("Expecting value: line 1 column 5"), the line being ours
         raise EventLogError(name, number, f"invalid JSON: {error.msg}: column "
                             f"{error.colno}{hint}") from None
+    except UnheldNumber as error:  # valid JSON, with a number no double holds
+        raise EventLogError(name, number, str(error)) from None
     except ValueError as error:  # a repeated key or NaN: JSON that Python alone accepts
         raise EventLogError(name, number, f"invalid JSON: {error}") from None
     except RecursionError:
