@@ -20,7 +20,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, unstubbed
 
@@ -125,28 +125,39 @@ class Liveness:
         self._store = self._probe = None
 
 
-def answered(work: Callable[[], T], limit_s: float) -> T:
-    """What ``work`` (store operations) returns, or TimeoutError after ``limit_s``. A store
-    whose host is frozen (SIGSTOP, a hung machine) never answers, and a client operation has
-    no timeout of its own: it runs in a daemon thread, left behind if it never returns."""
-    box: list[tuple[bool, object]] = []
+class StoreCall(threading.Thread, Generic[T]):
+    """``work`` (store operations) in a daemon thread, started at once. A store whose host is
+    frozen (SIGSTOP, a hung machine) never answers, and a client operation has no timeout of
+    its own: the caller waits as long as it chooses, and leaves the thread behind after."""
 
-    def run() -> None:
+    def __init__(self, work: Callable[[], T]) -> None:
+        super().__init__(name="adaspec-store-op", daemon=True)
+        self._work = work
+        self._box: list[tuple[bool, object]] = []
+        self.start()
+
+    def run(self) -> None:
         try:
-            box.append((True, work()))
+            self._box.append((True, self._work()))
         except Exception as error:  # handed to the caller
-            box.append((False, error))
+            self._box.append((False, error))
 
-    worker = threading.Thread(target=run, name="adaspec-store-op", daemon=True)
-    worker.start()
-    worker.join(limit_s)
-    if not box:
+    def result(self) -> T:
+        """What ``work`` returned, once the thread has ended; what it raised is raised."""
+        done, value = self._box[0]
+        if not done:
+            assert isinstance(value, Exception)
+            raise value
+        return value  # type: ignore[return-value]
+
+
+def answered(work: Callable[[], T], limit_s: float) -> T:
+    """What ``work`` returns, or TimeoutError after ``limit_s`` (see StoreCall)."""
+    call = StoreCall(work)
+    call.join(limit_s)
+    if call.is_alive():
         raise TimeoutError(f"no answer within {limit_s:g} s")
-    done, value = box[0]
-    if not done:
-        assert isinstance(value, Exception)
-        raise value
-    return value  # type: ignore[return-value]
+    return call.result()
 
 
 def _ranks(text: bytes) -> list[int]:

@@ -27,7 +27,13 @@ from typing import TypeVar
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
 from adaspec.errors import CollectiveError, ConfigError, rank_runs
-from adaspec.runtime.devices.liveness import BEATS_TO_WAIT, alive_key, answered, scope
+from adaspec.runtime.devices.liveness import (
+    BEATS_TO_WAIT,
+    StoreCall,
+    alive_key,
+    answered,
+    scope,
+)
 
 T = TypeVar("T")
 
@@ -325,27 +331,14 @@ def _answer(work: Callable[[], T], limit_s: float, group: tuple[int, ...]) -> T:
 def _until(work: Callable[[], T], gathering: Gathering, group: tuple[int, ...]) -> T:
     """``work`` on the store, waited for in steps until a few seconds past the gathering's
     deadline, or until it is stopped."""
-    box: list[tuple[bool, object]] = []
-
-    def run() -> None:
-        try:
-            box.append((True, work()))
-        except Exception as error:  # handed to the caller
-            box.append((False, error))
-
-    worker = threading.Thread(target=run, name="adaspec-store-op", daemon=True)
-    worker.start()
-    while worker.is_alive():
-        worker.join(STEP_S)
+    call = StoreCall(work)
+    while call.is_alive():
+        call.join(STEP_S)
         _check_stopped(gathering.stopped, group)
-        if worker.is_alive() and time.monotonic() >= gathering.deadline + MIN_SILENCE_S:
+        if call.is_alive() and time.monotonic() >= gathering.deadline + MIN_SILENCE_S:
             raise CollectiveError(OP, group, "rank 0 stopped: its rendezvous store gave no "
                                   "answer")
-    done, value = box[0]
-    if not done:
-        assert isinstance(value, Exception)
-        raise value
-    return value  # type: ignore[return-value]
+    return call.result()
 
 
 def _fail(store: TCPStore, reason: str) -> str:
