@@ -50,6 +50,19 @@ def test_json_results_come_in_prompt_order_with_text_tokens_and_acceptance(
     assert spec["tokens_per_second"] == pytest.approx(36 / spec["seconds"], rel=0.01)
 
 
+def test_a_trace_to_stderr_creates_no_file_named_dash(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """'-' is stderr, not a path: checking it as a new file once created ./- (two ranks
+    starting in one folder raced on it), and refused a folder holding a file of that name."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "-").write_text("kept")
+    assert cli.run(["generate", "--prompt=abc", "--max_tokens=4", "--temperature=0",
+                    "--trace=-"]) == 0, capsys.readouterr().err
+    assert '"event": "transition"' in capsys.readouterr().err
+    assert (tmp_path / "-").read_text() == "kept"
+
+
 def test_text_output_ends_with_the_decode_rate(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.run(["generate", *LAUNCH, "--prompt", "Enter", "--max_tokens", "6",
                     "--temperature", "0"]) == 0

@@ -190,6 +190,8 @@ def check_outputs(values: dict[str, str], launch: LaunchConfig) -> None:
             launch.adaptive_target_verify_cost_table_output
     if outputs.get("--event_log") == STDERR:
         raise ConfigError("--event_log", STDERR, EVENT_LOG_NOT_A_STREAM)
+    if outputs.get("--trace") == STDERR:  # a stream, no file: probing would create "./-"
+        del outputs["--trace"]
     for flag, path in outputs.items():
         new_file(flag, path)
     seen: dict[str, str] = {}
