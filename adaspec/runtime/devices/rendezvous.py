@@ -194,13 +194,9 @@ def await_every_rank(watcher: TCPStore, rank: int, world_size: int, beat_s: floa
     first rank to see it wrote down, when one arrived and then stopped beating, when a rank's
     launch differs, or when ``stopped()`` says this start is abandoned."""
     group = tuple(range(world_size))
-    silence_s = max((BEATS_TO_WAIT + 2) * beat_s, MIN_SILENCE_S)
-    beats: dict[int, tuple[bytes, float]] = {}  # a peer's last counter, and when it moved
+    look = _Look(watcher, rank, world_size, beat_s)
     while True:
-        reason, arrived = _answer(lambda: _look(watcher, rank, world_size, beats, silence_s),
-                                  silence_s, group)
-        if reason is not None:
-            raise CollectiveError(OP, group, reason)
+        arrived = look.step()
         if len(arrived) == world_size:
             return
         if gathering.over():
@@ -236,16 +232,12 @@ def watch(connecting: Connecting, watcher: TCPStore, rank: int, world_size: int,
     """Wait for ``connecting`` to end, raising what it raised; fail first, as in
     await_every_rank, when a rank wrote a failure or fell silent, or the start is stopped."""
     group = tuple(range(world_size))
-    silence_s = max((BEATS_TO_WAIT + 2) * beat_s, MIN_SILENCE_S)
-    beats: dict[int, tuple[bytes, float]] = {}
+    look = _Look(watcher, rank, world_size, beat_s)
     while connecting.is_alive():
         connecting.join(STEP_S)
         if not connecting.is_alive():
             break
-        reason, _ = _answer(lambda: _look(watcher, rank, world_size, beats, silence_s),
-                            silence_s, group)
-        if reason is not None:
-            raise CollectiveError(OP, group, reason)
+        look.step()
         _check_stopped(stopped, group)
     if connecting.error is not None:
         raise connecting.error
@@ -280,6 +272,26 @@ def _unread(store: TCPStore) -> bool:
 def backend_store(store: TCPStore) -> PrefixStore:
     """The keys the backend connects over, apart from the start's own."""
     return PrefixStore(f"{scope()}backend", store)
+
+
+class _Look:
+    """One rank's look at the others on the store, step after step: the heartbeats it saw
+    move, and the silence after which an arrived peer counts as stopped."""
+
+    def __init__(self, watcher: TCPStore, rank: int, world_size: int, beat_s: float) -> None:
+        self.watcher, self.rank, self.world_size = watcher, rank, world_size
+        self.group = tuple(range(world_size))
+        self.silence_s = max((BEATS_TO_WAIT + 2) * beat_s, MIN_SILENCE_S)
+        self.beats: dict[int, tuple[bytes, float]] = {}  # a peer's counter, and when it moved
+
+    def step(self) -> list[int]:
+        """The ranks that have arrived; a CollectiveError when the start failed."""
+        reason, arrived = _answer(lambda: _look(self.watcher, self.rank, self.world_size,
+                                                self.beats, self.silence_s),
+                                  self.silence_s, self.group)
+        if reason is not None:
+            raise CollectiveError(OP, self.group, reason)
+        return arrived
 
 
 def _look(store: TCPStore, rank: int, world_size: int, beats: dict[int, tuple[bytes, float]],
