@@ -231,3 +231,12 @@ def test_rank_0_refuses_a_rendezvous_host_that_names_nothing(
     assert str(info.value) == (
         "--master_node_addr=rank0.example:29500: rank 0's host cannot be resolved (Name or "
         "service not known); expected a name or address of rank 0's machine")
+
+
+def test_a_rank_told_that_torchruns_agent_hosts_the_store_is_pointed_at_the_agent(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    with pytest.raises(CollectiveError, match=r"nothing listens at 127\.0\.0\.1:1 after 0 s; "
+                                              r"is the torchrun agent, which TORCHELASTIC_USE_"
+                                              r"AGENT_STORE=True says hosts it, started there\?"):
+        join_store("tcp://127.0.0.1:1", 2, Gathering(0.0, 0.0, lambda: False))

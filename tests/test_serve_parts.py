@@ -155,6 +155,14 @@ def test_a_number_no_double_holds_is_refused_naming_where_it_stands(
     assert (info.value.status, info.value.param, info.value.message) == (400, param, message)
 
 
+def test_a_number_no_double_holds_deep_in_the_body_is_named_in_a_short_line() -> None:
+    with pytest.raises(ApiError) as info:
+        parse_body(b'{"x": ' + b"[" * 900 + b"1e400" + b"]" * 900 + b"}")
+    assert info.value.message.startswith("x[0][0]"), info.value.message
+    assert info.value.message.endswith("]: 1e400 is beyond a double; expected a finite number")
+    assert len(info.value.message) < 200
+
+
 def test_json_constants_and_scalars_are_no_request() -> None:
     for raw, words in ((b"Infinity", "not JSON"), (b"1", "JSON number"), (b"null", "null")):
         with pytest.raises(ApiError, match=words) as info:

@@ -86,7 +86,8 @@ class UnheldNumber(ValueError):
     as ``a.b[2]``) and ``key``, the top-level key it stands under (None at the top)."""
 
     def __init__(self, path: str, key: str | None, reason: str) -> None:
-        super().__init__(f"{path}: {reason}" if path else reason)
+        shown = path if len(path) <= 120 else f"{path[:57]}...{path[-60:]}"  # deep nesting
+        super().__init__(f"{shown}: {reason}" if path else reason)
         self.path, self.key, self.reason = path, key, reason
 
 

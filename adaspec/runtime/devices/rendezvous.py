@@ -119,9 +119,12 @@ def join_store(init_method: str, world_size: int, gathering: Gathering) -> TCPSt
             break
         except OSError:
             if gathering.over():
+                host_hint = ("is the torchrun agent, which TORCHELASTIC_USE_AGENT_STORE=True "
+                             "says hosts it, started there?" if agent_hosts_the_store() else
+                             "is rank 0 started, with this --master_node_addr?")
                 raise CollectiveError(OP, group, (
-                    f"nothing listens at {host}:{port} after {gathering.timeout_s:g} s; is "
-                    "rank 0 started, with this --master_node_addr?")) from None
+                    f"nothing listens at {host}:{port} after {gathering.timeout_s:g} s; "
+                    f"{host_hint}")) from None
             time.sleep(STEP_S)
     # A listener found at the very end still gets a second to answer.
     handshake = Gathering(max(gathering.deadline, time.monotonic() + 1.0),
