@@ -357,6 +357,9 @@ USAGE = {"choices": [], "usage": {"completion_tokens": 4}}
      'an error event: {"message": "server exploded"}'),
     pytest.param(b"data: " + LONG + b"\n\n", f"a stream event holds a number too long to "
                  f"read: {LONG[:80]!r}", id="a-number-past-the-digit-limit"),
+    # A body that ends inside an event's line was cut there: its data is no JSON for that.
+    (_events(CHUNK) + b'data: {"choices": [{"ind',
+     "the stream ended in the middle of an event: b'{\"choices\": [{\"ind'"),
 ])
 async def test_bench_url_counts_a_stream_that_is_no_whole_completion_as_a_failure(
         body: bytes, words: str) -> None:
@@ -366,6 +369,24 @@ async def test_bench_url_counts_a_stream_that_is_no_whole_completion_as_a_failur
         run = await closed_loop(target, [("x", SamplingParams(temperature=0, max_tokens=4))], 1)
     assert run.timings == [None]
     assert run.errors == [f"request 0: {words}"]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("content_type", ["application/json", ""])
+async def test_bench_url_names_an_answer_that_is_no_event_stream(content_type: str) -> None:
+    """A server that answers a stream request with one whole JSON completion does not
+    stream: that is what the failure says, not that the stream was cut short."""
+    body = json.dumps({"choices": [{"index": 0, "text": "hi", "finish_reason": "stop"}],
+                       "usage": {"completion_tokens": 1}}).encode()
+    headers = {"Content-Type": content_type} if content_type else {}
+    async with TestServer(_broken_stream_app(body, headers), host="127.0.0.1") as fake, \
+            aiohttp.ClientSession() as session:
+        target = HttpTarget(str(fake.make_url("/")), "m", session)
+        run = await closed_loop(target, [("x", SamplingParams(temperature=0, max_tokens=4))], 1)
+    shown = content_type or "application/octet-stream"
+    assert run.errors == [f"request 0: the server answered the stream request with "
+                          f"Content-Type {shown}, not an event stream (text/event-stream); "
+                          "it must support stream: true"]
 
 
 @pytest.mark.asyncio

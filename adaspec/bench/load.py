@@ -208,6 +208,8 @@ class HttpTarget:
                 if finished and tokens is not None:  # the usage chunk ends a finished choice
                     break
             ended = time.perf_counter()  # the completion is whole: what follows is no part
+            if not (done or finished or chosen):
+                _check_event_stream(response.content_type)
         _check_ending(done or finished, chosen, tokens, bool(pieces))
         assert tokens is not None
         return Timing(tokens=tokens, ttft_s=(first or ended) - sent, e2e_s=ended - sent,
@@ -233,6 +235,15 @@ def _finished(event: dict[str, Any]) -> bool:
         if reason is not None and reason.lower() in GAVE_UP:
             raise LoadError(f"the server gave the choice up: finish_reason={reason!r}")
     return any(reasons)
+
+
+def _check_event_stream(content_type: str) -> None:
+    """Name an answer that carried no event because it is no event stream (a server that
+    answers a stream request with one JSON completion), rather than calling it cut short."""
+    if content_type != "text/event-stream":
+        raise LoadError(f"the server answered the stream request with Content-Type "
+                        f"{printable(content_type)[:60] or '(none)'}, not an event stream "
+                        "(text/event-stream); it must support stream: true")
 
 
 def _check_ending(done: bool, chosen: bool, tokens: int | None, texts: bool) -> None:
@@ -336,14 +347,16 @@ class SseEvents:
         self.kind = b""
         self.data: list[bytes] = []
         self.first = True
+        self.cut = False  # the last line read had no line end: the body ended inside it
 
     def feed(self, line: bytes) -> dict[str, Any] | None:
         """The JSON object of the event ``line`` ends, ``DONE`` for the stream's end, None
         while an event is still being read or carries no data."""
         if self.first:
             line, self.first = line.removeprefix(b"\xef\xbb\xbf"), False
-        line = line.rstrip(b"\r\n")
-        if line:
+        ended = line.rstrip(b"\r\n")
+        if ended:
+            self.cut, line = ended == line, ended
             name, _, value = line.partition(b":")
             if name == b"data":
                 self.data.append(value[1:] if value.startswith(b" ") else value)
@@ -356,11 +369,12 @@ class SseEvents:
             raise LoadError(f"an error event: {printable(data[:120].decode('utf-8', 'replace'))}")
         if kind not in (b"", b"message"):
             return None
-        return _sse_data(data) if data else None
+        return _sse_data(data, self.cut) if data else None
 
 
-def _sse_data(data: bytes) -> dict[str, Any]:
-    """One event's data: ``DONE`` for the stream's end, else its JSON object."""
+def _sse_data(data: bytes, cut: bool = False) -> dict[str, Any]:
+    """One event's data: ``DONE`` for the stream's end, else its JSON object; ``cut``: the
+    body ended inside the event's last line, which explains data that is no JSON."""
     if data == b"[DONE]":
         return DONE
     try:
@@ -368,6 +382,9 @@ def _sse_data(data: bytes) -> dict[str, Any]:
     except ValueError as error:
         if "int_max_str_digits" in str(error):  # JSON still, past what Python reads
             raise LoadError(f"a stream event holds a number too long to read: {data[:80]!r}"
+                            ) from None
+        if cut:
+            raise LoadError(f"the stream ended in the middle of an event: {data[-80:]!r}"
                             ) from None
         raise LoadError(f"a stream event is not JSON: {data[:80]!r}") from None
     except RecursionError:  # nesting deeper than the parser follows: no event of a server
