@@ -532,6 +532,8 @@ def test_a_rank_flag_that_contradicts_torchrun_is_refused_naming_both() -> None:
 @pytest.mark.parametrize(("variable", "value", "expected"), [
     ("WORLD_SIZE", "abc", "1..65536"), ("WORLD_SIZE", "0", "1..65536"),
     ("RANK", "x", "0..1"), ("RANK", "2", "0..1"), ("MASTER_PORT", "abc", "1..65535"),
+    ("LOCAL_RANK", "x", "0..1"), ("LOCAL_RANK", "2", "0..1"),
+    ("LOCAL_WORLD_SIZE", "3", "1..2"), ("LOCAL_WORLD_SIZE", "0", "1..2"),
 ])
 def test_a_torchrun_number_that_is_none_is_named_by_its_variable(
         variable: str, value: str, expected: str) -> None:
@@ -541,6 +543,19 @@ def test_a_torchrun_number_that_is_none_is_named_by_its_variable(
     assert str(raised.value) == (f"{variable}={value}: expected an integer in {expected} "
                                  "(torchrun sets it; a launch by flags sets none of its "
                                  "variables)")
+
+
+def test_a_local_rank_past_its_hosts_ranks_is_named_by_its_variable() -> None:
+    with pytest.raises(ConfigError, match=r"^LOCAL_RANK=1: expected an integer in 0\.\.0 "):
+        torchrun_settings({}, {**TORCHRUN, "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "1"})
+
+
+@pytest.mark.parametrize("host", ["", " ", "10.1.2.3 ", "a\tb"])
+def test_a_rank_0_host_that_names_nothing_is_named_by_its_variable(host: str) -> None:
+    with pytest.raises(ConfigError) as raised:
+        torchrun_settings({}, {**TORCHRUN, "MASTER_ADDR": host})
+    assert str(raised.value).startswith(f"MASTER_ADDR={host!r}: expected the host name or "
+                                        "address of rank 0 (torchrun sets it;"), raised.value
 
 
 def test_a_torchrun_environment_set_in_part_is_refused_naming_what_is_missing() -> None:

@@ -433,6 +433,17 @@ def _check_torchrun_numbers(environ: Mapping[str, str]) -> None:
     size = _torchrun_integer("WORLD_SIZE", environ["WORLD_SIZE"], *INT_RANGES["nnodes"])
     _torchrun_integer("MASTER_PORT", environ["MASTER_PORT"], 1, 65535)
     _torchrun_integer("RANK", environ["RANK"], 0, size - 1)
+    host = environ["MASTER_ADDR"]
+    if not host.strip() or not host.isprintable() or any(c.isspace() for c in host):
+        raise ConfigError("MASTER_ADDR", host, "expected the host name or address of rank 0 "
+                          "(torchrun sets it; a launch by flags sets none of its variables)")
+    # Where a host's ranks take their accelerators (LOCAL_RANK of LOCAL_WORLD_SIZE): never
+    # read past, as a wrong one would put two ranks on one device.
+    local_size = size
+    if "LOCAL_WORLD_SIZE" in environ:
+        local_size = _torchrun_integer("LOCAL_WORLD_SIZE", environ["LOCAL_WORLD_SIZE"], 1, size)
+    if "LOCAL_RANK" in environ:
+        _torchrun_integer("LOCAL_RANK", environ["LOCAL_RANK"], 0, local_size - 1)
 
 
 def _torchrun_integer(variable: str, text: str, low: int, high: int) -> int:
