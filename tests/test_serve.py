@@ -657,6 +657,7 @@ def test_bench_url_counts_refused_requests_as_failures_and_exits_1(server: Serve
      "--speculative_algorithm=MTP: a launch flag"),
     (["--url=ftp://x"], "--url=ftp://x: expected a server's base URL"),
     (["--url=http://127.0.0.1:99999"], "expected a port in 1..65535"),
+    (["--url=http://127.0.0.1:0"], "--url=http://127.0.0.1:0: expected a port in 1..65535"),
     (["--url=http://[::1"], "--url=http://[::1: expected a server's base URL"),
     (["--served_model_name=m"], "--served_model_name=m: names a server's model"),
     ([f"--url=http://127.0.0.1:{free_port()}"], "cannot reach"),

@@ -41,9 +41,11 @@ def check_url(raw: str) -> str:
         raise ConfigError("--url", raw, "expected a server's base URL such as "
                           "http://127.0.0.1:8000")
     try:
-        parts.port  # noqa: B018  # a port out of range raises here
+        port = parts.port  # a port out of range raises here
     except ValueError:
-        raise ConfigError("--url", raw, "expected a port in 1..65535") from None
+        port = 0
+    if port == 0:  # no server listens on port 0: it only asks the system for a free one
+        raise ConfigError("--url", raw, "expected a port in 1..65535")
     path = parts.path.rstrip("/").removesuffix("/v1")
     return f"{parts.scheme}://{parts.netloc}{path}"
 
