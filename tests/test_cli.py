@@ -150,3 +150,25 @@ def test_every_command_stops_on_ctrl_c_with_one_line_and_status_130(
     monkeypatch.setitem(cli.COMMANDS, command, interrupted)
     assert run([command]) == 130
     assert capsys.readouterr() == ("", f"adaspec {command}: interrupted\n")
+
+
+LEAVING = """
+import atexit, sys, threading
+from adaspec.cli.main import _exit
+atexit.register(lambda: print("teardown", flush=True))
+if sys.argv[1] == "left":  # a thread still waiting, as on a store that never answered
+    threading.Thread(target=threading.Event().wait, daemon=True).start()
+print("said", end="")
+_exit(5)
+"""
+
+
+@pytest.mark.parametrize(("threads", "output"), [("none", "saidteardown\n"), ("left", "said")])
+def test_a_command_that_leaves_a_waiting_thread_exits_with_its_status_and_output_but_no_teardown(
+        threads: str, output: str) -> None:
+    """A thread returning from torch's C++ while the interpreter tears down aborts the
+    process (status 134): with a daemon thread left, the command ends without that teardown,
+    its output flushed and its status kept."""
+    done = subprocess.run([sys.executable, "-c", LEAVING, threads], capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert (done.returncode, done.stdout, done.stderr) == (5, output, "")

@@ -8,11 +8,14 @@ log, in which every rank made the same decisions.
 """
 
 import asyncio
+import contextlib
 import datetime
 import json
 import re
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -268,15 +271,31 @@ def test_a_rank_whose_rendezvous_is_not_there_says_so_in_one_line() -> None:
         "--master_node_addr?"], done.stderr
 
 
-def test_a_rank_whose_rendezvous_port_holds_another_service_says_so_instead_of_waiting(
-        ) -> None:
-    import socket
+def _answer_everything(listening: socket.socket) -> None:
+    """Another service on the port (a fake, the point of the test): it answers whatever it
+    reads with an HTTP error, which c10d's client reads as a wrong ping."""
+    def answer(connection: socket.socket) -> None:
+        with contextlib.suppress(OSError), connection:
+            while connection.recv(4096):
+                connection.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
 
-    with socket.socket() as other:  # accepts connections, never answers
+    with contextlib.suppress(OSError):
+        while True:
+            connection, _ = listening.accept()
+            threading.Thread(target=answer, args=(connection,), daemon=True).start()
+
+
+@pytest.mark.parametrize("answers", [False, True], ids=["silent", "answering"])
+def test_a_rank_whose_rendezvous_port_holds_another_service_says_so_instead_of_waiting(
+        answers: bool) -> None:
+    with socket.socket() as other:  # accepts connections; answers nothing, or junk
         other.bind(("127.0.0.1", 0))
         other.listen()
         port = other.getsockname()[1]
+        if answers:
+            threading.Thread(target=_answer_everything, args=(other,), daemon=True).start()
         done = _follower(f"127.0.0.1:{port}")
+        other.shutdown(socket.SHUT_RDWR)
     assert done.returncode == 2
     assert done.stderr.splitlines() == [
         f"adaspec generate: error: collective init_process_group over ranks [0,1] failed: "
@@ -285,8 +304,6 @@ def test_a_rank_whose_rendezvous_port_holds_another_service_says_so_instead_of_w
 
 
 def test_rank_0_on_a_rendezvous_port_in_use_names_the_flag_in_one_line() -> None:
-    import socket
-
     with socket.socket() as other:
         other.bind(("127.0.0.1", 0))
         other.listen()

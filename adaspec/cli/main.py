@@ -12,9 +12,11 @@ else is a bug in adaspec and keeps its traceback.
 
 import contextlib
 import importlib
+import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO, cast
 
@@ -170,9 +172,10 @@ def run_to_stdout(argv: Sequence[str]) -> int:
 def main() -> None:
     global _process_exits_at_interrupt
     _process_exits_at_interrupt = True
-    # The command says a fault in one line; c10d's warnings (a store whose host left, say)
-    # come with pages of C++ frames. Set before torch loads, unless the user set it.
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    # The command says a fault in one line; c10d's warnings and errors (a store whose host
+    # left, a port another service holds) come with pages of C++ frames, and reach Python
+    # as the exceptions the command names. Set before torch loads, unless the user set it.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     argv = sys.argv[1:]
     try:
         status = run_to_stdout(argv)
@@ -182,11 +185,26 @@ def main() -> None:
     except KeyboardInterrupt:  # outside the command: while its output was flushed
         status = INTERRUPTED
         _interrupted(_command(argv))
-    sys.exit(status)
+    _exit(status)
 
 
 def _exit_at_interrupt(status: int) -> None:
     signal.signal(signal.SIGINT, lambda number, frame: os._exit(status))
+
+
+def _exit(status: int) -> None:
+    """Exit with ``status``. A daemon thread left waiting in torch's C++ (a store that never
+    answered, a backend still connecting) may return there while the interpreter tears down,
+    and the C++ runtime then aborts the process (status 134): with one alive, the command's
+    output is flushed and the process ends without that teardown."""
+    if not any(t.daemon and t.is_alive() for t in threading.enumerate()):
+        sys.exit(status)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # closed or full: the status says it
+            if stream is not None:
+                stream.flush()
+    os._exit(status)
 
 
 if __name__ == "__main__":
