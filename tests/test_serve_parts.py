@@ -357,6 +357,14 @@ USAGE = {"choices": [], "usage": {"completion_tokens": 4}}
      'an error event: {"message": "server exploded"}'),
     pytest.param(b"data: " + LONG + b"\n\n", f"a stream event holds a number too long to "
                  f"read: {LONG[:80]!r}", id="a-number-past-the-digit-limit"),
+    # The bench asks for one completion: another choice is no part of it.
+    (_events({"choices": [{"index": 0, "text": "a"}, {"index": 1, "text": "b"}]}, USAGE,
+             b"[DONE]"), "a stream event carries 2 choices; the bench asks for one completion"),
+    (_events({"choices": [{"index": 7, "text": "z", "finish_reason": "stop"}]}, USAGE,
+             b"[DONE]"),
+     "a stream event's choice has index=7; the bench asks for one completion, of index 0"),
+    (_events({"choices": [{"index": "0", "text": "z"}]}, USAGE, b"[DONE]"),
+     "a stream event's choice has index='0'; the bench asks for one completion, of index 0"),
     # A body that ends inside an event's line was cut there: its data is no JSON for that.
     (_events(CHUNK) + b'data: {"choices": [{"ind',
      "the stream ended in the middle of an event: b'{\"choices\": [{\"ind'"),

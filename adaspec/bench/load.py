@@ -297,10 +297,20 @@ def _http_fault(error: Exception) -> str:
 
 
 def _texts(event: dict[str, Any]) -> list[str]:
-    """The non-empty texts of a completion chunk's choices."""
+    """The non-empty texts of a completion chunk's choices. The bench asks for one
+    completion of one prompt: a second choice, or a choice of another index than 0, is
+    another completion, whose text and tokens are no part of the one measured."""
     choices = event.get("choices") or []
     if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
         raise LoadError(f"a stream event's choices are not a list of objects: {choices!r:.80}")
+    if len(choices) > 1:
+        raise LoadError(f"a stream event carries {len(choices)} choices; the bench asks for "
+                        "one completion")
+    for choice in choices:
+        if choice.get("index", 0) != 0 or isinstance(choice.get("index"), bool):
+            raise LoadError(f"a stream event's choice has index="
+                            f"{printable(repr(choice['index'])):.40}; the bench asks for one "
+                            "completion, of index 0")
     texts = [c.get("text") for c in choices]
     if not all(isinstance(t, str) for t in texts):
         raise LoadError("a stream event's choice has no text string")
