@@ -434,7 +434,7 @@ def _check_torchrun_numbers(environ: Mapping[str, str]) -> None:
     _torchrun_integer("MASTER_PORT", environ["MASTER_PORT"], 1, 65535)
     _torchrun_integer("RANK", environ["RANK"], 0, size - 1)
     host = environ["MASTER_ADDR"]
-    if not host.strip() or not host.isprintable() or any(c.isspace() for c in host):
+    if not host or not host.isprintable() or any(c.isspace() for c in host):
         raise ConfigError("MASTER_ADDR", host, "expected the host name or address of rank 0 "
                           "(torchrun sets it; a launch by flags sets none of its variables)")
     # Where a host's ranks take their accelerators (LOCAL_RANK of LOCAL_WORLD_SIZE): never
