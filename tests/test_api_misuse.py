@@ -604,7 +604,7 @@ class RaisingStep(RaisingVerify):
 @pytest.mark.parametrize(("raising", "what"), [("target", "the target's verify"),
                                                ("mtp", "the drafter's draft")])
 def test_a_model_that_raises_at_start_is_named_in_one_line(raising: str, what: str) -> None:
-    """Startup prepares the drafter's draft, packing and the target's verify of every
+    """Startup prepares the target's verify, the drafter's draft and packing of every
     bucket: the one that raised is named."""
     models = load_reference_models()
     runtime = Runtime(config("MTP", 3, 2), models=SimpleNamespace(

@@ -20,7 +20,7 @@ import torch
 from runtime_helpers import config, first_failure
 
 from adaspec.config import SamplingParams
-from adaspec.errors import ConfigError
+from adaspec.errors import ConfigError, ModelOutputError
 from adaspec.models import ReferenceModels, checkpoint_identity, load_reference_models
 from adaspec.runtime.engine import Runtime, RuntimeOptions
 
@@ -256,6 +256,47 @@ def test_a_model_set_of_plain_engine_values_starts_and_decodes(models: Reference
         return len(result.token_ids)
 
     assert asyncio.run(run()) == 6
+
+
+def test_a_hidden_size_whose_rows_cannot_be_allocated_is_refused_naming_it(
+        models: ReferenceModels) -> None:
+    target = Changed(models.target, hidden_size=2**40)
+    message = _start_refusal(SimpleNamespace(target=target, mtp=models.mtp, dspark=None))
+    assert message == (f"Runtime(models=...).target.hidden_size={2**40}: the hidden states of "
+                       f"its 5 KV slot rows ({5 * 2**40 * 4} bytes) cannot be allocated on cpu; "
+                       "expected the width of the target's hidden states, or fewer sequences "
+                       "per batch")
+
+
+class AsyncVerify(Changed):
+    """A target whose verify is a coroutine function: its coroutines are no TargetOutput."""
+
+    async def verify(self, rows: Any) -> Any:
+        return self._model.verify(rows)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("kind", ["hidden_size", "None", "async"])
+def test_a_target_whose_prewarmed_verify_breaks_the_protocol_is_refused_at_start(
+        models: ReferenceModels, kind: str) -> None:
+    """The start runs every verify shape once: what it returns is checked there, so the
+    model is refused before a request is taken, not at its first request."""
+    hidden = models.target.hidden_size
+    target: object = {
+        "hidden_size": Changed(models.target, hidden_size=hidden + 1),
+        "None": Changed(models.target, verify=lambda rows: None),
+        "async": AsyncVerify(models.target)}[kind]
+    runtime = Runtime(config("MTP", 2, 2),
+                      models=SimpleNamespace(target=target, mtp=models.mtp, dspark=None))
+    with pytest.raises(ModelOutputError) as raised:
+        asyncio.run(runtime.start())
+    assert re.fullmatch({
+        "hidden_size": rf"target\.verify \(prewarmed at start\) returned hidden of shape "
+                       rf"\[(\d+), {hidden}\]: expected \[\1, {hidden + 1}\] "
+                       r"\(\[G, hidden_size\]\)",
+        "None": r"target\.verify \(prewarmed at start\) returned a value of type NoneType: "
+                r"expected a TargetOutput \(logits, hidden\)",
+        "async": r"target\.verify \(prewarmed at start\) returned a value of type coroutine: "
+                 r"expected a TargetOutput \(logits, hidden\)"}[kind], str(raised.value))
 
 
 # --- a model's own error text ------------------------------------------------------------------

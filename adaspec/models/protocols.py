@@ -185,6 +185,18 @@ def _integral(dtype: torch.dtype) -> bool:
     return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
+def check_returned_kind(method: str, out: object, kind: str, fields: tuple[str, ...]) -> None:
+    """Refuse a value of another kind than the protocol's (a tuple, None) by its type, before
+    its fields are read: their absence would otherwise be blamed on the first field."""
+    if not all(hasattr(out, name) for name in fields):
+        if inspect.iscoroutine(out):  # an async method: its coroutine never runs
+            out.close()
+        given = type(out)
+        raise ModelOutputError(method, "a value", f"{kind} ({', '.join(fields)})",
+                               f"of type {given.__module__}.{given.__qualname__}"
+                               .replace("builtins.", ""))
+
+
 def check_output(method: str, field: str, value: object, shape: tuple[int, ...],
                  meaning: str, *, integer: bool = False, dtype: torch.dtype | None = None,
                  device: torch.device | None = None) -> None:

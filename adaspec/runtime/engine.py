@@ -44,7 +44,7 @@ from adaspec.errors import MISSING, AdaspecError, ConfigError, DeviceLayerError,
 from adaspec.models.checkpoint import ReferenceModels, load_reference_models
 from adaspec.models.limits import check_model_limits, check_num_kv_slots
 from adaspec.models.parallel import split_blocks
-from adaspec.models.protocols import ModelSet, has_member, missing_member
+from adaspec.models.protocols import ModelSet, TargetModel, has_member, missing_member
 from adaspec.policies.base import BudgetPolicy, DepthPolicy
 from adaspec.policies.bundles import (
     Compatibility,
@@ -273,6 +273,22 @@ def ranks_on_this_host(launch: LaunchConfig) -> int:
         return launch.world_size
     local = os.environ.get("LOCAL_WORLD_SIZE", "")
     return int(local) if ascii_digits(local) and int(local) >= 1 else 1
+
+
+def _slot_states(target: TargetModel, num_kv_slots: int, keeps_hidden: bool,
+                 device: torch.device) -> KvSlotStates:
+    """Every KV slot's decoding state, with a row of the target's hidden state each when a
+    drafter reads it. Only an absurd ``hidden_size`` (a model of the embedder's) makes those
+    rows too large to allocate: then it is named, not the allocator."""
+    hidden_size = target.hidden_size if keeps_hidden else 0
+    try:
+        return KvSlotStates.allocate(num_kv_slots, hidden_size, target.dtype, device)
+    except (MemoryError, RuntimeError):  # torch's CPU allocator raises RuntimeError
+        size = (num_kv_slots + 1) * hidden_size * target.dtype.itemsize
+        raise ConfigError("Runtime(models=...).target.hidden_size", hidden_size, (
+            f"the hidden states of its {num_kv_slots + 1} KV slot rows ({size} bytes) cannot "
+            f"be allocated on {device}; expected the width of the target's hidden states, or "
+            "fewer sequences per batch")) from None
 
 
 def local_rank(launch: LaunchConfig) -> int:
@@ -721,8 +737,7 @@ class Runtime:
             # A drafter that keeps a context was allocated with the target's KV slots: one that
             # tells its count must tell the same (the protocol does not require it to).
             check_num_kv_slots(drafter.setting, drafter.model, num_kv_slots, before)
-        hidden_size = target.hidden_size if drafting.keeps_hidden else 0
-        states = KvSlotStates.allocate(num_kv_slots, hidden_size, target.dtype, device)
+        states = _slot_states(target, num_kv_slots, drafting.keeps_hidden, device)
         comm = self._collectives
         return DeviceContext(target=target, drafting=drafting, collectives=comm,
                              lockstep=Lockstep(comm.tp_size * comm.dp_size),

@@ -17,7 +17,6 @@ import torch
 from torch import Tensor
 
 from adaspec.config.requests import MAX_STOP_TOKENS
-from adaspec.errors import ModelOutputError
 from adaspec.models.protocols import (
     DSparkBlock,
     MtpStep,
@@ -25,6 +24,7 @@ from adaspec.models.protocols import (
     TargetOutput,
     VerifyRows,
     check_output,
+    check_returned_kind,
 )
 from adaspec.runtime.devices.allocation import allocate_prefixes, emit_budget, verify_caps
 from adaspec.runtime.devices.collectives import Collectives
@@ -435,16 +435,6 @@ def check_target_output(method: str, out: object, num_rows: int, rows: str,
                  hidden, dtype=states.hidden.dtype if states.keeps_hidden else None,
                  device=ctx.device)
     return out  # type: ignore[return-value]
-
-
-def check_returned_kind(method: str, out: object, kind: str, fields: tuple[str, ...]) -> None:
-    """Refuse a value of another kind than the protocol's (a tuple, None) by its type, before
-    its fields are read: their absence would otherwise be blamed on the first field."""
-    if not all(hasattr(out, name) for name in fields):
-        given = type(out)
-        raise ModelOutputError(method, "a value", f"{kind} ({', '.join(fields)})",
-                               f"of type {given.__module__}.{given.__qualname__}"
-                               .replace("builtins.", ""))
 
 
 _ROW_SHAPES = {rows: (f"[{rows}, vocab_size]", f"[{rows}, hidden_size]") for rows in "GB"}

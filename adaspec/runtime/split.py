@@ -138,6 +138,10 @@ class SplitBindings:
                             for bucket, drafts in self._drafts.items() for depth in drafts))
 
     def __call__(self, num_reqs: int, num_rows: int) -> SplitBinding:
+        # The target's verify first (its own memory pool): its outputs are checked against
+        # the target's sizes before a drafter reads hidden states of that width.
+        self.preparing = "the target's verify"
+        verify = self.verify(num_reqs, num_rows)
         drafts = self._drafts.get(num_reqs)
         if drafts is None:
             # On the CPU only the deepest draft is prewarmed: it runs every shape the
@@ -149,10 +153,8 @@ class SplitBindings:
         self.preparing = "packing"
         pack = PackBinding(self.ctx, num_reqs, num_rows, self._example(num_reqs, drafts),
                            self.pack_pool)
-        self.preparing = "the target's verify"
         return SplitBinding(key=(self.slot, self.width, num_reqs, num_rows), drafts=drafts,
-                            pack=pack, verify=self.verify(num_reqs, num_rows),
-                            drafts_by_depth=self.by_depth)
+                            pack=pack, verify=verify, drafts_by_depth=self.by_depth)
 
     def _example(self, num_reqs: int, drafts: dict[int, DraftBinding]) -> Drafted:
         """A draft of the bucket on padding, the pack binding's example inputs: on the CPU

@@ -16,7 +16,13 @@ from torch import Tensor
 
 from adaspec.config.limits import GRAPH_BACKEND_FOR_DEVICE
 from adaspec.errors import ConfigError
-from adaspec.models.protocols import TargetModel, TargetOutput, VerifyRows
+from adaspec.models.protocols import (
+    TargetModel,
+    TargetOutput,
+    VerifyRows,
+    check_output,
+    check_returned_kind,
+)
 from adaspec.runtime.devices.packing import grid_width
 
 T = TypeVar("T")
@@ -38,7 +44,20 @@ def prewarm(target: TargetModel, buckets: Iterable[tuple[int, int]], rows_per_re
             device: torch.device | str) -> None:
     """Run ``verify`` once for every ``(num_reqs, num_rows)`` bucket."""
     for num_reqs, num_rows in buckets:
-        target.verify(padding_rows(num_reqs, num_rows, rows_per_req, target.num_kv_slots, device))
+        check_prewarmed(target, target.verify(padding_rows(
+            num_reqs, num_rows, rows_per_req, target.num_kv_slots, device)), num_rows)
+
+
+def check_prewarmed(target: TargetModel, out: object, num_rows: int) -> None:
+    """A binding's first ``verify`` gives what the protocol states (shapes by the target's
+    own ``vocab_size`` and ``hidden_size``): a model that does not is refused at start, not
+    at its first request."""
+    method = "target.verify (prewarmed at start)"
+    check_returned_kind(method, out, "a TargetOutput", ("logits", "hidden"))
+    check_output(method, "logits", getattr(out, "logits", None),
+                 (num_rows, target.vocab_size), "[G, vocab_size]")
+    check_output(method, "hidden", getattr(out, "hidden", None),
+                 (num_rows, target.hidden_size), "[G, hidden_size]")
 
 
 def check_shape(rows: VerifyRows, num_reqs: int, num_rows: int, rows_per_req: int) -> None:
@@ -94,6 +113,7 @@ class CapturedVerify:
         self.shape = (num_reqs, num_rows, rows_per_req)
         self.inputs = padding_rows(num_reqs, num_rows, rows_per_req, target.num_kv_slots, "cuda")
         self.graph, self.outputs = capture(lambda: target.verify(self.inputs), pool)
+        check_prewarmed(target, self.outputs, num_rows)
 
     def __call__(self, rows: VerifyRows) -> TargetOutput:
         check_shape(rows, *self.shape)
