@@ -357,6 +357,14 @@ USAGE = {"choices": [], "usage": {"completion_tokens": 4}}
      'an error event: {"message": "server exploded"}'),
     pytest.param(b"data: " + LONG + b"\n\n", f"a stream event holds a number too long to "
                  f"read: {LONG[:80]!r}", id="a-number-past-the-digit-limit"),
+    # A stream without text that counts several tokens dropped its text; text after the
+    # choice's finish_reason is no part of it.
+    (_events({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}, USAGE,
+             b"[DONE]"), "the usage chunk counts completion_tokens=4 for a stream that "
+                         "carried no text; a completion without text cannot be measured"),
+    (_events({"choices": [{"index": 0, "text": "a", "finish_reason": "stop"}]}, CHUNK, USAGE,
+             b"[DONE]"), "a stream event carries text after the choice's finish_reason; "
+                         "expected none"),
     # The bench asks for one completion: another choice is no part of it.
     (_events({"choices": [{"index": 0, "text": "a"}, {"index": 1, "text": "b"}]}, USAGE,
              b"[DONE]"), "a stream event carries 2 choices; the bench asks for one completion"),
@@ -414,6 +422,9 @@ async def test_bench_url_names_an_answer_that_is_no_event_stream(content_type: s
     _events({"choices": [{"index": 0, "text": "hi", "finish_reason": ""}]},
             {"choices": [{"index": 0, "text": "", "finish_reason": "eos_token"}],
              "usage": {"completion_tokens": 4}}, b"[DONE]"),
+    # One token without text: the model ended at once (its end-of-sequence token).
+    _events({"choices": [{"index": 0, "text": "", "finish_reason": "stop"}]},
+            {"choices": [], "usage": {"completion_tokens": 1}}, b"[DONE]"),
     # A last event the body ends without its blank line is read.
     _events(CHUNK, USAGE) + b"data: [DONE]",
     # A byte-order mark may open the stream; an event of another type than message (a
@@ -427,7 +438,7 @@ async def test_bench_url_takes_a_whole_completion_however_it_ends(body: bytes) -
         target = HttpTarget(str(fake.make_url("/")), "m", session)
         run = await closed_loop(target, [("x", SamplingParams(temperature=0, max_tokens=4))], 1)
     assert run.errors == []
-    assert [t.tokens for t in run.done] == [4]
+    assert [t.tokens for t in run.done] == [1 if b'"completion_tokens": 1}' in body else 4]
 
 
 WHOLE = [_events(CHUNK, USAGE, b"[DONE]"),

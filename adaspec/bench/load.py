@@ -199,8 +199,9 @@ class HttpTarget:
                 if event.get("error") is not None:
                     raise LoadError(f"error event: {printable(str(event['error']))}")
                 chosen = chosen or bool(event.get("choices"))
+                texts = _texts(event, finished)
                 finished = finished or _finished(event)
-                for text in _texts(event):
+                for text in texts:
                     first = first if first is not None else time.perf_counter()
                     pieces.append(text)
                 if event.get("usage"):
@@ -249,7 +250,9 @@ def _check_event_stream(content_type: str) -> None:
 def _check_ending(done: bool, chosen: bool, tokens: int | None, texts: bool) -> None:
     """Refuse a stream that is no whole completion: one cut before ``data: [DONE]`` and
     before any finish_reason, one that answered with no choice at all, one without the
-    usage chunk that counts it, or one whose text that chunk counts as no token."""
+    usage chunk that counts it, one whose text that chunk counts as no token, or one
+    without text that it counts as several (a server that dropped the text would measure
+    as the fastest there is)."""
     if not done:
         raise LoadError("the stream ended without data: [DONE] or a finish_reason; it may "
                         "have been cut short")
@@ -261,6 +264,9 @@ def _check_ending(done: bool, chosen: bool, tokens: int | None, texts: bool) -> 
     if tokens == 0 and texts:
         raise LoadError("the usage chunk counts completion_tokens=0 for a stream that "
                         "carried text")
+    if tokens > 1 and not texts:  # one token without text: an end-of-sequence token
+        raise LoadError(f"the usage chunk counts completion_tokens={tokens} for a stream "
+                        "that carried no text; a completion without text cannot be measured")
 
 
 READ_FAULTS = (HttpProcessingError, aiohttp.ClientPayloadError, aiohttp.RedirectClientError,
@@ -296,10 +302,11 @@ def _http_fault(error: Exception) -> str:
     return printable(text if len(text) <= 120 else text[:117] + "...")
 
 
-def _texts(event: dict[str, Any]) -> list[str]:
+def _texts(event: dict[str, Any], finished: bool) -> list[str]:
     """The non-empty texts of a completion chunk's choices. The bench asks for one
     completion of one prompt: a second choice, or a choice of another index than 0, is
-    another completion, whose text and tokens are no part of the one measured."""
+    another completion, whose text and tokens are no part of the one measured; so is text
+    after the choice's finish_reason (``finished``: an earlier chunk gave one)."""
     choices = event.get("choices") or []
     if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
         raise LoadError(f"a stream event's choices are not a list of objects: {choices!r:.80}")
@@ -314,6 +321,9 @@ def _texts(event: dict[str, Any]) -> list[str]:
     texts = [c.get("text") for c in choices]
     if not all(isinstance(t, str) for t in texts):
         raise LoadError("a stream event's choice has no text string")
+    if finished and any(texts):
+        raise LoadError("a stream event carries text after the choice's finish_reason; "
+                        "expected none")
     return [t for t in texts if t]
 
 
