@@ -508,6 +508,45 @@ def test_submit_cancel_and_stop_from_another_thread_are_refused_naming_the_loop(
                for e in errors)
 
 
+def test_waits_on_another_loop_are_refused_and_leave_the_runtimes_own_intact() -> None:
+    """A handle's chunks and result, and wait_idle(), wait on the runtime's loop: awaited
+    on another they would never wake, and would bind the request's events to that loop, so
+    the runtime's own wait on them would fail. Each is refused naming the call."""
+    async def scenario() -> list[str]:
+        runtime = Runtime(config("none", 0, 2))
+        await runtime.start()
+        handle = runtime.submit(list(b"ROMEO."), SamplingParams(temperature=0, max_tokens=8))
+        errors: list[str] = []
+
+        async def wait(call: str) -> None:
+            if call == "iterate":
+                async for _ in handle:
+                    pass
+            elif call == "result":
+                await handle.result()
+            else:
+                await runtime.wait_idle()
+
+        def from_thread() -> None:
+            for call in ("iterate", "result", "idle"):
+                try:
+                    # A loop of the thread's own; bounded, so a wait that is let through
+                    # fails the test rather than hanging it.
+                    asyncio.run(asyncio.wait_for(wait(call), 60))
+                except WrongLoop as error:
+                    errors.append(str(error))
+
+        await asyncio.to_thread(from_thread)
+        assert len((await handle.result()).token_ids) == 8
+        await runtime.wait_idle()
+        await runtime.stop()
+        return errors
+
+    errors = asyncio.run(scenario())
+    assert [e.split(" was called")[0] for e in errors] == [
+        "iterating a RequestHandle", "RequestHandle.result()", "wait_idle()"]
+
+
 def test_a_runtime_whose_loop_asyncio_run_closed_stops_from_a_new_loop() -> None:
     """asyncio.run cancels the round loop as it closes its loop: nothing lives on that loop
     any more, so a stop() from the next loop is no wrong-loop call, and it ends the run."""

@@ -995,7 +995,7 @@ class Runtime:
         pipeline.add(request)
         if pipeline.link is None:  # with several ranks, once the plan gives it a shard
             self.bus.publish(RequestArrived.of(request, self.clock.now()))
-        return RequestHandle(request, self._cancel)
+        return RequestHandle(request, self._cancel, self._on_loop)
 
     def check(self, prompt: Sequence[int], params: SamplingParams) -> tuple[int, ...]:
         """Refuse what ``submit`` would refuse, queuing nothing, and return the prompt's token
@@ -1103,6 +1103,7 @@ class Runtime:
     async def wait_idle(self) -> None:
         """Return once every submitted request has ended and every round has retired (a
         round submitted before its requests were seen to finish retires after them)."""
+        self._on_loop("wait_idle()")
         await self._running().idle.wait()  # cleared by every submit, set only by the loop
         self._running()  # a fault that ended the loop is raised here
 

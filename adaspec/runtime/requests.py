@@ -171,9 +171,13 @@ class RequestHandle:
     """What ``Runtime.submit`` returns: iterate it for token chunks as rounds retire, or await
     ``result()``; ``cancel()`` ends the request between rounds."""
 
-    def __init__(self, request: Request, cancel: Callable[[Request], None]) -> None:
+    def __init__(self, request: Request, cancel: Callable[[Request], None],
+                 on_loop: Callable[[str], None] = lambda call: None) -> None:
         self._request = request
         self._cancel = cancel
+        # Refuses a wait from another loop than the runtime's: nothing would wake it there,
+        # and the request's asyncio objects would be bound to that loop.
+        self._on_loop = on_loop
 
     @property
     def request_id(self) -> int:
@@ -185,6 +189,7 @@ class RequestHandle:
     async def _chunks(self) -> AsyncIterator[list[int]]:
         """Each chunk is the tokens committed since the previous one (a round's worth, or
         more when the consumer was slow); a failed request raises its error at the end."""
+        self._on_loop("iterating a RequestHandle")
         request, seen = self._request, 0
         while True:
             await request.wait_beyond(seen)
@@ -213,6 +218,7 @@ class RequestHandle:
         return request.rounds, request.verified, request.accepted
 
     async def result(self) -> RequestResult:
+        self._on_loop("RequestHandle.result()")
         await self._request.done.wait()
         if self._request.error is not None:
             raise self._request.error
