@@ -13,6 +13,7 @@ docs/embedding.md states every contract these classes follow.
 """
 
 import asyncio
+import sys
 from types import SimpleNamespace
 
 import torch
@@ -145,4 +146,8 @@ def main(max_tokens: int = 48) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:]:  # nothing to configure: say so rather than ignore what was given
+        print(f"own_model.py: error: it takes no arguments; got {' '.join(sys.argv[1:])}",
+              file=sys.stderr)
+        raise SystemExit(2)
     main()

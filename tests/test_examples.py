@@ -19,3 +19,11 @@ def test_the_own_model_example_decodes_exactly_in_under_200_lines(tmp_path: Path
     acceptance = float(lines[-2].split()[2])
     assert 1.0 < acceptance <= 4.0  # width 3: at most three drafts and the bonus token
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_own_model_example_refuses_arguments_it_would_ignore(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "own_model.py"),
+                           "--max_tokens", "5"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert (done.returncode, done.stdout, done.stderr) == (
+        2, "", "own_model.py: error: it takes no arguments; got --max_tokens 5\n")
