@@ -197,6 +197,21 @@ def check_returned_kind(method: str, out: object, kind: str, fields: tuple[str, 
                                .replace("builtins.", ""))
 
 
+def check_verify_output(method: str, out: object, num_rows: int, vocab_size: int,
+                        hidden_size: int, rows: str = "G", *,
+                        hidden_dtype: torch.dtype | None = None,
+                        device: torch.device | None = None) -> TargetOutput:
+    """``out`` when it is a TargetOutput of ``logits [rows, vocab_size]`` and ``hidden [rows,
+    hidden_size]`` (the hidden states in ``hidden_dtype`` and both on ``device`` where given;
+    metadata only: no device read); else the ``ModelOutputError`` naming ``method``."""
+    check_returned_kind(method, out, "a TargetOutput", ("logits", "hidden"))
+    check_output(method, "logits", getattr(out, "logits", None), (num_rows, vocab_size),
+                 f"[{rows}, vocab_size]", device=device)
+    check_output(method, "hidden", getattr(out, "hidden", None), (num_rows, hidden_size),
+                 f"[{rows}, hidden_size]", dtype=hidden_dtype, device=device)
+    return out  # type: ignore[return-value]
+
+
 def check_output(method: str, field: str, value: object, shape: tuple[int, ...],
                  meaning: str, *, integer: bool = False, dtype: torch.dtype | None = None,
                  device: torch.device | None = None) -> None:

@@ -25,6 +25,7 @@ from adaspec.models.protocols import (
     VerifyRows,
     check_output,
     check_returned_kind,
+    check_verify_output,
 )
 from adaspec.runtime.devices.allocation import allocate_prefixes, emit_budget, verify_caps
 from adaspec.runtime.devices.collectives import Collectives
@@ -421,23 +422,14 @@ def _prefill(ctx: DeviceContext, inputs: PrefillInputs) -> PrefillResult:
 
 def check_target_output(method: str, out: object, num_rows: int, rows: str,
                         ctx: DeviceContext) -> TargetOutput:
-    """``out`` when it holds ``logits [rows, vocab_size]`` and ``hidden [rows, hidden_size]``
-    in the target's dtype (metadata only: no device read); else the ``ModelOutputError``
-    naming ``method``."""
-    logits, hidden = _ROW_SHAPES[rows]
-    check_returned_kind(method, out, "a TargetOutput", ("logits", "hidden"))
-    check_output(method, "logits", getattr(out, "logits", None), (num_rows, ctx.vocab_size),
-                 logits, device=ctx.device)
-    # Stored beside the hidden states of earlier rounds when a drafter reads them
-    # (KvSlotStates): then in their dtype.
+    """``out`` when it is the TargetOutput the protocol states for ``num_rows`` rows on the
+    runtime's device; else the ``ModelOutputError`` naming ``method``. The hidden states
+    are stored beside earlier rounds' when a drafter reads them (KvSlotStates): then they
+    must be in their dtype."""
     states = ctx.states
-    check_output(method, "hidden", getattr(out, "hidden", None), (num_rows, ctx.hidden_size),
-                 hidden, dtype=states.hidden.dtype if states.keeps_hidden else None,
-                 device=ctx.device)
-    return out  # type: ignore[return-value]
-
-
-_ROW_SHAPES = {rows: (f"[{rows}, vocab_size]", f"[{rows}, hidden_size]") for rows in "GB"}
+    return check_verify_output(method, out, num_rows, ctx.vocab_size, ctx.hidden_size, rows,
+                               hidden_dtype=states.hidden.dtype if states.keeps_hidden
+                               else None, device=ctx.device)
 """How a refusal spells the verify (G rows) and prefill (B rows) shapes, made once."""
 
 

@@ -20,8 +20,7 @@ from adaspec.models.protocols import (
     TargetModel,
     TargetOutput,
     VerifyRows,
-    check_output,
-    check_returned_kind,
+    check_verify_output,
 )
 from adaspec.runtime.devices.packing import grid_width
 
@@ -52,12 +51,8 @@ def check_prewarmed(target: TargetModel, out: object, num_rows: int) -> None:
     """A binding's first ``verify`` gives what the protocol states (shapes by the target's
     own ``vocab_size`` and ``hidden_size``): a model that does not is refused at start, not
     at its first request."""
-    method = "target.verify (prewarmed at start)"
-    check_returned_kind(method, out, "a TargetOutput", ("logits", "hidden"))
-    check_output(method, "logits", getattr(out, "logits", None),
-                 (num_rows, target.vocab_size), "[G, vocab_size]")
-    check_output(method, "hidden", getattr(out, "hidden", None),
-                 (num_rows, target.hidden_size), "[G, hidden_size]")
+    check_verify_output("target.verify (prewarmed at start)", out, num_rows,
+                        target.vocab_size, target.hidden_size)
 
 
 def check_shape(rows: VerifyRows, num_reqs: int, num_rows: int, rows_per_req: int) -> None:
