@@ -258,12 +258,14 @@ def test_a_model_set_of_plain_engine_values_starts_and_decodes(models: Reference
     assert asyncio.run(run()) == 6
 
 
+@pytest.mark.parametrize("hidden_size", [2**40, 2**63])  # the last past a 64-bit size
 def test_a_hidden_size_whose_rows_cannot_be_allocated_is_refused_naming_it(
-        models: ReferenceModels) -> None:
-    target = Changed(models.target, hidden_size=2**40)
+        models: ReferenceModels, hidden_size: int) -> None:
+    target = Changed(models.target, hidden_size=hidden_size)
     message = _start_refusal(SimpleNamespace(target=target, mtp=models.mtp, dspark=None))
-    assert message == (f"Runtime(models=...).target.hidden_size={2**40}: the hidden states of "
-                       f"its 5 KV slot rows ({5 * 2**40 * 4} bytes) cannot be allocated on cpu; "
+    assert message == (f"Runtime(models=...).target.hidden_size={hidden_size}: the hidden "
+                       f"states of its 5 KV slot rows ({5 * hidden_size * 4} bytes) cannot be "
+                       "allocated on cpu; "
                        "expected the width of the target's hidden states, or fewer sequences "
                        "per batch")
 

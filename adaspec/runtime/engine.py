@@ -283,7 +283,8 @@ def _slot_states(target: TargetModel, num_kv_slots: int, keeps_hidden: bool,
     hidden_size = target.hidden_size if keeps_hidden else 0
     try:
         return KvSlotStates.allocate(num_kv_slots, hidden_size, target.dtype, device)
-    except (MemoryError, RuntimeError):  # torch's CPU allocator raises RuntimeError
+    # torch's CPU allocator raises RuntimeError; a size past a 64-bit integer, TypeError.
+    except (MemoryError, RuntimeError, TypeError, OverflowError):
         size = (num_kv_slots + 1) * hidden_size * target.dtype.itemsize
         raise ConfigError("Runtime(models=...).target.hidden_size", hidden_size, (
             f"the hidden states of its {num_kv_slots + 1} KV slot rows ({size} bytes) cannot "
