@@ -538,6 +538,71 @@ def test_a_character_the_vocabulary_lacks_is_refused_beside_a_spelled_unknown_to
         tokenizer.encode("\u00e9<unk>")  # before: read as two <unk> tokens
 
 
+def _sentencepiece_tokenizer(unknown: bool) -> Any:
+    """A tokenizer laid out as Llama 2's and Mistral's (a space before the text, spaces as
+    \u2581, a decoder that strips the text's leading space), with the one merged word
+    \u2581world; with or without an unknown token."""
+    import string
+
+    from tokenizers import Tokenizer as Fast
+    from tokenizers import decoders, models, normalizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for char in ["\u2581", *(c for c in string.printable if not c.isspace())]:
+        vocab.setdefault(char, len(vocab))
+    merges = [("\u2581", "w"), ("\u2581w", "o"), ("\u2581wo", "r"), ("\u2581wor", "l"),
+              ("\u2581worl", "d")]
+    for first, second in merges:
+        vocab[first + second] = len(vocab)
+    tokenizer = Fast(models.BPE(vocab, merges, unk_token="<unk>" if unknown else None))
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
+                                                 normalizers.Replace(" ", "\u2581")])
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "),
+                                           decoders.ByteFallback(), decoders.Fuse(),
+                                           decoders.Strip(" ", 1, 0)])
+    named = {"unk_token": "<unk>"} if unknown else {}
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>",
+                                                eos_token="</s>", **named)
+
+
+def test_a_completion_reads_after_its_prompt_so_a_stripped_leading_space_is_kept() -> None:
+    """SentencePiece's decoder strips a text's leading space: a completion decoded alone
+    would lose the space before its first word, and a stop string holding it would miss."""
+    from adaspec.cli.generate import result_dict
+    from adaspec.models.hf import HfTokenizer
+    from adaspec.runtime.requests import RequestResult
+    from adaspec.serve.text import CompletionText
+
+    tokenizer = HfTokenizer(_sentencepiece_tokenizer(unknown=True))
+    prompt = tokenizer.encode("Hello")
+    world = tokenizer.tokenizer.convert_tokens_to_ids("\u2581world")
+    whole = tokenizer.decode([*prompt, world, world, world])
+    assert whole.endswith("Hello world world world")
+    streamed = tokenizer.detokenizer(prompt)
+    assert [streamed.feed([world]) for _ in range(3)] + [streamed.flush()] == \
+        [" world"] * 3 + [""]
+    result = RequestResult(request_id=0, token_ids=(world,) * 3, finish_reason="length",
+                           rounds=1, verified=2, accepted=2)
+    row = result_dict("Hello", prompt, result, tokenizer)
+    assert row["prompt"] + row["text"] == "Hello world world world"
+    stopped = CompletionText(tokenizer.detokenizer(prompt), [" world"])
+    assert stopped.feed([world]) == ""
+    assert stopped.stopped
+
+
+def test_text_a_tokenizer_without_an_unknown_token_would_drop_is_refused() -> None:
+    from adaspec.models.hf import HfTokenizer
+
+    tokenizer = HfTokenizer(_sentencepiece_tokenizer(unknown=False))
+    assert tokenizer.decode(tokenizer.encode("Hello world")).endswith("Hello world")
+    for text, dropped in [("\u00e9", "\u00e9"), ("Hello \u00e9t\u00e9 \u65e5", "\u00e9")]:
+        with pytest.raises(InvalidRequest) as info:
+            tokenizer.encode(text)
+        assert str(info.value) == (f"request field prompt={text}: holds characters the "
+                                   f"checkpoint's tokenizer cannot encode ({dropped!r} would be "
+                                   "dropped)")
+
+
 # --- what a checkpoint must be to load --------------------------------------------------------
 def _copy(source: Path, folder: Path, change: Any = None) -> Path:
     """A copy of a checkpoint directory, its weights changed in place by ``change``."""

@@ -30,7 +30,7 @@ from adaspec.bench.url import report_text
 from adaspec.config import SamplingParams, load_config
 from adaspec.models.tokenizer import ByteTokenizer
 from adaspec.runtime.engine import Runtime
-from adaspec.serve.app import CompletionServer, ServeSettings
+from adaspec.serve.app import READY, CompletionServer, ServeSettings
 from adaspec.serve.protocol import ApiError, parse_body, read_completion
 from adaspec.serve.text import CompletionText
 
@@ -163,6 +163,18 @@ def test_a_number_no_double_holds_deep_in_the_body_is_named_in_a_short_line() ->
     assert len(info.value.message) < 200
 
 
+@pytest.mark.parametrize(("prompt", "message"), [
+    ([65, 66.0], "prompt[1]=66.0: expected a token id (an integer), as the array's first item is"),
+    ([65, "B"], "prompt[1]=B: expected a token id (an integer), as the array's first item is"),
+    (["A", 66], "prompt[1]=66: expected a non-empty string or a non-empty array of token ids"),
+])
+def test_an_item_of_a_prompt_array_is_named_by_what_the_array_holds(
+        prompt: list[object], message: str) -> None:
+    with pytest.raises(ApiError) as info:
+        read_completion({"model": "m", "prompt": prompt}, "m", temperature_rule=None)
+    assert (info.value.status, info.value.message) == (400, message)
+
+
 def test_json_constants_and_scalars_are_no_request() -> None:
     for raw, words in ((b"Infinity", "not JSON"), (b"1", "JSON number"), (b"null", "null")):
         with pytest.raises(ApiError, match=words) as info:
@@ -185,6 +197,42 @@ async def test_a_server_still_starting_says_so_and_refuses_completions() -> None
         scraped = await client.get("/metrics")  # nothing counted yet, but it answers
         assert scraped.status == 200
         assert "adaspec_http_requests_total" in await scraped.text()
+
+
+@pytest.mark.asyncio
+async def test_a_client_that_closes_after_the_whole_completion_is_counted_answered(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client may close once the finish and usage chunks are in (adaspec's bench does): the
+    request was answered, so it counts as 200, not as a client gone away (499). The write of
+    ``data: [DONE]`` fails as it does on a closed connection: an injected fault."""
+    written = web.StreamResponse.write
+
+    async def closed_before_done(self: web.StreamResponse, data: bytes) -> None:
+        if data == b"data: [DONE]\n\n":
+            raise ConnectionResetError("Cannot write to closing transport")
+        await written(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write", closed_before_done)
+    runtime = Runtime(load_config({"speculative_algorithm": "MTP", "num_speculative_tokens": 3,
+                                   "max_seqs_per_batch": 2}))
+    await runtime.start()
+    server = CompletionServer(runtime, ByteTokenizer(), ServeSettings(
+        model_name="m", max_queued_requests=4, temperature_rule=None))
+    server.state = READY
+    try:
+        async with TestClient(TestServer(server.app())) as client:
+            answer = await client.post("/v1/completions", json={
+                "model": "m", "prompt": "Once", "max_tokens": 6, "stream": True,
+                "stream_options": {"include_usage": True}})
+            body = await answer.text()
+            assert '"completion_tokens": 6' in body.replace('":', '": ')
+            assert "[DONE]" not in body
+            scraped = await (await client.get("/metrics")).text()
+    finally:
+        await runtime.stop()
+    counted = {line.split()[0]: float(line.split()[1]) for line in scraped.splitlines()
+               if line.startswith("adaspec_http_requests_total{")}
+    assert counted == {'adaspec_http_requests_total{status="200"}': 1.0}
 
 
 def _serve(*flags: str) -> subprocess.CompletedProcess[str]:

@@ -46,7 +46,7 @@ from adaspec.errors import (
     show_value,
 )
 from adaspec.models.launch import checkpoint_models, command_tokenizer
-from adaspec.models.tokenizer import Tokenizer
+from adaspec.models.tokenizer import Tokenizer, completion_text
 from adaspec.runtime.engine import EVENT_LOG_NOT_A_STREAM, Runtime, RuntimeOptions, rank_device
 from adaspec.runtime.requests import RequestHandle, RequestResult
 from adaspec.runtime.trace import STDERR
@@ -271,8 +271,9 @@ async def decode(runtime: Runtime, prompts: list[list[int]], params: SamplingPar
     return results, seconds, None
 
 
-def result_dict(prompt: str, result: RequestResult, tokenizer: Tokenizer) -> dict[str, Any]:
-    return {"prompt": prompt, "text": tokenizer.decode(result.token_ids),
+def result_dict(prompt: str, prompt_ids: list[int], result: RequestResult,
+                tokenizer: Tokenizer) -> dict[str, Any]:
+    return {"prompt": prompt, "text": completion_text(tokenizer, prompt_ids, result.token_ids),
             "token_ids": list(result.token_ids), "finish_reason": result.finish_reason,
             "rounds": result.rounds, "drafted_verified": result.verified,
             "drafted_accepted": result.accepted,
@@ -310,7 +311,8 @@ def run(argv: Sequence[str]) -> int:
         print(f"rank {runtime.rank}: commit digest {runtime.commit_digest()}", file=sys.stderr)
     if not runtime.is_front:  # rank 0 prints the results
         return 0
-    rows = [result_dict(p, r, tokenizer) for p, r in zip(prompts, results, strict=True)]
+    rows = [result_dict(p, ids, r, tokenizer)
+            for p, ids, r in zip(prompts, prompt_ids, results, strict=True)]
     tokens = sum(len(r.token_ids) for r in results)
     rate = tokens / seconds if seconds > 0 else 0.0
     if args.as_json:

@@ -32,6 +32,8 @@ import json
 import math
 import os
 import stat
+import unicodedata
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -824,26 +826,41 @@ def _reason(error: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-class HfDetokenizer:
-    """Text of growing token ids by decoding them all and sending what is new; a trailing
-    U+FFFD (a character whose tokens have not all come) is held back until they do."""
+PROMPT_CONTEXT_TOKENS = 5
+"""Prompt tokens decoded ahead of a completion's, so that a decoder's rule for the first token
+of a text (SentencePiece strips its leading space) applies to the prompt, not the completion."""
 
-    def __init__(self, tokenizer: Any) -> None:
+
+class HfDetokenizer:
+    """Text of growing token ids by decoding them all after the prompt's last tokens and
+    sending what is new; a trailing U+FFFD (a character whose tokens have not all come) is
+    held back until they do."""
+
+    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int] = ()) -> None:
         self._tokenizer = tokenizer
-        self._ids: list[int] = []
+        context = [int(t) for t in prompt_ids][-PROMPT_CONTEXT_TOKENS:]
+        self._prefix = str(tokenizer.decode(context)) if context else ""
+        self._ids = context
         self._sent = 0
+
+    def _text(self) -> str:
+        text = str(self._tokenizer.decode(self._ids))
+        if text.startswith(self._prefix):
+            return text[len(self._prefix):]
+        # The prompt ended inside a character that the completion's first tokens finish.
+        return text[len(os.path.commonprefix([text, self._prefix])):]
 
     def feed(self, token_ids: Sequence[int]) -> str:
         self._ids.extend(int(t) for t in token_ids)
-        text = self._tokenizer.decode(self._ids)
+        text = self._text()
         end = len(text.rstrip("\ufffd"))
         piece, self._sent = text[self._sent:end], max(self._sent, end)
-        return piece  # type: ignore[no-any-return]
+        return piece
 
     def flush(self) -> str:
-        text = self._tokenizer.decode(self._ids)
+        text = self._text()
         piece, self._sent = text[self._sent:], len(text)
-        return piece  # type: ignore[no-any-return]
+        return piece
 
 
 class HfTokenizer:
@@ -868,6 +885,10 @@ class HfTokenizer:
         if unknown is not None and ids.count(unknown) > text.count(str(self.tokenizer.unk_token)):
             raise InvalidRequest("prompt", text, "holds characters the checkpoint's tokenizer "
                                  f"cannot encode (they would read as {self.tokenizer.unk_token})")
+        dropped = None if unknown is not None else self._dropped(text, ids)
+        if dropped is not None:
+            raise InvalidRequest("prompt", text, "holds characters the checkpoint's tokenizer "
+                                 f"cannot encode ({dropped!r} would be dropped)")
         past = None if self.vocab_size is None else next(
             (i for i in ids if i >= self.vocab_size), None)
         if past is not None:
@@ -877,8 +898,23 @@ class HfTokenizer:
                                  f"{self.vocab_size} tokens does not hold")
         return ids
 
+    def _dropped(self, text: str, ids: list[int]) -> str | None:
+        """The first character of ``text`` its ids do not read back: a tokenizer without an
+        unknown token drops what its vocabulary lacks. Both sides are compared as NFKC
+        without white space, which a tokenizer's normalizer may rewrite."""
+        decoded = self.tokenizer.decode(ids, skip_special_tokens=False,
+                                        clean_up_tokenization_spaces=False)
+        kept = Counter(c for c in unicodedata.normalize("NFKC", decoded) if not c.isspace())
+        for char in unicodedata.normalize("NFKC", text):
+            if char.isspace():
+                continue
+            if kept[char] <= 0:
+                return char
+            kept[char] -= 1
+        return None
+
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(token_ids)))
 
-    def detokenizer(self) -> HfDetokenizer:
-        return HfDetokenizer(self.tokenizer)
+    def detokenizer(self, prompt_ids: Sequence[int] = ()) -> HfDetokenizer:
+        return HfDetokenizer(self.tokenizer, prompt_ids)

@@ -11,8 +11,9 @@ from typing import Protocol, runtime_checkable
 
 @runtime_checkable
 class Detokenizer(Protocol):
-    """Text of a growing sequence of token ids, one piece at a time: the pieces joined equal
-    ``Tokenizer.decode`` of all the ids. A piece may hold back the start of a character
+    """Text of a completion's growing sequence of token ids, one piece at a time: the pieces
+    joined equal the text the ids add after their prompt (``Tokenizer.decode`` of prompt and
+    completion, less the prompt's own text). A piece may hold back the start of a character
     whose remaining tokens have not come yet; ``flush`` gives what is held back."""
 
     def feed(self, token_ids: Sequence[int]) -> str: ...
@@ -31,7 +32,18 @@ class Tokenizer(Protocol):
 
     def decode(self, token_ids: Sequence[int]) -> str: ...
 
-    def detokenizer(self) -> Detokenizer: ...
+    def detokenizer(self, prompt_ids: Sequence[int] = ()) -> Detokenizer:
+        """A ``Detokenizer`` for the completion of ``prompt_ids``: a tokenizer whose decoder
+        treats the text's first token apart (SentencePiece drops its leading space) reads
+        the completion's first token after the prompt's, not as the start of a text."""
+        ...
+
+
+def completion_text(tokenizer: Tokenizer, prompt_ids: Sequence[int],
+                    token_ids: Sequence[int]) -> str:
+    """The text ``token_ids`` add after ``prompt_ids``: what a stream of them reads whole."""
+    detokenizer = tokenizer.detokenizer(prompt_ids)
+    return detokenizer.feed(token_ids) + detokenizer.flush()
 
 
 class ByteDetokenizer:
@@ -57,5 +69,5 @@ class ByteTokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         return bytes(token_ids).decode("utf-8", "replace")
 
-    def detokenizer(self) -> Detokenizer:
-        return ByteDetokenizer()
+    def detokenizer(self, prompt_ids: Sequence[int] = ()) -> Detokenizer:
+        return ByteDetokenizer()  # bytes read the same whatever came before them

@@ -93,6 +93,7 @@ class Completion:
     choices: list[Choice] = field(default_factory=list)
     status: int = 200
     error: str | None = None
+    delivered: bool = False  # a stream's every chunk is out: only ``data: [DONE]`` is left
 
 
 class CompletionServer:
@@ -166,7 +167,8 @@ class CompletionServer:
             completion.status, completion.error = error.status, error.message
             raise
         except asyncio.CancelledError:  # aiohttp cancels the handler of a client gone away
-            completion.status, completion.error = CLIENT_GONE, "the client went away"
+            if not completion.delivered:
+                completion.status, completion.error = CLIENT_GONE, "the client went away"
             raise
         except Exception as error:  # adaspec's bug: answered 500 by the middleware
             completion.status = 500
@@ -195,7 +197,7 @@ class CompletionServer:
         self.metrics.waiting.inc(len(handles))
         completion.choices = [
             Choice(index=i, handle=h, prompt_tokens=len(ids), arrived=completion.arrived,
-                   text=CompletionText(self.tokenizer.detokenizer(), job.stop_strings))
+                   text=CompletionText(self.tokenizer.detokenizer(ids), job.stop_strings))
             for i, (h, ids) in enumerate(zip(handles, prompts, strict=True))]
         try:
             if job.stream:
@@ -317,10 +319,14 @@ class CompletionServer:
                 final = self._chunk(completion, [])
                 final["usage"] = usage(completion)
                 await response.write(_event(final))
+            # A client may close once it has read the whole completion (adaspec's bench does,
+            # and so may others): that request was answered, not abandoned.
+            completion.delivered = True
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
         except ConnectionError:  # the client went away mid-stream: its requests are cancelled
-            completion.status = CLIENT_GONE
+            if not completion.delivered:
+                completion.status = CLIENT_GONE
         finally:
             for task in tasks:
                 task.cancel()
