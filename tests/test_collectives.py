@@ -233,6 +233,22 @@ def test_rank_0_refuses_a_rendezvous_host_that_names_nothing(
         "service not known); expected a name or address of rank 0's machine")
 
 
+def test_a_rank_whose_rendezvous_host_never_resolves_is_told_so_not_that_nothing_listens(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lookup fails as it would for a name no resolver knows (a fake: CI has no DNS)."""
+    import socket
+
+    def unknown(*args: object, **kwargs: object) -> None:
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", unknown)
+    with pytest.raises(CollectiveError) as info:
+        join_store("tcp://rank0.example:29500", 2, Gathering(0.0, 0.0, lambda: False))
+    assert info.value.reason == (
+        "rank 0's host rank0.example could not be resolved (Name or service not known) within "
+        "0 s; expected a name or address of rank 0's machine in --master_node_addr")
+
+
 def test_a_rank_told_that_torchruns_agent_hosts_the_store_is_pointed_at_the_agent(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")

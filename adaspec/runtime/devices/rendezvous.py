@@ -117,14 +117,10 @@ def join_store(init_method: str, world_size: int, gathering: Gathering) -> TCPSt
         try:
             socket.create_connection((host, port), timeout=1.0).close()
             break
-        except OSError:
+        except OSError as error:
             if gathering.over():
-                host_hint = ("is the torchrun agent, which TORCHELASTIC_USE_AGENT_STORE=True "
-                             "says hosts it, started there?" if agent_hosts_the_store() else
-                             "is rank 0 started, with this --master_node_addr?")
-                raise CollectiveError(OP, group, (
-                    f"nothing listens at {host}:{port} after {gathering.timeout_s:g} s; "
-                    f"{host_hint}")) from None
+                raise CollectiveError(OP, group, _unreached(host, port, gathering, error)
+                                      ) from None
             time.sleep(STEP_S)
     # A listener found at the very end still gets a second to answer.
     handshake = Gathering(max(gathering.deadline, time.monotonic() + 1.0),
@@ -138,6 +134,19 @@ def join_store(init_method: str, world_size: int, gathering: Gathering) -> TCPSt
         raise CollectiveError(OP, group, (
             f"{host}:{port} accepts connections but no rendezvous store answered there within "
             f"{gathering.timeout_s:g} s; is another service on that port?")) from None
+
+
+def _unreached(host: str, port: int, gathering: Gathering, error: OSError) -> str:
+    """Why rank 0's store was not reached: a name that never resolved (a follower keeps
+    asking, since a cluster's names may appear late) or a port nothing listened on."""
+    if isinstance(error, socket.gaierror):
+        return (f"rank 0's host {host} could not be resolved ({error.strerror}) within "
+                f"{gathering.timeout_s:g} s; expected a name or address of rank 0's machine in "
+                "--master_node_addr")
+    host_hint = ("is the torchrun agent, which TORCHELASTIC_USE_AGENT_STORE=True says hosts it, "
+                 "started there?" if agent_hosts_the_store() else
+                 "is rank 0 started, with this --master_node_addr?")
+    return f"nothing listens at {host}:{port} after {gathering.timeout_s:g} s; {host_hint}"
 
 
 def client(host: str, port: int, timeout: datetime.timedelta) -> TCPStore:
