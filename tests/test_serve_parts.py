@@ -163,9 +163,14 @@ def test_a_number_no_double_holds_deep_in_the_body_is_named_in_a_short_line() ->
     assert len(info.value.message) < 200
 
 
+ID_ARRAY = ("expected a token id (an integer): an array that starts with a number is one "
+            "prompt's token ids")
+
+
 @pytest.mark.parametrize(("prompt", "message"), [
-    ([65, 66.0], "prompt[1]=66.0: expected a token id (an integer), as the array's first item is"),
-    ([65, "B"], "prompt[1]=B: expected a token id (an integer), as the array's first item is"),
+    ([65, 66.0], f"prompt[1]=66.0: {ID_ARRAY}"),
+    ([65, "B"], f"prompt[1]=B: {ID_ARRAY}"),
+    ([65.0, 66], f"prompt[0]=65.0: {ID_ARRAY}"),
     (["A", 66], "prompt[1]=66: expected a non-empty string or a non-empty array of token ids"),
 ])
 def test_an_item_of_a_prompt_array_is_named_by_what_the_array_holds(

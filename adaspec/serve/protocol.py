@@ -257,8 +257,8 @@ def _prompts(prompt: object) -> tuple[str | tuple[int, ...], ...]:
     if isinstance(prompt[0], int | float) and not isinstance(prompt[0], bool):
         # An array that starts with a number is one prompt's token ids: name what is not one.
         index, item = next((i, t) for i, t in enumerate(prompt) if not _is_id(t))
-        raise bad_field(f"prompt[{index}]", item, "expected a token id (an integer), as the "
-                        "array's first item is")
+        raise bad_field(f"prompt[{index}]", item, "expected a token id (an integer): an array "
+                        "that starts with a number is one prompt's token ids")
     if len(prompt) > MAX_PROMPTS:
         raise bad_field("prompt", f"{len(prompt)} prompts", PROMPT_EXPECTED)
     prompts: list[str | tuple[int, ...]] = []
