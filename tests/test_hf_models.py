@@ -538,31 +538,66 @@ def test_a_character_the_vocabulary_lacks_is_refused_beside_a_spelled_unknown_to
         tokenizer.encode("\u00e9<unk>")  # before: read as two <unk> tokens
 
 
-def _sentencepiece_tokenizer(unknown: bool) -> Any:
+def _sentencepiece_tokenizer(unknown: bool, *, model_unknown: bool | None = None,
+                             lacks: str = "", bos: bool = False, fold: bool = False,
+                             byte_fallback: bool = False) -> Any:
     """A tokenizer laid out as Llama 2's and Mistral's (a space before the text, spaces as
     \u2581, a decoder that strips the text's leading space), with the one merged word
-    \u2581world; with or without an unknown token."""
+    \u2581world. ``unknown``: transformers names <unk>; ``model_unknown``: the BPE model
+    has it too (as ``unknown`` unless given); ``lacks``: characters left out of the
+    vocabulary; ``bos``: <s> added before the text; ``fold``: case and accents folded;
+    ``byte_fallback``: the 256 byte tokens <0x00>..<0xFF> spell what the vocabulary lacks."""
     import string
 
+    from tokenizers import AddedToken, decoders, models, normalizers, processors
     from tokenizers import Tokenizer as Fast
-    from tokenizers import decoders, models, normalizers
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    if byte_fallback:
+        vocab |= {f"<0x{byte:02X}>": 3 + byte for byte in range(256)}
     for char in ["\u2581", *(c for c in string.printable if not c.isspace())]:
-        vocab.setdefault(char, len(vocab))
+        if char not in lacks:
+            vocab.setdefault(char, len(vocab))
     merges = [("\u2581", "w"), ("\u2581w", "o"), ("\u2581wo", "r"), ("\u2581wor", "l"),
               ("\u2581worl", "d")]
     for first, second in merges:
         vocab[first + second] = len(vocab)
-    tokenizer = Fast(models.BPE(vocab, merges, unk_token="<unk>" if unknown else None))
-    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
-                                                 normalizers.Replace(" ", "\u2581")])
+    model_unknown = unknown if model_unknown is None else model_unknown
+    tokenizer = Fast(models.BPE(vocab, merges, unk_token="<unk>" if model_unknown else None,
+                                byte_fallback=byte_fallback))
+    folding = [normalizers.NFD(), normalizers.StripAccents(), normalizers.Lowercase()]
+    tokenizer.normalizer = normalizers.Sequence([
+        *(folding if fold else []), normalizers.Prepend("\u2581"),
+        normalizers.Replace(" ", "\u2581")])
     tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "),
                                            decoders.ByteFallback(), decoders.Fuse(),
                                            decoders.Strip(" ", 1, 0)])
+    tokenizer.add_special_tokens([AddedToken(t, special=True) for t in ("<unk>", "<s>", "</s>")])
+    if bos:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single="<s> $A", special_tokens=[("<s>", 1)])
     named = {"unk_token": "<unk>"} if unknown else {}
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>",
                                                 eos_token="</s>", **named)
+
+
+def _gpt2_style_tokenizer() -> Any:
+    """Byte-level BPE whose one special token is its unknown token, its end-of-sequence
+    token and a BOS it adds before the text (as GPT-2 checkpoints name <|endoftext|>)."""
+    from tokenizers import Tokenizer as Fast
+    from tokenizers import decoders, models, pre_tokenizers, processors
+
+    vocab = {"<|endoftext|>": 0}
+    for char in pre_tokenizers.ByteLevel.alphabet():
+        vocab.setdefault(char, len(vocab))
+    tokenizer = Fast(models.BPE(vocab, [], unk_token="<|endoftext|>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)])
+    special = "<|endoftext|>"
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token=special,
+                                                bos_token=special, eos_token=special)
 
 
 def test_a_completion_reads_after_its_prompt_so_a_stripped_leading_space_is_kept() -> None:
@@ -590,17 +625,41 @@ def test_a_completion_reads_after_its_prompt_so_a_stripped_leading_space_is_kept
     assert stopped.stopped
 
 
-def test_text_a_tokenizer_without_an_unknown_token_would_drop_is_refused() -> None:
+@pytest.mark.parametrize(("settings", "text", "dropped"), [
+    ({"unknown": False}, "\u00e9", "\u00e9"),
+    ({"unknown": False}, "Hello \u00e9t\u00e9 \u65e5", "\u00e9"),
+    # The <s> the tokenizer adds spells the characters dropped from the text.
+    ({"unknown": False, "bos": True, "lacks": "<"}, "a<b", "<"),
+    # transformers names an unknown token its BPE model does not have: that drops too.
+    ({"unknown": True, "model_unknown": False}, "hello \u2603 world", "\u2603"),
+    ({"unknown": False, "fold": True, "lacks": "<"}, "Caf\u00e9 <", "<"),
+])
+def test_text_a_tokenizer_would_drop_is_refused(settings: dict[str, Any], text: str,
+                                                dropped: str) -> None:
     from adaspec.models.hf import HfTokenizer
 
-    tokenizer = HfTokenizer(_sentencepiece_tokenizer(unknown=False))
-    assert tokenizer.decode(tokenizer.encode("Hello world")).endswith("Hello world")
-    for text, dropped in [("\u00e9", "\u00e9"), ("Hello \u00e9t\u00e9 \u65e5", "\u00e9")]:
-        with pytest.raises(InvalidRequest) as info:
-            tokenizer.encode(text)
-        assert str(info.value) == (f"request field prompt={text}: holds characters the "
-                                   f"checkpoint's tokenizer cannot encode ({dropped!r} would be "
-                                   "dropped)")
+    tokenizer = HfTokenizer(_sentencepiece_tokenizer(**settings))
+    with pytest.raises(InvalidRequest) as info:
+        tokenizer.encode(text)
+    assert str(info.value) == (f"request field prompt={text}: holds characters the "
+                               f"checkpoint's tokenizer cannot encode ({dropped!r} would be "
+                               "dropped)")
+
+
+@pytest.mark.parametrize(("tokenizer", "text"), [
+    (lambda: _sentencepiece_tokenizer(unknown=False), "Hello world"),
+    (lambda: _sentencepiece_tokenizer(unknown=False, bos=True), "Hello <s> world"),
+    # Case and accents the tokenizer folds are no loss.
+    (lambda: _sentencepiece_tokenizer(unknown=False, fold=True), "Hello Caf\u00e9"),
+    # Its unknown token is also the BOS it adds: that one is no unknown character.
+    (_gpt2_style_tokenizer, "hello \u2603"),
+    (lambda: _sentencepiece_tokenizer(unknown=True, byte_fallback=True), "\u00e9t\u00e9 \u65e5"),
+])
+def test_text_a_tokenizer_holds_or_folds_is_encoded(tokenizer: Any, text: str) -> None:
+    from adaspec.models.hf import HfTokenizer
+
+    ids = HfTokenizer(tokenizer()).encode(text)
+    assert ids
 
 
 # --- what a checkpoint must be to load --------------------------------------------------------
@@ -969,3 +1028,26 @@ def test_the_models_end_of_sequence_ids_leave_room_for_a_requests_own() -> None:
     with pytest.raises(InvalidRequest, match=r"^request field stop_token_ids=15 token ids: "
                                              r"expected at most 14: the model's 2 "):
         params.ending_at((20, 21), "stop_token_ids")
+
+
+@pytest.mark.parametrize("completion", [
+    ["<0x0D>", "<0x90>", "\u2581world"],  # an invalid group: each of its bytes reads U+FFFD
+    ["<0xE4>", "<0xBD>", "<0xA0>", "<0xA0>"],  # a whole character, then a stray byte
+    ["<0xE4>", "<0xBD>", "<0xA0>", "\u2581world", "<0x41>"],
+])
+def test_a_completion_of_byte_tokens_reads_the_same_however_its_tokens_come(
+        completion: list[str]) -> None:
+    """Byte-fallback tokens decode as one group, so a character sent early could be rewritten
+    by the group's next byte: what a stream sends equals the whole decode after the prompt,
+    token by token (as with stop strings) or all at once."""
+    from adaspec.models.hf import HfTokenizer
+    from adaspec.models.tokenizer import completion_text
+    from adaspec.serve.text import CompletionText
+
+    tokenizer = HfTokenizer(_sentencepiece_tokenizer(unknown=True, byte_fallback=True))
+    prompt = tokenizer.encode("Hello")
+    ids = tokenizer.tokenizer.convert_tokens_to_ids(completion)
+    expected = tokenizer.decode([*prompt, *ids])[len(tokenizer.decode(prompt)):]
+    assert completion_text(tokenizer, prompt, ids) == expected
+    one_by_one = CompletionText(tokenizer.detokenizer(prompt), ["zzz"])
+    assert "".join(one_by_one.feed([token]) for token in ids) + one_by_one.finish() == expected

@@ -393,7 +393,12 @@ USAGE = {"choices": [], "usage": {"completion_tokens": 4}}
                                        "must support stream_options.include_usage"),
     (_events({"choices": [{}]}, USAGE, b"[DONE]"), "a stream event's choice has no text string"),
     (_events(CHUNK, {"choices": [], "usage": {"completion_tokens": 0}}, b"[DONE]"),
-     "the usage chunk counts completion_tokens=0 for a stream that carried text"),
+     "the usage chunk counts completion_tokens=0 for a stream that carried text; expected "
+     "at least 1"),
+    (_events({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]},
+             {"choices": [], "usage": {"completion_tokens": 0}}, b"[DONE]"),
+     "the usage chunk counts completion_tokens=0 for a stream that carried a finished choice; "
+     "expected at least 1"),
     (_events(CHUNK, USAGE, USAGE, b"[DONE]"), "the stream carried two usage chunks; expected one"),
     (_events(CHUNK, {"choices": [], "usage": {"completion_tokens": int("1" * 400)}},
              b"[DONE]"), "the usage chunk counts completion_tokens=111111111111... (400 digits) "

@@ -250,7 +250,7 @@ def _check_event_stream(content_type: str) -> None:
 def _check_ending(done: bool, chosen: bool, tokens: int | None, texts: bool) -> None:
     """Refuse a stream that is no whole completion: one cut before ``data: [DONE]`` and
     before any finish_reason, one that answered with no choice at all, one without the
-    usage chunk that counts it, one whose text that chunk counts as no token, or one
+    usage chunk that counts it, one that chunk counts as no token, or one
     without text that it counts as several (a server that dropped the text would measure
     as the fastest there is)."""
     if not done:
@@ -261,9 +261,10 @@ def _check_ending(done: bool, chosen: bool, tokens: int | None, texts: bool) -> 
     if tokens is None:
         raise LoadError("the stream ended without a usage chunk; the server must support "
                         "stream_options.include_usage")
-    if tokens == 0 and texts:
+    if tokens == 0:  # a request asks for at least one token: an ended one decoded it
         raise LoadError("the usage chunk counts completion_tokens=0 for a stream that "
-                        "carried text")
+                        f"carried {'text' if texts else 'a finished choice'}; expected at "
+                        "least 1")
     if tokens > 1 and not texts:  # one token without text: an end-of-sequence token
         raise LoadError(f"the usage chunk counts completion_tokens={tokens} for a stream "
                         "that carried no text; a completion without text cannot be measured")

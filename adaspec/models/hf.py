@@ -27,10 +27,12 @@ naming it.
 """
 
 import contextvars
+import functools
 import itertools
 import json
 import math
 import os
+import re
 import stat
 import unicodedata
 from collections import Counter
@@ -830,35 +832,53 @@ PROMPT_CONTEXT_TOKENS = 5
 """Prompt tokens decoded ahead of a completion's, so that a decoder's rule for the first token
 of a text (SentencePiece strips its leading space) applies to the prompt, not the completion."""
 
+BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+"""A byte-fallback token's spelling (Llama 2, Mistral): a run of them decodes as one group."""
+
 
 class HfDetokenizer:
     """Text of growing token ids by decoding them all after the prompt's last tokens and
-    sending what is new; a trailing U+FFFD (a character whose tokens have not all come) is
-    held back until they do."""
+    sending what is new. What may still change is held back: the text of a trailing run of
+    byte-fallback tokens (``byte_ids``), which decode as one group (an invalid group turns
+    every byte into U+FFFD, a character sent earlier included), and a trailing U+FFFD (a
+    character whose tokens have not all come)."""
 
-    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int] = ()) -> None:
+    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int] = (),
+                 byte_ids: frozenset[int] = frozenset()) -> None:
         self._tokenizer = tokenizer
+        self._byte_ids = byte_ids
         context = [int(t) for t in prompt_ids][-PROMPT_CONTEXT_TOKENS:]
+        self._context = len(context)
         self._prefix = str(tokenizer.decode(context)) if context else ""
         self._ids = context
         self._sent = 0
 
-    def _text(self) -> str:
-        text = str(self._tokenizer.decode(self._ids))
+    def _text(self, count: int) -> str:
+        """The completion's text as its first ``count`` ids past the prompt's read."""
+        if count <= 0:
+            return ""
+        text = str(self._tokenizer.decode(self._ids[:self._context + count]))
         if text.startswith(self._prefix):
             return text[len(self._prefix):]
         # The prompt ended inside a character that the completion's first tokens finish.
         return text[len(os.path.commonprefix([text, self._prefix])):]
 
+    def _settled(self) -> int:
+        """How many of the completion's ids precede its trailing run of byte tokens."""
+        count = len(self._ids) - self._context
+        while count > 0 and self._ids[self._context + count - 1] in self._byte_ids:
+            count -= 1
+        return count
+
     def feed(self, token_ids: Sequence[int]) -> str:
         self._ids.extend(int(t) for t in token_ids)
-        text = self._text()
+        text = self._text(self._settled())
         end = len(text.rstrip("\ufffd"))
         piece, self._sent = text[self._sent:end], max(self._sent, end)
         return piece
 
     def flush(self) -> str:
-        text = self._text()
+        text = self._text(len(self._ids) - self._context)
         piece, self._sent = text[self._sent:], len(text)
         return piece
 
@@ -877,15 +897,18 @@ class HfTokenizer:
 
     def encode(self, text: str) -> list[int]:
         """The text's token ids; text the vocabulary cannot hold (it would read as the
-        unknown token) is refused, never substituted."""
+        unknown token, or be dropped) is refused, never substituted."""
         ids = list(self.tokenizer.encode(text))
+        # The text's own tokens, without those the tokenizer adds (a BOS that may also be
+        # its unknown token, as GPT-2's one special token is).
+        own = list(self.tokenizer.encode(text, add_special_tokens=False))
         unknown = getattr(self.tokenizer, "unk_token_id", None)
         # Each unknown id must be the unknown token spelled out: one more is a character the
         # vocabulary lacks, even beside a spelled one.
-        if unknown is not None and ids.count(unknown) > text.count(str(self.tokenizer.unk_token)):
+        if unknown is not None and own.count(unknown) > text.count(str(self.tokenizer.unk_token)):
             raise InvalidRequest("prompt", text, "holds characters the checkpoint's tokenizer "
                                  f"cannot encode (they would read as {self.tokenizer.unk_token})")
-        dropped = None if unknown is not None else self._dropped(text, ids)
+        dropped = self._dropped(text, own)
         if dropped is not None:
             raise InvalidRequest("prompt", text, "holds characters the checkpoint's tokenizer "
                                  f"cannot encode ({dropped!r} would be dropped)")
@@ -898,23 +921,35 @@ class HfTokenizer:
                                  f"{self.vocab_size} tokens does not hold")
         return ids
 
-    def _dropped(self, text: str, ids: list[int]) -> str | None:
-        """The first character of ``text`` its ids do not read back: a tokenizer without an
-        unknown token drops what its vocabulary lacks. Both sides are compared as NFKC
-        without white space, which a tokenizer's normalizer may rewrite."""
-        decoded = self.tokenizer.decode(ids, skip_special_tokens=False,
+    def _dropped(self, text: str, own_ids: list[int]) -> str | None:
+        """The first character of ``text`` its own ids do not read back: a tokenizer's model
+        without an unknown token drops what its vocabulary lacks. Both sides are compared
+        as the tokenizer's normalizer writes them (case and accents it folds are no loss),
+        then as NFKC, without white space or SentencePiece's space mark."""
+        decoded = self.tokenizer.decode(own_ids, skip_special_tokens=False,
                                         clean_up_tokenization_spaces=False)
-        kept = Counter(c for c in unicodedata.normalize("NFKC", decoded) if not c.isspace())
-        for char in unicodedata.normalize("NFKC", text):
-            if char.isspace():
-                continue
+        kept = Counter(self._comparable(str(decoded)))
+        for char in self._comparable(text):
             if kept[char] <= 0:
                 return char
             kept[char] -= 1
         return None
 
+    def _comparable(self, text: str) -> list[str]:
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        normalizer = getattr(backend, "normalizer", None)
+        if normalizer is not None:
+            text = normalizer.normalize_str(text)
+        return [c for c in unicodedata.normalize("NFKC", text)
+                if not c.isspace() and c != "\u2581"]
+
+    @functools.cached_property
+    def _byte_ids(self) -> frozenset[int]:
+        return frozenset(i for token, i in self.tokenizer.get_vocab().items()
+                         if BYTE_TOKEN.fullmatch(token))
+
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(token_ids)))
 
     def detokenizer(self, prompt_ids: Sequence[int] = ()) -> HfDetokenizer:
-        return HfDetokenizer(self.tokenizer, prompt_ids)
+        return HfDetokenizer(self.tokenizer, prompt_ids, self._byte_ids)
