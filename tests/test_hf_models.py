@@ -540,13 +540,14 @@ def test_a_character_the_vocabulary_lacks_is_refused_beside_a_spelled_unknown_to
 
 def _sentencepiece_tokenizer(unknown: bool, *, model_unknown: bool | None = None,
                              lacks: str = "", bos: bool = False, fold: bool = False,
-                             byte_fallback: bool = False) -> Any:
+                             byte_fallback: bool = False, lower_nfkc: bool = False) -> Any:
     """A tokenizer laid out as Llama 2's and Mistral's (a space before the text, spaces as
     \u2581, a decoder that strips the text's leading space), with the one merged word
     \u2581world. ``unknown``: transformers names <unk>; ``model_unknown``: the BPE model
     has it too (as ``unknown`` unless given); ``lacks``: characters left out of the
     vocabulary; ``bos``: <s> added before the text; ``fold``: case and accents folded;
-    ``byte_fallback``: the 256 byte tokens <0x00>..<0xFF> spell what the vocabulary lacks."""
+    ``byte_fallback``: the 256 byte tokens <0x00>..<0xFF> spell what the vocabulary lacks;
+    ``lower_nfkc``: lowercase, then NFKC (which may give capitals back: \u210d is H)."""
     import string
 
     from tokenizers import AddedToken, decoders, models, normalizers, processors
@@ -566,8 +567,10 @@ def _sentencepiece_tokenizer(unknown: bool, *, model_unknown: bool | None = None
     tokenizer = Fast(models.BPE(vocab, merges, unk_token="<unk>" if model_unknown else None,
                                 byte_fallback=byte_fallback))
     folding = [normalizers.NFD(), normalizers.StripAccents(), normalizers.Lowercase()]
+    folding = folding if fold else [normalizers.Lowercase(), normalizers.NFKC()] \
+        if lower_nfkc else []
     tokenizer.normalizer = normalizers.Sequence([
-        *(folding if fold else []), normalizers.Prepend("\u2581"),
+        *folding, normalizers.Prepend("\u2581"),
         normalizers.Replace(" ", "\u2581")])
     tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "),
                                            decoders.ByteFallback(), decoders.Fuse(),
@@ -653,6 +656,8 @@ def test_text_a_tokenizer_would_drop_is_refused(settings: dict[str, Any], text: 
     (lambda: _sentencepiece_tokenizer(unknown=False, fold=True), "Hello Caf\u00e9"),
     # Its unknown token is also the BOS it adds: that one is no unknown character.
     (_gpt2_style_tokenizer, "hello \u2603"),
+    # A normalizer that writes its own output otherwise (H to h) compares the text once.
+    (lambda: _sentencepiece_tokenizer(unknown=False, lower_nfkc=True), "\u210dello"),
     (lambda: _sentencepiece_tokenizer(unknown=True, byte_fallback=True), "\u00e9t\u00e9 \u65e5"),
 ])
 def test_text_a_tokenizer_holds_or_folds_is_encoded(tokenizer: Any, text: str) -> None:
@@ -1051,3 +1056,36 @@ def test_a_completion_of_byte_tokens_reads_the_same_however_its_tokens_come(
     assert completion_text(tokenizer, prompt, ids) == expected
     one_by_one = CompletionText(tokenizer.detokenizer(prompt), ["zzz"])
     assert "".join(one_by_one.feed([token]) for token in ids) + one_by_one.finish() == expected
+
+
+@pytest.mark.parametrize(("prompt", "completion"), [
+    ("\U0001f642\U0001f642", "\U0001f642"),  # the prompt ends in byte tokens, as the completion begins
+    ("a \u2603\u2603", "\u2603 b"),
+    ("x \U0001f642", "\U0001f642\n"),
+])
+def test_a_completion_after_a_prompt_ending_in_byte_tokens_reads_as_its_own_characters(
+        prompt: str, completion: str) -> None:
+    from adaspec.models.hf import HfTokenizer
+    from adaspec.models.tokenizer import completion_text
+
+    tokenizer = HfTokenizer(_sentencepiece_tokenizer(unknown=True, byte_fallback=True))
+    prompt_ids = tokenizer.encode(prompt)
+    ids = tokenizer.tokenizer.encode(completion, add_special_tokens=False)
+    ids = ids[1:] if tokenizer.tokenizer.convert_ids_to_tokens(ids[:1]) == ["\u2581"] else ids
+    assert completion_text(tokenizer, prompt_ids, ids) == completion
+
+
+def test_a_stop_string_that_ends_on_a_byte_token_ends_the_count_there() -> None:
+    """A run of byte tokens is held back until it ends, but a stop string inside it ends the
+    completion at its own last token, and usage counts no token past it."""
+    from adaspec.models.hf import HfTokenizer
+    from adaspec.serve.text import CompletionText
+
+    tokenizer = HfTokenizer(_sentencepiece_tokenizer(unknown=True, byte_fallback=True))
+    prompt = tokenizer.encode("x")
+    ids = tokenizer.tokenizer.convert_tokens_to_ids(
+        ["<0xE2>", "<0x98>", "<0x83>", "<0x0A>", "<0x41>", "o"])  # \u2603, a newline, A, o
+    for stops, text, count in [(["\n"], "\u2603", 4), (["\u2603"], "", 3), (["A"], "\u2603\n", 5)]:
+        completion = CompletionText(tokenizer.detokenizer(prompt), stops)
+        sent = "".join(completion.feed([token]) for token in ids) + completion.finish()
+        assert (sent, completion.num_tokens, completion.stopped) == (text, count, True)

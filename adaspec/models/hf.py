@@ -847,7 +847,7 @@ class HfDetokenizer:
                  byte_ids: frozenset[int] = frozenset()) -> None:
         self._tokenizer = tokenizer
         self._byte_ids = byte_ids
-        context = [int(t) for t in prompt_ids][-PROMPT_CONTEXT_TOKENS:]
+        context = _context(prompt_ids, byte_ids)
         self._context = len(context)
         self._prefix = str(tokenizer.decode(context)) if context else ""
         self._ids = context
@@ -878,9 +878,31 @@ class HfDetokenizer:
         return piece
 
     def flush(self) -> str:
-        text = self._text(len(self._ids) - self._context)
-        piece, self._sent = text[self._sent:], len(text)
+        piece = self.pending()
+        self._sent += len(piece)
         return piece
+
+    def pending(self) -> str:
+        return self._text(len(self._ids) - self._context)[self._sent:]
+
+
+def _context(prompt_ids: Sequence[int], byte_ids: frozenset[int]) -> list[int]:
+    """The prompt's last tokens up to its last token that is no byte token: a run of byte
+    tokens decodes as one group, so the prompt's closing run would join the completion's
+    opening one (and read as U+FFFD with it were that invalid)."""
+    ids = [int(t) for t in prompt_ids]
+    end = len(ids)
+    while end > 0 and ids[end - 1] in byte_ids:
+        end -= 1
+    return ids[max(0, end - PROMPT_CONTEXT_TOKENS):end]
+
+
+def _comparable(text: str) -> str:
+    """Text as NFKC, without white space or SentencePiece's space mark."""
+    return NOT_COMPARED.sub("", unicodedata.normalize("NFKC", text))
+
+
+NOT_COMPARED = re.compile(r"[\s\u2581]+")
 
 
 class HfTokenizer:
@@ -926,22 +948,19 @@ class HfTokenizer:
         without an unknown token drops what its vocabulary lacks. Both sides are compared
         as the tokenizer's normalizer writes them (case and accents it folds are no loss),
         then as NFKC, without white space or SentencePiece's space mark."""
-        decoded = self.tokenizer.decode(own_ids, skip_special_tokens=False,
-                                        clean_up_tokenization_spaces=False)
-        kept = Counter(self._comparable(str(decoded)))
-        for char in self._comparable(text):
+        decoded = _comparable(str(self.tokenizer.decode(
+            own_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)))
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        normalizer = getattr(backend, "normalizer", None)
+        wanted = _comparable(text if normalizer is None else normalizer.normalize_str(text))
+        if wanted == decoded:  # the common case, compared at C speed
+            return None
+        kept = Counter(decoded)
+        for char in wanted:
             if kept[char] <= 0:
                 return char
             kept[char] -= 1
         return None
-
-    def _comparable(self, text: str) -> list[str]:
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        normalizer = getattr(backend, "normalizer", None)
-        if normalizer is not None:
-            text = normalizer.normalize_str(text)
-        return [c for c in unicodedata.normalize("NFKC", text)
-                if not c.isspace() and c != "\u2581"]
 
     @functools.cached_property
     def _byte_ids(self) -> frozenset[int]:

@@ -20,6 +20,11 @@ class Detokenizer(Protocol):
 
     def flush(self) -> str: ...
 
+    def pending(self) -> str:
+        """What ``flush`` would give now, without giving it: the text held back, as the
+        completion would read were it to end at the last token fed."""
+        ...
+
 
 @runtime_checkable
 class Tokenizer(Protocol):
@@ -55,6 +60,10 @@ class ByteDetokenizer:
 
     def flush(self) -> str:
         return self._decoder.decode(b"", final=True)
+
+    def pending(self) -> str:
+        held, _ = self._decoder.getstate()
+        return bytes(held).decode("utf-8", "replace")
 
 
 class ByteTokenizer:

@@ -31,7 +31,10 @@ class CompletionText:
         out = []
         for token in token_ids:  # one at a time: the count ends at the stop's last token
             self.num_tokens += 1
-            piece, stopped = self._take(self._detokenizer.feed((token,)))
+            piece = self._detokenizer.feed((token,))
+            # Were a stop string to end in text still held back (a character or byte run
+            # not yet whole), the completion would end at this token: read it as it would.
+            piece, stopped = self._take(piece, self._detokenizer.pending())
             out.append(piece)
             if stopped:
                 break
@@ -45,14 +48,16 @@ class CompletionText:
         rest, self._held = self._held, ""
         return piece + self._send(rest)
 
-    def _take(self, piece: str) -> tuple[str, bool]:
-        """The text to send once ``piece`` is added, and whether a stop string ended it."""
+    def _take(self, piece: str, pending: str = "") -> tuple[str, bool]:
+        """The text to send once ``piece`` is added, and whether a stop string ended it
+        (in ``piece`` or in ``pending``, the text the detokenizer still holds back)."""
         held = self._held + piece
-        cut = min((i for i in (held.find(stop) for stop in self._stops) if i >= 0), default=-1)
+        whole = held + pending
+        cut = min((i for i in (whole.find(stop) for stop in self._stops) if i >= 0), default=-1)
         if cut >= 0:
             self.stopped = True
             self._held = ""
-            return self._send(held[:cut]), True
+            return self._send(whole[:cut]), True
         keep = self._prefix_of_a_stop(held)
         self._held = held[len(held) - keep:]
         return self._send(held[:len(held) - keep]), False
