@@ -153,8 +153,7 @@ def test_a_prompt_that_is_not_utf8_is_refused_in_one_line() -> None:
     done = adaspec("generate", "--prompt", b"\xff\xfe", "--max_tokens=4", "--temperature=0")
     assert (done.returncode, done.stdout) == (2, b"")
     assert done.stderr.decode() == ("adaspec generate: error: --prompt='\\udcff\\udcfe': "
-                                    "expected UTF-8 text (a prompt's token ids are its UTF-8 "
-                                    "bytes)\n")
+                                    "expected UTF-8 text\n")
 
 
 # --- devices ------------------------------------------------------------------------------------

@@ -162,8 +162,7 @@ def _require_utf8(prompt: str) -> None:
     try:
         prompt.encode("utf-8")
     except UnicodeEncodeError:
-        raise ConfigError("--prompt", prompt, "expected UTF-8 text (a prompt's token ids are "
-                          "its UTF-8 bytes)") from None
+        raise ConfigError("--prompt", prompt, "expected UTF-8 text") from None
 
 
 MAX_PROMPTS_FILE_BYTES = 64 * 2**20
