@@ -1059,7 +1059,8 @@ def test_a_completion_of_byte_tokens_reads_the_same_however_its_tokens_come(
 
 
 @pytest.mark.parametrize(("prompt", "completion"), [
-    ("\U0001f642\U0001f642", "\U0001f642"),  # the prompt ends in byte tokens, as the completion begins
+    ("\U0001f642\U0001f642", "\U0001f642"),  # the prompt ends in byte tokens, the completion
+    # begins in them
     ("a \u2603\u2603", "\u2603 b"),
     ("x \U0001f642", "\U0001f642\n"),
 ])
