@@ -217,15 +217,19 @@ def test_backend_reason_is_one_trimmed_line(backend_message: str, reason: str) -
     assert backend_reason(RuntimeError(backend_message)) == reason
 
 
-def test_rank_0_refuses_a_rendezvous_host_that_names_nothing(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The lookup fails as it would for a name no resolver knows (a fake: CI has no DNS)."""
+@pytest.fixture
+def no_host_resolves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every lookup fails as it would for a name no resolver knows (a fake: CI has no DNS)."""
     import socket
 
     def unknown(*args: object, **kwargs: object) -> None:
         raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
 
     monkeypatch.setattr(socket, "getaddrinfo", unknown)
+
+
+@pytest.mark.usefixtures("no_host_resolves")
+def test_rank_0_refuses_a_rendezvous_host_that_names_nothing() -> None:
     with pytest.raises(ConfigError) as info:
         host_store("tcp://rank0.example:29500", datetime.timedelta(seconds=1))
     assert str(info.value) == (
@@ -233,15 +237,9 @@ def test_rank_0_refuses_a_rendezvous_host_that_names_nothing(
         "service not known); expected a name or address of rank 0's machine")
 
 
+@pytest.mark.usefixtures("no_host_resolves")
 def test_a_rank_whose_rendezvous_host_never_resolves_is_told_so_not_that_nothing_listens(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The lookup fails as it would for a name no resolver knows (a fake: CI has no DNS)."""
-    import socket
-
-    def unknown(*args: object, **kwargs: object) -> None:
-        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
-
-    monkeypatch.setattr(socket, "getaddrinfo", unknown)
+        ) -> None:
     with pytest.raises(CollectiveError) as info:
         join_store("tcp://rank0.example:29500", 2, Gathering(0.0, 0.0, lambda: False))
     assert info.value.reason == (
