@@ -584,6 +584,11 @@ def _sentencepiece_tokenizer(unknown: bool, *, model_unknown: bool | None = None
                                                 eos_token="</s>", **named)
 
 
+def _with_special(tokenizer: Any, token: str) -> Any:
+    tokenizer.add_special_tokens({"additional_special_tokens": [token]})
+    return tokenizer
+
+
 def _gpt2_style_tokenizer() -> Any:
     """Byte-level BPE whose one special token is its unknown token, its end-of-sequence
     token and a BOS it adds before the text (as GPT-2 checkpoints name <|endoftext|>)."""
@@ -628,6 +633,17 @@ def test_a_completion_reads_after_its_prompt_so_a_stripped_leading_space_is_kept
     assert stopped.stopped
 
 
+def test_text_a_model_reads_as_its_unknown_token_is_refused_though_transformers_names_none(
+        ) -> None:
+    """NFKC would read \u207f as n, which the spelled <unk> holds: the model's own unknown
+    token is counted instead."""
+    from adaspec.models.hf import HfTokenizer
+
+    tokenizer = HfTokenizer(_sentencepiece_tokenizer(unknown=False, model_unknown=True))
+    with pytest.raises(InvalidRequest, match=r"cannot encode \(they would read as <unk>\)$"):
+        tokenizer.encode("k\u207f")
+
+
 @pytest.mark.parametrize(("settings", "text", "dropped"), [
     ({"unknown": False}, "\u00e9", "\u00e9"),
     ({"unknown": False}, "Hello \u00e9t\u00e9 \u65e5", "\u00e9"),
@@ -658,6 +674,9 @@ def test_text_a_tokenizer_would_drop_is_refused(settings: dict[str, Any], text: 
     (_gpt2_style_tokenizer, "hello \u2603"),
     # A normalizer that writes its own output otherwise (H to h) compares the text once.
     (lambda: _sentencepiece_tokenizer(unknown=False, lower_nfkc=True), "\u210dello"),
+    # A special token the normalizer would fold is matched before it, as spelled.
+    (lambda: _with_special(_sentencepiece_tokenizer(unknown=False, fold=True), "[INST]"),
+     "[INST] hi"),
     (lambda: _sentencepiece_tokenizer(unknown=True, byte_fallback=True), "\u00e9t\u00e9 \u65e5"),
 ])
 def test_text_a_tokenizer_holds_or_folds_is_encoded(tokenizer: Any, text: str) -> None:
@@ -1090,3 +1109,77 @@ def test_a_stop_string_that_ends_on_a_byte_token_ends_the_count_there() -> None:
         completion = CompletionText(tokenizer.detokenizer(prompt), stops)
         sent = "".join(completion.feed([token]) for token in ids) + completion.finish()
         assert (sent, completion.num_tokens, completion.stopped) == (text, count, True)
+
+
+def test_a_completion_after_a_prompt_of_byte_tokens_only_keeps_its_leading_space() -> None:
+    from adaspec.models.hf import HfTokenizer
+    from adaspec.models.tokenizer import completion_text
+
+    tokenizer = HfTokenizer(_sentencepiece_tokenizer(unknown=True, byte_fallback=True))
+    prompt = tokenizer.tokenizer.convert_tokens_to_ids(["<0xC3>", "<0xBC>"])  # \u00fc as ids
+    world = tokenizer.tokenizer.convert_tokens_to_ids(["\u2581world"])
+    assert completion_text(tokenizer, prompt, world) == " world"
+
+
+def _unigram_tokenizer() -> Any:
+    """A Unigram tokenizer (SentencePiece's other model) whose decode cleans up the space
+    before punctuation, as transformers does for models that are not BPE."""
+    import string
+
+    from tokenizers import Tokenizer as Fast
+    from tokenizers import decoders, models, normalizers
+
+    pieces = [("<unk>", 0.0), ("\u2581", -1.0), ("\u2581a", -1.0)]
+    pieces += [(c, -2.0) for c in string.printable if not c.isspace()]
+    tokenizer = Fast(models.Unigram(pieces, unk_id=0))
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
+                                                 normalizers.Replace(" ", "\u2581")])
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.Fuse(),
+                                           decoders.Strip(" ", 1, 0)])
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>",
+                                                clean_up_tokenization_spaces=True)
+
+
+def test_a_space_sent_before_punctuation_is_not_taken_back_by_a_clean_up() -> None:
+    from adaspec.models.hf import HfTokenizer
+    from adaspec.models.tokenizer import completion_text
+    from adaspec.serve.text import CompletionText
+
+    tokenizer = HfTokenizer(_unigram_tokenizer())
+    prompt = tokenizer.encode("Hi")
+    ids = tokenizer.tokenizer.convert_tokens_to_ids(["\u2581", ".", "\u2581a"])
+    whole = completion_text(tokenizer, prompt, ids)
+    assert whole == " . a"
+    one_by_one = CompletionText(tokenizer.detokenizer(prompt), [])
+    assert "".join(one_by_one.feed([token]) for token in ids) + one_by_one.finish() == whole
+    stopped = CompletionText(tokenizer.detokenizer(prompt), ["."])
+    assert (stopped.feed(ids), stopped.num_tokens, stopped.stopped) == (" ", 2, True)
+
+
+class _DecodeSizes:
+    """A checkpoint's tokenizer that records how many ids each decode reads: a spy on the
+    real tokenizer, since the cost of a long completion is what the test is about."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self.sizes: list[int] = []
+
+    def decode(self, ids: list[int], **options: Any) -> str:
+        self.sizes.append(len(ids))
+        return str(self._tokenizer.decode(ids, **options))
+
+
+def test_a_long_completion_is_decoded_a_window_at_a_time() -> None:
+    """Each token of a 3000-token completion streamed against a stop string reads a few ids,
+    not the whole completion again (which cost 40 s for 16k tokens)."""
+    from adaspec.models.hf import HfDetokenizer, HfTokenizer
+    from adaspec.serve.text import CompletionText
+
+    tokenizer = HfTokenizer(_sentencepiece_tokenizer(unknown=True, byte_fallback=True))
+    spy = _DecodeSizes(tokenizer.tokenizer)
+    ids = tokenizer.tokenizer.encode("x \u2603 world" * 500, add_special_tokens=False)
+    completion = CompletionText(HfDetokenizer(spy, tokenizer.encode("Hello")), ["zzz"])
+    sent = "".join(completion.feed([token]) for token in ids) + completion.finish()
+    assert len(ids) > 3000
+    assert sent == tokenizer.decode(tokenizer.encode("Hello") + ids)[len("Hello"):]
+    assert max(spy.sizes) <= 16

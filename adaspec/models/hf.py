@@ -837,53 +837,64 @@ BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 class HfDetokenizer:
-    """Text of growing token ids by decoding them all after the prompt's last tokens and
-    sending what is new. What may still change is held back: the text of a trailing run of
-    byte-fallback tokens (``byte_ids``), which decode as one group (an invalid group turns
-    every byte into U+FFFD, a character sent earlier included), and a trailing U+FFFD (a
-    character whose tokens have not all come)."""
+    """Text of growing token ids, decoded a window at a time: the window opens at the ids
+    whose text was sent last (the prompt's last tokens at first), so a decoder's rule for a
+    text's first token (SentencePiece strips its leading space) applies to them, and a feed
+    costs the window, not the whole completion. What may still change is held back: the
+    text of a trailing run of byte-fallback tokens (``byte_ids``), which decode as one group
+    (an invalid group turns every byte into U+FFFD, a character read earlier included), and
+    text that ends in U+FFFD (a character whose tokens have not all come)."""
 
     def __init__(self, tokenizer: Any, prompt_ids: Sequence[int] = (),
                  byte_ids: frozenset[int] = frozenset()) -> None:
         self._tokenizer = tokenizer
         self._byte_ids = byte_ids
-        context = _context(prompt_ids, byte_ids)
-        self._context = len(context)
-        self._prefix = str(tokenizer.decode(context)) if context else ""
-        self._ids = context
-        self._sent = 0
+        self._ids = _context(prompt_ids, byte_ids)
+        self._start = 0  # the window's first id
+        self._read = len(self._ids)  # the ids whose text is sent end here
 
-    def _text(self, count: int) -> str:
-        """The completion's text as its first ``count`` ids past the prompt's read."""
-        if count <= 0:
+    def _decode(self, ids: list[int]) -> str:
+        # No clean-up: it joins a space to the next token's punctuation, which would take
+        # back a space already sent.
+        return str(self._tokenizer.decode(ids, clean_up_tokenization_spaces=False))
+
+    def _new_text(self, end: int) -> str:
+        """The text the ids from the last read up to ``end`` add."""
+        if end <= self._read:
             return ""
-        text = str(self._tokenizer.decode(self._ids[:self._context + count]))
-        if text.startswith(self._prefix):
-            return text[len(self._prefix):]
+        read = self._decode(self._ids[self._start:self._read])
+        text = self._decode(self._ids[self._start:end])
+        if text.startswith(read):
+            return text[len(read):]
         # The prompt ended inside a character that the completion's first tokens finish.
-        return text[len(os.path.commonprefix([text, self._prefix])):]
+        return text[len(os.path.commonprefix([text, read])):]
 
     def _settled(self) -> int:
-        """How many of the completion's ids precede its trailing run of byte tokens."""
-        count = len(self._ids) - self._context
-        while count > 0 and self._ids[self._context + count - 1] in self._byte_ids:
-            count -= 1
-        return count
+        """Where the ids end, less a trailing run of byte tokens."""
+        end = len(self._ids)
+        while end > self._read and self._ids[end - 1] in self._byte_ids:
+            end -= 1
+        return end
+
+    def _advance(self, end: int) -> None:
+        self._start, self._read = self._read, end
 
     def feed(self, token_ids: Sequence[int]) -> str:
         self._ids.extend(int(t) for t in token_ids)
-        text = self._text(self._settled())
-        end = len(text.rstrip("\ufffd"))
-        piece, self._sent = text[self._sent:end], max(self._sent, end)
+        end = self._settled()
+        piece = self._new_text(end)
+        if not piece or piece.endswith("\ufffd"):
+            return ""
+        self._advance(end)
         return piece
 
     def flush(self) -> str:
         piece = self.pending()
-        self._sent += len(piece)
+        self._advance(len(self._ids))
         return piece
 
     def pending(self) -> str:
-        return self._text(len(self._ids) - self._context)[self._sent:]
+        return self._new_text(len(self._ids))
 
 
 def _context(prompt_ids: Sequence[int], byte_ids: frozenset[int]) -> list[int]:
@@ -894,6 +905,8 @@ def _context(prompt_ids: Sequence[int], byte_ids: frozenset[int]) -> list[int]:
     end = len(ids)
     while end > 0 and ids[end - 1] in byte_ids:
         end -= 1
+    if end == 0:  # byte tokens only: still a text before the completion's first token
+        return ids[-PROMPT_CONTEXT_TOKENS:]
     return ids[max(0, end - PROMPT_CONTEXT_TOKENS):end]
 
 
@@ -924,12 +937,12 @@ class HfTokenizer:
         # The text's own tokens, without those the tokenizer adds (a BOS that may also be
         # its unknown token, as GPT-2's one special token is).
         own = list(self.tokenizer.encode(text, add_special_tokens=False))
-        unknown = getattr(self.tokenizer, "unk_token_id", None)
+        unknown, spelled = self._unknown
         # Each unknown id must be the unknown token spelled out: one more is a character the
         # vocabulary lacks, even beside a spelled one.
-        if unknown is not None and own.count(unknown) > text.count(str(self.tokenizer.unk_token)):
+        if unknown is not None and own.count(unknown) > text.count(spelled):
             raise InvalidRequest("prompt", text, "holds characters the checkpoint's tokenizer "
-                                 f"cannot encode (they would read as {self.tokenizer.unk_token})")
+                                 f"cannot encode (they would read as {spelled})")
         dropped = self._dropped(text, own)
         if dropped is not None:
             raise InvalidRequest("prompt", text, "holds characters the checkpoint's tokenizer "
@@ -948,11 +961,17 @@ class HfTokenizer:
         without an unknown token drops what its vocabulary lacks. Both sides are compared
         as the tokenizer's normalizer writes them (case and accents it folds are no loss),
         then as NFKC, without white space or SentencePiece's space mark."""
+        # Added tokens (special ones included) are matched before the normalizer runs and
+        # read back as spelled: they are compared by taking their spelling out of the text.
+        added = {i: t.content for i, t in self.tokenizer.added_tokens_decoder.items()}
+        rest = text
+        for token in (added[i] for i in own_ids if i in added):
+            rest = rest.replace(token, " ", 1)
         decoded = _comparable(str(self.tokenizer.decode(
-            own_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)))
+            [i for i in own_ids if i not in added], clean_up_tokenization_spaces=False)))
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         normalizer = getattr(backend, "normalizer", None)
-        wanted = _comparable(text if normalizer is None else normalizer.normalize_str(text))
+        wanted = _comparable(rest if normalizer is None else normalizer.normalize_str(rest))
         if wanted == decoded:  # the common case, compared at C speed
             return None
         kept = Counter(decoded)
@@ -961,6 +980,18 @@ class HfTokenizer:
                 return char
             kept[char] -= 1
         return None
+
+    @functools.cached_property
+    def _unknown(self) -> tuple[int | None, str]:
+        """The unknown token's id and spelling: the one transformers names, else the one
+        the tokenizer's model falls back to (a checkpoint may name none it still uses)."""
+        if self.tokenizer.unk_token_id is not None:
+            return self.tokenizer.unk_token_id, str(self.tokenizer.unk_token)
+        model = getattr(getattr(self.tokenizer, "backend_tokenizer", None), "model", None)
+        spelled = getattr(model, "unk_token", None)
+        found = self.tokenizer.convert_tokens_to_ids(spelled) if isinstance(spelled, str) \
+            else None
+        return (found, str(spelled)) if isinstance(found, int) else (None, "")
 
     @functools.cached_property
     def _byte_ids(self) -> frozenset[int]:
