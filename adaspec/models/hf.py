@@ -963,7 +963,7 @@ class HfTokenizer:
         then as NFKC, without white space or SentencePiece's space mark."""
         # Added tokens (special ones included) are matched before the normalizer runs and
         # read back as spelled: they are compared by taking their spelling out of the text.
-        added = {i: t.content for i, t in self.tokenizer.added_tokens_decoder.items()}
+        added = self._added
         rest = text
         for token in (added[i] for i in own_ids if i in added):
             rest = rest.replace(token, " ", 1)
@@ -980,6 +980,10 @@ class HfTokenizer:
                 return char
             kept[char] -= 1
         return None
+
+    @functools.cached_property
+    def _added(self) -> dict[int, str]:
+        return {i: t.content for i, t in self.tokenizer.added_tokens_decoder.items()}
 
     @functools.cached_property
     def _unknown(self) -> tuple[int | None, str]:

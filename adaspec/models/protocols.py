@@ -204,12 +204,18 @@ def check_verify_output(method: str, out: object, num_rows: int, vocab_size: int
     """``out`` when it is a TargetOutput of ``logits [rows, vocab_size]`` and ``hidden [rows,
     hidden_size]`` (the hidden states in ``hidden_dtype`` and both on ``device`` where given;
     metadata only: no device read); else the ``ModelOutputError`` naming ``method``."""
+    logits, hidden = _ROW_SHAPES[rows]
     check_returned_kind(method, out, "a TargetOutput", ("logits", "hidden"))
     check_output(method, "logits", getattr(out, "logits", None), (num_rows, vocab_size),
-                 f"[{rows}, vocab_size]", device=device)
+                 logits, device=device)
     check_output(method, "hidden", getattr(out, "hidden", None), (num_rows, hidden_size),
-                 f"[{rows}, hidden_size]", dtype=hidden_dtype, device=device)
+                 hidden, dtype=hidden_dtype, device=device)
     return out  # type: ignore[return-value]
+
+
+_ROW_SHAPES = {rows: (f"[{rows}, vocab_size]", f"[{rows}, hidden_size]") for rows in "GB"}
+"""How a refusal spells the verify (G rows) and prefill (B rows) shapes: made once, since
+every round checks its output."""
 
 
 def check_output(method: str, field: str, value: object, shape: tuple[int, ...],

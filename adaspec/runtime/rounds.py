@@ -430,7 +430,6 @@ def check_target_output(method: str, out: object, num_rows: int, rows: str,
     return check_verify_output(method, out, num_rows, ctx.vocab_size, ctx.hidden_size, rows,
                                hidden_dtype=states.hidden.dtype if states.keeps_hidden
                                else None, device=ctx.device)
-"""How a refusal spells the verify (G rows) and prefill (B rows) shapes, made once."""
 
 
 def check_prefill_output(out: object, num: int, longest: int, ctx: DeviceContext) -> None:
