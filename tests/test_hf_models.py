@@ -652,6 +652,8 @@ def test_text_a_model_reads_as_its_unknown_token_is_refused_though_transformers_
     # transformers names an unknown token its BPE model does not have: that drops too.
     ({"unknown": True, "model_unknown": False}, "hello \u2603 world", "\u2603"),
     ({"unknown": False, "fold": True, "lacks": "<"}, "Caf\u00e9 <", "<"),
+    # SentencePiece's space mark spelled in the text would read back as a space.
+    ({"unknown": True}, "a\u2581b", "\u2581"),
 ])
 def test_text_a_tokenizer_would_drop_is_refused(settings: dict[str, Any], text: str,
                                                 dropped: str) -> None:
