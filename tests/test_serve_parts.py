@@ -8,6 +8,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
@@ -238,6 +239,46 @@ async def test_a_client_that_closes_after_the_whole_completion_is_counted_answer
     counted = {line.split()[0]: float(line.split()[1]) for line in scraped.splitlines()
                if line.startswith("adaspec_http_requests_total{")}
     assert counted == {'adaspec_http_requests_total{status="200"}': 1.0}
+
+
+class _HeldTokenizer(ByteTokenizer):
+    """An injected slow encoding: the prompt ``held`` encodes only once ``release`` is set,
+    or after 10 s (when the encoding ran on the event loop, nothing else could set it)."""
+
+    def __init__(self) -> None:
+        self.began, self.release = threading.Event(), threading.Event()
+        self.released = False
+
+    def encode(self, text: str) -> list[int]:
+        if text == "held":
+            self.began.set()
+            self.released = self.release.wait(timeout=10)
+        return super().encode(text)
+
+
+@pytest.mark.asyncio
+async def test_a_prompt_being_encoded_stalls_no_other_request() -> None:
+    runtime = Runtime(load_config({"speculative_algorithm": "MTP", "num_speculative_tokens": 3,
+                                   "max_seqs_per_batch": 2}))
+    await runtime.start()
+    tokenizer = _HeldTokenizer()
+    server = CompletionServer(runtime, tokenizer, ServeSettings(
+        model_name="m", max_queued_requests=4, temperature_rule=None))
+    server.state = READY
+    try:
+        async with TestClient(TestServer(server.app())) as client:
+            held = asyncio.ensure_future(client.post("/v1/completions", json={
+                "model": "m", "prompt": "held", "max_tokens": 2}))
+            assert await asyncio.to_thread(tokenizer.began.wait, 10)
+            other = await client.post("/v1/completions", json={"model": "m", "prompt": [65],
+                                                               "max_tokens": 2})
+            assert other.status == 200
+            tokenizer.release.set()
+            assert (await held).status == 200
+    finally:
+        server.close()
+        await runtime.stop()
+    assert tokenizer.released, "the other request was answered only after the encoding"
 
 
 def _serve(*flags: str) -> subprocess.CompletedProcess[str]:

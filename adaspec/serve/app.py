@@ -16,6 +16,7 @@ import time
 import uuid
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,6 +113,13 @@ class CompletionServer:
         self.drained.set()
         self.in_flight: set[RequestHandle] = set()  # submitted, not yet ended
         self.created = int(time.time())
+        # Prompts are encoded off the event loop, so a long one stalls no other stream; one
+        # worker, because a Hugging Face tokenizer must not encode on two threads at once.
+        self.encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adaspec-encode")
+
+    def close(self) -> None:
+        """Let go of the encoding thread (an encoding under way runs to its end)."""
+        self.encoder.shutdown(wait=False, cancel_futures=True)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._errors])
@@ -189,7 +197,8 @@ class CompletionServer:
                               eos_token_ids=self.tokenizer.eos_token_ids)
         completion.stream = job.stream
         self._check_stop_ids(job)
-        prompts = [self._prompt_ids(job, index) for index in range(len(job.prompts))]
+        prompts = [await self._prompt_ids(job, index) for index in range(len(job.prompts))]
+        self._check_open()  # a drain may have begun while the prompts were encoded
         self._check_room(len(prompts))
         handles = self._submit(prompts, job)
         self.in_flight.update(handles)
@@ -247,11 +256,11 @@ class CompletionServer:
             if not 0 <= token < vocab:
                 raise bad_field(field_name, token, f"expected token ids in 0..{vocab - 1}")
 
-    def _prompt_ids(self, job: CompletionJob, index: int) -> tuple[int, ...]:
+    async def _prompt_ids(self, job: CompletionJob, index: int) -> tuple[int, ...]:
         field_name = "prompt" if len(job.prompts) == 1 else f"prompt[{index}]"
         prompt = job.prompts[index]
         try:
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+            ids = await self._encode(prompt) if isinstance(prompt, str) else prompt
         except InvalidRequest as error:  # text the tokenizer cannot hold
             raise bad_field(field_name, prompt, error.expected) from None
         try:
@@ -263,6 +272,10 @@ class CompletionServer:
                 shown = prompt if isinstance(prompt, str) else error.value
                 raise bad_field(field_name, shown, error.expected) from None
             raise refused(error) from None
+
+    async def _encode(self, text: str) -> list[int]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.encoder, self.tokenizer.encode, text)
 
     def _submit(self, prompts: list[tuple[int, ...]], job: CompletionJob
                 ) -> list[RequestHandle]:

@@ -122,6 +122,7 @@ async def serve_http(runtime: Runtime, tokenizer: Tokenizer, settings: ServeSett
                 await _serve_until_drained(runtime, server, signals, log)
     finally:
         await runner.cleanup()
+        server.close()
         signals.remove(loop)
         await runtime.stop()
     if runtime.fault is not None:  # after the drain began (a rank lost): requests may have failed
