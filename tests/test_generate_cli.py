@@ -176,13 +176,13 @@ def test_bad_generate_lines_exit_2_with_one_line(argv: list[str], message: str) 
 
 
 @contextlib.contextmanager
-def long_generate(trace: str) -> Iterator[subprocess.Popen[str]]:
+def long_generate(trace: str, *flags: str) -> Iterator[subprocess.Popen[str]]:
     """``adaspec generate`` of 1000 tokens, tracing to ``trace``, taking SIGINT as a
     terminal's Ctrl-C delivers it (a child started from a background job would otherwise
     inherit it ignored); killed if the test leaves it running."""
     process = subprocess.Popen(
         [sys.executable, "-m", "adaspec", "generate", "--prompt", "ROMEO.", "--max_tokens=1000",
-         "--temperature=0", f"--trace={trace}"], stdout=subprocess.PIPE,
+         "--temperature=0", f"--trace={trace}", *flags], stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True,
         preexec_fn=functools.partial(signal.signal, signal.SIGINT, signal.SIG_DFL))
     try:
@@ -210,21 +210,29 @@ def test_a_prompts_file_has_one_prompt_per_newline() -> None:
     assert file_lines("a\n\nb") == ["a", "", "b"]  # an empty line is refused by its number
 
 
-def test_ctrl_c_stops_generate_with_one_line_and_status_130(tmp_path: Path) -> None:
-    trace = tmp_path / "trace.jsonl"
-    with long_generate(str(trace)) as process:
+@pytest.mark.parametrize(("signal_number", "status", "said"), [
+    (signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")])
+def test_a_signal_stops_generate_with_one_line_and_a_log_that_replays(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], signal_number: int, status: int,
+        said: str) -> None:
+    trace, log = tmp_path / "trace.jsonl", tmp_path / "events.jsonl"
+    with long_generate(str(trace), f"--event_log={log}") as process:
         deadline = time.monotonic() + 300
         while not (trace.exists() and trace.stat().st_size > 0):  # its first round is traced
             assert time.monotonic() < deadline, "generate traced no round in 300 s"
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=0.05)
             assert process.returncode is None, process.stderr.read()  # type: ignore[union-attr]
-        process.send_signal(signal.SIGINT)
+        process.send_signal(signal_number)
         out, err = process.communicate(timeout=300)
-    assert (process.returncode, out, err) == (130, "", "adaspec generate: interrupted\n")
+    assert (process.returncode, out, err) == (status, "", f"adaspec generate: {said}\n")
     # The request was ended, not decoded to its 1000 tokens (a round each) before the exit.
     rounds = {event["round"] for event in map(json.loads, trace.read_text().splitlines())}
     assert len(rounds) < 900
+    # The event log was closed whole: its request ends cancelled, and it replays.
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [e["reason"] for e in events if e.get("kind") == "request_finished"] == ["cancelled"]
+    assert cli.run(["replay", str(log)]) == 0, capsys.readouterr().err
 
 
 def test_a_second_ctrl_c_while_generate_exits_keeps_one_line_and_status_130() -> None:

@@ -5,9 +5,11 @@ names the flag or key, the value and what is expected; stdout stays empty. A sta
 that cannot take the output ends quietly when its reader went away (``adaspec config | head
 -c1``: exit status 141, as a tool stopped by SIGPIPE) and with one line otherwise (a full
 device: exit status 2). Ctrl-C (SIGINT) stops a command with one line on stderr, ``adaspec
-COMMAND: interrupted``, and exit status 130 (128 + SIGINT, as a shell reports it); a Ctrl-C
-while adaspec exits ends it at once, with the status it was exiting with. Anything
-else is a bug in adaspec and keeps its traceback.
+COMMAND: interrupted``, and exit status 130 (128 + SIGINT, as a shell reports it); SIGTERM
+stops it the same way, with ``adaspec COMMAND: terminated`` and exit status 143 (``serve``
+drains at either, once it listens). A second signal while adaspec exits ends it at once,
+with the status it was exiting with. Anything else is a bug in adaspec and keeps its
+traceback.
 """
 
 import contextlib
@@ -78,23 +80,43 @@ def run(argv: Sequence[str]) -> int:
     except AdaspecError as error:
         _say(f"adaspec {argv[0]}: error: {error}")
         return 2
-    except KeyboardInterrupt:  # Ctrl-C (SIGINT): the command has stopped what it ran
-        _interrupted(f"adaspec {argv[0]}")
-        return INTERRUPTED
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the command has stopped what it ran
+        return _interrupted(f"adaspec {argv[0]}")
 
 
 INTERRUPTED = 130
 """The exit status of a command stopped by Ctrl-C: 128 + SIGINT, as a shell reports it."""
+TERMINATED = 143
+"""The exit status of a command stopped by SIGTERM: 128 + SIGTERM."""
+
+
+_terminated = False
+"""Set at SIGTERM: the interrupt that stops the command came from it, not from Ctrl-C."""
+
+
+def _on_sigterm(number: int, frame: Any) -> None:
+    """SIGTERM does what Ctrl-C does where the command stands (``asyncio.run`` turns Ctrl-C
+    into its main task's cancellation, so requests end cancelled and logs close whole)."""
+    global _terminated
+    _terminated = True
+    ctrl_c = signal.getsignal(signal.SIGINT)
+    if not callable(ctrl_c):  # Ctrl-C ignored (a background job): SIGTERM still stops
+        raise KeyboardInterrupt
+    ctrl_c(signal.SIGINT, frame)
+
 
 _process_exits_at_interrupt = False
 """Set by ``main``: the process then ends at once at the next Ctrl-C after the first (a
 ``run`` inside another program leaves that program's signal handling alone)."""
 
 
-def _interrupted(command: str) -> None:
+def _interrupted(command: str) -> int:
+    """Say how ``command`` was stopped; returns its exit status."""
+    status = TERMINATED if _terminated else INTERRUPTED
     if _process_exits_at_interrupt:
-        _exit_at_interrupt(INTERRUPTED)
-    _say(f"{command}: interrupted")
+        _exit_at_interrupt(status)
+    _say(f"{command}: {'terminated' if _terminated else 'interrupted'}")
+    return status
 
 
 def _say(line: str) -> None:
@@ -176,20 +198,23 @@ def main() -> None:
     # left, a port another service holds) come with pages of C++ frames, and reach Python
     # as the exceptions the command names. Set before torch loads, unless the user set it.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:  # an inherited ignore is kept
+        signal.signal(signal.SIGTERM, _on_sigterm)
     argv = sys.argv[1:]
     try:
         status = run_to_stdout(argv)
-        # All is said; a Ctrl-C while the interpreter winds down (its threads, torch's
+        # All is said; a signal while the interpreter winds down (its threads, torch's
         # teardown) only hurries the exit, with the status already decided.
         _exit_at_interrupt(status)
     except KeyboardInterrupt:  # outside the command: while its output was flushed
-        status = INTERRUPTED
-        _interrupted(_command(argv))
+        status = _interrupted(_command(argv))
     _exit(status)
 
 
 def _exit_at_interrupt(status: int) -> None:
     signal.signal(signal.SIGINT, lambda number, frame: os._exit(status))
+    if signal.getsignal(signal.SIGTERM) is _on_sigterm:
+        signal.signal(signal.SIGTERM, lambda number, frame: os._exit(status))
 
 
 def _exit(status: int) -> None:
