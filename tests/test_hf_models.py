@@ -633,6 +633,25 @@ def test_a_completion_reads_after_its_prompt_so_a_stripped_leading_space_is_kept
     assert stopped.stopped
 
 
+def test_the_end_of_sequence_token_adds_no_text_to_the_completion() -> None:
+    """As transformers' and vLLM's decoded output, a completion ends before its ``</s>``,
+    streamed or whole, with a stop string or without; the token is still counted."""
+    from adaspec.models.hf import HfTokenizer
+    from adaspec.models.tokenizer import completion_text
+    from adaspec.serve.text import CompletionText
+
+    fast = _sentencepiece_tokenizer(unknown=True)
+    eos = fast.convert_tokens_to_ids("</s>")
+    tokenizer = HfTokenizer(fast, eos_token_ids=(eos,))
+    prompt = tokenizer.encode("Hello")
+    world = fast.convert_tokens_to_ids("\u2581world")
+    assert completion_text(tokenizer, prompt, [world, eos]) == " world"
+    for stops in ([], ["zzz"]):
+        streamed = CompletionText(tokenizer.detokenizer(prompt), stops)
+        assert streamed.feed([world]) + streamed.feed([eos]) + streamed.finish() == " world"
+        assert (streamed.text, streamed.num_tokens) == (" world", 2)
+
+
 def test_text_a_model_reads_as_its_unknown_token_is_refused_though_transformers_names_none(
         ) -> None:
     """NFKC would read \u207f as n, which the spelled <unk> holds: the model's own unknown
@@ -1045,6 +1064,11 @@ def test_generate_stops_at_the_checkpoints_end_of_sequence_as_transformers_does(
     assert done.returncode == 0, done.stderr
     (result,) = json.loads(done.stdout)["results"]
     assert (result["token_ids"], result["finish_reason"]) == (expected, "stop")
+    # The end-of-sequence token ends the completion and adds none of its text.
+    from adaspec.models.hf import HfTokenizer
+    from adaspec.models.tokenizer import completion_text
+    assert result["text"] == completion_text(HfTokenizer(tokenizer), prompt, expected[:-1])
+    assert result["text"] != completion_text(HfTokenizer(tokenizer), prompt, expected)
 
 
 def test_the_models_end_of_sequence_ids_leave_room_for_a_requests_own() -> None:

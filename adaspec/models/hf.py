@@ -843,12 +843,16 @@ class HfDetokenizer:
     costs the window, not the whole completion. What may still change is held back: the
     text of a trailing run of byte-fallback tokens (``byte_ids``), which decode as one group
     (an invalid group turns every byte into U+FFFD, a character read earlier included), and
-    text that ends in U+FFFD (a character whose tokens have not all come)."""
+    text that ends in U+FFFD (a character whose tokens have not all come). The
+    ``end_ids`` (end-of-sequence tokens, which end a completion) add no text: as in
+    transformers and vLLM, a completion reads without its ``</s>``."""
 
     def __init__(self, tokenizer: Any, prompt_ids: Sequence[int] = (),
-                 byte_ids: frozenset[int] = frozenset()) -> None:
+                 byte_ids: frozenset[int] = frozenset(),
+                 end_ids: frozenset[int] = frozenset()) -> None:
         self._tokenizer = tokenizer
         self._byte_ids = byte_ids
+        self._end_ids = end_ids
         self._ids = _context(prompt_ids, byte_ids)
         self._start = 0  # the window's first id
         self._read = len(self._ids)  # the ids whose text is sent end here
@@ -880,7 +884,7 @@ class HfDetokenizer:
         self._start, self._read = self._read, end
 
     def feed(self, token_ids: Sequence[int]) -> str:
-        self._ids.extend(int(t) for t in token_ids)
+        self._ids.extend(int(t) for t in token_ids if t not in self._end_ids)
         end = self._settled()
         piece = self._new_text(end)
         if not piece or piece.endswith("\ufffd"):
@@ -1012,4 +1016,5 @@ class HfTokenizer:
         return str(self.tokenizer.decode(list(token_ids)))
 
     def detokenizer(self, prompt_ids: Sequence[int] = ()) -> HfDetokenizer:
-        return HfDetokenizer(self.tokenizer, prompt_ids, self._byte_ids)
+        return HfDetokenizer(self.tokenizer, prompt_ids, self._byte_ids,
+                             frozenset(self.eos_token_ids))

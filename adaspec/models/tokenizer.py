@@ -40,7 +40,8 @@ class Tokenizer(Protocol):
     def detokenizer(self, prompt_ids: Sequence[int] = ()) -> Detokenizer:
         """A ``Detokenizer`` for the completion of ``prompt_ids``: a tokenizer whose decoder
         treats the text's first token apart (SentencePiece drops its leading space) reads
-        the completion's first token after the prompt's, not as the start of a text."""
+        the completion's first token after the prompt's, not as the start of a text. An
+        end-of-sequence token adds no text: it ends the completion, it is none of it."""
         ...
 
 
