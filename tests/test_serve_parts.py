@@ -3,6 +3,8 @@ reader, and a server whose runtime has not started yet (on a real socket)."""
 
 import asyncio
 import contextlib
+import gzip
+import io
 import json
 import re
 import socket
@@ -13,6 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 import pytest
+import pytest_asyncio
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from gloo_job import PROCESS_LIMIT_S, REPO, peer_environment
@@ -31,8 +34,9 @@ from adaspec.bench.url import report_text
 from adaspec.config import SamplingParams, load_config
 from adaspec.models.tokenizer import ByteTokenizer
 from adaspec.runtime.engine import Runtime
-from adaspec.serve.app import READY, CompletionServer, ServeSettings
-from adaspec.serve.protocol import ApiError, parse_body, read_completion
+from adaspec.serve.app import DRAINING, READY, CompletionServer, ServeSettings, decoded_body
+from adaspec.serve.protocol import MAX_BODY_BYTES, ApiError, parse_body, read_completion
+from adaspec.serve.server import app_runner, json_logger, loop_errors
 from adaspec.serve.text import CompletionText
 
 
@@ -94,6 +98,24 @@ def test_the_reader_keeps_openai_defaults_where_the_launch_allows_them() -> None
     with pytest.raises(ApiError, match=r"^stop_token_ids=17 token ids: expected at most 16"):
         read_completion({"model": "m", "prompt": "hi", "stop_token_ids": list(range(17))},
                         "m", temperature_rule=None)
+    # Ids given in ``stop`` alone are named by that field, the one the client sent.
+    with pytest.raises(ApiError, match=r"^stop=17 token ids: expected at most 16") as info:
+        read_completion({"model": "m", "prompt": "hi", "stop": list(range(17))},
+                        "m", temperature_rule=None)
+    assert info.value.param == "stop"
+    with pytest.raises(ApiError, match=r"^user=u+\.\.\.: expected a string of at most 256"):
+        read_completion({"model": "m", "prompt": "hi", "user": "u" * 257}, "m",
+                        temperature_rule=None)
+
+
+def test_a_gzip_body_of_several_members_reads_as_gzip_d_reads_it() -> None:
+    first, second = b'{"model": "m", ', b'"prompt": "hi"}'
+    assert decoded_body(gzip.compress(first) + gzip.compress(second), "gzip") == first + second
+    with pytest.raises(ApiError, match=r"\(data follows the compressed stream\)$"):
+        decoded_body(gzip.compress(first) + b"junk", "gzip")
+    with pytest.raises(ApiError) as info:  # members that inflate past the limit together
+        decoded_body(gzip.compress(b" " * (MAX_BODY_BYTES // 2 + 1)) * 2, "gzip")
+    assert info.value.status == 413
 
 
 def test_the_neutral_values_openai_clients_send_are_accepted_and_others_named() -> None:
@@ -279,6 +301,100 @@ async def test_a_prompt_being_encoded_stalls_no_other_request() -> None:
         server.close()
         await runtime.stop()
     assert tokenizer.released, "the other request was answered only after the encoding"
+
+
+@pytest_asyncio.fixture
+async def mtp_runtime() -> AsyncIterator[Runtime]:
+    runtime = Runtime(load_config({"speculative_algorithm": "MTP", "num_speculative_tokens": 3,
+                                   "max_seqs_per_batch": 2}))
+    await runtime.start()
+    try:
+        yield runtime
+    finally:
+        await runtime.stop()
+
+
+def _lines(stream: io.StringIO) -> list[dict[str, object]]:
+    return [json.loads(line) for line in stream.getvalue().splitlines()]
+
+
+@pytest.mark.asyncio
+async def test_a_body_that_stalls_is_a_408_and_the_requests_user_is_logged(
+        mtp_runtime: Runtime) -> None:
+    """The read timeout is set short here (0.2 s), as a stalled client meets the 60 s one."""
+    logged = io.StringIO()
+    server = CompletionServer(mtp_runtime, ByteTokenizer(), ServeSettings(
+        model_name="m", max_queued_requests=4, temperature_rule=None, read_timeout_s=0.2),
+        json_logger(logged))
+    server.state = READY
+    async with TestClient(TestServer(server.app())) as client:
+        answer = await client.post("/v1/completions", json={
+            "model": "m", "prompt": "hi", "max_tokens": 2, "user": "alice"})
+        assert answer.status == 200
+
+        async def stalled() -> AsyncIterator[bytes]:
+            yield b'{"model": "m", '
+            await asyncio.Event().wait()  # the rest never comes
+
+        answer = await client.post("/v1/completions", data=stalled(),
+                                   headers={"Content-Type": "application/json"})
+        assert answer.status == 408
+        assert (await answer.json())["error"]["message"] == \
+            "the request body did not come whole within 0.2 s"
+    server.close()
+    lines = [line for line in _lines(logged) if line["event"] == "completion"]
+    assert [(line["status"], line["user"]) for line in lines] == [(200, "alice"), (408, None)]
+
+
+@pytest.mark.asyncio
+async def test_a_connection_that_never_sends_a_whole_request_head_is_closed() -> None:
+    runtime = Runtime(load_config({}))  # never started: no request gets that far
+    server = CompletionServer(runtime, ByteTokenizer(), ServeSettings(
+        model_name="m", max_queued_requests=4, temperature_rule=None, read_timeout_s=0.2))
+    runner = app_runner(server)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # no blank line
+        # Closed by the server: the read ends, with nothing answered (a limit bounds the
+        # test should the server keep it open, as aiohttp's own setting would for an hour).
+        assert await asyncio.wait_for(reader.read(), PROCESS_LIMIT_S) == b""
+        writer.close()
+    finally:
+        await runner.cleanup()
+        server.close()
+
+
+def test_an_os_error_the_loop_meets_on_its_own_is_one_json_line() -> None:
+    """The fault is injected as asyncio reports it when ``accept`` runs out of descriptors;
+    any other loop error keeps asyncio's own report."""
+    logged = io.StringIO()
+    loop = asyncio.new_event_loop()
+    try:
+        handle = loop_errors(json_logger(logged))
+        handle(loop, {"message": "socket.accept() out of system resource\nsocket: <...>",
+                      "exception": OSError(24, "Too many open files")})
+    finally:
+        loop.close()
+    (line,) = _lines(logged)
+    assert (line["event"], line["message"], line["error"]) == (
+        "loop_error", "socket.accept() out of system resource",
+        "OSError: [Errno 24] Too many open files")
+
+
+@pytest.mark.asyncio
+async def test_the_model_card_keeps_its_context_limit_while_draining(
+        mtp_runtime: Runtime) -> None:
+    server = CompletionServer(mtp_runtime, ByteTokenizer(), ServeSettings(
+        model_name="m", max_queued_requests=4, temperature_rule=None))
+    async with TestClient(TestServer(server.app())) as client:
+        for state in (READY, DRAINING):
+            server.state = state
+            card = (await (await client.get("/v1/models")).json())["data"][0]
+            assert card["max_model_len"] == mtp_runtime.context_limit
+    server.close()
 
 
 def _serve(*flags: str) -> subprocess.CompletedProcess[str]:

@@ -11,6 +11,7 @@ handler, and the handler cancels what it submitted.
 """
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -47,6 +48,9 @@ BODY_ENCODINGS = ("identity", "gzip", "deflate")
 """The request body encodings read; any other is refused (415), never read as plain."""
 CLIENT_GONE = 499
 """The status logged for a request whose client went away before its answer (nginx's)."""
+READ_TIMEOUT_S = 60.0
+"""How long a connection may take to send a request's head and, apart, its body (8 MiB at
+most): a client that stalls is cut off, and holds no connection the server needs."""
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -57,6 +61,7 @@ class ServeSettings:
     max_queued_requests: int
     temperature_rule: str | None
     """Why the launch needs every request's temperature; None: OpenAI's default applies."""
+    read_timeout_s: float = READ_TIMEOUT_S
 
 
 @dataclass(slots=True)
@@ -95,6 +100,7 @@ class Completion:
     status: int = 200
     error: str | None = None
     delivered: bool = False  # a stream's every chunk is out: only ``data: [DONE]`` is left
+    user: str | None = None  # the request's ``user``, as the client named itself
 
 
 class CompletionServer:
@@ -139,8 +145,9 @@ class CompletionServer:
     async def models(self, request: web.Request) -> web.Response:
         card: dict[str, Any] = {"id": self.settings.model_name, "object": "model",
                                 "created": self.created, "owned_by": "adaspec"}
-        if self.state == READY:
-            card["max_model_len"] = self.runtime.context_limit
+        if self.state in (READY, DRAINING):
+            with contextlib.suppress(RuntimeStopped):  # stopped under the drain: unknown
+                card["max_model_len"] = self.runtime.context_limit
         return web.json_response({"object": "list", "data": [card]})
 
     async def metrics_text(self, request: web.Request) -> web.Response:
@@ -176,7 +183,10 @@ class CompletionServer:
             raise
         except asyncio.CancelledError:  # aiohttp cancels the handler of a client gone away
             if not completion.delivered:
-                completion.status, completion.error = CLIENT_GONE, "the client went away"
+                # Before its body came whole, a drain's close may have cut it off too.
+                completion.status, completion.error = CLIENT_GONE, "the client went away" \
+                    if completion.choices or self.state == READY else \
+                    "the connection closed before the request came whole"
             raise
         except Exception as error:  # adaspec's bug: answered 500 by the middleware
             completion.status = 500
@@ -195,7 +205,7 @@ class CompletionServer:
         job = read_completion(parse_body(raw), self.settings.model_name,
                               temperature_rule=self.settings.temperature_rule,
                               eos_token_ids=self.tokenizer.eos_token_ids)
-        completion.stream = job.stream
+        completion.stream, completion.user = job.stream, job.user
         self._check_stop_ids(job)
         prompts = [await self._prompt_ids(job, index) for index in range(len(job.prompts))]
         self._check_open()  # a drain may have begun while the prompts were encoded
@@ -239,7 +249,11 @@ class CompletionServer:
         if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
             raise too_large()
         try:
-            raw = await request.read()
+            async with asyncio.timeout(self.settings.read_timeout_s):
+                raw = await request.read()
+        except TimeoutError:
+            raise ApiError(408, f"the request body did not come whole within "
+                           f"{self.settings.read_timeout_s:g} s") from None
         except web.HTTPRequestEntityTooLarge:
             raise too_large() from None
         except (HttpProcessingError, RequestPayloadError) as error:  # a body cut short
@@ -431,7 +445,8 @@ class CompletionServer:
             drafted_verified=sum(c.verified for c in choices),
             ttft_s=round(min(firsts) - completion.arrived, 6) if firsts else None,
             e2e_s=round(ended - completion.arrived, 6),
-            finish_reasons=[c.finish_reason for c in choices], error=completion.error)
+            finish_reasons=[c.finish_reason for c in choices], user=completion.user,
+            error=completion.error)
 
 
 def _check_no_query(request: web.Request) -> None:
@@ -472,28 +487,44 @@ def runtime_stopped(error: RuntimeStopped) -> ApiError:
 def decoded_body(raw: bytes, encoding: str) -> bytes:
     """The body as sent before its Content-Encoding: the server decodes it itself (aiohttp's
     own decoding is off), so an encoding it does not read is a 415 and a body inflating past
-    the size limit is a 413 before it is held whole."""
+    the size limit is a 413 before it is held whole. A gzip body may hold several members
+    (RFC 1952), read one after the other as ``gzip -d`` reads them."""
     if encoding == "identity":
         return raw
     # gzip has its own header; deflate is zlib-wrapped, or raw as some clients send it.
     attempts = (16 + zlib.MAX_WBITS,) if encoding == "gzip" else (zlib.MAX_WBITS, -zlib.MAX_WBITS)
     reason = ""
     for wbits in attempts:
-        inflater = zlib.decompressobj(wbits)
         try:
-            body = inflater.decompress(raw, MAX_BODY_BYTES + 1)
-        except zlib.error as error:
+            return _inflated(raw, wbits, members=encoding == "gzip")
+        except _Unreadable as error:
             reason = str(error)
-            continue
-        if len(body) > MAX_BODY_BYTES:
-            raise too_large()
-        if not inflater.eof or inflater.unused_data:
-            reason = "the compressed data ends early" if not inflater.eof else \
-                "data follows the compressed stream"
-            continue
-        return body
     raise ApiError(400, f"the request body cannot be read: it is not {encoding} data "
                    f"({reason})")
+
+
+class _Unreadable(Exception):
+    """The body is not data of the encoding tried (the reason)."""
+
+
+def _inflated(raw: bytes, wbits: int, *, members: bool) -> bytes:
+    body, rest, first = b"", raw, True
+    while True:
+        inflater = zlib.decompressobj(wbits)
+        try:  # at most one byte past the limit: never more than that is held
+            body += inflater.decompress(rest, MAX_BODY_BYTES + 1 - len(body))
+        except zlib.error as error:
+            raise _Unreadable(str(error) if first else
+                              "data follows the compressed stream") from None
+        if len(body) > MAX_BODY_BYTES:
+            raise too_large()
+        if not inflater.eof:
+            raise _Unreadable("the compressed data ends early")
+        rest, first = inflater.unused_data, False
+        if not rest:
+            return body
+        if not members:
+            raise _Unreadable("data follows the compressed stream")
 
 
 def too_large() -> ApiError:

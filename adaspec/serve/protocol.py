@@ -30,6 +30,8 @@ MAX_PROMPTS = 256
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+MAX_USER_CHARS = 256
+"""The longest ``user`` taken: it goes into the request's log line."""
 
 DEFAULT_MAX_TOKENS = 16
 """OpenAI's default for ``max_tokens``."""
@@ -188,8 +190,9 @@ def read_completion(body: Mapping[str, Any], model: str, *,
     except InvalidRequest as error:
         raise refused(error) from None
     user = body.get("user")
-    if user is not None and not isinstance(user, str):
-        raise bad_field("user", user, "expected a string")
+    if user is not None and not (isinstance(user, str) and len(user) <= MAX_USER_CHARS):
+        raise bad_field("user", user, f"expected a string of at most {MAX_USER_CHARS} "
+                        "characters (it is logged)")
     return CompletionJob(prompts=prompts, params=params, stop_strings=stop_strings,
                          stop_id_fields=stop_ids, stream=stream, include_usage=include_usage,
                          user=user)
@@ -315,8 +318,8 @@ def _stops(stop: object, stop_token_ids: object
             raise bad_field("stop_token_ids", stop_token_ids, "expected an array of token ids")
         ids.extend(("stop_token_ids", i) for i in stop_token_ids)
     distinct = len({token for _, token in ids})  # a repeated id stops at nothing more
-    if distinct > MAX_STOP_TOKENS:
-        raise bad_field("stop_token_ids", f"{distinct} token ids",
+    if distinct > MAX_STOP_TOKENS:  # named by the field that brought the last of them
+        raise bad_field(ids[-1][0], f"{distinct} token ids",
                         f"expected at most {MAX_STOP_TOKENS} stop token ids in all")
     return strings, tuple(ids)  # type: ignore[arg-type]
 

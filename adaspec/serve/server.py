@@ -13,7 +13,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TextIO
 
@@ -56,8 +56,30 @@ class OneLine(logging.Handler):
         error = record.exc_info[1] if record.exc_info else None
         message = record.getMessage().strip().splitlines()
         self._log.warning("http_error", message=message[0] if message else "",
-                          error=None if error is None else
-                          printable(f"{type(error).__name__}: {error}".splitlines()[0]))
+                          error=None if error is None else one_line(error))
+
+
+def one_line(error: BaseException) -> str:
+    """An error as one short line: aiohttp's reasons come on lines after the first."""
+    text = " ".join(f"{type(error).__name__}: {error}".split())
+    return printable(text if len(text) <= 300 else text[:299] + "\u2026")
+
+
+def loop_errors(log: Any) -> Callable[[asyncio.AbstractEventLoop, dict[str, Any]], None]:
+    """The loop's exception handler while serving: an OS error the loop meets on its own
+    (out of file descriptors at ``accept``: the host's limit, not adaspec's bug) is one
+    JSON line; anything else keeps asyncio's report, traceback and all."""
+
+    def handle(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        error = context.get("exception")
+        if isinstance(error, OSError):
+            message = str(context.get("message", "")).strip().splitlines()
+            log.warning("loop_error", message=message[0] if message else "",
+                        error=one_line(error))
+            return
+        loop.default_exception_handler(context)
+
+    return handle
 
 
 @contextmanager
@@ -100,14 +122,11 @@ async def serve_http(runtime: Runtime, tokenizer: Tokenizer, settings: ServeSett
                      host: str, port: int, log: Any) -> None:
     """Serve completions on ``host:port`` until a signal drains the server."""
     server = CompletionServer(runtime, tokenizer, settings, log)
-    # Once drained, a handler still running waits for a body that is not coming: the close
-    # waits for it this long, not aiohttp's minute.
-    # The app decodes request bodies itself (``decoded_body``): aiohttp's own decoding would
-    # answer an encoding it lacks a library for in plain text before any handler runs.
-    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None,
-                           shutdown_timeout=SHUTDOWN_GRACE_S, auto_decompress=False)
+    runner = app_runner(server)
     await runner.setup()
     loop = asyncio.get_running_loop()
+    loop_handler = loop.get_exception_handler()
+    loop.set_exception_handler(loop_errors(log))
     signals = Signals()
     signals.install(loop)
     try:
@@ -125,9 +144,22 @@ async def serve_http(runtime: Runtime, tokenizer: Tokenizer, settings: ServeSett
         server.close()
         signals.remove(loop)
         await runtime.stop()
+        loop.set_exception_handler(loop_handler)
     if runtime.fault is not None:  # after the drain began (a rank lost): requests may have failed
         raise ServeFailed(f"the runtime faulted while draining or stopping: {runtime.fault}")
     log.info("stopped")
+
+
+def app_runner(server: CompletionServer) -> web.AppRunner:
+    """The server's aiohttp runner. Once drained, a handler still running waits for a body
+    that is not coming: the close waits for it ``SHUTDOWN_GRACE_S``, not aiohttp's minute. A
+    connection idle, or still sending a request's head, is closed after the read timeout
+    (aiohttp's own keeps it an hour). The app decodes request bodies itself
+    (``decoded_body``): aiohttp's own decoding would answer an encoding it lacks a library
+    for in plain text before any handler runs."""
+    return web.AppRunner(server.app(), handler_cancellation=True, access_log=None,
+                         shutdown_timeout=SHUTDOWN_GRACE_S, auto_decompress=False,
+                         keepalive_timeout=server.settings.read_timeout_s)
 
 
 async def follow_front(runtime: Runtime, log: Any) -> None:
