@@ -1,6 +1,6 @@
 """Saved cost tables: a bundle reloads bit for bit, every incompatible launch is refused with
-the field, the saved value and the launch value named, legacy tables read as Draft7, and a
-damaged file is refused with its key path."""
+the field, the saved value and the launch value named, legacy tables read as Draft7 and held
+to the launch's captured geometry, and a damaged file is refused with its key path."""
 
 import dataclasses
 import json
@@ -349,3 +349,78 @@ def test_a_table_priced_per_draft_depth_is_no_verify_table(
         f"adaspec config: error: --adaptive_target_verify_cost_table={path}: is priced per "
         "draft depth (adaptive draft steps); expected a table priced over target rows G, as "
         "--adaptive_target_verify_cost_table_output saves one\n")
+
+
+STEEP_LEGACY = {"bias": 0.005, "buckets": [1, 2], "alpha": [0.0, 0.001],
+                "rows": [1, 2, 4, 6, 8, 12], "theta": [0.0, 0.001, 0.003, 0.005, 0.007, 0.011],
+                "residual_rms": 0.1, "residual_max_relative": 3.1, "kind": "additive",
+                "draft_width": 5}
+"""A legacy table of Draft5 measured on request buckets 1 and 2 and every G they capture (the
+geometry of --max_seqs_per_batch=2)."""
+DRAFT5 = ["--speculative_algorithm=DSpark", "--num_speculative_tokens=5",
+          "--enable_adaptive_target_verify=true"]
+"""A launch of the default graph limit: request buckets 1, 2, 4, 8 and 16."""
+
+
+def test_a_legacy_table_that_leaves_a_launch_bucket_unpriced_is_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before, config and the start took it, and every round of more than two requests had
+    no price: adaptive verify kept full width there, unsaid."""
+    path, _ = saved(tmp_path, STEEP_LEGACY, "legacy.json")
+    flag = f"--adaptive_target_verify_cost_table={path}"
+    refusal = (f"{flag}: buckets=[1, 2]: expected values from the launch's request buckets "
+               "[1, 2, 4, 8, 16], up to 16: a round at Bcap above 2 has no price and verifies "
+               "full width\n")
+    assert cli.run(["config", *DRAFT5, flag]) == 2
+    assert capsys.readouterr().err == f"adaspec config: error: {refusal}"
+    # The start checks it as config does (a launch that never ran config).
+    assert cli.run(["generate", *DRAFT5, flag, "--prompt=ROMEO.", "--max_tokens=4",
+                    "--temperature=0"]) == 2
+    assert capsys.readouterr() == ("", f"adaspec generate: error: {refusal}")
+    # The launch it was measured on takes it.
+    assert cli.run(["config", *DRAFT5, "--max_seqs_per_batch=2", flag]) == 0
+
+
+def test_a_legacy_table_priced_at_rows_no_launch_bucket_captures_is_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # G = 3 and 5 are no tier of buckets 1 and 2 of Draft5: another launch's geometry.
+    path, data = saved(tmp_path, {**STEEP_LEGACY, "rows": [1, 2, 3, 4, 5, 6]}, "legacy.json")
+    refusal = (f"--adaptive_target_verify_cost_table={path}: rows=[1, 2, 3, 4, 5, 6]: expected "
+               "values from the launch's legal target rows (of every request bucket) "
+               "[1, 2, 4, 6, 8, 12]; 3 is not one (it was measured on another geometry)")
+    assert cli.run(["config", *DRAFT5, "--max_seqs_per_batch=2",
+                    f"--adaptive_target_verify_cost_table={path}"]) == 2
+    assert capsys.readouterr().err == f"adaspec config: error: {refusal}\n"
+    with pytest.raises(ConfigError) as info:  # what the start runs on its own geometry
+        load_bundle(path, data).check_compatible(LAUNCH, path)
+    assert str(info.value) == refusal
+
+
+def test_a_legacy_table_whose_rows_stop_below_full_width_is_refused(tmp_path: Path) -> None:
+    # An sps table records rows alone; bucket 2's full width, 12 rows, would have no price.
+    short = fit_sps([s for s in SAMPLES if s.num_rows <= 6]).as_dict()
+    path, data = saved(tmp_path, {**short, "draft_width": 5}, "legacy.json")
+    legacy = load_bundle(path, data)
+    with pytest.raises(ConfigError, match=r"^--adaptive_target_verify_cost_table=.*: "
+                       r"rows=\[1, 2, 4, 6\]: expected values from the launch's legal target "
+                       r"rows \(of every request bucket\) \[1, 2, 4, 6, 8, 12\], up to 12: a "
+                       r"round at G above 6 has no price and verifies full width$"):
+        legacy.check_compatible(LAUNCH, path)
+
+
+def test_a_legacy_table_that_prices_every_captured_shape_is_accepted(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Covering is what the policy needs: each value a shape the launch captures and each
+    axis reaching the launch's largest; a shape between two measured ones is priced at the
+    next larger, so buckets and tiers may be left out below the largest."""
+    sparse = {**STEEP_LEGACY, "buckets": [2], "alpha": [0.0], "rows": [2, 6, 12],
+              "theta": [0.0, 0.004, 0.011]}
+    path, data = saved(tmp_path, sparse, "legacy.json")
+    legacy = load_bundle(path, data)
+    legacy.check_compatible(LAUNCH, path)
+    for b, rows in zip(LAUNCH.request_buckets, LAUNCH.target_rows, strict=True):
+        for g in rows:
+            assert legacy.cost_ms(b, g, 500) is not None
+    assert cli.run(["config", *DRAFT5, "--max_seqs_per_batch=2",
+                    f"--adaptive_target_verify_cost_table={path}"]) == 0
+    assert capsys.readouterr().err == ""

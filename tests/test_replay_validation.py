@@ -23,7 +23,9 @@ import pytest
 from logged_runs import MAX_TOKENS, stages, with_requests
 
 from adaspec import cli
+from adaspec.config.builtin import builtin_checkpoints
 from adaspec.config.effective import load_config
+from adaspec.config.flags import parse_argv
 from adaspec.errors import EventLogError
 from adaspec.policies.base import BudgetContext, DepthContext, RoundFeedback, covering_rows
 from adaspec.policies.bundles import Compatibility, CostBundle
@@ -814,6 +816,47 @@ def test_replay_refuses_a_header_table_measured_past_its_context_limit(
                        "context_limit: the table prices contexts of 4096 tokens, past the "
                        "context limit 16 of the header$"):
         replay_file(str(path))
+
+
+def with_context_limit(path: Path, limit: object) -> Path:
+    """``path`` with its header's context_limit edited, written next to it."""
+    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    records[0]["context_limit"] = limit
+    edited = path.with_name(f"limit-{limit}.jsonl")
+    edited.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return edited
+
+
+def test_a_built_in_targets_log_must_record_its_model_cards_context_limit(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The header names the built-in target by its identity, whose limit is its model
+    card's: before, any integer the events fit under replayed ("all N decisions match")."""
+    mtp = ["--speculative_algorithm=MTP", "--num_speculative_tokens=3"]
+    log = tmp_path / "run.jsonl"
+    assert cli.run(["generate", *mtp, "--prompt=hi", "--max_tokens=20", "--temperature=0",
+                    f"--event_log={log}"]) == 0
+    known = builtin_checkpoints(load_config(parse_argv(mtp)).launch)
+    assert known is not None
+    card_limit = known[1]
+    capsys.readouterr()
+    assert cli.run(["replay", str(with_context_limit(log, card_limit))]) == 0
+    capsys.readouterr()
+    for limit in (2000, 10**30, card_limit - 1):
+        edited = with_context_limit(log, limit)
+        reason = (f'header "context_limit" expected {card_limit} (the built-in target '
+                  f'builtin:target\'s, whose identity "models.target" records), got {limit}')
+        assert cli.run(["replay", str(edited)]) == 2
+        assert one_error_line(capsys, "replay") == f"event log {edited}, line 1: {reason}"
+        assert cli.run(["simulate", "--workload", str(edited), "--policy", "fixed:3"]) == 2
+        assert one_error_line(capsys, "simulate") == f"--workload={edited}:1: {reason}"
+
+
+def test_the_context_limit_of_a_target_no_model_card_names_is_left_to_its_events(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # "target-id" is no built-in target: only its checkpoint knows its limit.
+    log = with_context_limit(write_run(tmp_path / "run.jsonl"), 10**30)
+    assert cli.run(["replay", str(log)]) == 0
+    assert "decisions match the log" in capsys.readouterr().out
 
 
 def test_a_log_that_records_no_round_says_it_has_no_decision_to_check(

@@ -76,8 +76,23 @@ def _check_tp_split(launch: LaunchConfig) -> None:
                                   f"{what} ({count}): each TP rank keeps an equal share")
 
 
+def builtin_target_limit(identity: str) -> tuple[str, int] | None:
+    """The built-in target (its ``--model`` name) whose checkpoint identity is ``identity``,
+    with its context limit from the model card; None for any other target, whose limit only
+    its own checkpoint knows."""
+    for model, family in BUILTIN_TARGETS.items():
+        target = _family_card(family)["models"]["target"]
+        if target["identity"] == identity:
+            return model, int(target["config"]["context_limit"])
+    return None
+
+
 def _card(launch: LaunchConfig) -> dict[str, Any]:
-    folder = BUILTIN_FOLDERS[BUILTIN_TARGETS[launch.model]]
+    return _family_card(BUILTIN_TARGETS[launch.model])
+
+
+def _family_card(family: str) -> dict[str, Any]:
+    folder = BUILTIN_FOLDERS[family]
     card: dict[str, Any] = json.loads((WEIGHTS / folder / "model_card.json").read_text(
         encoding="utf-8"))
     return card

@@ -15,7 +15,9 @@ One profile per calibrated KV interval; a round whose KV length no profile cover
 price and the policy keeps full width. Loading checks every compatibility field against the
 launch and names the first that differs. A legacy table (a bare table object, no version)
 carries no metadata beyond an optional ``draft_width``, which means width 7 when absent; its
-other fields cannot be checked and are reported as unchecked.
+other fields cannot be checked and are reported as unchecked. Its table's own axes are held
+to the launch's captured geometry instead (``legacy_gap``): every value a captured shape, and
+each axis reaching the launch's largest, so no round the launch runs goes unpriced.
 """
 
 import json
@@ -231,7 +233,20 @@ class CostBundle:
         profile lies within the target's ``context_limit`` (calibration never measures
         beyond it, so such a profile was measured on another model)."""
         self.check_fields(launch.as_dict(), path)
+        self.check_geometry(launch.request_buckets, launch.target_rows, path)
         self.check_context_limit(path, context_limit)
+
+    def check_geometry(self, request_buckets: Sequence[int],
+                       target_rows: Sequence[Sequence[int]], path: str) -> None:
+        """Refuse a legacy table that does not price every shape the launch captures (its
+        ``request_buckets`` and each bucket's legal ``target_rows``). A bundle records the
+        geometry it was measured on, which ``check_fields`` compares; a legacy table records
+        only the axes of its table (``buckets`` and ``rows``, or ``rows`` alone for sps)."""
+        if self.version is None and request_buckets:
+            gap = legacy_gap(self.profiles[0].table, request_buckets, target_rows)
+            if gap is not None:
+                raise ConfigError(f"--adaptive_target_verify_cost_table={path}: {gap[0]}",
+                                  gap[1], gap[2])
 
     def check_context_limit(self, path: str, context_limit: int) -> None:
         """Refuse a profile beyond the target's context limit: calibration never measures
@@ -275,20 +290,48 @@ def launch_fields(launch: LaunchConfig) -> dict[str, object]:
 def check_saved_table(launch: LaunchConfig) -> None:
     """A launch's saved cost table (when it names one): its contents checked as a load
     checks them, and the fields the launch fixes compared (for the built-in models also
-    their identities and context limit, from the model card) and the captured geometry, so
-    ``adaspec config`` refuses what the start would."""
+    their identities and context limit, from the model card) and the captured geometry (a
+    legacy table's axes against it), so ``adaspec config`` refuses what the start would."""
     path = launch.adaptive_target_verify_cost_table
     if path is None or not launch.enable_adaptive_target_verify:
         return
     bundle = load_bundle(path, read_json_object("adaptive_target_verify_cost_table", path))
-    fields = {**launch_fields(launch), **geometry_fields(launch)}
     known = builtin_checkpoints(launch)
-    if known is None:
-        bundle.check_fields(fields, path)
-        return
-    identities, context_limit = known
-    bundle.check_fields({**fields, **identities}, path)
-    bundle.check_context_limit(path, context_limit)
+    identities = {} if known is None else known[0]
+    bundle.check_fields({**launch_fields(launch), **geometry_fields(launch), **identities},
+                        path)
+    buckets = launch.prepared_request_buckets()
+    bundle.check_geometry(buckets, [launch.legal_target_rows(b) for b in buckets], path)
+    if known is not None:
+        bundle.check_context_limit(path, known[1])
+
+
+def legacy_gap(table: CostTable, request_buckets: Sequence[int],
+               target_rows: Sequence[Sequence[int]]) -> tuple[str, list[int], str] | None:
+    """The axis of a legacy table that does not fit a launch's captured geometry, with its
+    values and what it should hold; None when the table fits.
+
+    The policy prices a round at (Bcap, G) up to its bucket's full width, and a table prices
+    a shape at the next larger one it measured: it prices every round when its largest
+    bucket is the launch's largest and its largest G the largest legal G (full width of that
+    bucket). Past them, a round has no price and verifies full width, unsaid. A value the
+    launch never captures (G=3 on a ladder of 2, 4, ...) was measured on another geometry:
+    it would price the launch's shapes below it with a shape the launch never runs."""
+    legal = sorted({g for rows in target_rows for g in rows})
+    axes = [("rows", "G", "legal target rows (of every request bucket)", legal)]
+    if hasattr(table, "buckets"):  # sps pools every bucket: it records rows alone
+        axes.insert(0, ("buckets", "Bcap", "request buckets", list(request_buckets)))
+    for name, symbol, what, captured in axes:
+        values = list(getattr(table, name))
+        foreign = [v for v in values if v not in captured]
+        expected = f"expected values from the launch's {what} {captured}"
+        if foreign:
+            return name, values, (f"{expected}; {foreign[0]} is not one (it was measured "
+                                  "on another geometry)")
+        if values[-1] < captured[-1]:
+            return name, values, (f"{expected}, up to {captured[-1]}: a round at {symbol} "
+                                  f"above {values[-1]} has no price and verifies full width")
+    return None
 
 
 def geometry_fields(launch: LaunchConfig) -> dict[str, object]:

@@ -11,8 +11,9 @@ Replay also checks the lag: the decisions of round n may see feedback of rounds 
 (n-1 for a run without schedule overlap, whose header records lag 1).
 
 Nothing is replayed before the whole log is checked (``check_recorded_run``): the header's
-launch settings as a launch would check them, its cost table against them, and the events as
-one run of that launch (``log.check_run``). ``adaspec simulate`` reads a recorded run through
+launch settings as a launch would check them, the context limit of a built-in target (known
+by its identity) against its model card, its cost table against them, and the events as one
+run of that launch (``log.check_run``). ``adaspec simulate`` reads a recorded run through
 the same checks.
 """
 
@@ -23,6 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+from adaspec.config.builtin import builtin_target_limit
 from adaspec.config.calibration import key_prefix
 from adaspec.config.effective import effective_value, execution_shape
 from adaspec.config.launch import LaunchConfig, launch_field_types
@@ -230,9 +232,11 @@ def check_recorded_run(header: LogHeader, events: Sequence[Event], path: str
                        ) -> RecordedRun:
     """Check a log read by ``read_event_log`` as one run; ``EventLogError`` for the first
     problem, naming the line: the header's launch settings (as a launch checks them), its lag,
-    cost table and built-in policies against them, then every event (``log.check_run``)."""
+    a built-in target's context limit against its model card, the cost table and built-in
+    policies against them, then every event (``log.check_run``)."""
     launch = _recorded_launch(header, path)
     lag = _recorded_lag(header, launch, path)
+    _check_context_limit(header, path)
     costs = _header_costs(header, path)
     _check_built_in_policies(header, costs, path)
     run = RecordedRun(launch=launch, lag=lag, costs=costs,
@@ -275,7 +279,10 @@ def table_difference(error: IncompatibleCostTable, run: str) -> str:
 def check_table_for_run(table: CostBundle, run: RecordedRun, path: str) -> None:
     """``IncompatibleCostTable`` unless the table was saved by a launch like the run's, as a
     launch checks a saved table (``CostBundle.check_compatible``); a profile measured past
-    the run's context limit is named as field ``context_limit``."""
+    the run's context limit is named as field ``context_limit``. A legacy table's axes are
+    not held to the run's geometry (``CostBundle.check_geometry``): a run that one left
+    unpriced verified those rounds at full width, which replay reproduces, and ``adaspec
+    simulate`` takes no legacy table at all."""
     table.check_fields(run.compatibility.as_dict(), path)
     index = table.measured_past(run.context_limit)
     if index is not None:  # calibration never measures past the model's limit
@@ -408,6 +415,19 @@ def _recorded_lag(header: LogHeader, launch: LaunchConfig, path: str) -> int:
                             f"{show_value(launch.enable_schedule_overlap)} in its config), "
                             f"got {_brief(given)}")
     return lag
+
+
+def _check_context_limit(header: LogHeader, path: str) -> None:
+    """A built-in target's context limit is its model card's: a header that names the
+    built-in target by its identity and records another limit describes a run that never
+    was (its requests, tables and bounds would be judged against the wrong limit). Another
+    target's limit is known only to its checkpoint; the events are still held to it."""
+    known = builtin_target_limit(header.models["target"])
+    if known is not None and header.context_limit != known[1]:
+        model, limit = known
+        raise EventLogError(path, 1, f'header "context_limit" expected {limit} (the '
+                            f'built-in target {model}\'s, whose identity "models.target" '
+                            f"records), got {_brief(header.context_limit)}")
 
 
 def _header_costs(header: LogHeader, path: str) -> CostBundle | None:
