@@ -360,14 +360,20 @@ def test_misused_requests_cancels_and_unsubscribes_are_refused_in_one_line() -> 
                 with pytest.raises(TypeError, match=r"^cancel\(request_id=.*\): expected an "
                                                     r"int request id"):
                     runtime.cancel(request_id)  # type: ignore[arg-type]
-            runtime.cancel(12345)  # an unknown id is left alone, as documented
-            runtime.cancel(-1)
-            runtime.cancel(np.int64(7))  # type: ignore[arg-type]  # numpy ints are ids too
+            for request_id in (0, -1, 12345):  # ids no submit gave: a caller's slip, said
+                with pytest.raises(ValueError, match=rf"^cancel\(request_id={request_id}\): no "
+                                                     r"request has that id; nothing was "
+                                                     r"submitted yet$"):
+                    runtime.cancel(request_id)
             with pytest.raises(ValueError, match=r"^unsubscribe\(.*\): that handler was not "
                                                  r"subscribed"):
                 runtime.unsubscribe(lambda event: None)
             handle = runtime.submit([1, 2], SamplingParams(temperature=0, max_tokens=2))
             assert len((await asyncio.wait_for(handle.result(), 60)).token_ids) == 2
+            runtime.cancel(np.int64(0))  # type: ignore[arg-type]  # ended: left alone
+            with pytest.raises(ValueError, match=r"^cancel\(request_id=1\): no request has "
+                                                 r"that id; expected one submit gave \(0\.\.0\)$"):
+                runtime.cancel(np.int64(1))  # type: ignore[arg-type]  # numpy ints are ids too
         finally:
             await runtime.stop()
 

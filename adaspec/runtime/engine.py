@@ -9,7 +9,6 @@ itself is ``adaspec.runtime.pipeline``.
 import asyncio
 import datetime
 import functools
-import itertools
 import json
 import logging
 import math
@@ -434,7 +433,7 @@ class Runtime:
         self._collectives: Collectives = collectives or LocalCollectives()
         self._opened: DistributedCollectives | None = None  # open, and opened by start()
         self._link: RankLink | None = None
-        self._ids = itertools.count()
+        self._issued = 0  # request ids given so far: 0 .. _issued - 1
         self._task: asyncio.Task[None] | None = None
         self._stopping: asyncio.Task[None] | None = None  # the shutdown, once stop is called
         self._stream: DeviceStream | None = None
@@ -990,7 +989,8 @@ class Runtime:
         ids = self.check(prompt, params)
         self._on_loop("submit()")
         pipeline = self._running()
-        request = Request(id=next(self._ids), prompt=ids, params=params)
+        request = Request(id=self._issued, prompt=ids, params=params)
+        self._issued += 1
         # Queued before its arrival is told, so a subscriber can cancel it by id, and an
         # interrupt a subscriber raises leaves a request that ends as the log says it arrived.
         pipeline.add(request)
@@ -1064,8 +1064,9 @@ class Runtime:
         return pipeline
 
     def cancel(self, request_id: int) -> None:
-        """End a request between rounds (see ``RequestHandle.cancel``); an unknown or ended
-        request id is left alone. ``request_id`` is an int (``RequestHandle.request_id``)."""
+        """End a request between rounds (see ``RequestHandle.cancel``); a request that has
+        ended is left alone (its cancel may race its end). ``request_id`` is an int
+        (``RequestHandle.request_id``) that ``submit`` gave: any other is a ValueError."""
         given: object = request_id  # whatever the caller passed, until checked
         if isinstance(given, bool) or not isinstance(given, numbers.Integral):
             raise TypeError(f"cancel(request_id={reprlib.repr(given)}): expected an int "
@@ -1073,6 +1074,11 @@ class Runtime:
                             f"{type(given).__name__}")
         self._on_loop("cancel()")
         self._front_only("cancel")
+        if not 0 <= int(given) < self._issued:
+            raise ValueError(f"cancel(request_id={int(given)}): no request has that id; "
+                             f"expected one submit gave (0..{self._issued - 1})"
+                             if self._issued else f"cancel(request_id={int(given)}): no "
+                             "request has that id; nothing was submitted yet")
         if self._pipeline is not None:
             request = self._pipeline.find(int(given))  # a numpy integer as the int it equals
             if request is not None:
