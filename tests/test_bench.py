@@ -3,6 +3,7 @@ consistent with what ran, the greedy outputs compared across arms, clear refusal
 anything runs, and the README's main command printing its table."""
 
 import asyncio
+import io
 import json
 import math
 import os
@@ -16,7 +17,9 @@ from runtime_helpers import TINY_CALIBRATION
 
 from adaspec import cli
 from adaspec.bench.run import (
+    SAMPLED,
     BenchPlan,
+    KindCounts,
     RunRecord,
     pass_order,
     plan_arms,
@@ -43,6 +46,7 @@ from adaspec.cli.bench import (
     busy_warning,
     cpu_times,
     others_share,
+    print_table,
     steal_share,
 )
 from adaspec.config import SamplingParams, load_config
@@ -400,6 +404,34 @@ def test_cli_json_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert all(a["versus_best_fixed"] is None for a in data["arms"])
     assert "AL counts the residual or bonus token" in table
     assert "greedy outputs: identical in every arm (4 outputs compared" in table
+
+
+def test_a_run_without_a_fixed_arm_says_so_and_shows_no_interval(tmp_path: Path) -> None:
+    # Before: "best fixed width: None" and a row ending "- +-0.000 (-..-)", the noise and
+    # range of a ratio that does not exist.
+    arms, skipped = plan_arms({"speculative_algorithm": "MTP"}, widths=None,
+                              names=("adaptive-verify",), quick=True, levels=(1,),
+                              scratch=tmp_path, temperatures=(0.8,))
+    plan = BenchPlan(arms=arms, levels=(1,), prompts=shipped_prompts(), requests={1: 2},
+                     max_tokens=6, passes=1, skipped=skipped, temperatures=(0.8,))
+    counts = KindCounts(requests=2, tokens=12, rounds=4, verified=8, accepted=4,
+                        tpot_s=[0.01, 0.02])
+    record = RunRecord("adaptive-verify", 1, 0, seconds=0.1, cpu_seconds=0.2, tokens=12,
+                       tpot_s=[0.01, 0.02], outputs=[(1,) * 6, (2,) * 6],
+                       temperatures=[0.8, 0.8], kinds={SAMPLED: counts}, rounds=4, rows=16,
+                       request_rounds=4, verified=8, accepted=4, reached=[4, 4],
+                       through=[3, 1])
+    summary = summarise(plan, [record])
+    summary.update(machine="test", seconds=0.0)  # what the command adds before printing
+    out = io.StringIO()
+    print_table(summary, out)
+    table = out.getvalue()
+    assert "None" not in table
+    assert "(2 requests per pass; best fixed width: none (no fixed arm ran))" in table
+    row = next(line for line in table.splitlines() if line.startswith("adaptive-verify "))
+    assert row.split()[-3:] == ["-", "-", "-"]  # vs plain, vs none, vs best fixed
+    assert "+-" not in row
+    assert "(-..-)" not in row
 
 
 @pytest.mark.parametrize(("flags", "message"), [

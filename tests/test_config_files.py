@@ -78,7 +78,8 @@ def test_draft_step_default_buckets_stop_at_128() -> None:
 @pytest.mark.parametrize(("data", "message"), [
     ({"policy": {}}, "version: expected 1 (the only file version)"),
     ({"version": 2}, "version=2: expected 1 (the only file version)"),
-    ({"version": True}, "version=true: expected 1 (the only file version)"),
+    ({"version": True}, "version=true: expected 1 (the only file version), got a boolean"),
+    ({"version": "1"}, "version=1: expected 1 (the only file version), got a string"),
     ({"version": 1, "polcy": {}},
      "polcy={...}: unknown key; expected one of calibration, policy, version"),
     ({"version": 1, "policy": {"window_size": 0}},
@@ -222,6 +223,7 @@ def two_contexts(first: tuple[int, int, int], second: tuple[int, int, int]) -> o
      "request_buckets, target_graph_rows, token_seed, warmup_steps, window_steps, "
      "windows_per_point"),
     ({"version": 3}, "version=3: expected 1 (the only file version)"),
+    ({"version": "1"}, "version=1: expected 1 (the only file version), got a string"),
 ])
 def test_bad_calibration_file_is_rejected(tmp_path: Path, changes: dict[str, object],
                                           message: str) -> None:
@@ -367,4 +369,5 @@ def test_control_characters_in_keys_keep_the_message_on_one_line(tmp_path: Path)
 
 def test_version_must_be_the_integer_one(tmp_path: Path) -> None:
     error = rejection(draft_steps(tmp_path, {"version": 1.0}))
-    assert str(error).endswith("version=1.0: expected 1 (the only file version)")
+    assert str(error).endswith("version=1.0: expected 1 (the only file version), got a "
+                               "decimal number")

@@ -107,6 +107,16 @@ def test_coverage_gaps_have_no_price() -> None:
 
 @pytest.mark.parametrize(("change", "message"), [
     (lambda d: d.update(version=2), "version=2: expected the integer 1"),
+    (lambda d: d.update(version="1"), "version=1: expected the integer 1 .*, got a string$"),
+    # A bundle that lost its version is no legacy table: before, it was read as one and
+    # refused only as "kind=null: expected sps, additive or log-additive".
+    (lambda d: d.pop("version"),
+     r': version: missing; expected the integer 1 \(an object with "format", '
+     r'"compatibility", "settings" and "profiles" is a versioned bundle; a legacy table is a '
+     r"bare table object\)$"),
+    (lambda d: [d.pop(key) for key in ("version", "format", "compatibility", "settings")],
+     r': version: missing; expected the integer 1 \(an object with "profiles" is a versioned '
+     r"bundle; "),
     (lambda d: d["compatibility"].pop("device"), r"compatibility\.device=missing"),
     (lambda d: d["compatibility"].update(unified="no"),
      r"compatibility\.unified=no: expected true or false"),

@@ -653,6 +653,14 @@ def test_bench_url_counts_refused_requests_as_failures_and_exits_1(server: Serve
 
 @pytest.mark.parametrize(("flags", "words"), [
     (["--url=http://127.0.0.1:9", "--widths=3"], "--widths=3: configures the runtime"),
+    # A plot configures no runtime: refused for what it is, a plot of arms a server has not.
+    (["--url=http://127.0.0.1:9", "--plot=u.png"],
+     "--plot=u.png: plots the tokens/s and per-position acceptance of the arms this bench "
+     "would run; with --url there are no arms, and a server reports no acceptance: expected "
+     "no --plot (--json gives the figures)\n"),
+    (["--url=http://127.0.0.1:9", "--passes=3"],
+     "--passes=3: repeats every arm this bench would run; with --url each level is one "
+     "closed loop against the server: expected no --passes\n"),
     (["--url=http://127.0.0.1:9", "--speculative_algorithm=MTP"],
      "--speculative_algorithm=MTP: a launch flag"),
     (["--url=ftp://x"], "--url=ftp://x: expected a server's base URL"),

@@ -163,6 +163,15 @@ def test_workload_lengths_and_ids_past_their_range_are_refused(
     ({"censored": True, "accepted": 5}, "censored=true with accepted=5: expected accepted < 5"),
     ({"confidences": [0.5, 1.01, 0.5, 0.5, 0.5]},
      "confidences=[0.5, 1.01, 0.5, 0.5, 0.5]: expected 5 numbers in 0..1"),
+    # Every value as JSON writes it: true, not True; "3" quoted, never read as the integer 3.
+    ({"confidences": [0.5, True, 0.5, 0.5, 0.5]},
+     "confidences=[0.5, true, 0.5, 0.5, 0.5]: expected 5 numbers in 0..1"),
+    ({"id": False}, f"id=false: expected an integer in 0..{2**63 - 1}"),
+    ({"id": "3"}, f'id="3": expected an integer in 0..{2**63 - 1}'),
+    ({"accepted": "3"}, 'accepted="3": expected an integer in 0..5'),
+    ({"accepted": None}, "accepted=null: expected an integer in 0..5"),
+    ({"shard": True}, "shard=true: expected an integer in 0..0"),
+    ({"censored": "yes"}, 'censored="yes": expected true or false'),
 ])
 def test_a_workload_request_no_run_could_record_is_refused_showing_its_values(
         change: dict[str, object], message: str) -> None:
@@ -199,7 +208,14 @@ def test_rounds_past_the_tables_kv_intervals_are_counted_and_said(
 @pytest.mark.parametrize(("change", "message"), [
     ({"widht": 5}, "widht: not a header field; expected dp_size, format, name, version, width"),
     ({"version": True}, "version=true: expected 1"),
+    ({"version": "1"}, 'version="1": expected 1'),
     ({"name": 5}, "name=5: expected a string"),
+    ({"name": None}, "name=null: expected a string"),
+    # Before: width=True and dp_size=True, Python's spelling.
+    ({"width": True}, "width=true: expected an integer in 1..64"),
+    ({"width": "5"}, 'width="5": expected an integer in 1..64'),
+    ({"dp_size": True}, "dp_size=true: expected an integer in 1..1024"),
+    ({"dp_size": 2.0}, "dp_size=2.0: expected an integer in 1..1024"),
 ])
 def test_a_bad_workload_header_key_is_refused_naming_it(change: dict[str, object],
                                                         message: str) -> None:
@@ -208,6 +224,52 @@ def test_a_bad_workload_header_key_is_refused_naming_it(change: dict[str, object
     with pytest.raises(ConfigError) as raised:
         parse_workload([json.dumps(header), *lines[1:]], "w.jsonl")
     assert str(raised.value) == f"--workload=w.jsonl:1: {message}"
+
+
+@pytest.mark.parametrize(("key", "message"), [
+    ("version", "version: missing; expected 1"),  # before: version=null, a value it lacks
+    ("width", "width: missing; expected an integer in 1..64"),
+])
+def test_a_workload_header_without_a_required_key_says_it_is_missing(
+        key: str, message: str) -> None:
+    lines = synthetic("drift", rounds=2).as_lines()
+    header = json.loads(lines[0])
+    del header[key]
+    with pytest.raises(ConfigError) as raised:
+        parse_workload([json.dumps(header), *lines[1:]], "w.jsonl")
+    assert str(raised.value) == f"--workload=w.jsonl:1: {message}"
+
+
+def test_a_workload_request_without_its_id_says_it_is_missing() -> None:
+    lines = synthetic("drift", rounds=2).as_lines()
+    bad = json.loads(lines[1])
+    del bad["requests"][0]["id"]
+    with pytest.raises(ConfigError) as raised:
+        parse_workload([lines[0], json.dumps(bad)], "w.jsonl")
+    assert str(raised.value) == (f"--workload=w.jsonl:2, requests[0]: id: missing; expected "
+                                 f"an integer in 0..{2**63 - 1}")
+
+
+def test_an_unnamed_one_round_workload_reads_as_such(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Before: "workload : 1 rounds, width 5" (an empty name shown as nothing, "1 rounds").
+    workload, table = tmp_path / "w.jsonl", tmp_path / "costs.json"
+    base = dataclasses.replace(synthetic("high", rounds=1), name="")
+    far = dataclasses.replace(base, rounds=tuple(dataclasses.replace(rnd, kv_length=5000)
+                                                 for rnd in base.rounds))
+    workload.write_text("\n".join(far.as_lines()) + "\n")
+    TABLES["staircase"].save(str(table))
+    assert cli.run(["simulate", f"--workload={workload}", f"--cost_table={table}",
+                    "--policy", "fixed:5"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"workload (unnamed): 1 round, width 5; costs from saved table {table}"
+    assert ("1 of 1 round has a KV length outside the cost table's intervals (1..4096); its "
+            "time is predicted from the nearest interval") in lines
+    named = dataclasses.replace(base, name=" ")  # spaces alone are seen, quoted
+    workload.write_text("\n".join(named.as_lines()) + "\n")
+    assert cli.run(["simulate", f"--workload={workload}", f"--cost_table={table}",
+                    "--policy", "fixed:5"]) == 0
+    assert capsys.readouterr().out.startswith("workload ' ': 1 round, width 5;")
 
 
 def test_cli_table_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

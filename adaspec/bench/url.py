@@ -25,8 +25,9 @@ from adaspec.errors import ConfigError, printable
 
 URL_FLAGS = ("url", "served_model_name", "quick", "concurrency", "requests", "max_tokens",
              "temperature", "top_k", "top_p", "min_p", "json")
-"""The bench flags that mean something against a server; the others configure the runtime
-this process would run, which a server has already."""
+"""The bench flags that mean something against a server; the others are refused with it:
+they configure the runtime this process would run, which a server has already, or concern
+its arms (``NOT_RUNTIME_FLAGS``)."""
 
 
 def check_url(raw: str) -> str:
@@ -50,11 +51,25 @@ def check_url(raw: str) -> str:
     return f"{parts.scheme}://{parts.netloc}{path}"
 
 
+NOT_RUNTIME_FLAGS = {
+    "plot": "plots the tokens/s and per-position acceptance of the arms this bench would "
+            "run; with --url there are no arms, and a server reports no acceptance: expected "
+            "no --plot (--json gives the figures)",
+    "passes": "repeats every arm this bench would run; with --url each level is one closed "
+              "loop against the server: expected no --passes",
+}
+"""Why a bench flag that configures no runtime is refused with --url (the other flags that
+do not apply configure the runtime the bench would start)."""
+
+
 def refuse_runtime_flags(given: Sequence[tuple[str, str]], launch_argv: Sequence[str]) -> None:
+    """Refuse, in one line naming it, the first flag given that does not apply with --url,
+    with the reason it does not."""
     for name, value in given:
         if name not in URL_FLAGS:
-            raise ConfigError(f"--{name}", value or True, "configures the runtime this bench "
-                              "would start; with --url the server runs its own")
+            raise ConfigError(f"--{name}", value or True, NOT_RUNTIME_FLAGS.get(
+                name, "configures the runtime this bench would start; with --url the server "
+                "runs its own"))
     if launch_argv:
         name, equals, value = launch_argv[0].partition("=")
         if not equals:

@@ -606,6 +606,22 @@ def spread_of(entry: dict[str, Any]) -> float:
     return float(entry.get("speedup_vs_best_fixed_noise") or 0.0)
 
 
+def _versus_best_fixed(entry: dict[str, Any]) -> str:
+    """The last column: the ratio to the best fixed width, its noise and pass range; a dash
+    alone where there is no ratio (no fixed arm ran, or no pass measured both), since a
+    noise or range of nothing means nothing."""
+    ratio = entry["speedup_vs_best_fixed"]
+    if ratio is None:
+        return "-"
+    low, high = entry["speedup_vs_best_fixed_range"]
+    return f"{ratio:7.3f} +-{spread_of(entry):.3f} ({low:.3f}..{high:.3f})"
+
+
+def _best_fixed_words(level: dict[str, Any]) -> str:
+    """The level's best fixed width, in words where no fixed arm ran (never a raw None)."""
+    return level["best_fixed"] or "none (no fixed arm ran)"
+
+
 def _tied(level: dict[str, Any]) -> str:
     others = [arm for arm in level["fixed_within_noise"] or () if arm != level["best_fixed"]]
     return f"; within noise of it: {', '.join(others)}" if others else ""
@@ -637,13 +653,12 @@ def print_table(report: dict[str, Any], out: TextIO) -> None:
         entries = [e for e in report["arms"] if e["concurrency"] == level]
         write("")
         write(f"concurrency {level} ({requests[str(level)]} requests per "
-              f"pass; best fixed width: {summary['best_fixed']}{_tied(summary)})")
+              f"pass; best fixed width: {_best_fixed_words(summary)}{_tied(summary)})")
         write(f"{'arm':16} {'tok/s':>8} {'tok/cpu-s':>9} {'TPOT ms':>8} {'p50':>7} {'p90':>7} "
               f"{'AL':>5} {'accept':>6} {'rows':>6} {'vs plain':>8} {'vs none':>8}  "
               "vs best fixed, 2 SE (pass range)")
         for e in entries:
             tpot = e["tpot_ms"]
-            rng = e.get("speedup_vs_best_fixed_range") or [None, None]
             write(f"{e['arm']:16} {e['tokens_per_second']:8.1f} "
                   f"{_fmt(e.get('tokens_per_cpu_second'), '9.1f')} {_fmt(tpot['mean'], '8.2f')} "
                   f"{_fmt(tpot['p50'], '7.2f')} {_fmt(tpot['p90'], '7.2f')} "
@@ -652,8 +667,7 @@ def print_table(report: dict[str, Any], out: TextIO) -> None:
                   f"{_fmt(e['mean_rows_per_round'], '6.1f')} "
                   f"{_fmt(e.get('speedup_vs_plain'), '8.3f')} "
                   f"{_fmt(e['speedup_vs_none'], '8.3f')} "
-                  f"{_fmt(e['speedup_vs_best_fixed'], '7.3f')} +-{spread_of(e):.3f} "
-                  f"({_fmt(rng[0], '.3f')}..{_fmt(rng[1], '.3f')})")
+                  f"{_versus_best_fixed(e)}")
         fixed = sum(e["arm"].startswith("fixed:") for e in entries)
         for e in entries:
             if e["arm"].startswith("adaptive") and e["versus_best_fixed"] is not None:

@@ -258,12 +258,18 @@ def _ratio(value: float | None) -> str:
 def _shown(text: str) -> str:
     """A name read from a file (the workload's, a path) as the table shows it: itself when
     printable, else quoted with its control characters escaped, so no escape sequence
-    reaches the terminal and the header stays one line."""
-    return text if text.isprintable() else repr(text)
+    reaches the terminal and the header stays one line. A name of nothing but spaces (or
+    with them at its ends) is quoted too, so it is seen."""
+    return text if text.isprintable() and text == text.strip() and text else repr(text)
+
+
+def _rounds(count: int) -> str:
+    return f"{count} round" if count == 1 else f"{count} rounds"
 
 
 def _table(report: dict[str, Any]) -> str:
-    lines = [f"workload {_shown(report['workload'])}: {report['rounds']} rounds, width "
+    name = _shown(report["workload"]) if report["workload"] else "(unnamed)"
+    lines = [f"workload {name}: {_rounds(report['rounds'])}, width "
              f"{report['width']}; costs from {_shown(report['cost_table'])}",
              f"{'policy':16} {'tokens/round':>12} {'AL':>6} {'ms/round':>9} {'tokens/s':>10} "
              f"{'vs best fixed':>13} {'vs oracle':>9}"]
@@ -277,9 +283,11 @@ def _table(report: dict[str, Any]) -> str:
                  "are predicted from the cost table, not measured")
     outside = report["rounds_outside_kv_intervals"]
     if outside:
-        lines.append(f"{outside} of {report['rounds']} rounds have a KV length outside the cost "
-                     f"table's intervals ({report['kv_intervals']}); their time is predicted "
-                     "from the nearest interval")
+        lines.append(f"{outside} of {_rounds(report['rounds'])} "
+                     f"{'has' if outside == 1 else 'have'} a KV length outside the cost "
+                     f"table's intervals ({report['kv_intervals']}); "
+                     f"{'its' if outside == 1 else 'their'} time is predicted from the "
+                     "nearest interval")
     depth = report.get("adaptive_depth_settings")
     if depth is not None:
         values = ", ".join(f"{key}={value}" for key, value in depth.items() if key != "from")

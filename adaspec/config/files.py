@@ -16,6 +16,7 @@ from adaspec.config.calibration import (
     ContextInterval,
     DraftStepConfig,
     DraftStepPolicyConfig,
+    json_type,
     key_prefix,
     require_int,
 )
@@ -316,11 +317,15 @@ def load_draft_step_config(launch: LaunchConfig) -> DraftStepConfig:
 
 
 def _check_version(data: Mapping[str, object], *, required: bool) -> None:
+    """The file's ``version`` must be the JSON integer 1; a value of another type names its
+    type, as the other integer keys do (``"1"`` would otherwise read as ``version=1``)."""
     version = data.get("version", MISSING)
     if version is MISSING and not required:
         return
     if type(version) is not int or version != 1:
-        raise ConfigError("version", version, "expected 1 (the only file version)")
+        got = "" if version is MISSING or type(version) is int else \
+            f", got {json_type(version)}"
+        raise ConfigError("version", version, f"expected 1 (the only file version){got}")
 
 
 def load_target_verify_calibration(launch: LaunchConfig) -> CalibrationConfig | None:

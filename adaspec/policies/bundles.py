@@ -39,7 +39,7 @@ from adaspec.config.calibration import (
 from adaspec.config.files import read_json_object
 from adaspec.config.flags import RETIRED_NAMES, retired_name_error
 from adaspec.config.launch import LaunchConfig
-from adaspec.errors import ConfigError, IncompatibleCostTable
+from adaspec.errors import MISSING, ConfigError, IncompatibleCostTable
 from adaspec.policies.base import covering_tier
 from adaspec.policies.costs import (
     MAX_PRICE_SECONDS,
@@ -352,9 +352,18 @@ def _priced(profile: CostProfile | None, num_reqs_bucket: int, second: int) -> f
         return None
 
 
+_BUNDLE_ONLY_KEYS = ("format", "compatibility", "settings", "profiles")
+"""Keys of a versioned bundle that no legacy table has."""
+
+
 def bundle_from_dict(data: Mapping[str, object], source: str) -> CostBundle:
-    """A bundle from its JSON object, every field checked (errors name the key path)."""
+    """A bundle from its JSON object, every field checked (errors name the key path).
+
+    An object without ``version`` is a legacy table, unless it has a versioned bundle's own
+    keys: then it is a bundle that lost its version, and is refused saying so (read as a
+    table, it would only be refused for lacking a table's ``kind``)."""
     if "version" not in data:
+        _refuse_versionless_bundle(data)
         return _legacy(data, source)
     version = data["version"]
     if type(version) is not int or version != BUNDLE_VERSION:
@@ -388,6 +397,17 @@ def bundle_from_dict(data: Mapping[str, object], source: str) -> CostBundle:
     _check_table_axes(compatibility, parsed)
     return CostBundle(compatibility=compatibility, settings=settings, profiles=tuple(parsed),
                       source=source)
+
+
+def _refuse_versionless_bundle(data: Mapping[str, object]) -> None:
+    present = [f'"{key}"' for key in _BUNDLE_ONLY_KEYS if key in data]
+    if not present:
+        return
+    keys = present[0] if len(present) == 1 else \
+        f"{', '.join(present[:-1])} and {present[-1]}"
+    raise ConfigError("version", MISSING, f"missing; expected the integer {BUNDLE_VERSION} "
+                      f"(an object with {keys} is a versioned bundle; a legacy table is a "
+                      "bare table object)")
 
 
 def _check_disjoint(profiles: Sequence[CostProfile]) -> None:

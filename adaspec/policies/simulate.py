@@ -37,7 +37,7 @@ from adaspec.config.calibration import MAX_TOKENS_IN_CONTEXT, DraftStepPolicyCon
 from adaspec.config.files import UnheldNumber, check_doubles, json_fault, marked_double
 from adaspec.config.limits import MAX_PARALLEL_SIZE
 from adaspec.config.requests import MAX_REQUEST_ID
-from adaspec.errors import ConfigError, show_value
+from adaspec.errors import MISSING, ConfigError, show_value
 from adaspec.policies.base import (
     BudgetContext,
     BudgetPolicy,
@@ -118,9 +118,9 @@ def parse_workload(lines: Iterable[str], source: str) -> Workload:
         raise ConfigError("--workload", f"{source}:1",
                           f'expected a first line {{"format": "{WORKLOAD_FORMAT}", '
                           '"version": 1, "width": W}')
-    version = header.get("version")
+    version = header.get("version", MISSING)
     if type(version) is not int or version != WORKLOAD_VERSION:  # true is no version
-        raise ConfigError("--workload", f"{source}:1", f"version={show_value(version)}: "
+        raise ConfigError("--workload", f"{source}:1", f"{_field('version', version)} "
                           f"expected {WORKLOAD_VERSION}")
     unknown = sorted(set(header) - _HEADER_FIELDS)
     if unknown:
@@ -128,16 +128,16 @@ def parse_workload(lines: Iterable[str], source: str) -> Workload:
                           f"header field; expected {', '.join(sorted(_HEADER_FIELDS))}")
     name = header.get("name", "")
     if not isinstance(name, str):
-        raise ConfigError("--workload", f"{source}:1", f"name={show_value(name)}: expected a "
+        raise ConfigError("--workload", f"{source}:1", f"{_field('name', name)} expected a "
                           "string")
-    width = header.get("width")
+    width = header.get("width", MISSING)
     if type(width) is not int or not 1 <= width <= 64:
-        raise ConfigError("--workload", f"{source}:1", f"width={width}: expected an integer "
-                          "in 1..64")
+        raise ConfigError("--workload", f"{source}:1", f"{_field('width', width)} expected an "
+                          "integer in 1..64")
     dp_size = header.get("dp_size", 1)
     if type(dp_size) is not int or not 1 <= dp_size <= MAX_PARALLEL_SIZE:
-        raise ConfigError("--workload", f"{source}:1", f"dp_size={dp_size}: expected an "
-                          f"integer in 1..{MAX_PARALLEL_SIZE}")
+        raise ConfigError("--workload", f"{source}:1", f"{_field('dp_size', dp_size)} expected "
+                          f"an integer in 1..{MAX_PARALLEL_SIZE}")
     rounds = [_round(_json(source, number, text), width, dp_size, f"{source}:{number}")
               for number, text in rows if text.strip()]
     if not rounds:
@@ -147,6 +147,21 @@ def parse_workload(lines: Iterable[str], source: str) -> Workload:
 
 
 _HEADER_FIELDS = frozenset({"format", "version", "width", "name", "dp_size"})
+
+_MAX_SPELLED = 120
+
+
+def _field(name: str, value: object) -> str:
+    """How a refusal opens on a workload field: ``name=VALUE:`` with the value as JSON writes
+    it (``true``, ``null``, ``"5"``, ``[0.5, true]``), cut short to keep one line, so the
+    message shows what the file holds (a string ``"5"`` never reads as the integer 5, nor
+    ``true`` as Python's ``True``); ``name: missing;`` when the file leaves it out."""
+    if value is MISSING:
+        return f"{name}: missing;"
+    text = json.dumps(value)
+    if len(text) > _MAX_SPELLED:
+        text = text[: _MAX_SPELLED - 3] + "..."
+    return f"{name}={text}:"
 
 
 def _json(source: str, number: int, text: str) -> Any:
@@ -190,7 +205,7 @@ def _round(data: Any, width: int, dp_size: int, where: str) -> WorkloadRound:
                           "requests, kv_length")
     kv = data.get("kv_length")  # optional, but never null: absent is how it is left out
     if "kv_length" in data and (type(kv) is not int or not 1 <= kv <= MAX_TOKENS_IN_CONTEXT):
-        raise ConfigError("--workload", where, f"kv_length={show_value(kv)}: expected an "
+        raise ConfigError("--workload", where, f"{_field('kv_length', kv)} expected an "
                           f"integer in 1..{MAX_TOKENS_IN_CONTEXT}")
     requests = tuple(_request(r, width, dp_size, f"{where}, requests[{i}]")
                      for i, r in enumerate(data["requests"]))
@@ -205,21 +220,22 @@ def _request(data: Any, width: int, dp_size: int, where: str) -> WorkloadRequest
     unknown = sorted(set(data) - {"id", "confidences", "accepted", "censored", "shard"})
     if unknown:
         raise ConfigError("--workload", where, f"{unknown[0]}: not a request field")
-    rid, confidences, accepted = data.get("id"), data.get("confidences"), data.get("accepted")
+    rid, confidences, accepted = (data.get(key, MISSING)
+                                  for key in ("id", "confidences", "accepted"))
     if type(rid) is not int or not 0 <= rid <= MAX_REQUEST_ID:
-        raise ConfigError("--workload", where, f"id={show_value(rid)}: expected an integer in "
+        raise ConfigError("--workload", where, f"{_field('id', rid)} expected an integer in "
                           f"0..{MAX_REQUEST_ID}")
     if (not isinstance(confidences, list) or len(confidences) != width
             or not all(type(c) in (int, float) and 0.0 <= c <= 1.0 for c in confidences)):
-        raise ConfigError("--workload", where, f"confidences={show_value(confidences)}: "
+        raise ConfigError("--workload", where, f"{_field('confidences', confidences)} "
                           f"expected {width} numbers in 0..1 (one per drafted position, the "
                           "header's width)")
     if type(accepted) is not int or not 0 <= accepted <= width:
-        raise ConfigError("--workload", where, f"accepted={accepted}: expected an integer in "
-                          f"0..{width}")
+        raise ConfigError("--workload", where, f"{_field('accepted', accepted)} expected an "
+                          f"integer in 0..{width}")
     shard = data.get("shard", 0)
     if type(shard) is not int or not 0 <= shard < dp_size:
-        raise ConfigError("--workload", where, f"shard={shard}: expected an integer in "
+        raise ConfigError("--workload", where, f"{_field('shard', shard)} expected an integer in "
                           f"0..{dp_size - 1} (the header's dp_size is {dp_size})")
     return WorkloadRequest(id=rid, confidences=tuple(float(c) for c in confidences),
                            accepted=accepted, censored=_censored(data, accepted, width, where),
@@ -229,7 +245,7 @@ def _request(data: Any, width: int, dp_size: int, where: str) -> WorkloadRequest
 def _censored(data: Mapping[str, Any], accepted: int, width: int, where: str) -> bool:
     value = data.get("censored", False)
     if type(value) is not bool:
-        raise ConfigError("--workload", where, f"censored={show_value(value)}: expected true "
+        raise ConfigError("--workload", where, f"{_field('censored', value)} expected true "
                           "or false")
     if value and accepted == width:
         # Censored: a run verified fewer than the width and accepted them all, so fewer.
