@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -176,15 +177,17 @@ def test_bad_generate_lines_exit_2_with_one_line(argv: list[str], message: str) 
 
 
 @contextlib.contextmanager
-def long_generate(trace: str, *flags: str) -> Iterator[subprocess.Popen[str]]:
+def long_generate(trace: str, *flags: str, ctrl_c: Any = signal.SIG_DFL
+                  ) -> Iterator[subprocess.Popen[str]]:
     """``adaspec generate`` of 1000 tokens, tracing to ``trace``, taking SIGINT as a
     terminal's Ctrl-C delivers it (a child started from a background job would otherwise
-    inherit it ignored); killed if the test leaves it running."""
+    inherit it ignored: ``ctrl_c=signal.SIG_IGN`` starts it so); killed if the test leaves it
+    running."""
     process = subprocess.Popen(
         [sys.executable, "-m", "adaspec", "generate", "--prompt", "ROMEO.", "--max_tokens=1000",
          "--temperature=0", f"--trace={trace}", *flags], stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True,
-        preexec_fn=functools.partial(signal.signal, signal.SIGINT, signal.SIG_DFL))
+        preexec_fn=functools.partial(signal.signal, signal.SIGINT, ctrl_c))
     try:
         yield process
     finally:
@@ -210,13 +213,16 @@ def test_a_prompts_file_has_one_prompt_per_newline() -> None:
     assert file_lines("a\n\nb") == ["a", "", "b"]  # an empty line is refused by its number
 
 
-@pytest.mark.parametrize(("signal_number", "status", "said"), [
-    (signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")])
+@pytest.mark.parametrize(("signal_number", "ctrl_c", "status", "said"), [
+    (signal.SIGINT, signal.SIG_DFL, 130, "interrupted"),
+    (signal.SIGTERM, signal.SIG_DFL, 143, "terminated"),
+    # A job a script starts in the background ignores Ctrl-C: SIGTERM stops it all the same.
+    (signal.SIGTERM, signal.SIG_IGN, 143, "terminated")])
 def test_a_signal_stops_generate_with_one_line_and_a_log_that_replays(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str], signal_number: int, status: int,
-        said: str) -> None:
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], signal_number: int, ctrl_c: Any,
+        status: int, said: str) -> None:
     trace, log = tmp_path / "trace.jsonl", tmp_path / "events.jsonl"
-    with long_generate(str(trace), f"--event_log={log}") as process:
+    with long_generate(str(trace), f"--event_log={log}", ctrl_c=ctrl_c) as process:
         deadline = time.monotonic() + 300
         while not (trace.exists() and trace.stat().st_size > 0):  # its first round is traced
             assert time.monotonic() < deadline, "generate traced no round in 300 s"

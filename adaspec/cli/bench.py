@@ -11,7 +11,6 @@ adaptive flag asks for its arm: one whose arm cannot run, or that ``--arms`` lea
 refused. See ``adaspec.bench.run`` for what is measured and how.
 """
 
-import asyncio
 import contextlib
 import dataclasses
 import functools
@@ -45,6 +44,7 @@ from adaspec.bench.run import (
     shipped_prompts,
 )
 from adaspec.bench.statistics import summarise
+from adaspec.cli import interrupts
 from adaspec.cli.calibrate import progress_reporter
 from adaspec.cli.flags import (
     CommandFlags,
@@ -526,12 +526,12 @@ def run(argv: Sequence[str]) -> int:
                          command_flags=BENCH.parse(argv).given)
         check_room(plan, arms)
         if not front:  # the same launch line on every rank: this one serves the front's runs
-            asyncio.run(serve_arms(plan))
+            interrupts.run(serve_arms(plan))
             return 0
         started, ticks, own = time.perf_counter(), cpu_times(), time.process_time()
         load_start = _load()
         failures: list[AdaspecError] = []
-        records = asyncio.run(run_bench(plan, models, run_progress=run_progress(sys.stderr),
+        records = interrupts.run(run_bench(plan, models, run_progress=run_progress(sys.stderr),
                                         calibration_progress=progress_reporter(sys.stderr),
                                         output_failures=failures))
     report = summarise(plan, records)

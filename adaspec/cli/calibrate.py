@@ -9,7 +9,6 @@ terminal, one JSON line per window otherwise; the effective configuration is log
 too. The summary (or ``--json``) goes to stdout.
 """
 
-import asyncio
 import json
 import logging
 import sys
@@ -18,6 +17,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TextIO
 
+from adaspec.cli import interrupts
 from adaspec.cli.flags import CommandFlags, Flag, check_runnable_here, launch_settings
 from adaspec.config import load_config
 from adaspec.errors import MISSING, ConfigError
@@ -109,7 +109,7 @@ def run(argv: Sequence[str]) -> int:
         calibration_progress=progress_reporter(sys.stderr)))
     started = time.perf_counter()
     with _logging_to(sys.stderr):
-        asyncio.run(_start_and_stop(runtime))
+        interrupts.run(_start_and_stop(runtime))
     assert runtime.costs is not None
     if not runtime.is_front:  # rank 0 fitted and saved the table every rank installed
         print(f"rank {runtime.rank}: installed rank 0's cost table (rank 0 saved {output})")

@@ -7,9 +7,9 @@ that cannot take the output ends quietly when its reader went away (``adaspec co
 device: exit status 2). Ctrl-C (SIGINT) stops a command with one line on stderr, ``adaspec
 COMMAND: interrupted``, and exit status 130 (128 + SIGINT, as a shell reports it); SIGTERM
 stops it the same way, with ``adaspec COMMAND: terminated`` and exit status 143 (``serve``
-drains at either, once it listens). A second signal while adaspec exits ends it at once,
-with the status it was exiting with. Anything else is a bug in adaspec and keeps its
-traceback.
+drains at either, once it listens); the first signal decides which (``interrupts``). A
+second signal, while the first is handled or adaspec exits, ends it at once with the status
+already decided. Anything else is a bug in adaspec and keeps its traceback.
 """
 
 import contextlib
@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TextIO, cast
 
 from adaspec import __version__
+from adaspec.cli import interrupts
 from adaspec.errors import AdaspecError, show_value
 
 USAGE = """usage: adaspec COMMAND [FLAGS]
@@ -84,48 +85,21 @@ def run(argv: Sequence[str]) -> int:
         return _interrupted(f"adaspec {argv[0]}")
 
 
-INTERRUPTED = 130
-"""The exit status of a command stopped by Ctrl-C: 128 + SIGINT, as a shell reports it."""
-TERMINATED = 143
-"""The exit status of a command stopped by SIGTERM: 128 + SIGTERM."""
-
-
-_terminated = False
-"""Set at SIGTERM: the interrupt that stops the command came from it, not from Ctrl-C."""
-
-
-def _on_sigterm(number: int, frame: Any) -> None:
-    """SIGTERM does what Ctrl-C does where the command stands (``asyncio.run`` turns Ctrl-C
-    into its main task's cancellation, so requests end cancelled and logs close whole)."""
-    global _terminated
-    _terminated = True
-    ctrl_c = signal.getsignal(signal.SIGINT)
-    if not callable(ctrl_c):  # Ctrl-C ignored (a background job): SIGTERM still stops
-        raise KeyboardInterrupt
-    ctrl_c(signal.SIGINT, frame)
-
-
 _process_exits_at_interrupt = False
-"""Set by ``main``: the process then ends at once at the next Ctrl-C after the first (a
+"""Set by ``main``: the process then ends at once at the next signal after the first (a
 ``run`` inside another program leaves that program's signal handling alone)."""
 
 
 def _interrupted(command: str) -> int:
     """Say how ``command`` was stopped; returns its exit status."""
-    status = TERMINATED if _terminated else INTERRUPTED
+    status = interrupts.status()
     if _process_exits_at_interrupt:
         _exit_at_interrupt(status)
-    _say(f"{command}: {'terminated' if _terminated else 'interrupted'}")
+    _say(interrupts.stopped_line(command))
     return status
 
 
-def _say(line: str) -> None:
-    """One line on standard error, if there is one to take it."""
-    if sys.stderr is not None:  # None: started with descriptor 2 closed
-        try:
-            print(line, file=sys.stderr)
-        except OSError:  # a full standard error: the exit status still says it
-            pass
+_say = interrupts.say
 
 
 class StdoutFailed(Exception):
@@ -198,9 +172,8 @@ def main() -> None:
     # left, a port another service holds) come with pages of C++ frames, and reach Python
     # as the exceptions the command names. Set before torch loads, unless the user set it.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
-    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:  # an inherited ignore is kept
-        signal.signal(signal.SIGTERM, _on_sigterm)
     argv = sys.argv[1:]
+    interrupts.install(_command(argv))
     try:
         status = run_to_stdout(argv)
         # All is said; a signal while the interpreter winds down (its threads, torch's
@@ -213,7 +186,7 @@ def main() -> None:
 
 def _exit_at_interrupt(status: int) -> None:
     signal.signal(signal.SIGINT, lambda number, frame: os._exit(status))
-    if signal.getsignal(signal.SIGTERM) is _on_sigterm:
+    if interrupts.taken_by_adaspec(signal.SIGTERM):
         signal.signal(signal.SIGTERM, lambda number, frame: os._exit(status))
 
 

@@ -8,10 +8,10 @@ ranks decode its requests) and logs one JSON line per event on stderr: listening
 per completion request, draining, stopped. See ``adaspec.serve`` for the routes.
 """
 
-import asyncio
 import sys
 from collections.abc import Sequence
 
+from adaspec.cli import interrupts
 from adaspec.cli.calibrate import progress_reporter
 from adaspec.cli.flags import (
     RUN_FLAGS,
@@ -124,9 +124,9 @@ def run(argv: Sequence[str]) -> int:
     log = json_logger(sys.stderr)
     try:
         if launch.node_rank != 0:  # the same launch line on every rank: rank 0 serves HTTP
-            asyncio.run(follow_front(runtime, log))
+            interrupts.run(follow_front(runtime, log))
             return 0
-        asyncio.run(serve_http(runtime, tokenizer, serve, host=launch.host,
+        interrupts.run(serve_http(runtime, tokenizer, serve, host=launch.host,
                                port=launch.port, log=log))
     except OutputWriteError as error:  # the trace or event log, said when the runtime stops
         raise output_named_by_flag(error) from None

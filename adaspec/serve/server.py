@@ -105,7 +105,7 @@ class Signals:
         self._installed: list[signal.Signals] = []
 
     def install(self, loop: asyncio.AbstractEventLoop) -> None:
-        for number in (signal.SIGTERM, signal.SIGINT):
+        for number in taken_signals():
             loop.add_signal_handler(number, self._received)
             self._installed.append(number)
 
@@ -173,7 +173,7 @@ async def follow_front(runtime: Runtime, log: Any) -> None:
     started = False
 
     def received(number: signal.Signals) -> None:
-        for each in FOLLOWER_SIGNALS:
+        for each in taken:
             loop.remove_signal_handler(each)
         signalled.set()
         if not started:
@@ -183,19 +183,24 @@ async def follow_front(runtime: Runtime, log: Any) -> None:
             log.info("draining", rank=runtime.rank, signal=number.name,
                      until="rank 0 has drained its requests and stops this rank")
 
-    for number in FOLLOWER_SIGNALS:
+    taken = taken_signals()
+    for number in taken:
         loop.add_signal_handler(number, received, number)
     try:
         if await _start_unless_signalled(runtime, signalled):
             started = True
             await runtime.serve()
     finally:
-        for number in FOLLOWER_SIGNALS:
+        for number in taken:
             loop.remove_signal_handler(number)
         await runtime.stop()
 
 
-FOLLOWER_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+def taken_signals() -> tuple[signal.Signals, ...]:
+    """SIGTERM and SIGINT, less one the process inherited ignored (a job started in the
+    background ignores Ctrl-C): that one stays ignored while serving too."""
+    return tuple(number for number in (signal.SIGTERM, signal.SIGINT)
+                 if signal.getsignal(number) != signal.SIG_IGN)
 
 
 async def _listen(runner: web.AppRunner, host: str, port: int) -> None:

@@ -1,0 +1,97 @@
+"""How a command stops at a signal: Ctrl-C (SIGINT) and SIGTERM alike.
+
+The first signal cancels the command's main task where one runs (``run``), so its requests
+end cancelled and its logs close whole, and raises ``KeyboardInterrupt`` anywhere else. It does
+so for SIGTERM also when Ctrl-C is ignored (a job a script starts in the background). The first
+signal says how the command stopped (``status``). A second one, while the first is still being
+handled, ends the process at once with that status and the command's one line: a log then ends
+where it was cut, which ``replay`` names.
+"""
+
+import asyncio
+import os
+import signal
+import sys
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+INTERRUPTED = 130
+"""The exit status of a command stopped by Ctrl-C: 128 + SIGINT, as a shell reports it."""
+TERMINATED = 143
+"""The exit status of a command stopped by SIGTERM: 128 + SIGTERM."""
+
+
+class _Stop:
+    first: int | None = None  # the number of the first signal, once one came
+    main: "asyncio.Task[Any] | None" = None  # the task ``run`` runs, while it runs
+    loop: asyncio.AbstractEventLoop | None = None
+    command = "adaspec"
+
+
+def install(command: str) -> None:
+    """Take SIGINT and SIGTERM for ``command`` (the ``adaspec`` process only; a signal the
+    process inherited ignored stays ignored)."""
+    _Stop.command = command
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _on_signal)
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _on_signal)
+
+
+def status() -> int:
+    """The exit status of a command a signal stopped, by the first signal that came."""
+    return TERMINATED if _Stop.first == signal.SIGTERM else INTERRUPTED
+
+
+def stopped_line(command: str) -> str:
+    return f"{command}: {'terminated' if status() == TERMINATED else 'interrupted'}"
+
+
+def taken_by_adaspec(number: int) -> bool:
+    return signal.getsignal(number) is _on_signal
+
+
+def _on_signal(number: int, frame: Any) -> None:
+    if _Stop.first is not None:  # the first is still being handled: end now
+        say(stopped_line(_Stop.command))
+        os._exit(status())
+    _Stop.first = number
+    main, loop = _Stop.main, _Stop.loop
+    if main is None or main.done() or loop is None:
+        raise KeyboardInterrupt
+    main.cancel()
+    loop.call_soon_threadsafe(lambda: None)  # wake a loop asleep in its selector
+
+
+def run(coroutine: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run`` for a command's main coroutine: a signal taken by ``install`` cancels
+    it and it then raises ``KeyboardInterrupt`` (without ``install``, Ctrl-C does as
+    ``asyncio.run`` has it do)."""
+    with asyncio.Runner() as runner:
+        async def main() -> T:
+            _Stop.main, _Stop.loop = asyncio.current_task(), runner.get_loop()
+            return await coroutine
+
+        try:
+            result = runner.run(main())
+        except asyncio.CancelledError:
+            if _Stop.first is not None:
+                raise KeyboardInterrupt from None
+            raise
+        finally:
+            _Stop.main = _Stop.loop = None
+            coroutine.close()  # never awaited when a signal came first: no warning
+    if _Stop.first is not None:  # the command ended as it was being stopped
+        raise KeyboardInterrupt
+    return result
+
+
+def say(line: str) -> None:
+    """One line on standard error, if there is one to take it."""
+    if sys.stderr is not None:  # None: started with descriptor 2 closed
+        try:
+            print(line, file=sys.stderr, flush=True)
+        except OSError:  # a full standard error: the exit status still says it
+            pass
