@@ -1,13 +1,17 @@
 """`adaspec config`: JSON on stdout and exit 0 when valid; exit 2, empty stdout and exactly one
 line on stderr (no traceback) when not."""
 
+import functools
 import json
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+from gloo_job import PROCESS_LIMIT_S, peer_environment
 
 from adaspec import cli
 from adaspec.cli import run
@@ -172,3 +176,57 @@ def test_a_command_that_leaves_a_waiting_thread_exits_with_its_status_and_output
     done = subprocess.run([sys.executable, "-c", LEAVING, threads], capture_output=True,
                           text=True, timeout=60, check=False)
     assert (done.returncode, done.stdout, done.stderr) == (5, output, "")
+
+
+SIGNALLED_COMMAND = """
+import asyncio, sys
+from adaspec.cli import interrupts
+
+interrupts.install("adaspec test")
+
+
+async def main():
+    print("waiting", flush=True)
+    try:
+        await asyncio.Event().wait()
+    except asyncio.CancelledError:
+        print("cancelled", flush=True)
+        if sys.argv[1] == "stuck":  # a shutdown that never ends: only a second signal ends it
+            await asyncio.Event().wait()
+        raise
+
+try:
+    interrupts.run(main())
+except KeyboardInterrupt:
+    print(interrupts.stopped_line("adaspec test"), file=sys.stderr)
+    sys.exit(interrupts.status())
+"""
+
+
+@pytest.mark.parametrize(("ctrl_c", "signals", "shutdown", "status", "said"), [
+    # A job a script starts in the background ignores Ctrl-C; SIGTERM cancels it all the same.
+    (signal.SIG_IGN, [signal.SIGTERM], "ends", 143, "terminated"),
+    (signal.SIG_DFL, [signal.SIGINT], "ends", 130, "interrupted"),
+    # The first signal decides the status; the second ends a stuck shutdown at once.
+    (signal.SIG_DFL, [signal.SIGINT, signal.SIGTERM], "stuck", 130, "interrupted"),
+    (signal.SIG_DFL, [signal.SIGTERM, signal.SIGINT], "stuck", 143, "terminated"),
+])
+def test_the_first_signal_cancels_the_main_task_and_decides_the_status(
+        ctrl_c: Any, signals: list[int], shutdown: str, status: int, said: str) -> None:
+    process = subprocess.Popen(
+        [sys.executable, "-c", SIGNALLED_COMMAND, shutdown], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, env=peer_environment(),
+        preexec_fn=functools.partial(signal.signal, signal.SIGINT, ctrl_c))
+    try:
+        assert process.stdout is not None
+        assert process.stdout.readline() == "waiting\n"
+        process.send_signal(signals[0])
+        assert process.stdout.readline() == "cancelled\n"
+        for number in signals[1:]:
+            process.send_signal(number)
+        out, err = process.communicate(timeout=PROCESS_LIMIT_S)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert (process.returncode, out, err) == (status, "", f"adaspec test: {said}\n")
