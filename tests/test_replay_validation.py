@@ -845,10 +845,7 @@ def test_a_built_in_targets_log_must_record_its_model_cards_context_limit(
         edited = with_context_limit(log, limit)
         reason = (f'header "context_limit" expected {card_limit} (the built-in target '
                   f'builtin:target\'s, whose identity "models.target" records), got {limit}')
-        assert cli.run(["replay", str(edited)]) == 2
-        assert one_error_line(capsys, "replay") == f"event log {edited}, line 1: {reason}"
-        assert cli.run(["simulate", "--workload", str(edited), "--policy", "fixed:3"]) == 2
-        assert one_error_line(capsys, "simulate") == f"--workload={edited}:1: {reason}"
+        _refused_by_replay_and_simulate(capsys, edited, 1, reason)
 
 
 def test_the_context_limit_of_a_target_no_model_card_names_is_left_to_its_events(
@@ -933,10 +930,16 @@ def test_a_deeply_nested_line_in_a_log_is_one_line(
     lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
     path.write_text(lines[0] + DEEP + "".join(lines[1:]), encoding="utf-8")
     message = "invalid JSON: nested too deeply; expected one event object per line"
-    assert cli.run(["replay", str(path)]) == 2
-    assert one_error_line(capsys, "replay") == f"event log {path}, line 2: {message}"
-    assert cli.run(["simulate", "--workload", str(path), "--policy", "fixed:3"]) == 2
-    assert one_error_line(capsys, "simulate") == f"--workload={path}:2: {message}"
+    _refused_by_replay_and_simulate(capsys, path, 2, message)
+
+
+def _refused_by_replay_and_simulate(capsys: pytest.CaptureFixture[str], log: Path, line: int,
+                                    reason: str) -> None:
+    """Both readers of a recorded run refuse ``log`` in one line naming ``line``."""
+    assert cli.run(["replay", str(log)]) == 2
+    assert one_error_line(capsys, "replay") == f"event log {log}, line {line}: {reason}"
+    assert cli.run(["simulate", "--workload", str(log), "--policy", "fixed:3"]) == 2
+    assert one_error_line(capsys, "simulate") == f"--workload={log}:{line}: {reason}"
 
 
 def test_a_deeply_nested_line_in_a_workload_is_one_line(
