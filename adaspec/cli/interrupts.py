@@ -25,6 +25,7 @@ TERMINATED = 143
 
 class _Stop:
     first: int | None = None  # the number of the first signal, once one came
+    closing = False  # ``run`` closes its loop: a signal is noted, raised once it is closed
     main: "asyncio.Task[Any] | None" = None  # the task ``run`` runs, while it runs
     loop: asyncio.AbstractEventLoop | None = None
     command = "adaspec"
@@ -54,36 +55,65 @@ def taken_by_adaspec(number: int) -> bool:
 
 
 def _on_signal(number: int, frame: Any) -> None:
-    if _Stop.first is not None:  # the first is still being handled: end now
-        say(stopped_line(_Stop.command))
-        os._exit(status())
+    _end_at_a_second(number)
     _Stop.first = number
+    if _Stop.closing:  # raised here, it could land in a finalizer that swallows it
+        return
     main, loop = _Stop.main, _Stop.loop
     if main is None or main.done() or loop is None:
         raise KeyboardInterrupt
     main.cancel()
-    loop.call_soon_threadsafe(lambda: None)  # wake a loop asleep in its selector
+
+
+def _on_loop_signal(number: int) -> None:
+    """The same, as a callback of the loop ``run`` runs: the loop's wakeup descriptor makes
+    it run even when the signal reaches another thread than the one asleep in the loop."""
+    _end_at_a_second(number)
+    _Stop.first = number
+    if _Stop.main is not None and not _Stop.main.done():
+        _Stop.main.cancel()
+
+
+def _end_at_a_second(number: int) -> None:
+    if _Stop.first is not None:  # the first is still being handled: end now
+        say(stopped_line(_Stop.command))
+        os._exit(status())
 
 
 def run(coroutine: Coroutine[Any, Any, T]) -> T:
     """``asyncio.run`` for a command's main coroutine: a signal taken by ``install`` cancels
     it and it then raises ``KeyboardInterrupt`` (without ``install``, Ctrl-C does as
     ``asyncio.run`` has it do)."""
-    with asyncio.Runner() as runner:
-        async def main() -> T:
-            _Stop.main, _Stop.loop = asyncio.current_task(), runner.get_loop()
-            return await coroutine
+    runner = asyncio.Runner()
 
+    async def main() -> T:
+        loop = asyncio.get_running_loop()
+        _Stop.main, _Stop.loop = asyncio.current_task(), loop
+        taken = [number for number in (signal.SIGINT, signal.SIGTERM)
+                 if signal.getsignal(number) is _on_signal]
+        for number in taken:
+            loop.add_signal_handler(number, _on_loop_signal, number)
         try:
-            result = runner.run(main())
-        except asyncio.CancelledError:
-            if _Stop.first is not None:
-                raise KeyboardInterrupt from None
+            return await coroutine
+        finally:  # ``serve`` may have taken them over meanwhile, and let them go
+            for number in taken:
+                loop.remove_signal_handler(number)
+                signal.signal(number, _on_signal)
+
+    try:
+        result = runner.run(main())
+    except asyncio.CancelledError:
+        if _Stop.first is None:
             raise
-        finally:
+    finally:
+        _Stop.closing = True
+        try:
             _Stop.main = _Stop.loop = None
+            runner.close()
             coroutine.close()  # never awaited when a signal came first: no warning
-    if _Stop.first is not None:  # the command ended as it was being stopped
+        finally:
+            _Stop.closing = False
+    if _Stop.first is not None:  # stopped, or it ended as it was being stopped
         raise KeyboardInterrupt
     return result
 

@@ -185,9 +185,11 @@ def main() -> None:
 
 
 def _exit_at_interrupt(status: int) -> None:
-    signal.signal(signal.SIGINT, lambda number, frame: os._exit(status))
-    if interrupts.taken_by_adaspec(signal.SIGTERM):
-        signal.signal(signal.SIGTERM, lambda number, frame: os._exit(status))
+    """From now on a signal ends the process at once with ``status``; one the process
+    inherited ignored stays ignored."""
+    for number in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(number) != signal.SIG_IGN:
+            signal.signal(number, lambda number, frame: os._exit(status))
 
 
 def _exit(status: int) -> None:
