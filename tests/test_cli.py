@@ -230,3 +230,30 @@ def test_the_first_signal_cancels_the_main_task_and_decides_the_status(
             process.kill()
             process.communicate()
     assert (process.returncode, out, err) == (status, "", f"adaspec test: {said}\n")
+
+
+EXITING = """
+import signal, sys
+from adaspec.cli.main import _exit_at_interrupt
+
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a job a script starts in the background
+_exit_at_interrupt(0)
+print("exiting", flush=True)
+sys.stdin.readline()  # the test signals, then lets it go on
+print("ignored", flush=True)
+"""
+
+
+def test_an_inherited_ignored_ctrl_c_stays_ignored_while_adaspec_exits() -> None:
+    process = subprocess.Popen([sys.executable, "-c", EXITING], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True, env=peer_environment())
+    try:
+        assert process.stdout is not None
+        assert process.stdout.readline() == "exiting\n"
+        process.send_signal(signal.SIGINT)
+        out, _ = process.communicate("\n", timeout=PROCESS_LIMIT_S)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert (process.returncode, out) == (0, "ignored\n")
