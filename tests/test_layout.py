@@ -120,7 +120,7 @@ def test_every_subcommand_is_a_module_of_the_command_line() -> None:
     from adaspec.cli import COMMANDS
 
     assert {path.stem for path in (PACKAGE / "cli").glob("*.py")} == {
-        "__init__", "main", "flags", *COMMANDS}
+        "__init__", "main", "flags", "interrupts", *COMMANDS}
 
 
 def test_no_import_circle() -> None:

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TextIO, cast
 
 from adaspec import __version__
-from adaspec.cli import interrupts
+from adaspec.cli.interrupts import install, say, status, stopped_line
 from adaspec.errors import AdaspecError, show_value
 
 USAGE = """usage: adaspec COMMAND [FLAGS]
@@ -92,14 +92,14 @@ _process_exits_at_interrupt = False
 
 def _interrupted(command: str) -> int:
     """Say how ``command`` was stopped; returns its exit status."""
-    status = interrupts.status()
+    code = status()
     if _process_exits_at_interrupt:
-        _exit_at_interrupt(status)
-    _say(interrupts.stopped_line(command))
-    return status
+        _exit_at_interrupt(code)
+    _say(stopped_line(command))
+    return code
 
 
-_say = interrupts.say
+_say = say
 
 
 class StdoutFailed(Exception):
@@ -173,7 +173,7 @@ def main() -> None:
     # as the exceptions the command names. Set before torch loads, unless the user set it.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     argv = sys.argv[1:]
-    interrupts.install(_command(argv))
+    install(_command(argv))
     try:
         status = run_to_stdout(argv)
         # All is said; a signal while the interpreter winds down (its threads, torch's
