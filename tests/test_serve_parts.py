@@ -113,6 +113,8 @@ def test_a_gzip_body_of_several_members_reads_as_gzip_d_reads_it() -> None:
     assert decoded_body(gzip.compress(first) + gzip.compress(second), "gzip") == first + second
     with pytest.raises(ApiError, match=r"\(data follows the compressed stream\)$"):
         decoded_body(gzip.compress(first) + b"junk", "gzip")
+    with pytest.raises(ApiError, match=r"\(more than 64 gzip members\)$"):  # loop-holding
+        decoded_body(gzip.compress(first) + gzip.compress(b" ", mtime=0) * 90000, "gzip")
     with pytest.raises(ApiError) as info:  # members that inflate past the limit together
         decoded_body(gzip.compress(b" " * (MAX_BODY_BYTES // 2 + 1)) * 2, "gzip")
     assert info.value.status == 413

@@ -503,28 +503,38 @@ def decoded_body(raw: bytes, encoding: str) -> bytes:
                    f"({reason})")
 
 
+MAX_GZIP_MEMBERS = 64
+"""The most members a gzip body may hold (a client sends one; thousands of tiny ones would
+hold the event loop)."""
+
+
 class _Unreadable(Exception):
     """The body is not data of the encoding tried (the reason)."""
 
 
 def _inflated(raw: bytes, wbits: int, *, members: bool) -> bytes:
-    body, rest, first = b"", raw, True
+    pieces: list[bytes] = []  # joined once: adding to one string would copy it per member
+    size, rest, first = 0, raw, True
     while True:
         inflater = zlib.decompressobj(wbits)
         try:  # at most one byte past the limit: never more than that is held
-            body += inflater.decompress(rest, MAX_BODY_BYTES + 1 - len(body))
+            piece = inflater.decompress(rest, MAX_BODY_BYTES + 1 - size)
         except zlib.error as error:
             raise _Unreadable(str(error) if first else
                               "data follows the compressed stream") from None
-        if len(body) > MAX_BODY_BYTES:
+        pieces.append(piece)
+        size += len(piece)
+        if size > MAX_BODY_BYTES:
             raise too_large()
         if not inflater.eof:
             raise _Unreadable("the compressed data ends early")
         rest, first = inflater.unused_data, False
         if not rest:
-            return body
+            return b"".join(pieces)
         if not members:
             raise _Unreadable("data follows the compressed stream")
+        if len(pieces) == MAX_GZIP_MEMBERS:  # each member costs a copy of what follows it
+            raise _Unreadable(f"more than {MAX_GZIP_MEMBERS} gzip members")
 
 
 def too_large() -> ApiError:
