@@ -257,3 +257,26 @@ def test_an_inherited_ignored_ctrl_c_stays_ignored_while_adaspec_exits() -> None
             process.kill()
             process.communicate()
     assert (process.returncode, out) == (0, "ignored\n")
+
+
+SIGNALLED_AT_TEARDOWN = """
+import os, signal, sys
+
+class SignalsAtTeardown:  # the fault: a signal as the interpreter unloads its modules
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIG{name})
+
+sys.argv = ["adaspec", "config"]
+from adaspec.cli.main import main
+late = SignalsAtTeardown()
+main()
+"""
+
+
+@pytest.mark.parametrize("name", ["INT", "TERM"])
+def test_a_signal_while_the_interpreter_unloads_keeps_the_decided_status(name: str) -> None:
+    done = subprocess.run([sys.executable, "-c", SIGNALLED_AT_TEARDOWN.format(name=name)],
+                          capture_output=True, text=True, env=peer_environment(),
+                          timeout=PROCESS_LIMIT_S)
+    assert (done.returncode, done.stderr) == (0, "")
+    assert json.loads(done.stdout)["launch"]["settings"]["model"] == "builtin:target"

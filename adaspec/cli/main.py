@@ -9,9 +9,11 @@ COMMAND: interrupted``, and exit status 130 (128 + SIGINT, as a shell reports it
 stops it the same way, with ``adaspec COMMAND: terminated`` and exit status 143 (``serve``
 drains at either, once it listens); the first signal decides which (``interrupts``). A
 second signal, while the first is handled or adaspec exits, ends it at once with the status
-already decided. Anything else is a bug in adaspec and keeps its traceback.
+already decided, and one while the interpreter unloads changes nothing. Anything else is a
+bug in adaspec and keeps its traceback.
 """
 
+import atexit
 import contextlib
 import importlib
 import logging
@@ -174,6 +176,8 @@ def main() -> None:
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     argv = sys.argv[1:]
     install(_command(argv))
+    # Registered before the command loads torch, so it runs after torch's own hooks.
+    atexit.register(_ignore_signals_at_teardown)
     try:
         status = run_to_stdout(argv)
         # All is said; a signal while the interpreter winds down (its threads, torch's
@@ -184,12 +188,27 @@ def main() -> None:
     _exit(status)
 
 
+_status_decided = False
+"""Set once a signal can only hurry the exit (``_exit_at_interrupt``)."""
+
+
 def _exit_at_interrupt(status: int) -> None:
     """From now on a signal ends the process at once with ``status``; one the process
     inherited ignored stays ignored."""
+    global _status_decided
+    _status_decided = True
     for number in (signal.SIGINT, signal.SIGTERM):
         if signal.getsignal(number) != signal.SIG_IGN:
             signal.signal(number, lambda number, frame: os._exit(status))
+
+
+def _ignore_signals_at_teardown() -> None:
+    """The last exit hook. The interpreter then hands the signals its handlers took back to
+    the system's default action, which would kill a process whose status is decided while
+    it unloads its modules and torch's C++ runtime; an ignored signal keeps that status."""
+    if _status_decided:
+        for number in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(number, signal.SIG_IGN)
 
 
 def _exit(status: int) -> None:
