@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import structlog
+from runtime_helpers import TINY_CALIBRATION
 
 from adaspec.config import load_config
 from adaspec.errors import ConfigError, OutputWriteError
@@ -160,8 +161,50 @@ def test_bench_prints_its_report_when_an_event_log_fills(tmp_path: Path) -> None
 
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
-def test_both_standard_streams_full_still_exit_2() -> None:
+@pytest.mark.parametrize("argv", [["config"], ["--version", "x"], ["frobnicate"]])
+def test_both_standard_streams_full_still_exit_2(argv: list[str]) -> None:
     with open("/dev/full", "w") as full:
-        done = subprocess.run([sys.executable, "-m", "adaspec", "config"], stdout=full,
+        done = subprocess.run([sys.executable, "-m", "adaspec", *argv], stdout=full,
                               stderr=full, timeout=120, check=False)
     assert done.returncode == 2  # was 1: the one-line report itself failed with a traceback
+
+
+def _stderr_closed() -> None:
+    os.close(2)
+
+
+def _stderr_whose_reader_left() -> None:
+    read, write = os.pipe()
+    os.close(read)
+    os.dup2(write, 2)  # Python ignores SIGPIPE: a write fails with EPIPE
+
+
+def _stderr_full() -> None:
+    os.dup2(os.open("/dev/full", os.O_WRONLY), 2)
+
+
+def _calibrate_line(tmp_path: Path) -> list[str]:
+    calibration = tmp_path / "tiny.json"
+    calibration.write_text(json.dumps(TINY_CALIBRATION))
+    return ["calibrate", "--speculative_algorithm=DSpark", "--num_speculative_tokens=5",
+            "--max_seqs_per_batch=4", "--enable_adaptive_target_verify=true",
+            f"--adaptive_target_verify_calibration={calibration}",
+            f"--adaptive_target_verify_cost_table_output={tmp_path / 'costs.json'}", "--json"]
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+@pytest.mark.parametrize("stderr", [_stderr_closed, _stderr_whose_reader_left, _stderr_full])
+@pytest.mark.parametrize("command", ["bench", "calibrate"])
+def test_progress_lines_a_standard_error_cannot_take_are_dropped_not_the_run(
+        stderr: Any, command: str, tmp_path: Path) -> None:
+    argv = (["bench", "--quick", "--arms=none,fixed:1", "--concurrency=1", "--requests=1",
+             "--max_tokens=4", "--json"] if command == "bench" else _calibrate_line(tmp_path))
+    done = subprocess.run([sys.executable, "-m", "adaspec", *argv], cwd=tmp_path,
+                          stdout=subprocess.PIPE, text=True, timeout=300, check=False,
+                          preexec_fn=stderr)
+    assert done.returncode == 0
+    report = json.loads(done.stdout)
+    if command == "bench":
+        assert [arm["arm"] for arm in report["arms"]] == ["none", "fixed:1"]
+    else:
+        assert json.loads((tmp_path / "costs.json").read_text())["compatibility"]

@@ -45,7 +45,7 @@ from adaspec.bench.run import (
 )
 from adaspec.bench.statistics import summarise
 from adaspec.cli import interrupts
-from adaspec.cli.calibrate import progress_reporter
+from adaspec.cli.calibrate import ProgressStream, progress_reporter
 from adaspec.cli.flags import (
     CommandFlags,
     Flag,
@@ -407,24 +407,23 @@ def torch_threads(arms: Sequence[Arm]) -> dict[str, int]:
     return threads
 
 
-def run_progress(stream: TextIO) -> RunProgress:
+def run_progress(stream: TextIO | None) -> RunProgress:
     """A bar on a terminal, one JSON line per run otherwise."""
-    if stream.isatty():
+    progress = ProgressStream(stream)
+    if progress.isatty():
         def bar(record: RunRecord, done: int, total: int) -> None:
             filled = 30 * done // total
-            stream.write(f"\rbench [{'#' * filled}{'.' * (30 - filled)}] {done}/{total} runs  "
-                         f"{record.arm} C={record.level}          ")
-            if done == total:
-                stream.write("\n")
-            stream.flush()
+            end = "\n" if done == total else ""
+            progress.write(f"\rbench [{'#' * filled}{'.' * (30 - filled)}] {done}/{total} "
+                           f"runs  {record.arm} C={record.level}          {end}")
         return bar
 
     def line(record: RunRecord, done: int, total: int) -> None:
-        stream.write(json.dumps({"bench_run": done, "of": total, "arm": record.arm,
-                                 "concurrency": record.level, "pass": record.passed,
-                                 "tokens_per_second": round(record.tokens / record.seconds, 2)
-                                 if record.seconds else None}) + "\n")
-        stream.flush()
+        progress.write(json.dumps({"bench_run": done, "of": total, "arm": record.arm,
+                                   "concurrency": record.level, "pass": record.passed,
+                                   "tokens_per_second": round(record.tokens / record.seconds,
+                                                              2) if record.seconds else None})
+                       + "\n")
     return line
 
 
@@ -445,9 +444,8 @@ def bench_prompts(tokenizer: Tokenizer, context_limit: int, max_tokens: int, *,
         raise ConfigError("--max_tokens", max_tokens, f"expected at most {context_limit - 2}: "
                           f"the checkpoint's context limit {context_limit} less a prompt")
     if any(len(p) > room for p in prompts):
-        print(f"adaspec bench: prompts cut to their last {room} tokens to fit the context "
-              f"limit {context_limit} of --model with --max_tokens={max_tokens}",
-              file=sys.stderr)
+        interrupts.say(f"adaspec bench: prompts cut to their last {room} tokens to fit the "
+                       f"context limit {context_limit} of --model with --max_tokens={max_tokens}")
     return tuple(p[-room:] for p in prompts)
 
 

@@ -43,24 +43,43 @@ CALIBRATE = CommandFlags(
     launch=True)
 
 
-def progress_reporter(stream: TextIO) -> Progress:
+class ProgressStream:
+    """Where progress goes: ``stream`` while it takes it. A closed or full standard error,
+    or one whose reader went away, drops the progress, never the run (the run's outputs and
+    its exit status say how it went)."""
+
+    def __init__(self, stream: TextIO | None) -> None:
+        self._stream = stream  # None: started with descriptor 2 closed
+
+    def isatty(self) -> bool:
+        return self._stream is not None and self._stream.isatty()
+
+    def write(self, text: str) -> None:
+        if self._stream is None:
+            return
+        try:
+            self._stream.write(text)
+            self._stream.flush()
+        except OSError:
+            self._stream = None
+
+
+def progress_reporter(stream: TextIO | None) -> Progress:
     """A bar when ``stream`` is a terminal, one JSON line per window otherwise."""
-    if stream.isatty():
+    progress = ProgressStream(stream)
+    if progress.isatty():
         def bar(measured: PointMeasured) -> None:
             filled = BAR_WIDTH * measured.done // measured.total
-            stream.write(f"\rcalibrating [{'#' * filled}{'.' * (BAR_WIDTH - filled)}] "
-                         f"{measured.done}/{measured.total} windows  "
-                         f"Bcap={measured.num_reqs_bucket} d={measured.depth} "
-                         f"G={measured.num_rows} "
-                         f"{1000 * measured.seconds:.2f} ms  ")
-            if measured.done == measured.total:
-                stream.write("\n")
-            stream.flush()
+            done = "\n" if measured.done == measured.total else ""
+            progress.write(f"\rcalibrating [{'#' * filled}{'.' * (BAR_WIDTH - filled)}] "
+                           f"{measured.done}/{measured.total} windows  "
+                           f"Bcap={measured.num_reqs_bucket} d={measured.depth} "
+                           f"G={measured.num_rows} "
+                           f"{1000 * measured.seconds:.2f} ms  {done}")
         return bar
 
     def line(measured: PointMeasured) -> None:
-        stream.write(measured.log_line() + "\n")
-        stream.flush()
+        progress.write(measured.log_line() + "\n")
     return line
 
 

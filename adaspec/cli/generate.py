@@ -307,7 +307,7 @@ def run(argv: Sequence[str]) -> int:
     runtime = Runtime(config, models=models, options=options)
     results, seconds, failed = interrupts.run(decode(runtime, prompt_ids, params))
     if config.launch.world_size > 1:  # every rank says what it committed: they must agree
-        print(f"rank {runtime.rank}: commit digest {runtime.commit_digest()}", file=sys.stderr)
+        interrupts.say(f"rank {runtime.rank}: commit digest {runtime.commit_digest()}")
     if not runtime.is_front:  # rank 0 prints the results
         return 0
     rows = [result_dict(p, ids, r, tokenizer)

@@ -68,15 +68,15 @@ def run(argv: Sequence[str]) -> int:
         return 0
     if argv[0] == "--version":
         if len(argv) > 1:
-            print(f"adaspec --version: error: argument={show_value(argv[1])}: expected "
-                  "nothing after --version", file=sys.stderr)
+            _say(f"adaspec --version: error: argument={show_value(argv[1])}: expected "
+                 "nothing after --version")
             return 2
         print(f"adaspec {__version__}")
         return 0
     command = COMMANDS.get(argv[0])
     if command is None:
-        print(f"adaspec: error: command={show_value(argv[0])}: unknown; expected one of "
-              f"{', '.join(COMMANDS)}", file=sys.stderr)
+        _say(f"adaspec: error: command={show_value(argv[0])}: unknown; expected one of "
+             f"{', '.join(COMMANDS)}")
         return 2
     try:
         return command(argv[1:])
@@ -145,8 +145,8 @@ def run_to_stdout(argv: Sequence[str]) -> int:
     command = _command(argv)
     stdout = sys.stdout
     if stdout is None:  # started with descriptor 1 closed: refused before anything runs
-        print(f"{command}: error: stdout: closed; expected an open standard output "
-              "(redirect it to /dev/null to discard the output)", file=sys.stderr)
+        _say(f"{command}: error: stdout: closed; expected an open standard output "
+             "(redirect it to /dev/null to discard the output)")
         return 2
     sys.stdout = cast(TextIO, _CheckedStdout(stdout))
     try:
@@ -159,9 +159,7 @@ def run_to_stdout(argv: Sequence[str]) -> int:
         if isinstance(failed.error, BrokenPipeError):
             return 141
         reason = failed.error.strerror or type(failed.error).__name__
-        with contextlib.suppress(OSError):  # a full standard error too: the status says it
-            print(f"{command}: error: stdout: cannot write the output ({reason})",
-                  file=sys.stderr)
+        _say(f"{command}: error: stdout: cannot write the output ({reason})")
         return 2
     finally:
         sys.stdout = stdout

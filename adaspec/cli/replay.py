@@ -2,9 +2,9 @@
 decision they do not reproduce (``adaspec.runtime.events.replay`` does the work)."""
 
 import json
-import sys
 from collections.abc import Sequence
 
+from adaspec.cli import interrupts
 from adaspec.cli.flags import CommandFlags, Flag, Positional
 from adaspec.errors import AdaspecError
 from adaspec.runtime.events.ranks import compare_ranks
@@ -41,7 +41,7 @@ def run(argv: Sequence[str]) -> int:
         others = args.values("across")
         ranks = compare_ranks([args.positional, *others]) if others else None
     except AdaspecError as error:
-        print(f"adaspec replay: error: {error}", file=sys.stderr)
+        interrupts.say(f"adaspec replay: error: {error}")
         return 2
     if "json" in args:
         data = report.as_dict()
