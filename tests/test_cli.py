@@ -280,3 +280,60 @@ def test_a_signal_while_the_interpreter_unloads_keeps_the_decided_status(name: s
                           timeout=PROCESS_LIMIT_S)
     assert (done.returncode, done.stderr) == (0, "")
     assert json.loads(done.stdout)["launch"]["settings"]["model"] == "builtin:target"
+
+
+INTERRUPTED_AS_IT_LOADS = """
+import importlib, os, signal, sys
+
+loads = importlib.import_module
+
+def swallowing(name):  # the fault: Ctrl-C as a library that swallows it loads (torch's C++)
+    importlib.import_module = loads  # once
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(1000):  # the handler runs between these steps
+            pass
+    except KeyboardInterrupt:
+        pass
+    return loads(name)
+
+importlib.import_module = swallowing
+sys.argv = ["adaspec", "config"]
+from adaspec.cli.main import main
+main()
+"""
+
+
+def test_ctrl_c_while_the_command_loads_stops_it_even_where_a_library_swallows_it() -> None:
+    done = subprocess.run([sys.executable, "-c", INTERRUPTED_AS_IT_LOADS], capture_output=True,
+                          text=True, env=peer_environment(), timeout=PROCESS_LIMIT_S)
+    assert (done.returncode, done.stdout, done.stderr) == (
+        130, "", "adaspec config: interrupted\n")
+
+
+SWALLOWED_BEFORE_THE_LOOP = """
+import os, signal
+from adaspec.cli import interrupts
+
+interrupts.install("adaspec test")
+try:  # the fault: a library swallows the interrupt before the command's loop starts
+    os.kill(os.getpid(), signal.SIGINT)
+    for _ in range(1000):
+        pass
+except KeyboardInterrupt:
+    pass
+
+async def work():
+    print("ran", flush=True)
+
+try:
+    interrupts.run(work())
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
+
+
+def test_a_loop_started_after_a_swallowed_interrupt_runs_nothing() -> None:
+    done = subprocess.run([sys.executable, "-c", SWALLOWED_BEFORE_THE_LOOP], capture_output=True,
+                          text=True, env=peer_environment(), timeout=PROCESS_LIMIT_S)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "interrupted\n", "")

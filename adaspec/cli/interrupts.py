@@ -9,10 +9,11 @@ where it was cut, which ``replay`` names.
 """
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -26,6 +27,7 @@ TERMINATED = 143
 class _Stop:
     first: int | None = None  # the number of the first signal, once one came
     closing = False  # ``run`` closes its loop: a signal is noted, raised once it is closed
+    held = False  # inside ``held``: a signal is noted, raised as it ends
     main: "asyncio.Task[Any] | None" = None  # the task ``run`` runs, while it runs
     loop: asyncio.AbstractEventLoop | None = None
     command = "adaspec"
@@ -57,7 +59,7 @@ def taken_by_adaspec(number: int) -> bool:
 def _on_signal(number: int, frame: Any) -> None:
     _end_at_a_second(number)
     _Stop.first = number
-    if _Stop.closing:  # raised here, it could land in a finalizer that swallows it
+    if _Stop.closing or _Stop.held:  # raised here, it could land where it is swallowed
         return
     main, loop = _Stop.main, _Stop.loop
     if main is None or main.done() or loop is None:
@@ -80,10 +82,27 @@ def _end_at_a_second(number: int) -> None:
         os._exit(status())
 
 
+@contextlib.contextmanager
+def held() -> Iterator[None]:
+    """A signal taken by ``install`` inside is noted and raised as ``KeyboardInterrupt`` when
+    it ends. For imports: one raised into torch's can be swallowed by its C++, which imports
+    numpy on its own, and the command then runs on (or fails on a half-loaded numpy)."""
+    _Stop.held = True
+    try:
+        yield
+    finally:
+        _Stop.held = False
+    if _Stop.first is not None:
+        raise KeyboardInterrupt
+
+
 def run(coroutine: Coroutine[Any, Any, T]) -> T:
     """``asyncio.run`` for a command's main coroutine: a signal taken by ``install`` cancels
     it and it then raises ``KeyboardInterrupt`` (without ``install``, Ctrl-C does as
     ``asyncio.run`` has it do)."""
+    if _Stop.first is not None:  # a signal came and something swallowed its interrupt
+        coroutine.close()
+        raise KeyboardInterrupt
     runner = asyncio.Runner()
 
     async def main() -> T:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TextIO, cast
 
 from adaspec import __version__
-from adaspec.cli.interrupts import install, say, status, stopped_line
+from adaspec.cli.interrupts import held, install, say, status, stopped_line
 from adaspec.errors import AdaspecError, show_value
 
 USAGE = """usage: adaspec COMMAND [FLAGS]
@@ -49,7 +49,8 @@ def _subcommand(name: str) -> Callable[[Sequence[str]], int]:
     only what it needs (torch and scipy take seconds, and make Ctrl-C at start slower)."""
 
     def run(argv: Sequence[str]) -> int:
-        module = importlib.import_module(f"adaspec.cli.{name}")
+        with held():  # torch loads here
+            module = importlib.import_module(f"adaspec.cli.{name}")
         return module.run(argv)  # type: ignore[no-any-return]
 
     return run
