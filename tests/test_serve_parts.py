@@ -34,9 +34,16 @@ from adaspec.bench.url import report_text
 from adaspec.config import SamplingParams, load_config
 from adaspec.models.tokenizer import ByteTokenizer
 from adaspec.runtime.engine import Runtime
+from adaspec.runtime.events.types import RequestFinished
 from adaspec.serve.app import DRAINING, READY, CompletionServer, ServeSettings, decoded_body
 from adaspec.serve.protocol import MAX_BODY_BYTES, ApiError, parse_body, read_completion
-from adaspec.serve.server import app_runner, json_logger, loop_errors
+from adaspec.serve.server import (
+    Signals,
+    _serve_until_drained,
+    app_runner,
+    json_logger,
+    loop_errors,
+)
 from adaspec.serve.text import CompletionText
 
 
@@ -857,3 +864,47 @@ def test_a_servers_model_name_and_errors_cannot_draw_on_the_terminal() -> None:
                                    "FAKE): 4 tokens"
     assert text.splitlines()[-1] == "     failed: request 0: bad\\x1b[2J\\nline"
     assert "\x1b" not in text
+
+
+@pytest.mark.asyncio
+async def test_a_second_signal_cuts_an_answer_its_client_never_reads(
+        mtp_runtime: Runtime) -> None:
+    """A streaming client that never reads holds its handler in a write once the socket's
+    buffers fill (kept small here on both sides, with a long model name in every chunk). The
+    drain waits for it; the second signal ends it after the grace."""
+    logged = io.StringIO()
+    log = json_logger(logged)
+    server = CompletionServer(mtp_runtime, ByteTokenizer(), ServeSettings(
+        model_name="m" * 4000, max_queued_requests=4, temperature_rule=None), log)
+    server.state = READY
+    finished = asyncio.Event()
+    mtp_runtime.subscribe(lambda event: isinstance(event, RequestFinished) and finished.set())
+    runner = app_runner(server)
+    await runner.setup()
+    listening = socket.socket()
+    listening.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # accepted ones inherit it
+    listening.bind(("127.0.0.1", 0))
+    await web.SockSite(runner, listening).start()
+    client = socket.socket()
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+    client.connect(listening.getsockname())
+    body = json.dumps({"model": "m" * 4000, "prompt": "Once", "max_tokens": 120,
+                       "stream": True}).encode()
+    client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: "
+                   + str(len(body)).encode() + b"\r\n\r\n" + body)
+    try:
+        await asyncio.wait_for(finished.wait(), PROCESS_LIMIT_S)  # all its output is queued
+        signals = Signals()
+        signals.drain.set()
+        signals.now.set()
+        await asyncio.wait_for(_serve_until_drained(mtp_runtime, server, signals, log),
+                               PROCESS_LIMIT_S)
+    finally:
+        client.close()
+        await runner.cleanup()
+        server.close()
+    events = [line["event"] for line in _lines(logged)]
+    assert events == ["draining", "cancelling", "cutting", "completion"]
+    (line,) = [line for line in _lines(logged) if line["event"] == "completion"]
+    assert (line["status"], line["error"]) == (
+        499, "cut off by the second signal while its answer waited for the client to read")

@@ -118,6 +118,8 @@ class CompletionServer:
         self.drained = asyncio.Event()  # set while no request is in flight
         self.drained.set()
         self.in_flight: set[RequestHandle] = set()  # submitted, not yet ended
+        self.answering: set[asyncio.Task[Any]] = set()  # handlers of requests in flight
+        self.cut = False  # set by ``cut_answers``
         self.created = int(time.time())
         # Prompts are encoded off the event loop, so a long one stalls no other stream; one
         # worker, because a Hugging Face tokenizer must not encode on two threads at once.
@@ -183,10 +185,8 @@ class CompletionServer:
             raise
         except asyncio.CancelledError:  # aiohttp cancels the handler of a client gone away
             if not completion.delivered:
-                # Before its body came whole, a drain's close may have cut it off too.
-                completion.status, completion.error = CLIENT_GONE, "the client went away" \
-                    if completion.choices or self.state == READY else \
-                    "the connection closed before the request came whole"
+                completion.status, completion.error = CLIENT_GONE, self._why_cancelled(
+                    completion)
             raise
         except Exception as error:  # adaspec's bug: answered 500 by the middleware
             completion.status = 500
@@ -213,6 +213,9 @@ class CompletionServer:
         handles = self._submit(prompts, job)
         self.in_flight.update(handles)
         self.drained.clear()
+        handler = asyncio.current_task()
+        assert handler is not None
+        self.answering.add(handler)
         self.metrics.waiting.inc(len(handles))
         completion.choices = [
             Choice(index=i, handle=h, prompt_tokens=len(ids), arrived=completion.arrived,
@@ -227,7 +230,16 @@ class CompletionServer:
                 if not choice.handle.done:  # the client went away, or a choice failed
                     choice.handle.cancel()
                     choice.finish_reason = choice.finish_reason or "cancelled"
+            self.answering.discard(handler)
             self._ended(completion)
+
+    def _why_cancelled(self, completion: Completion) -> str:
+        if self.cut and completion.choices:
+            return "cut off by the second signal while its answer waited for the client to read"
+        if completion.choices or self.state == READY:
+            return "the client went away"
+        # Before its body came whole, a drain's close may have cut it off too.
+        return "the connection closed before the request came whole"
 
     def _check_open(self) -> None:
         if self.state == READY:
@@ -410,6 +422,13 @@ class CompletionServer:
         """End every request in flight between rounds (a second signal while draining)."""
         for handle in list(self.in_flight):
             handle.cancel()
+
+    def cut_answers(self) -> None:
+        """Cancel the handlers of requests still in flight: after ``cancel_all``, those wait
+        only for a client that does not read what they write (no write has a timeout)."""
+        self.cut = True
+        for handler in list(self.answering):
+            handler.cancel()
 
     def _ended(self, completion: Completion) -> None:
         self.in_flight.difference_update(choice.handle for choice in completion.choices)

@@ -3,7 +3,8 @@
 The socket opens first, so ``/health`` answers "starting" while the models load, the graphs
 are prepared and the costs calibrated. SIGTERM or SIGINT drains: new requests get 503, those in
 flight run to their end, then the server closes and the runtime stops; a second signal cancels
-what is still in flight. A runtime fault ends the server with the fault's one line.
+what is still in flight, and after a grace cuts the answers no client reads. A runtime fault
+ends the server with the fault's one line.
 """
 
 import asyncio
@@ -251,6 +252,10 @@ async def _serve_until_drained(runtime: Runtime, server: CompletionServer, signa
     if not drained.done():
         log.info("cancelling", in_flight=len(server.in_flight))
         server.cancel_all()
+        await asyncio.wait({drained}, timeout=SHUTDOWN_GRACE_S)
+    if not drained.done():  # their requests have ended: their clients read nothing
+        log.info("cutting", in_flight=len(server.in_flight))
+        server.cut_answers()
         await drained
     now.cancel()
 
