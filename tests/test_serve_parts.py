@@ -908,3 +908,29 @@ async def test_a_second_signal_cuts_an_answer_its_client_never_reads(
     (line,) = [line for line in _lines(logged) if line["event"] == "completion"]
     assert (line["status"], line["error"]) == (
         499, "cut off by the second signal while its answer waited for the client to read")
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("codings", "status"), [
+    ("gzip, chunked", 501), ("foo, chunked", 501), ("deflate,chunked", 501),
+    ("Chunked", 200), ("chunked", 200)])
+async def test_a_transfer_coding_the_server_does_not_apply_is_a_501(
+        mtp_runtime: Runtime, codings: str, status: int) -> None:
+    server = CompletionServer(mtp_runtime, ByteTokenizer(), ServeSettings(
+        model_name="m", max_queued_requests=4, temperature_rule=None))
+    server.state = READY
+    body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 2}).encode()
+    async with TestServer(server.app()) as served:
+        reader, writer = await asyncio.open_connection("127.0.0.1", served.port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                     b"Transfer-Encoding: " + codings.encode() + b"\r\n\r\n"
+                     + f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\n")
+        answer = await asyncio.wait_for(reader.read(), PROCESS_LIMIT_S)
+        writer.close()
+    head, _, text = answer.partition(b"\r\n\r\n")
+    assert head.split()[1] == str(status).encode()
+    if status == 501:
+        assert json.loads(text)["error"]["message"] == (
+            f"Transfer-Encoding={codings.replace(',c', ', c')}: expected chunked alone (a "
+            "compressed body names its coding in Content-Encoding)")
+    server.close()

@@ -252,6 +252,7 @@ class CompletionServer:
                        kind="service_unavailable", retry_after=1)
 
     async def _body(self, request: web.Request) -> bytes:
+        _check_transfer_coding(request)
         # Several header lines are one list of codings (RFC 9110), refused as one below.
         lines = request.headers.getall("Content-Encoding", ["identity"])
         encoding = ", ".join(line.strip() for line in lines).lower()
@@ -501,6 +502,19 @@ def runtime_stopped(error: RuntimeStopped) -> ApiError:
     """A request that met a runtime stopped by a fault (503: another server may take it)."""
     return ApiError(503, f"the runtime stopped: {error}", kind="service_unavailable",
                     retry_after=1)
+
+
+def _check_transfer_coding(request: web.Request) -> None:
+    """aiohttp reads a chunked body and passes over any coding listed before ``chunked``: a
+    body sent as ``gzip, chunked`` would be read as if it were not compressed. A coding the
+    server does not apply is a 501 (RFC 9112); a compressed body says so in Content-Encoding."""
+    lines = request.headers.getall("Transfer-Encoding", [])
+    codings = [coding.strip().lower() for line in lines for coding in line.split(",")]
+    codings = [coding for coding in codings if coding]
+    if codings and codings != ["chunked"]:
+        raise ApiError(501, f"Transfer-Encoding={', '.join(codings)}: expected chunked alone "
+                       "(a compressed body names its coding in Content-Encoding)",
+                       kind="invalid_request_error")
 
 
 def decoded_body(raw: bytes, encoding: str) -> bytes:
