@@ -993,3 +993,22 @@ def test_a_run_of_an_embedders_own_policy_simulates_and_replays_only_given_it(
     header, events = read_event_log(str(path))
     report = replay(header, events, budget_policy=FullBudget(), path=str(path))
     assert report.ok
+
+
+def test_replay_notes_a_recorded_policy_the_headers_config_does_not_make(
+        tmp_path: Path) -> None:
+    # An embedder's own policy (RuntimeOptions) is recorded as the run used it; so is an
+    # edited header. Neither is the launch's: the replay says so rather than nothing.
+    assert replay_file(str(write_run(tmp_path / "plain.jsonl"))).not_the_launchs == ()
+    path = write_run(tmp_path / "run.jsonl")
+    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    records[0]["policies"]["budget"]["name"] = "my-budget"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    header, events = read_event_log(str(path))
+    report = replay(header, events, budget_policy=FullBudget(), path=str(path))
+    assert report.ok
+    assert report.not_the_launchs == ("budget",)
+    assert report.as_dict()["recorded_policies_not_the_launchs"] == ["budget"]
+    assert report.format_text().splitlines()[1] == (
+        "note: the recorded budget policy is not the one the header's config makes; an "
+        "embedder's own (RuntimeOptions) or an edited header")

@@ -119,6 +119,7 @@ class ReplayReport:
     num_lag_violations: int
     first_lag_violation: LagViolation | None
     lag: int = 2  # the run's lag: round n may use feedback of rounds <= n - lag
+    not_the_launchs: tuple[str, ...] = ()  # roles whose recorded policy its config does not make
 
     @property
     def all_matched(self) -> bool:
@@ -144,6 +145,7 @@ class ReplayReport:
                 "num_rounds": self.num_rounds, "num_decisions": self.num_decisions,
                 "num_observed": self.num_observed, "num_divergences": self.num_divergences,
                 "first_divergence": _finding_dict(self.first_divergence),
+                "recorded_policies_not_the_launchs": list(self.not_the_launchs),
                 "lag": self.lag, "num_lag_violations": self.num_lag_violations,
                 "first_lag_violation": _finding_dict(self.first_lag_violation)}
 
@@ -152,6 +154,9 @@ class ReplayReport:
         lines = [f"replayed {self.num_decisions} decisions of {self.num_rounds} rounds with "
                  f"{self.num_observed} retired rounds observed ({role} policies: depth "
                  f"{_policy_text(self.depth_policy)}, budget {_policy_text(self.budget_policy)})"]
+        for which in self.not_the_launchs:
+            lines.append(f"note: the recorded {which} policy is not the one the header's config "
+                         "makes; an embedder's own (RuntimeOptions) or an edited header")
         if self.num_decisions == 0:
             lines.append("no decision to check: the log records no round (its requests, if "
                          "any, ended at their prefill)")
@@ -478,16 +483,49 @@ def replay(
         depth_policy = _recorded_policy(header, "depth", run.costs, path)
     if budget_policy is None:
         budget_policy = _recorded_policy(header, "budget", run.costs, path)
-    return _replayed(header, events, run, depth_policy, budget_policy)
+    return _replayed(header, events, run, depth_policy, budget_policy, path)
 
 
 def _replayed(header: LogHeader, events: Sequence[Event], run: RecordedRun,
-              depth_policy: DepthPolicy, budget_policy: BudgetPolicy) -> ReplayReport:
+              depth_policy: DepthPolicy, budget_policy: BudgetPolicy, path: str
+              ) -> ReplayReport:
     walk = _Walk(depth_policy, budget_policy, run.lag)
     for index, event in enumerate(events):
         walk.step(index, event)
     walk.observe_retired()
-    return walk.report(header.policies)
+    return dataclasses.replace(walk.report(header.policies),
+                               not_the_launchs=_not_the_launchs(header, run, path))
+
+
+def _not_the_launchs(header: LogHeader, run: RecordedRun, path: str) -> tuple[str, ...]:
+    """The roles whose recorded policy is not the one the header's config makes: an
+    embedder gave the runtime its own (``RuntimeOptions``), which the header records as it
+    records any other."""
+    made = _launch_policies(header, run, path)
+    return tuple(role for role in ("depth", "budget")
+                 if made[role] != _recorded_entry(header.policies[role]))
+
+
+def _launch_policies(header: LogHeader, run: RecordedRun, path: str
+                     ) -> dict[str, dict[str, Any]]:
+    """The policies the header's config makes, as the runtime makes them at start."""
+    launch = run.launch
+    depth: tuple[str, Mapping[str, Any]] = ("fixed", {})
+    if launch.enable_adaptive_draft_step:
+        section = header.config.get("adaptive_draft_step", {}).get("policy")
+        given = section if isinstance(section, dict) else {}
+        depth = ("adaptive-depth", {k: v for k, v in given.items() if k != "source"})
+    budget: tuple[str, Mapping[str, Any]] = \
+        ("adaptive-verify", {}) if launch.enable_adaptive_target_verify else ("full", {})
+    made: dict[str, dict[str, Any]] = {}
+    for role, (name, settings) in (("depth", depth), ("budget", budget)):
+        make = make_depth_policy if role == "depth" else make_budget_policy
+        try:
+            made[role] = _entry(make(name, settings, run.costs))
+        except ConfigError as error:
+            raise EventLogError(path, 1, f"header config: the {role} policy it makes: "
+                                f"{error}") from None
+    return made
 
 
 class _Walk:
@@ -582,4 +620,4 @@ def replay_file(path: str) -> ReplayReport:
     header, events = read_event_log(path)
     run = check_recorded_run(header, events, path)
     return _replayed(header, events, run, _recorded_policy(header, "depth", run.costs, path),
-                     _recorded_policy(header, "budget", run.costs, path))
+                     _recorded_policy(header, "budget", run.costs, path), path)
