@@ -337,3 +337,36 @@ def test_a_loop_started_after_a_swallowed_interrupt_runs_nothing() -> None:
     done = subprocess.run([sys.executable, "-c", SWALLOWED_BEFORE_THE_LOOP], capture_output=True,
                           text=True, env=peer_environment(), timeout=PROCESS_LIMIT_S)
     assert (done.returncode, done.stdout, done.stderr) == (0, "interrupted\n", "")
+
+
+@pytest.mark.parametrize(("argv", "line"), [
+    (["generate", "--bogus", "--max_tokens=3", "--temperature=0", "--prompt=x"],
+     "adaspec generate: error: --bogus: unknown flag; see `adaspec generate --help` (its "
+     "launch flags are those of `adaspec config --help`)"),
+    (["generate", "--max_tokens=3", "--temperature=0", "--prompt=x", "--prompts_file=p.txt"],
+     "adaspec generate: error: --prompts_file=p.txt: expected either --prompt TEXT (one or "
+     "more) or --prompts_file FILE, not both"),
+    (["bench", "--arms=adaptive-depth", "--quick"],
+     "adaspec bench: error: --arms=adaptive-depth: this launch cannot run it: "
+     "--speculative_algorithm=DSpark: --enable_adaptive_draft_step=true needs "
+     "--speculative_algorithm=MTP"),
+    (["--help", "bogus"], "adaspec --help: error: argument=bogus: expected one command name "
+     "after --help: config, models, generate, serve, calibrate, bench, simulate, states, "
+     "replay"),
+])
+def test_a_refusal_names_what_the_user_gave(argv: list[str], line: str,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(argv) == 2
+    assert capsys.readouterr().err == line + "\n"
+
+
+def test_help_before_a_command_is_that_commands_help(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(["--help", "bench"]) == 0
+    assert capsys.readouterr().out.startswith("usage: adaspec bench ")
+
+
+def test_a_request_ended_at_its_prefill_shows_no_acceptance_length(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(["generate", "--prompt=hi", "--max_tokens=1", "--temperature=0"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (
+        "[0] no decode round (ended at its prefill), finish length")

@@ -313,3 +313,9 @@ def test_default_contexts_shrink_the_prefill_for_a_short_context() -> None:
     assert (long.prefill_tokens, long.max_kv_length) == (2048, 4096)
     with pytest.raises(ConfigError, match="cannot hold 252 tokens of sampling progress"):
         default_contexts(250, progress)
+
+
+def test_a_rate_of_zero_is_refused_as_not_positive() -> None:
+    with pytest.raises(ConfigError, match=r"^steps_per_second\[1\]=0\.0: expected a finite "
+                       r"number > 0$"):
+        table_from_dict({"kind": "sps", "rows": [1, 2], "steps_per_second": [10.0, 0.0]})

@@ -585,3 +585,13 @@ def test_recorded_adaptive_depth_settings_must_name_every_setting() -> None:
                                           r"switch_min_gain"):
         make_depth_policy("adaptive-depth", {"window_size": 20, "update_interval": 5},
                           depth_bundle())
+
+
+def test_a_request_id_given_twice_in_a_round_is_named() -> None:
+    lines = synthetic("drift", rounds=3).as_lines()
+    bad = json.loads(lines[2])
+    bad["requests"].append(dict(bad["requests"][0]))
+    with pytest.raises(ConfigError) as raised:
+        parse_workload([*lines[:2], json.dumps(bad)], "w.jsonl")
+    assert str(raised.value) == (f"--workload=w.jsonl:3: request id "
+                                 f"{bad['requests'][0]['id']} appears twice in shard 0's batch")

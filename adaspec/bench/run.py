@@ -365,12 +365,21 @@ def _named(candidates: Mapping[str, Callable[[], EffectiveConfig]], names: Seque
     for name in names:
         if name not in candidates:
             raise ConfigError("--arms", name, f"expected some of {', '.join(candidates)}")
-    arms = tuple(Arm(name, candidates[name]()) for name in names)
+    arms = tuple(Arm(name, _arm_config(name, candidates[name])) for name in names)
     for arm in arms:
         why = sampling_refusal(arm, temperatures)
         if why is not None:
             raise _cannot_sample(arm.name, temperatures, why, "named in --arms")
     return arms
+
+
+def _arm_config(name: str, config: Callable[[], EffectiveConfig]) -> EffectiveConfig:
+    """The launch of the arm ``--arms`` names; one the bench's launch does not allow is
+    refused naming the arm (the flags it would set were not the user's)."""
+    try:
+        return config()
+    except ConfigError as error:
+        raise ConfigError("--arms", name, f"this launch cannot run it: {error}") from None
 
 
 def sampling_refusal(arm: Arm, temperatures: Sequence[float]) -> str | None:

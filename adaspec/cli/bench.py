@@ -485,7 +485,7 @@ def run(argv: Sequence[str]) -> int:
     choices = read_choices(args)
     if "url" in args.values or "served_model_name" in args.values:
         return _run_url(argv, args, choices)
-    settings = launch_settings(args.launch_argv)
+    settings = launch_settings(args.launch_argv, "bench")
     with tempfile.TemporaryDirectory(prefix="adaspec-bench-") as scratch:
         arms, skipped = plan_arms(settings, widths=choices.widths, names=choices.arms,
                                   quick=choices.quick, levels=choices.levels,

@@ -108,7 +108,7 @@ def run(argv: Sequence[str]) -> int:
     if args.help:
         print(CALIBRATE.help())
         return 0
-    config = load_config(launch_settings(args.launch_argv))
+    config = load_config(launch_settings(args.launch_argv, "calibrate"))
     launch = config.launch
     # Before the checks of this command: a device this process cannot use is the first thing
     # to say about the launch.

@@ -60,7 +60,7 @@ def run(argv: Sequence[str]) -> int:
         lines += [f"always -> {check.__doc__}" for check in CROSS_CHECKS]
         print("\n".join(lines))
         return 0
-    effective = load_config(launch_settings(args.launch_argv))
+    effective = load_config(launch_settings(args.launch_argv, "config"))
     # A launch of the built-in models is held to what they can draft, and one of checkpoint
     # directories to what a checkpoint can run, so a line that passes here runs; the
     # checkpoints themselves are checked when they load.

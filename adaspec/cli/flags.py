@@ -332,7 +332,7 @@ def output_named_by_flag(error: AdaspecError, flag: str | None = None) -> Adaspe
                             error.reason)
 
 
-def launch_settings(launch_argv: Sequence[str]) -> dict[str, str]:
-    """A command's launch flags, with torchrun's rank and rendezvous when it started this
+def launch_settings(launch_argv: Sequence[str], command: str) -> dict[str, str]:
+    """``command``'s launch flags, with torchrun's rank and rendezvous when it started this
     process (``adaspec.config.launch.torchrun_settings``)."""
-    return torchrun_settings(parse_argv(launch_argv), os.environ)
+    return torchrun_settings(parse_argv(launch_argv, command), os.environ)

@@ -98,9 +98,12 @@ def split_argv(argv: Sequence[str]) -> GenerateArgs:
 
 
 def read_prompts(args: GenerateArgs) -> list[str]:
-    if bool(args.prompts) == (args.prompts_file is not None):
+    if args.prompts and args.prompts_file is not None:
+        raise ConfigError("--prompts_file", args.prompts_file, "expected either --prompt "
+                          "TEXT (one or more) or --prompts_file FILE, not both")
+    if not args.prompts and args.prompts_file is None:
         raise ConfigError("--prompt", MISSING, "expected one or more --prompt TEXT, or "
-                          "--prompts_file FILE, not both")
+                          "--prompts_file FILE")
     if args.prompts_file is None:
         for prompt in args.prompts:
             _require_utf8(prompt)
@@ -286,7 +289,7 @@ def run(argv: Sequence[str]) -> int:
         return 0
     prompts = read_prompts(args)
     params = sampling_params(args.values)
-    config = load_config(launch_settings(args.launch_argv))
+    config = load_config(launch_settings(args.launch_argv, "generate"))
     check_params_for_launch(params, config.launch, args.values)
     tokenizer, context_limit = command_tokenizer(config.launch)
     params = params.ending_at(tokenizer.eos_token_ids)  # as the model's own generate stops
@@ -321,9 +324,12 @@ def run(argv: Sequence[str]) -> int:
                                                "token)"}, indent=2))
     else:
         for index, row in enumerate(rows):
-            print(f"[{index}] AL {row['mean_acceptance_length']:.2f} over {row['rounds']} "
-                  f"rounds (accepted {row['drafted_accepted']} of {row['drafted_verified']} "
-                  f"verified drafts), finish {row['finish_reason']}")
+            rounds = "no decode round (ended at its prefill)"
+            if row["rounds"]:
+                rounds = (f"AL {row['mean_acceptance_length']:.2f} over {row['rounds']} rounds "
+                          f"(accepted {row['drafted_accepted']} of {row['drafted_verified']} "
+                          "verified drafts)")
+            print(f"[{index}] {rounds}, finish {row['finish_reason']}")
             print(row["prompt"] + row["text"])
         print(f"{tokens} tokens in {seconds:.3f} s: {rate:.1f} tokens/s (from the first "
               "submit to the last result; start-up not counted)")

@@ -64,6 +64,13 @@ COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
 
 def run(argv: Sequence[str]) -> int:
     """Dispatch one command line; returns the exit status."""
+    if argv and argv[0] in ("-h", "--help") and len(argv) > 1:  # adaspec --help COMMAND
+        wrong = next((arg for arg in argv[2:]), None if argv[1] in COMMANDS else argv[1])
+        if wrong is not None:
+            _say(f"adaspec {argv[0]}: error: argument={show_value(wrong)}: expected one "
+                 f"command name after {argv[0]}: {', '.join(COMMANDS)}")
+            return 2
+        argv = [argv[1], "--help"]
     if not argv or argv[0] in ("-h", "--help"):  # no command: say what there is
         print(USAGE)
         return 0

@@ -102,7 +102,7 @@ def run(argv: Sequence[str]) -> int:
     if parsed.help:
         print(SERVE.help())
         return 0
-    config = load_config(launch_settings(parsed.launch_argv))
+    config = load_config(launch_settings(parsed.launch_argv, "serve"))
     launch = config.launch
     tokenizer, _ = command_tokenizer(launch)
     serve = ServeSettings(

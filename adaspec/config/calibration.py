@@ -65,7 +65,7 @@ def _number_range(low: float, high: float) -> str:
     if math.isinf(low) and math.isinf(high):
         return "a finite number"
     if math.isinf(high):
-        return f"a finite number >= {low:g}"
+        return "a finite number > 0" if low == math.ulp(0.0) else f"a finite number >= {low:g}"
     if math.isinf(low):
         return f"a number <= {high:g}"
     return f"a number in {low:g}..{high:g}"

@@ -44,7 +44,7 @@ def retired_name_error(setting: str, name: str, value: object) -> ConfigError:
                             "replaced, not aliased")
 
 
-def _unknown_flag(name: str, value: object) -> ConfigError:
+def _unknown_flag(name: str, value: object, command: str = "config") -> ConfigError:
     if name in RETIRED_NAMES:
         return retired_name_error(f"--{name}", name, value)
     if name.startswith("-") and name.lstrip("-") in launch_field_types():
@@ -52,12 +52,15 @@ def _unknown_flag(name: str, value: object) -> ConfigError:
         return ConfigError(name, value, f"unknown setting; settings are named without dashes: "
                            f"{name.lstrip('-')}")
     close = difflib.get_close_matches(name, launch_field_types(), n=1)
-    hint = f"did you mean --{close[0]}?" if close else "see `adaspec config --help`"
+    hint = f"did you mean --{close[0]}?" if close else f"see `adaspec {command} --help`"
+    if not close and command != "config":
+        hint += " (its launch flags are those of `adaspec config --help`)"
     return ConfigError(f"--{name}", value, f"unknown flag; {hint}")
 
 
-def parse_argv(argv: Sequence[str]) -> dict[str, str]:
-    """Split launch tokens into ``{name: raw value}``; every flag needs an explicit value."""
+def parse_argv(argv: Sequence[str], command: str = "config") -> dict[str, str]:
+    """Split launch tokens into ``{name: raw value}``; every flag needs an explicit value.
+    An unknown flag's error points to ``adaspec COMMAND --help``."""
     settings: dict[str, str] = {}
     index = 0
     while index < len(argv):
@@ -75,7 +78,7 @@ def parse_argv(argv: Sequence[str]) -> dict[str, str]:
                 index += 1
         # An unknown or retired name is the more useful error even when its value is missing.
         if name not in launch_field_types():
-            raise _unknown_flag(name, given)
+            raise _unknown_flag(name, given, command)
         if not isinstance(given, str):
             expected = describe_type(launch_field_types()[name])
             raise ConfigError(f"--{name}", MISSING, f"missing value; expected {expected}")

@@ -209,8 +209,12 @@ def _round(data: Any, width: int, dp_size: int, where: str) -> WorkloadRound:
                           f"integer in 1..{MAX_TOKENS_IN_CONTEXT}")
     requests = tuple(_request(r, width, dp_size, f"{where}, requests[{i}]")
                      for i, r in enumerate(data["requests"]))
-    if len({(r.shard, r.id) for r in requests}) != len(requests):
-        raise ConfigError("--workload", where, "request ids repeat within a shard's batch")
+    seen: set[tuple[int, int]] = set()
+    for request in requests:
+        if (request.shard, request.id) in seen:
+            raise ConfigError("--workload", where, f"request id {request.id} appears twice in "
+                              f"shard {request.shard}'s batch")
+        seen.add((request.shard, request.id))
     return WorkloadRound(requests=requests, kv_length=kv)
 
 
