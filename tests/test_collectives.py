@@ -209,6 +209,10 @@ def test_a_collective_over_a_large_world_is_named_by_runs_of_ranks() -> None:
 @pytest.mark.parametrize(("backend_message", "reason"), [
     ("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
      "[127.0.0.1]:4242\nException raised from ...", "Connection closed by peer [127.0.0.1]:4242"),
+    ("[pair.cc:589] Read error [127.0.0.1]:4242: Connection reset by peer. This is typically "
+     "caused by a remote worker crashing. Check the logs of the remote worker before "
+     "reporting an error. GLHF! \U0001f3d6\ufe0f", "Read error [127.0.0.1]:4242: Connection "
+     "reset by peer."),
     ("\n  Wait timeout  \n", "Wait timeout"),
     ("", "RuntimeError"),
     ("x" * 300, "x" * 197 + "..."),

@@ -126,6 +126,8 @@ def backend_reason(error: BaseException) -> str:
     reason = lines[0] if lines else type(error).__name__
     if reason.startswith("[") and "] " in reason:
         reason = reason.split("] ", 1)[1].strip() or reason
+    # gloo's advice to read the remote worker's logs: adaspec names the rank that stopped.
+    reason = reason.split(" This is typically caused by a remote worker", 1)[0]
     if len(reason) > _MAX_REASON:
         reason = reason[: _MAX_REASON - 3] + "..."
     return reason
