@@ -316,6 +316,17 @@ def test_a_checkpoint_adaspec_cannot_load_is_refused_naming_the_flag(tmp_path: P
         load_hf_models(str(tmp_path))
 
 
+def test_a_config_value_transformers_does_not_know_is_named_by_its_key(
+        tmp_path: Path, llama: Family) -> None:
+    shutil.copytree(llama[1], tmp_path, dirs_exist_ok=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "hidden_act": "bogus"}))
+    with pytest.raises(ConfigError) as info:
+        load_hf_models(str(tmp_path))
+    assert str(info.value) == (f"--model={tmp_path}: cannot be loaded: config.json "
+                               "hidden_act='bogus': not a value this transformers knows")
+
+
 def test_a_drafter_of_another_vocabulary_is_refused(tmp_path: Path,
                                                     llama: Family) -> None:
     name, target_dir, _, _ = llama

@@ -411,6 +411,9 @@ def _from_pretrained(path: str, flag: str, dtype: torch.dtype) -> Any:
         loaded: Any = AutoModelForCausalLM.from_pretrained(
             path, local_files_only=True, dtype=dtype, attn_implementation=ATTENTION,
             use_safetensors=True, output_loading_info=True, ignore_mismatched_sizes=True)
+    except KeyError as error:  # transformers looks a config value up: name where it stands
+        raise ConfigError(flag, path, f"cannot be loaded: "
+                          f"{_unknown_config_value(path, error)}") from None
     except Exception as error:  # a damaged file: safetensors, torch and transformers errors
         raise ConfigError(flag, path, f"cannot be loaded: {_reason(error)}") from None
     model, info = loaded  # output_loading_info: the model and transformers' loading report
@@ -820,6 +823,29 @@ def _eos_field(fields: dict[str, Any], name: str, vocab: int, flag: str,
             raise ConfigError(flag, path, f"{name} eos_token_id {token} is outside the "
                               f"vocabulary of {vocab} tokens")
     return set(ids)
+
+
+def _unknown_config_value(path: str, error: KeyError) -> str:
+    """A value transformers found in no table of its own (an activation, a rope type), named
+    by the config.json keys that hold it."""
+    value = error.args[0] if error.args else None
+    try:
+        config = json.loads(Path(path, "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        config = {}
+    keys = [key for key, held in _config_items(config) if held == value]
+    if not keys:
+        return f"KeyError: {_reason(error)}"
+    return (f"config.json {', '.join(f'{key}={value!r}' for key in keys)}: not a value this "
+            "transformers knows")
+
+
+def _config_items(config: object, prefix: str = "") -> Iterator[tuple[str, object]]:
+    if isinstance(config, dict):
+        for key, value in config.items():
+            yield from _config_items(value, f"{prefix}{key}.")
+    else:
+        yield prefix[:-1], config
 
 
 def _reason(error: BaseException) -> str:
