@@ -25,6 +25,7 @@ from adaspec.bench.run import (
     plan_arms,
     run_bench,
     shipped_prompts,
+    timed,
 )
 from adaspec.bench.statistics import (
     ArmEntry,
@@ -521,3 +522,22 @@ def test_the_readme_main_command_prints_the_table() -> None:
     for arm in ("plain", "none", "fixed:1", "fixed:5", "adaptive-verify"):
         assert f"\n{arm} " in out
     assert "greedy outputs: identical in every arm" in out
+
+
+def test_a_request_whose_tokens_all_came_in_one_chunk_has_no_tpot() -> None:
+    """Its client read them late (here: only once the request had ended), so it saw no time
+    between them: that is no TPOT of 0."""
+
+    async def late() -> tuple[int, float | None]:
+        runtime = Runtime(load_config({"speculative_algorithm": "MTP",
+                                       "num_speculative_tokens": 3}))
+        await runtime.start()
+        try:
+            handle = runtime.submit([65, 66, 67], SamplingParams(max_tokens=12, temperature=0))
+            await handle.result()
+            result, tpot = await timed(handle)
+        finally:
+            await runtime.stop()
+        return len(result.token_ids), tpot
+
+    assert asyncio.run(late()) == (12, None)

@@ -66,7 +66,7 @@ from adaspec.runtime.calibration import Progress
 from adaspec.runtime.devices.buckets import BucketGeometry
 from adaspec.runtime.engine import Runtime, RuntimeOptions, builtin_models
 from adaspec.runtime.pipeline import RuntimeStatistics
-from adaspec.runtime.requests import RequestResult
+from adaspec.runtime.requests import RequestHandle, RequestResult
 
 PLAIN = "plain"
 """The arm that runs the target alone in a straight loop, outside the runtime."""
@@ -499,15 +499,24 @@ class RunRecord:
 
 async def timed_request(runtime: Runtime, prompt: Sequence[int], params: SamplingParams
                         ) -> tuple[RequestResult, float | None]:
-    """The request's result and its TPOT (None with fewer than two tokens)."""
-    handle = runtime.submit(list(prompt), params)
+    """The request's result and its TPOT (``timed``)."""
+    return await timed(runtime.submit(list(prompt), params))
+
+
+async def timed(handle: RequestHandle) -> tuple[RequestResult, float | None]:
+    """The result of the request ``handle`` follows, and its TPOT as its client saw it: the
+    time from its first chunk of tokens to its last, per token after the first. None with
+    fewer than two tokens, or all of them in one chunk (a client that read them late saw no
+    time between them, not a TPOT of 0)."""
     first = last = None
+    chunks = 0
     async for _ in handle:
         last = time.perf_counter()
         first = first if first is not None else last
+        chunks += 1
     result = await handle.result()
     count = len(result.token_ids)
-    tpot = (last - first) / (count - 1) if count > 1 and first is not None \
+    tpot = (last - first) / (count - 1) if chunks > 1 and first is not None \
         and last is not None else None
     return result, tpot
 

@@ -128,7 +128,8 @@ def summarise(plan: BenchPlan, records: Sequence[RunRecord]) -> dict[str, Any]:
         "definitions": {
             "acceptance_length": "accepted drafts + 1 per request and round (counts the "
                                  "residual or bonus token)",
-            "tpot_ms": "(last token time - first token time) / (tokens - 1) per request",
+            "tpot_ms": "(last token time - first token time) / (tokens - 1) per request "
+                       "whose tokens came in two chunks or more",
             "tokens_per_cpu_second": "output tokens over the CPU time of this process (every "
                                      "thread: device worker, event loop, torch's own)",
             "position_acceptance": "of the request-rounds that verified position k, the "
