@@ -313,3 +313,47 @@ def test_a_dropped_handler_is_not_called_again_in_that_publish_and_a_fresh_subsc
     bus.unsubscribe(resubscribe)
     bus.publish(stage(1))  # the fresh subscription survived: it runs (and is dropped) again
     assert calls == [stage(0), stage(1)]
+
+
+class _Tap:
+    """A subscriber that compares equal to every other one (as a dataclass with equal
+    fields would), and raises when told to."""
+
+    def __init__(self, raises: bool) -> None:
+        self.raises, self.seen = raises, []  # type: list[Event]
+
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    __hash__ = object.__hash__
+
+    def __call__(self, event: Event) -> None:
+        self.seen.append(event)
+        if self.raises:
+            raise RuntimeError("tap bug")
+
+    def method(self, event: Event) -> None:
+        self.seen.append(event)
+
+
+def test_a_subscriber_that_equals_one_that_raised_stays_subscribed() -> None:
+    bus = EventBus()
+    good, bad = _Tap(raises=False), _Tap(raises=True)
+    bus.subscribe(good)
+    bus.subscribe(bad)
+    bus.publish(stage(0))
+    bus.publish(stage(1))
+    assert good.seen == [stage(0), stage(1)]
+    assert bad.seen == [stage(0)]
+    assert bus.dropped == (bad,)
+    assert bus.dropped[0] is bad
+    bus.unsubscribe(good)  # the very object: found, though ``bad`` also equals it
+    bus.publish(stage(2))
+    assert good.seen == [stage(0), stage(1)]
+    with pytest.raises(ValueError, match="was not subscribed"):
+        bus.unsubscribe(_Tap(raises=False))  # equal, but never subscribed
+    bus.subscribe(good.method)  # a bound method: each ``good.method`` is a new object
+    bus.publish(stage(3))
+    bus.unsubscribe(good.method)
+    bus.publish(stage(4))
+    assert good.seen == [stage(0), stage(1), stage(3)]

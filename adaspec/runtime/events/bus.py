@@ -13,7 +13,8 @@ import functools
 import inspect
 import logging
 import reprlib
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, overload
 
 from adaspec.runtime.events.types import EVENT_TYPES, Event
@@ -77,8 +78,7 @@ class EventBus:
                             "start a task of its own)")
         if not isinstance(first, bool):
             raise TypeError(f"subscribe(first={_shown(first)}): expected True or False")
-        if handler in self._dropped:
-            self._dropped.remove(handler)
+        self._dropped = [h for h in self._dropped if not _same(h, handler)]
         self._handlers = (handler, *self._handlers) if first else (*self._handlers, handler)
 
     def unsubscribe(self, handler: Handler) -> None:
@@ -87,12 +87,13 @@ class EventBus:
         never subscribed (or is already unsubscribed) raises ``ValueError``: unsubscribing
         it twice, or another object than the one subscribed, is the caller's bug."""
         handlers = list(self._handlers)
-        if handler not in handlers:
-            if handler in self._dropped:
+        index = next((i for i, h in enumerate(handlers) if _same(h, handler)), None)
+        if index is None:
+            if _held(self._dropped, handler):
                 return
             raise ValueError(f"unsubscribe({_name(handler)}): that handler was not subscribed "
                              "(unsubscribe the same object that was passed to subscribe)")
-        handlers.remove(handler)
+        del handlers[index]
         self._handlers = tuple(handlers)
 
     @property
@@ -108,7 +109,7 @@ class EventBus:
                             f"(adaspec.runtime.events.types); got {type(event).__name__}")
         dropped: list[Handler] | None = None  # in this publish: not called again for it
         for handler in self._handlers:
-            if dropped is not None and handler in dropped:
+            if dropped is not None and _held(dropped, handler):
                 continue
             try:
                 handler(event)
@@ -119,9 +120,9 @@ class EventBus:
             self._resolve(event)
 
     def _drop(self, handler: Handler, event: Event, error: BaseException) -> None:
-        if handler in self._dropped:  # subscribed twice: already dropped and logged
+        if _held(self._dropped, handler):  # subscribed twice: already dropped and logged
             return
-        self._handlers = tuple(h for h in self._handlers if h != handler)
+        self._handlers = tuple(h for h in self._handlers if not _same(h, handler))
         self._dropped.append(handler)
         name = _name(handler)
         try:
@@ -188,6 +189,23 @@ def _predicate(match: Match) -> Callable[[Event], bool]:
         raise TypeError(f"next({_shown(match)}): expected an event kind (str), an Event "
                         f"subclass or a predicate (a callable); got {type(match).__name__}")
     return match
+
+
+def _same(one: Handler, other: Handler) -> bool:
+    """The same subscriber: the same object, or the same method of the same object (each
+    ``obj.method`` is a new bound method, and so is each ``a_list.append``). Never ``==``,
+    which a handler may define so that another one compares equal to it."""
+    if one is other:
+        return True
+    if isinstance(one, types.MethodType) and isinstance(other, types.MethodType):
+        return one.__func__ is other.__func__ and one.__self__ is other.__self__
+    if isinstance(one, types.BuiltinMethodType) and isinstance(other, types.BuiltinMethodType):
+        return one.__self__ is other.__self__ and one.__name__ == other.__name__
+    return False
+
+
+def _held(handlers: Sequence[Handler], handler: Handler) -> bool:
+    return any(_same(h, handler) for h in handlers)
 
 
 def _name(handler: object) -> str:
