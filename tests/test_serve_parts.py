@@ -934,3 +934,26 @@ async def test_a_transfer_coding_the_server_does_not_apply_is_a_501(
             f"Transfer-Encoding={codings.replace(',c', ', c')}: expected chunked alone (a "
             "compressed body names its coding in Content-Encoding)")
     server.close()
+
+
+class _FullStderr(io.StringIO):
+    """Injected fault: a standard error whose every write fails, as a full disk's does."""
+
+    def write(self, text: str) -> int:
+        raise OSError(28, "No space left on device")
+
+
+@pytest.mark.asyncio
+async def test_a_log_its_stream_cannot_take_drops_lines_not_answers(
+        mtp_runtime: Runtime) -> None:
+    server = CompletionServer(mtp_runtime, ByteTokenizer(), ServeSettings(
+        model_name="m", max_queued_requests=4, temperature_rule=None),
+        json_logger(_FullStderr()))
+    server.state = READY
+    server.log.info("listening")  # what ended the server before anything was served
+    async with TestClient(TestServer(server.app())) as client:
+        answer = await client.post("/v1/completions", json={"model": "m", "prompt": "hi",
+                                                            "max_tokens": 2})
+        assert answer.status == 200
+        assert (await client.post("/v1/completions", json={})).status == 400
+    server.close()

@@ -35,10 +35,32 @@ class ServeFailed(AdaspecError):
     """The runtime stopped under the server (a fault while serving)."""
 
 
-def json_logger(stream: TextIO) -> Any:
+class _LogStream:
+    """The log's stream while it takes lines. One closed, full, or whose reader went away
+    drops them: the server goes on answering (the exit status still says how it ended)."""
+
+    def __init__(self, stream: TextIO | None) -> None:
+        self._stream = stream  # None: started with descriptor 2 closed
+
+    def write(self, text: str) -> None:
+        if self._stream is not None:
+            try:
+                self._stream.write(text)
+            except OSError:
+                self._stream = None
+
+    def flush(self) -> None:
+        if self._stream is not None:
+            try:
+                self._stream.flush()
+            except OSError:
+                self._stream = None
+
+
+def json_logger(stream: TextIO | None) -> Any:
     """One JSON object per line on ``stream``: the lifecycle and one line per request."""
     return structlog.wrap_logger(
-        structlog.PrintLogger(stream),
+        structlog.PrintLogger(_LogStream(stream)),  # type: ignore[arg-type]
         processors=[structlog.processors.add_log_level,
                     structlog.processors.TimeStamper(fmt="iso", utc=True),
                     structlog.processors.format_exc_info,  # a bug's traceback, in its line
