@@ -370,3 +370,60 @@ def test_a_request_ended_at_its_prefill_shows_no_acceptance_length(
     assert run(["generate", "--prompt=hi", "--max_tokens=1", "--temperature=0"]) == 0
     assert capsys.readouterr().out.splitlines()[0] == (
         "[0] no decode round (ended at its prefill), finish length")
+
+
+SIGNALLED_IN_A_FINALIZER = """
+import os, signal, sys
+
+sys.argv = ["adaspec", "config"]
+import adaspec.cli.main
+commands = sys.modules["adaspec.cli.main"].COMMANDS
+config = commands["config"]
+
+class Finalized:  # the fault: a signal while a finalizer runs (an event loop's __del__)
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(1000):  # the handler raises in here, where Python cannot raise
+            pass
+
+def config_then_a_finalizer(argv):
+    status = config(argv)
+    Finalized()  # collected at once
+    return status
+
+commands["config"] = config_then_a_finalizer
+sys.modules["adaspec.cli.main"].main()
+"""
+
+
+def test_a_signal_whose_interrupt_lands_in_a_finalizer_still_stops_the_command() -> None:
+    done = subprocess.run([sys.executable, "-c", SIGNALLED_IN_A_FINALIZER],
+                          capture_output=True, text=True, env=peer_environment(),
+                          timeout=PROCESS_LIMIT_S)
+    assert (done.returncode, done.stderr) == (143, "adaspec config: terminated\n")
+    assert json.loads(done.stdout)["launch"]["settings"]["model"] == "builtin:target"
+
+
+SIGNALLED_AS_THE_CLI_LOADS = """
+import importlib.abc, os, runpy, signal, sys
+
+class Signalling(importlib.abc.MetaPathFinder):  # the fault: SIGTERM as adaspec.cli loads
+    def find_spec(self, name, path, target=None):
+        if name == "adaspec.cli.main":
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(1000):
+                pass
+        return None
+
+sys.meta_path.insert(0, Signalling())
+sys.argv = ["adaspec", "config"]
+runpy.run_module("adaspec", run_name="__main__")
+"""
+
+
+def test_sigterm_while_the_command_line_loads_is_one_line() -> None:
+    done = subprocess.run([sys.executable, "-c", SIGNALLED_AS_THE_CLI_LOADS],
+                          capture_output=True, text=True, env=peer_environment(),
+                          timeout=PROCESS_LIMIT_S)
+    assert (done.returncode, done.stdout, done.stderr) == (143, "", "adaspec: terminated\n")

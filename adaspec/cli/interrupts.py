@@ -39,8 +39,22 @@ def install(command: str) -> None:
     _Stop.command = command
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, _on_signal)
-    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+    if signal.getsignal(signal.SIGTERM) != signal.SIG_IGN:  # default, or ``__main__``'s own
         signal.signal(signal.SIGTERM, _on_signal)
+    sys.unraisablehook = _unraisable
+
+
+def came() -> bool:
+    """Whether a signal came (its interrupt may have been swallowed where it landed)."""
+    return _Stop.first is not None
+
+
+def _unraisable(unraisable: Any) -> None:
+    """The interrupt of a signal that landed where Python cannot raise it (a finalizer such
+    as an event loop's ``__del__``) is no error to print: the command says how it stopped."""
+    if isinstance(unraisable.exc_value, KeyboardInterrupt) and _Stop.first is not None:
+        return
+    sys.__unraisablehook__(unraisable)
 
 
 def status() -> int:

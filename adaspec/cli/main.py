@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TextIO, cast
 
 from adaspec import __version__
-from adaspec.cli.interrupts import held, install, say, status, stopped_line
+from adaspec.cli.interrupts import came, held, install, say, status, stopped_line
 from adaspec.errors import AdaspecError, show_value
 
 USAGE = """usage: adaspec COMMAND [FLAGS]
@@ -100,8 +100,14 @@ _process_exits_at_interrupt = False
 ``run`` inside another program leaves that program's signal handling alone)."""
 
 
+_said_stopped = False
+"""Set once ``_interrupted`` said how the command stopped."""
+
+
 def _interrupted(command: str) -> int:
     """Say how ``command`` was stopped; returns its exit status."""
+    global _said_stopped
+    _said_stopped = True
     code = status()
     if _process_exits_at_interrupt:
         _exit_at_interrupt(code)
@@ -186,6 +192,8 @@ def main() -> None:
     atexit.register(_ignore_signals_at_teardown)
     try:
         status = run_to_stdout(argv)
+        if came() and not _said_stopped:  # its interrupt was swallowed where it landed
+            status = _interrupted(_command(argv))
         # All is said; a signal while the interpreter winds down (its threads, torch's
         # teardown) only hurries the exit, with the status already decided.
         _exit_at_interrupt(status)
