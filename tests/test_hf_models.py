@@ -325,6 +325,12 @@ def test_a_config_value_transformers_does_not_know_is_named_by_its_key(
         load_hf_models(str(tmp_path))
     assert str(info.value) == (f"--model={tmp_path}: cannot be loaded: config.json "
                                "hidden_act='bogus': not a value this transformers knows")
+    long = "x" * 5000
+    (tmp_path / "config.json").write_text(json.dumps({**config, "hidden_act": long}))
+    with pytest.raises(ConfigError) as info:
+        load_hf_models(str(tmp_path))
+    assert str(info.value).endswith(f"hidden_act='{'x' * 37}...': not a value this "
+                                    "transformers knows")
 
 
 def test_a_drafter_of_another_vocabulary_is_refused(tmp_path: Path,

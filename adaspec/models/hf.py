@@ -834,10 +834,11 @@ def _unknown_config_value(path: str, error: KeyError) -> str:
     except (OSError, ValueError):
         config = {}
     keys = [key for key, held in _config_items(config) if held == value]
-    if not keys:
+    if not isinstance(value, str) or not value or not keys:  # nothing that names one key
         return f"KeyError: {_reason(error)}"
-    return (f"config.json {', '.join(f'{key}={value!r}' for key in keys)}: not a value this "
-            "transformers knows")
+    shown = value if len(value) <= 40 else value[:37] + "..."
+    return _reason(ValueError(f"config.json {', '.join(keys)}={shown!r}: not a value this "
+                              "transformers knows"))
 
 
 def _config_items(config: object, prefix: str = "") -> Iterator[tuple[str, object]]:
