@@ -427,3 +427,29 @@ def test_sigterm_while_the_command_line_loads_is_one_line() -> None:
                           capture_output=True, text=True, env=peer_environment(),
                           timeout=PROCESS_LIMIT_S)
     assert (done.returncode, done.stdout, done.stderr) == (143, "", "adaspec: terminated\n")
+
+
+SIGNALLED_TWICE_AS_THE_CLI_LOADS = """
+import importlib.abc, os, runpy, signal, sys
+
+class Signalling(importlib.abc.MetaPathFinder):  # the fault: two signals as adaspec.cli loads
+    def find_spec(self, name, path, target=None):
+        if name == "adaspec.cli.main":
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):
+                pass
+        return None
+
+sys.meta_path.insert(0, Signalling())
+sys.argv = ["adaspec", "config"]
+runpy.run_module("adaspec", run_name="__main__")
+"""
+
+
+def test_two_signals_while_the_command_line_loads_end_it_with_the_first_ones_status() -> None:
+    done = subprocess.run([sys.executable, "-c", SIGNALLED_TWICE_AS_THE_CLI_LOADS],
+                          capture_output=True, text=True, env=peer_environment(),
+                          timeout=PROCESS_LIMIT_S)
+    assert (done.returncode, done.stdout, done.stderr) == (143, "", "adaspec: terminated\n")

@@ -357,3 +357,6 @@ def test_a_subscriber_that_equals_one_that_raised_stays_subscribed() -> None:
     bus.unsubscribe(good.method)
     bus.publish(stage(4))
     assert good.seen == [stage(0), stage(1), stage(3)]
+    held: list[Event] = []
+    bus.subscribe(held.__contains__)  # a method-wrapper: a new object at each lookup too
+    bus.unsubscribe(held.__contains__)

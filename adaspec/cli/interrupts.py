@@ -37,10 +37,9 @@ def install(command: str) -> None:
     """Take SIGINT and SIGTERM for ``command`` (the ``adaspec`` process only; a signal the
     process inherited ignored stays ignored)."""
     _Stop.command = command
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.signal(signal.SIGINT, _on_signal)
-    if signal.getsignal(signal.SIGTERM) != signal.SIG_IGN:  # default, or ``__main__``'s own
-        signal.signal(signal.SIGTERM, _on_signal)
+    for number in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(number) != signal.SIG_IGN:  # Python's, or ``__main__``'s own
+            signal.signal(number, _on_signal)
     sys.unraisablehook = _unraisable
 
 

@@ -25,7 +25,16 @@ from collections.abc import Callable, Sequence
 from typing import Any, TextIO, cast
 
 from adaspec import __version__
-from adaspec.cli.interrupts import came, held, install, say, status, stopped_line
+from adaspec.cli.interrupts import (
+    INTERRUPTED,
+    TERMINATED,
+    came,
+    held,
+    install,
+    say,
+    status,
+    stopped_line,
+)
 from adaspec.errors import AdaspecError, show_value
 
 USAGE = """usage: adaspec COMMAND [FLAGS]
@@ -230,7 +239,10 @@ def _exit(status: int) -> None:
     answered, a backend still connecting) may return there while the interpreter tears down,
     and the C++ runtime then aborts the process (status 134): with one alive, the command's
     output is flushed and the process ends without that teardown."""
-    if not any(t.daemon and t.is_alive() for t in threading.enumerate()):
+    # A command a signal stopped ends here too: Python itself would end one whose interrupt
+    # passed through an import by SIGINT, whatever status it exits with.
+    stopped = status in (INTERRUPTED, TERMINATED) and came()
+    if not stopped and not any(t.daemon and t.is_alive() for t in threading.enumerate()):
         sys.exit(status)
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):

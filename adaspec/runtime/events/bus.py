@@ -199,8 +199,10 @@ def _same(one: Handler, other: Handler) -> bool:
         return True
     if isinstance(one, types.MethodType) and isinstance(other, types.MethodType):
         return one.__func__ is other.__func__ and one.__self__ is other.__self__
-    if isinstance(one, types.BuiltinMethodType) and isinstance(other, types.BuiltinMethodType):
-        return one.__self__ is other.__self__ and one.__name__ == other.__name__
+    for kind in (types.BuiltinMethodType, types.MethodWrapperType):  # ``a_list.append``
+        if isinstance(one, kind) and isinstance(other, kind):
+            owner = one.__self__
+            return owner is not None and owner is other.__self__ and one.__name__ == other.__name__
     return False
 
 
