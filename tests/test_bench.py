@@ -541,3 +541,10 @@ def test_a_request_whose_tokens_all_came_in_one_chunk_has_no_tpot() -> None:
         return len(result.token_ids), tpot
 
     assert asyncio.run(late()) == (12, None)
+
+
+def test_a_figure_not_measured_keeps_its_column() -> None:
+    from adaspec.cli.bench import _fmt
+
+    assert [_fmt(None, "8.2f"), _fmt(4.375, "8.2f"), _fmt(None, ".2f")] == [
+        "       -", "    4.38", "-"]

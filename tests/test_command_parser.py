@@ -186,8 +186,10 @@ def test_a_flag_given_twice_is_refused(argv: list[str], message: str,
     (["states", "diagram"], "argument=diagram: expected a flag: --diagram"),
     # Commands that take launch flags hand them to the launch parser, which refuses them.
     (["generate", "--prompt=x", "--max_tokens=4", "--temperature=0", "--zzz=1"],
-     "--zzz=1: unknown flag; see `adaspec config --help`"),
-    (["calibrate", "--zzz=1"], "--zzz=1: unknown flag; see `adaspec config --help`"),
+     "--zzz=1: unknown flag; see `adaspec generate --help` (its launch flags are those of "
+     "`adaspec config --help`)"),
+    (["calibrate", "--zzz=1"], "--zzz=1: unknown flag; see `adaspec calibrate --help` (its "
+     "launch flags are those of `adaspec config --help`)"),
     (["config", "--rules", "--dp_size", "2"],
      "--rules: expected no launch flag with it, got --dp_size=2"),
 ])

@@ -17,6 +17,7 @@ import functools
 import json
 import os
 import platform
+import re
 import sys
 import tempfile
 import time
@@ -596,7 +597,11 @@ def _load() -> float | None:
 
 
 def _fmt(value: Any, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
+    """``value`` as ``spec`` has it, or ``-`` at the same width (the columns stay aligned)."""
+    if value is None:
+        width = re.match(r"\d*", spec)
+        return "-".rjust(int(width.group()) if width and width.group() else 1)
+    return format(value, spec)
 
 
 def spread_of(entry: dict[str, Any]) -> float:
