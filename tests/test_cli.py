@@ -407,11 +407,14 @@ def test_a_signal_whose_interrupt_lands_in_a_finalizer_still_stops_the_command()
 SIGNALLED_AS_THE_CLI_LOADS = """
 import importlib.abc, os, runpy, signal, sys
 
-class Signalling(importlib.abc.MetaPathFinder):  # the fault: SIGTERM as adaspec.cli loads
+SIGNALS = [getattr(signal, name) for name in sys.argv[1:]]
+
+class Signalling(importlib.abc.MetaPathFinder):  # the fault: signals as adaspec.cli loads
     def find_spec(self, name, path, target=None):
         if name == "adaspec.cli.main":
             sys.meta_path.remove(self)
-            os.kill(os.getpid(), signal.SIGTERM)
+            for number in SIGNALS:
+                os.kill(os.getpid(), number)
             for _ in range(1000):
                 pass
         return None
@@ -422,34 +425,10 @@ runpy.run_module("adaspec", run_name="__main__")
 """
 
 
-def test_sigterm_while_the_command_line_loads_is_one_line() -> None:
-    done = subprocess.run([sys.executable, "-c", SIGNALLED_AS_THE_CLI_LOADS],
-                          capture_output=True, text=True, env=peer_environment(),
-                          timeout=PROCESS_LIMIT_S)
-    assert (done.returncode, done.stdout, done.stderr) == (143, "", "adaspec: terminated\n")
-
-
-SIGNALLED_TWICE_AS_THE_CLI_LOADS = """
-import importlib.abc, os, runpy, signal, sys
-
-class Signalling(importlib.abc.MetaPathFinder):  # the fault: two signals as adaspec.cli loads
-    def find_spec(self, name, path, target=None):
-        if name == "adaspec.cli.main":
-            sys.meta_path.remove(self)
-            os.kill(os.getpid(), signal.SIGTERM)
-            os.kill(os.getpid(), signal.SIGINT)
-            for _ in range(1000):
-                pass
-        return None
-
-sys.meta_path.insert(0, Signalling())
-sys.argv = ["adaspec", "config"]
-runpy.run_module("adaspec", run_name="__main__")
-"""
-
-
-def test_two_signals_while_the_command_line_loads_end_it_with_the_first_ones_status() -> None:
-    done = subprocess.run([sys.executable, "-c", SIGNALLED_TWICE_AS_THE_CLI_LOADS],
+@pytest.mark.parametrize("signals", [["SIGTERM"], ["SIGTERM", "SIGINT"]])
+def test_sigterm_while_the_command_line_loads_is_one_line(signals: list[str]) -> None:
+    # Two signals: the first one decides the status, the second ends the process at once.
+    done = subprocess.run([sys.executable, "-c", SIGNALLED_AS_THE_CLI_LOADS, *signals],
                           capture_output=True, text=True, env=peer_environment(),
                           timeout=PROCESS_LIMIT_S)
     assert (done.returncode, done.stdout, done.stderr) == (143, "", "adaspec: terminated\n")
