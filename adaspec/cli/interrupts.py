@@ -26,7 +26,6 @@ TERMINATED = 143
 
 class _Stop:
     first: int | None = None  # the number of the first signal, once one came
-    closing = False  # ``run`` closes its loop: a signal is noted, raised once it is closed
     held = False  # inside ``held``: a signal is noted, raised as it ends
     main: "asyncio.Task[Any] | None" = None  # the task ``run`` runs, while it runs
     loop: asyncio.AbstractEventLoop | None = None
@@ -72,7 +71,7 @@ def taken_by_adaspec(number: int) -> bool:
 def _on_signal(number: int, frame: Any) -> None:
     _end_at_a_second(number)
     _Stop.first = number
-    if _Stop.closing or _Stop.held:  # raised here, it could land where it is swallowed
+    if _Stop.held:  # raised here, it could land where it is swallowed
         return
     main, loop = _Stop.main, _Stop.loop
     if main is None or main.done() or loop is None:
@@ -138,13 +137,10 @@ def run(coroutine: Coroutine[Any, Any, T]) -> T:
         if _Stop.first is None:
             raise
     finally:
-        _Stop.closing = True
-        try:
-            _Stop.main = _Stop.loop = None
+        _Stop.main = _Stop.loop = None
+        with held():  # raised while the loop closes, it could land in a finalizer
             runner.close()
             coroutine.close()  # never awaited when a signal came first: no warning
-        finally:
-            _Stop.closing = False
     if _Stop.first is not None:  # stopped, or it ended as it was being stopped
         raise KeyboardInterrupt
     return result
