@@ -353,6 +353,8 @@ def test_a_loop_started_after_a_swallowed_interrupt_runs_nothing() -> None:
     (["--help", "bogus"], "adaspec --help: error: argument=bogus: expected one command name "
      "after --help: config, models, generate, serve, calibrate, bench, simulate, states, "
      "replay"),
+    (["-h", "bogus", "bench"], "adaspec -h: error: argument=bogus: expected one command name "
+     "after -h: config, models, generate, serve, calibrate, bench, simulate, states, replay"),
 ])
 def test_a_refusal_names_what_the_user_gave(argv: list[str], line: str,
                                             capsys: pytest.CaptureFixture[str]) -> None:

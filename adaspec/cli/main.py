@@ -74,7 +74,7 @@ COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
 def run(argv: Sequence[str]) -> int:
     """Dispatch one command line; returns the exit status."""
     if argv and argv[0] in ("-h", "--help") and len(argv) > 1:  # adaspec --help COMMAND
-        wrong = next((arg for arg in argv[2:]), None if argv[1] in COMMANDS else argv[1])
+        wrong = argv[1] if argv[1] not in COMMANDS else next(iter(argv[2:]), None)
         if wrong is not None:
             _say(f"adaspec {argv[0]}: error: argument={show_value(wrong)}: expected one "
                  f"command name after {argv[0]}: {', '.join(COMMANDS)}")
