@@ -260,6 +260,34 @@ def test_a_stop_during_a_start_abandons_it_and_no_request_is_left_waiting(
     asyncio.run(race())
 
 
+def test_a_stop_while_the_bindings_are_prepared_waits_for_one_binding_not_all(
+        models: ReferenceModels, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before, every (Bcap, G) binding of a slot was prepared in one work item: a signal to
+    # bench or serve during the start took effect 5 to 24 s later on a loaded 2-core machine.
+    from adaspec.runtime.devices.buckets import BindingRegistry
+
+    runtime = Runtime(config("DSpark", 5, 16, enable_adaptive_target_verify=True),
+                      models=models)
+    prepared: list[tuple[int, int]] = []
+    prepare = BindingRegistry.prepare
+
+    def prepare_then_stop(registry: BindingRegistry, pairs: Any) -> None:  # the fault
+        pairs = list(pairs)
+        prepare(registry, pairs)
+        prepared.extend(pairs)
+        if len(prepared) == len(pairs):  # the first work item: ask for a stop after it
+            asyncio.get_running_loop().call_soon(asyncio.ensure_future, runtime.stop())
+
+    monkeypatch.setattr(BindingRegistry, "prepare", prepare_then_stop)
+
+    async def run() -> None:
+        with pytest.raises(RuntimeStopped, match="^stop\\(\\) was called while"):
+            await asyncio.wait_for(runtime.start(), HANG)
+
+    asyncio.run(run())
+    assert len(prepared) <= 2  # the one in hand, and one begun before the stop ran
+
+
 def test_a_stop_during_calibration_leaves_no_task_pending_and_a_restart_decodes_exactly(
         models: ReferenceModels, target_only: list[tuple[int, ...]], tmp_path: Any) -> None:
     # Before, a stop that closed the stream as the calibration pipeline admitted requests

@@ -59,7 +59,7 @@ from adaspec.runtime.calibration import (
     calibrate_on_stream,
     cost_source,
 )
-from adaspec.runtime.devices.buckets import BindingRegistry, BucketGeometry
+from adaspec.runtime.devices.buckets import BindingRegistry, BucketGeometry, preparation_order
 from adaspec.runtime.devices.collectives import (
     Collectives,
     DistributedCollectives,
@@ -767,8 +767,12 @@ class Runtime:
                 else SplitBindings(ctx, width, launch.device, slot, varying_depth)
             registry = BindingRegistry(geometry, make, slot=slot)
             try:
-                await self._stream.enqueue(functools.partial(registry.prepare, pairs))
-            except AdaspecError:
+                # One binding per work item, the stop checked between them: a signal during
+                # the start waits for the binding in hand, not for every bucket's.
+                for pair in preparation_order(pairs):
+                    self._abandoned()
+                    await self._stream.enqueue(functools.partial(registry.prepare, (pair,)))
+            except (AdaspecError, RuntimeStopped):
                 raise
             except Exception as error:  # the model's own failure, named in one line
                 what = getattr(make, "preparing", "a round")  # split: the part it was on

@@ -99,6 +99,12 @@ class BindingChoice:
     binding: Binding = field(repr=False, compare=False)
 
 
+def preparation_order(pairs: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(Bcap, G) pairs the largest G first: graphs sharing a memory pool are best captured in
+    decreasing size."""
+    return sorted(pairs, key=lambda pair: (-pair[1], -pair[0]))
+
+
 class BindingRegistry:
     """Prepared bindings of one pipeline slot; filled at startup, then sealed.
 
@@ -114,12 +120,11 @@ class BindingRegistry:
         self._sealed = False
 
     def prepare(self, pairs: Iterable[tuple[int, int]]) -> None:
-        """Build (capture or prewarm) the binding of every (Bcap, G) not prepared yet, the
-        largest G first."""
+        """Build (capture or prewarm) the binding of every (Bcap, G) not prepared yet, in
+        ``preparation_order``."""
         if self._sealed:
             raise RuntimeError("bindings are prepared at startup only; this registry is sealed")
-        # Largest first: graphs sharing a memory pool are best captured in decreasing size.
-        for num_reqs, num_rows in sorted(pairs, key=lambda pair: (-pair[1], -pair[0])):
+        for num_reqs, num_rows in preparation_order(pairs):
             if num_rows not in self.geometry.legal_rows(num_reqs):
                 raise ValueError(f"(Bcap={num_reqs}, G={num_rows}) is not a legal prepared "
                                  f"shape for width {self.geometry.width}")
