@@ -3,6 +3,7 @@ line on stderr (no traceback) when not."""
 
 import functools
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -92,6 +93,32 @@ def test_version_refuses_extra_arguments(extra: str,
     assert captured.out == ""
     assert captured.err == (f"adaspec --version: error: argument={extra}: expected nothing "
                             "after --version\n")
+
+
+@pytest.mark.parametrize(("variable", "value", "expected"), [
+    ("ADASPEC_CPU_THREADS", "0", "expected an integer in 1..1024"),
+    ("ADASPEC_CPU_STREAM", "gpu", "expected loop (device work on the event loop's thread) or "
+                                  "worker"),
+    ("ADASPEC_TRACE", "{existing}", "expected a file that does not exist yet"),
+])
+def test_config_refuses_an_environment_variable_the_start_would_refuse(
+        variable: str, value: str, expected: str, tmp_path: Path) -> None:
+    # Before, config passed them and every command that starts a runtime refused them.
+    existing = tmp_path / "trace.jsonl"
+    existing.write_text("")
+    value = value.format(existing=existing)
+    done = subprocess.run([sys.executable, "-m", "adaspec", "config"], capture_output=True,
+                          text=True, check=False, timeout=120,
+                          env={**os.environ, variable: value})
+    lines = done.stderr.splitlines()
+    assert (done.returncode, done.stdout, len(lines)) == (2, "", 1), done.stderr
+    assert lines[0].startswith(f"adaspec config: error: {variable}={value}: {expected}")
+    # The cpu stream's settings are read on --device=cpu only.
+    if variable != "ADASPEC_TRACE":
+        other = subprocess.run([sys.executable, "-m", "adaspec", "config", "--device=cuda"],
+                               capture_output=True, text=True, check=False, timeout=120,
+                               env={**os.environ, variable: value})
+        assert (other.returncode, other.stderr) == (0, "")
 
 
 def test_installed_console_script_runs_config() -> None:

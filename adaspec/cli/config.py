@@ -13,6 +13,7 @@ from adaspec.config.builtin import (
     check_checkpoint_folders,
     check_checkpoint_launch,
 )
+from adaspec.config.environment import check_environment
 from adaspec.config.flags import field_docs, parse_argv
 from adaspec.config.launch import launch_field_types, metavar
 from adaspec.config.rules import CROSS_CHECKS
@@ -22,7 +23,8 @@ CONFIG = CommandFlags(
     command="config",
     usage="[--name=value | --name value] ... | --rules",
     about="Checks the launch line (flags, combination rules, JSON files it names) without "
-          "starting anything, then prints every effective setting and its source as JSON. Exit "
+          "starting anything (the ADASPEC_* environment variables too), then prints every "
+          "effective setting and its source as JSON. Exit "
           "0 when valid; exit 2 with one line on stderr when not.",
     flags={"rules": Flag(help="list the combination rules it enforces instead (no launch "
                               "flags with it)")},
@@ -67,6 +69,7 @@ def run(argv: Sequence[str]) -> int:
     check_builtin_limits(effective.launch)
     check_checkpoint_launch(effective.launch)
     check_checkpoint_folders(effective.launch)
+    check_environment(effective.launch)  # the ADASPEC_* variables the start reads
     # The saved table's contents and the fields the launch fixes; the model identities and
     # the captured geometry are compared when the runtime starts. Imported here: it loads
     # scipy, which would make every command start slower (and longer to interrupt cleanly).

@@ -31,6 +31,7 @@ from adaspec.cli.flags import (
     sampling_flag,
 )
 from adaspec.config import SamplingParams, load_config
+from adaspec.config.environment import STDERR
 from adaspec.config.flags import coerce
 from adaspec.config.launch import LaunchConfig
 from adaspec.config.paths import new_file, read_regular
@@ -49,7 +50,6 @@ from adaspec.models.launch import checkpoint_models, command_tokenizer
 from adaspec.models.tokenizer import Tokenizer, completion_text
 from adaspec.runtime.engine import EVENT_LOG_NOT_A_STREAM, Runtime, RuntimeOptions, rank_device
 from adaspec.runtime.requests import RequestHandle, RequestResult
-from adaspec.runtime.trace import STDERR
 
 GENERATE = CommandFlags(
     command="generate",

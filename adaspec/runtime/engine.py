@@ -24,6 +24,7 @@ import torch
 
 from adaspec.availability import require_device
 from adaspec.config.effective import EffectiveConfig
+from adaspec.config.environment import STDERR, TRACE_ENV, rank_file, trace_destination
 from adaspec.config.launch import (
     PER_RANK_SETTINGS,
     LaunchConfig,
@@ -83,11 +84,8 @@ from adaspec.runtime.requests import Request, RequestHandle, check_prompt, promp
 from adaspec.runtime.rounds import CheckedDrafter, DeviceContext, Lockstep, StageHook
 from adaspec.runtime.split import SplitBindings
 from adaspec.runtime.states import RoundHooks
-from adaspec.runtime.trace import STDERR, StateTrace, trace_destination
+from adaspec.runtime.trace import StateTrace
 from adaspec.runtime.unified import round_binding_factory
-
-TRACE_ENV = "ADASPEC_TRACE"
-"""Environment variable naming a state-trace file when ``RuntimeOptions.trace`` is unset."""
 
 LOG = logging.getLogger("adaspec")
 
@@ -641,10 +639,7 @@ class Runtime:
     def _rank_file(self, path: str) -> str:
         """With several ranks on one launch line, each writes its own file: ``run.jsonl``
         becomes ``run.rank1.jsonl`` on rank 1."""
-        if self.launch.world_size == 1 or path == STDERR:
-            return path
-        root, suffix = os.path.splitext(path)
-        return f"{root}.rank{self.rank}{suffix}"
+        return rank_file(path, self.launch.world_size, self.rank)
 
     async def serve(self) -> None:
         """A rank other than the front: decode the front's requests until the front stops,

@@ -14,6 +14,7 @@ from typing import Any, TextIO, cast
 
 import structlog
 
+from adaspec.config.environment import STDERR, trace_destination  # noqa: F401  # re-exported
 from adaspec.errors import ConfigError, OutputWriteError
 from adaspec.runtime.events.clock import Clock
 from adaspec.runtime.events.outputs import ObserverFile, reason
@@ -26,22 +27,6 @@ from adaspec.runtime.events.types import (
 from adaspec.runtime.states import RoundMachine, RoundState
 
 EventDict = MutableMapping[str, Any]
-
-STDERR = "-"
-"""The trace path that means standard error."""
-
-_SWITCHES = {"1": STDERR, "true": STDERR, "yes": STDERR, "on": STDERR,
-             "0": None, "false": None, "no": None, "off": None, "": None}
-
-
-def trace_destination(value: str | None) -> str | None:
-    """Where the ``ADASPEC_TRACE`` environment variable sends the trace: None (off) for
-    unset, empty, 0, false, no or off; standard error (``-``) for 1, true, yes or on, which
-    read as switches rather than file names; any other value is a file path."""
-    if value is None:
-        return None
-    return _SWITCHES.get(value.strip().lower(), value)
-
 
 class StateTrace:
     """Receives round transitions (a ``RoundHooks`` hook) and the decision events (a bus

@@ -42,7 +42,15 @@ from typing import Any, Generic, Protocol, TypeVar
 import torch
 
 from adaspec.availability import require_device
-from adaspec.errors import ConfigError, StreamClosed
+from adaspec.config.environment import (  # noqa: F401  # re-exported: the stream's settings
+    CPU_STREAM_ENV,
+    CPU_STREAMS,
+    CPU_THREADS_ENV,
+    MAX_CPU_THREADS,
+    checked_threads,
+    cpu_stream_kind,
+)
+from adaspec.errors import StreamClosed
 
 T = TypeVar("T")
 
@@ -103,26 +111,6 @@ class _Item:
     on_done: OnDone | None = None
 
 
-CPU_THREADS_ENV = "ADASPEC_CPU_THREADS"
-"""Environment variable that sets the cpu stream's torch intra-op threads (``cpu_threads``)."""
-
-CPU_STREAM_ENV = "ADASPEC_CPU_STREAM"
-"""Environment variable that picks the cpu stream: ``loop`` (default) or ``worker``."""
-
-CPU_STREAMS = ("loop", "worker")
-
-MAX_CPU_THREADS = 1024
-
-
-def cpu_stream_kind(environ: Mapping[str, str] | None = None) -> str:
-    """``ADASPEC_CPU_STREAM`` (``loop`` when unset), or ``ConfigError`` naming the variable."""
-    raw = (os.environ if environ is None else environ).get(CPU_STREAM_ENV, "loop")
-    if raw.strip() not in CPU_STREAMS:
-        raise ConfigError(CPU_STREAM_ENV, raw, "expected loop (device work on the event "
-                          "loop's thread) or worker (on a thread of its own)")
-    return raw.strip()
-
-
 def cpu_threads(environ: Mapping[str, str] | None = None, stream: str | None = None) -> int:
     """Intra-op threads of the cpu stream: ``ADASPEC_CPU_THREADS`` when set; else, for the
     loop stream, the count torch already uses on the calling thread (by default one per
@@ -139,18 +127,6 @@ def cpu_threads(environ: Mapping[str, str] | None = None, stream: str | None = N
     if (stream or kind) == "worker":
         return max(1, available_cores() - 1)
     return torch.get_num_threads()
-
-
-def checked_threads(setting: str, raw: object) -> int:
-    """``raw`` as a thread count in 1..``MAX_CPU_THREADS``, or ``ConfigError`` naming
-    ``setting``."""
-    text = str(raw).strip()
-    # The length test comes first: int() refuses strings of thousands of digits itself.
-    if isinstance(raw, bool) or not (text.isascii() and text.isdigit()) or len(text) > 8 \
-            or not 1 <= int(text) <= MAX_CPU_THREADS:
-        raise ConfigError(setting, raw, f"expected an integer in 1..{MAX_CPU_THREADS} (torch "
-                          "intra-op threads of the cpu stream)")
-    return int(text)
 
 
 def share_cores(local_ranks: int) -> int | None:
