@@ -552,10 +552,12 @@ def test_a_file_of_neither_format_names_the_workload_flag_and_both_formats(
         'workload, docs/workload.md) or "adaspec-event-log" (an event log)\n')
 
 
-def test_adaptive_depth_simulates_a_recorded_run_with_the_settings_it_recorded(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Before, the defaults (20, 5, 0.05) ran in the recorded policy's place, unsaid."""
-    settings = {"window_size": 2, "update_interval": 1, "switch_min_gain": 0.0}
+DEPTH_SETTINGS = {"window_size": 2, "update_interval": 1, "switch_min_gain": 0.0}
+
+
+def adaptive_depth_log(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Path:
+    """The event log of an adaptive-depth run with ``DEPTH_SETTINGS``."""
+    settings = DEPTH_SETTINGS
     steps = tmp_path / "steps.json"
     steps.write_text(json.dumps({"version": 1, "policy": settings, "calibration": {
         "request_buckets": [1, 2], "contexts": [
@@ -567,13 +569,45 @@ def test_adaptive_depth_simulates_a_recorded_run_with_the_settings_it_recorded(
                     "--max_seqs_per_batch=2", "--prompt=ROMEO.", "--prompt=The king",
                     "--max_tokens=24", "--temperature=0", f"--event_log={log}"]) == 0
     capsys.readouterr()
+    return log
+
+
+def test_adaptive_depth_simulates_a_recorded_run_with_the_settings_it_recorded(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before, the defaults (20, 5, 0.05) ran in the recorded policy's place, unsaid."""
+    settings = DEPTH_SETTINGS
+    log = adaptive_depth_log(tmp_path, capsys)
     assert cli.run(["simulate", "--workload", str(log), "--policy=adaptive-depth",
                     "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["adaptive_depth_settings"] == {**settings, "from": "the event log's header"}
+    assert report["recorded_policies_not_the_launchs"] == []
     assert cli.run(["simulate", "--workload", str(log), "--policy=adaptive-depth"]) == 0
     assert "adaptive-depth settings: window_size=2, update_interval=1, switch_min_gain=0.0 " \
            "(from the event log's header)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("recorded", ["zzz", "fixed"])
+def test_a_recorded_depth_policy_the_config_does_not_make_is_noted_and_its_settings_named(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], recorded: str) -> None:
+    """An embedder's own depth policy (or an edited header): before, simulate ran adaptive
+    depth at the defaults although the header's config holds the run's settings, and said
+    nothing of the policy replay refuses to rebuild."""
+    log = adaptive_depth_log(tmp_path, capsys)
+    header, rest = log.read_text().split("\n", 1)
+    edited = json.loads(header)
+    edited["policies"]["depth"] = {"name": recorded, "settings": {}}
+    log.write_text(json.dumps(edited) + "\n" + rest)
+    assert cli.run(["simulate", "--workload", str(log), "--policy=adaptive-depth",
+                    "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["recorded_policies_not_the_launchs"] == ["depth"]
+    assert report["adaptive_depth_settings"] == {
+        **DEPTH_SETTINGS, "from": f"the event log's header config; the recorded depth policy "
+                                  f"is {recorded}"}
+    assert cli.run(["simulate", "--workload", str(log), "--policy=adaptive-depth"]) == 0
+    assert "note: the recorded depth policy is not the one the header's config makes; an " \
+           "embedder's own (RuntimeOptions) or an edited header" in capsys.readouterr().out
 
 
 def test_recorded_adaptive_depth_settings_must_name_every_setting() -> None:

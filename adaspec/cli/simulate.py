@@ -69,10 +69,13 @@ def run(argv: Sequence[str]) -> int:
     settings = None if run is None else run.depth_settings
     results = [simulate(spec, workload, costs, table or "log", settings) for spec in policies]
     report = _report(workload, costs, results)
+    if run is not None:  # a policy the header records but its config does not make
+        report["recorded_policies_not_the_launchs"] = list(run.not_the_launchs)
     if "adaptive-depth" in policies:  # which settings it ran with: the log's, or defaults
         report["adaptive_depth_settings"] = {
             **DraftStepPolicyConfig(**settings or {}).as_dict(),
-            "from": "the event log's header" if settings is not None else "the defaults"}
+            "from": "the defaults" if run is None or settings is None
+            else run.depth_settings_from}
     if "json" in args:
         print(json.dumps(report, indent=2))
     else:
@@ -288,6 +291,11 @@ def _table(report: dict[str, Any]) -> str:
                      f"table's intervals ({report['kv_intervals']}); "
                      f"{'its' if outside == 1 else 'their'} time is predicted from the "
                      "nearest interval")
+    roles = report.get("recorded_policies_not_the_launchs")
+    if roles:
+        from adaspec.runtime.events.replay import not_the_launchs_note
+
+        lines += map(not_the_launchs_note, roles)
     depth = report.get("adaptive_depth_settings")
     if depth is not None:
         values = ", ".join(f"{key}={value}" for key, value in depth.items() if key != "from")

@@ -154,9 +154,7 @@ class ReplayReport:
         lines = [f"replayed {self.num_decisions} decisions of {self.num_rounds} rounds with "
                  f"{self.num_observed} retired rounds observed ({role} policies: depth "
                  f"{_policy_text(self.depth_policy)}, budget {_policy_text(self.budget_policy)})"]
-        for which in self.not_the_launchs:
-            lines.append(f"note: the recorded {which} policy is not the one the header's config "
-                         "makes; an embedder's own (RuntimeOptions) or an edited header")
+        lines += map(not_the_launchs_note, self.not_the_launchs)
         if self.num_decisions == 0:
             lines.append("no decision to check: the log records no round (its requests, if "
                          "any, ended at their prefill)")
@@ -176,6 +174,13 @@ class ReplayReport:
             lines.append(f"LAG VIOLATED by {self.num_lag_violations} decision{plural}; first: "
                          f"{self.first_lag_violation.describe()}")
         return "\n".join(lines)
+
+
+def not_the_launchs_note(role: str) -> str:
+    """The report line for a ``role`` whose recorded policy the header's config does not
+    make."""
+    return (f"note: the recorded {role} policy is not the one the header's config makes; an "
+            "embedder's own (RuntimeOptions) or an edited header")
 
 
 def _finding_dict(finding: Divergence | LagViolation | None) -> dict[str, Any] | None:
@@ -230,7 +235,11 @@ class RecordedRun:
     costs: CostBundle | None  # the table the run installed (the header's)
     compatibility: Compatibility  # what a cost table must share with the run to price it
     context_limit: int  # the target's, from the header
-    depth_settings: Mapping[str, Any] | None = None  # the recorded adaptive-depth policy's
+    # The adaptive-depth settings of the run: its recorded policy's, else those its config
+    # makes (the recorded depth policy is then another one); None when neither is adaptive.
+    depth_settings: Mapping[str, Any] | None = None
+    depth_settings_from: str = "the event log's header"  # which of the two, said in reports
+    not_the_launchs: tuple[str, ...] = ()  # roles whose recorded policy its config does not make
 
 
 def check_recorded_run(header: LogHeader, events: Sequence[Event], path: str
@@ -244,11 +253,9 @@ def check_recorded_run(header: LogHeader, events: Sequence[Event], path: str
     _check_context_limit(header, path)
     costs = _header_costs(header, path)
     _check_built_in_policies(header, costs, path)
-    run = RecordedRun(launch=launch, lag=lag, costs=costs,
-                      compatibility=_compatibility(launch, header.models),
-                      context_limit=header.context_limit,
-                      depth_settings=header.policies["depth"]["settings"]
-                      if header.policies["depth"]["name"] == "adaptive-depth" else None)
+    run = _with_launch_policies(header, RecordedRun(
+        launch=launch, lag=lag, costs=costs, compatibility=_compatibility(launch, header.models),
+        context_limit=header.context_limit), path)
     if costs is not None:
         try:
             check_table_for_run(costs, run, "the header")
@@ -269,6 +276,24 @@ def check_recorded_run(header: LogHeader, events: Sequence[Event], path: str
                                shard=launch.dp_rank),
               path)
     return run
+
+
+def _with_launch_policies(header: LogHeader, run: RecordedRun, path: str) -> RecordedRun:
+    """``run`` with the policies its config makes compared to the recorded ones, and the
+    adaptive-depth settings a simulation of it runs with."""
+    made = _launch_policies(header, run, path)
+    recorded = header.policies["depth"]
+    settings, where = None, "the event log's header"
+    if recorded["name"] == "adaptive-depth":
+        settings = recorded["settings"]
+    elif made["depth"]["name"] == "adaptive-depth":
+        settings = made["depth"]["settings"]
+        where = (f"the event log's header config; the recorded depth policy is "
+                 f"{_policy_text(recorded)}")
+    return dataclasses.replace(
+        run, depth_settings=settings, depth_settings_from=where,
+        not_the_launchs=tuple(role for role in ("depth", "budget")
+                              if made[role] != _recorded_entry(header.policies[role])))
 
 
 def table_difference(error: IncompatibleCostTable, run: str) -> str:
@@ -494,16 +519,7 @@ def _replayed(header: LogHeader, events: Sequence[Event], run: RecordedRun,
         walk.step(index, event)
     walk.observe_retired()
     return dataclasses.replace(walk.report(header.policies),
-                               not_the_launchs=_not_the_launchs(header, run, path))
-
-
-def _not_the_launchs(header: LogHeader, run: RecordedRun, path: str) -> tuple[str, ...]:
-    """The roles whose recorded policy is not the one the header's config makes: an
-    embedder gave the runtime its own (``RuntimeOptions``), which the header records as it
-    records any other."""
-    made = _launch_policies(header, run, path)
-    return tuple(role for role in ("depth", "budget")
-                 if made[role] != _recorded_entry(header.policies[role]))
+                               not_the_launchs=run.not_the_launchs)
 
 
 def _launch_policies(header: LogHeader, run: RecordedRun, path: str
