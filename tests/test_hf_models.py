@@ -304,6 +304,35 @@ def test_a_sliding_window_in_use_must_be_a_positive_integer(tmp_path: Path,
             load_hf_models(str(tmp_path))
 
 
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_a_sliding_window_on_a_model_type_whose_attention_applies_none_is_refused(
+        tmp_path: Path, kind: str) -> None:
+    """Before, a Llama config with a window of 4 loaded and decoded with no window, while
+    transformers' generate, whose cache keeps only the window's keys, gave other tokens from
+    the fifth on: a silent difference from the reference."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": kind,
+                                                      "sliding_window": 4}))
+    with pytest.raises(ConfigError) as info:
+        load_hf_models(str(tmp_path))
+    assert str(info.value) == (
+        f"--model={tmp_path}: config.json sliding_window=4: a {kind} layer's attention "
+        "applies no window (transformers' generate only trims its cache to it); expected "
+        "null, or a model_type whose attention applies it (mistral, qwen2)")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": kind,
+                                                      "sliding_window": None}))
+    with pytest.raises(ConfigError, match="has no \\*.safetensors weights"):
+        load_hf_models(str(tmp_path))
+
+
+def test_chunked_attention_is_refused_by_its_field(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama",
+                                                      "attention_chunk_size": 8}))
+    with pytest.raises(ConfigError) as info:
+        load_hf_models(str(tmp_path))
+    assert str(info.value) == (f"--model={tmp_path}: config field attention_chunk_size=8: "
+                               "chunked attention is not supported")
+
+
 def test_a_checkpoint_adaspec_cannot_load_is_refused_naming_the_flag(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="^--model=") as info:
         load_hf_models(str(tmp_path / "missing"))
@@ -368,6 +397,27 @@ def test_a_draft_checkpoint_with_another_tokenizer_is_refused_naming_a_token(
         if name.startswith(("tokenizer", "special_tokens")):
             (draft / name).unlink()
     command_tokenizer(launch)
+
+
+@pytest.mark.parametrize(("config", "words"), [
+    ('{"model_type": "falcon"}', "model_type='falcon': expected one of llama, mistral, "
+                                 "qwen2, gpt2 (tested: llama, gpt2)"),
+    ("{not json", "config.json is unreadable: "),
+])
+def test_a_draft_checkpoint_with_a_bad_config_is_blamed_on_its_config_not_its_tokenizer(
+        tmp_path: Path, llama: Family, config: str, words: str) -> None:
+    """Before, the launch read the draft's tokenizer (through its config) first: the line
+    said "has no loadable tokenizer", after 38 lines transformers printed for a falcon."""
+    from adaspec.models.launch import command_tokenizer
+
+    _, target_dir, draft_dir, _ = llama
+    draft = _copy(draft_dir, tmp_path / "draft")
+    (draft / "config.json").write_text(config)
+    launch = load_config({"model": str(target_dir), "draft_model": str(draft),
+                          "speculative_algorithm": "MTP", "num_speculative_tokens": 3}).launch
+    with pytest.raises(ConfigError) as info:
+        command_tokenizer(launch)
+    assert str(info.value).startswith(f"--draft_model={draft}: {words}")
 
 
 # --- the commands ---------------------------------------------------------------------------

@@ -64,7 +64,13 @@ _UNSUPPORTED_FIELDS = {
     # config field -> why adaspec's attention cannot honour it
     "attn_logit_softcapping": "attention logit soft-capping",
     "final_logit_softcapping": "final logit soft-capping",
+    # transformers' generate trims its cache to the chunk while the attention masks nothing:
+    # no single rule a verify of several rows could follow.
+    "attention_chunk_size": "chunked attention",
 }
+_WINDOWED_TYPES = ("mistral", "qwen2")
+"""The model types whose attention applies ``sliding_window``; a Llama or GPT-2 layer attends
+every earlier position whatever the config says."""
 
 
 @dataclass(slots=True)
@@ -304,8 +310,9 @@ def _check_dtype(config: dict[str, Any], flag: str, path: str) -> None:
 
 
 def _check_window(config: dict[str, Any], flag: str, path: str) -> None:
-    """A sliding window in use must be a positive number of positions: a window of 0 would
-    hide every key, and the model would emit token 0 for ever (transformers cannot run it)."""
+    """A sliding window in use must be a positive number of positions (a window of 0 would
+    hide every key, and the model would emit token 0 for ever; transformers cannot run it)
+    on a model type whose attention applies it."""
     window = config.get("sliding_window")
     # Only Qwen2 switches its window with use_sliding_window (off when absent), and then only
     # on its sliding_attention layers; Mistral applies the window whatever that field says.
@@ -315,6 +322,14 @@ def _check_window(config: dict[str, Any], flag: str, path: str) -> None:
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ConfigError(flag, path, f"config.json sliding_window={window!r}: expected a "
                           "positive integer, or null for no window")
+    kind = config.get("model_type")
+    if kind not in _WINDOWED_TYPES:
+        # transformers' generate keeps only the window's keys in its cache while the layer's
+        # attention masks none, so its decode and its forward disagree: neither is the model.
+        raise ConfigError(flag, path, f"config.json sliding_window={window}: a {kind} layer's "
+                          "attention applies no window (transformers' generate only trims "
+                          "its cache to it); expected null, or a model_type whose attention "
+                          f"applies it ({', '.join(_WINDOWED_TYPES)})")
 
 
 def _qwen2_slides(config: dict[str, Any], path: str) -> bool:

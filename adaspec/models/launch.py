@@ -50,6 +50,9 @@ def command_tokenizer(launch: LaunchConfig) -> tuple[Tokenizer, int]:
     tokenizer = checkpoint_tokenizer(launch.model, config)
     draft = launch.draft_model
     if launch.speculative and draft is not None and draft != launch.model:
+        # Its config first: a damaged one would otherwise be blamed on its tokenizer, which
+        # transformers loads through it.
+        read_config(draft, "--draft_model")
         check_draft_tokenizer(draft, tokenizer.tokenizer)
     return tokenizer, limit
 
