@@ -618,6 +618,33 @@ def test_a_signal_to_every_rank_drains_the_stream_in_flight_through_the_follower
     assert [(line["rank"], line["signal"]) for line in draining] == [(1, "SIGTERM")], errors
 
 
+def test_a_second_signal_ends_a_follower_at_once_with_its_line() -> None:
+    """Before, the first signal gave the follower's signals back to their default action:
+    the second killed it (-15) with nothing said."""
+    common = _two_ranks()
+    follower = _start_follower(common)
+    try:
+        front = start_server(*common, "--node_rank=0")
+        try:
+            follower.send_signal(signal.SIGTERM)
+            assert follower.stderr is not None
+            for line in iter(follower.stderr.readline, ""):  # "" once it ended
+                if '"draining"' in line:
+                    break
+            else:
+                raise AssertionError("the follower ended before it said it drains")
+            follower.send_signal(signal.SIGTERM)
+            _, errors = follower.communicate(timeout=PROCESS_LIMIT_S)
+        finally:
+            front.kill()
+    finally:
+        _end(follower)
+    last = json.loads(errors.splitlines()[-1])
+    assert (follower.returncode, last["event"], last["rank"], last["signal"]) == (
+        143, "stopped", 1, "SIGTERM"), errors
+    assert last["reason"] == "a second signal ends this rank at once"
+
+
 # --- adaspec bench --url -----------------------------------------------------------------------
 def _bench(*flags: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "adaspec", "bench", *flags],

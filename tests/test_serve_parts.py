@@ -115,6 +115,20 @@ def test_the_reader_keeps_openai_defaults_where_the_launch_allows_them() -> None
                         temperature_rule=None)
 
 
+@pytest.mark.parametrize(("given", "shown"), [
+    (5, "5"), (["m"], '["m"]'), ({"name": "m"}, '{"name": "m"}'), (True, "true")])
+def test_a_model_that_is_no_string_is_a_400_not_a_missing_model(given: object,
+                                                                  shown: str) -> None:
+    """Before, 404 model_not_found, with the value as Python writes it."""
+    with pytest.raises(ApiError) as info:
+        read_completion({"model": given, "prompt": "hi"}, "m", temperature_rule=None)
+    assert (info.value.status, info.value.param, info.value.code, info.value.message) == (
+        400, "model", None, f"model={shown}: expected a string, the served model's name ('m')")
+    with pytest.raises(ApiError) as info:
+        read_completion({"model": "n", "prompt": "hi"}, "m", temperature_rule=None)
+    assert (info.value.status, info.value.code) == (404, "model_not_found")
+
+
 def test_a_gzip_body_of_several_members_reads_as_gzip_d_reads_it() -> None:
     first, second = b'{"model": "m", ', b'"prompt": "hi"}'
     assert decoded_body(gzip.compress(first) + gzip.compress(second), "gzip") == first + second

@@ -177,6 +177,9 @@ def read_completion(body: Mapping[str, Any], model: str, *,
     if given is None:
         raise ApiError(400, f"model: missing; expected the served model's name, {model!r}",
                        param="model")
+    if not isinstance(given, str):
+        raise bad_field("model", given, f"expected a string, the served model's name "
+                        f"({model!r})")
     if given != model:
         raise ApiError(404, f"model={show_value(given)}: no such model; this server serves "
                        f"{model!r}", param="model", code="model_not_found")

@@ -188,16 +188,18 @@ def app_runner(server: CompletionServer) -> web.AppRunner:
 async def follow_front(runtime: Runtime, log: Any) -> None:
     """A rank behind rank 0: decode its requests until it stops this rank. A launcher such as
     torchrun signals every rank at once, so the first SIGTERM or SIGINT here only says so:
-    rank 0 drains its requests, which need this rank, then stops it. A second signal acts as
-    it would by default (the process ends); a signal during the start abandons it, as on
-    rank 0."""
+    rank 0 drains its requests, which need this rank, then stops it. A second signal ends the
+    process at once, with its log line and the status a shell gives that signal (128 + its
+    number); a signal during the start abandons it, as on rank 0."""
     loop = asyncio.get_running_loop()
     signalled = asyncio.Event()
     started = False
 
     def received(number: signal.Signals) -> None:
-        for each in taken:
-            loop.remove_signal_handler(each)
+        if signalled.is_set():
+            log.info("stopped", rank=runtime.rank, signal=number.name,
+                     reason="a second signal ends this rank at once")
+            os._exit(128 + number)
         signalled.set()
         if not started:
             log.info("stopping", rank=runtime.rank, signal=number.name,
@@ -214,9 +216,11 @@ async def follow_front(runtime: Runtime, log: Any) -> None:
             started = True
             await runtime.serve()
     finally:
-        for number in taken:
-            loop.remove_signal_handler(number)
-        await runtime.stop()
+        try:
+            await runtime.stop()
+        finally:  # a second signal while this rank stops still ends it at once
+            for number in taken:
+                loop.remove_signal_handler(number)
 
 
 def taken_signals() -> tuple[signal.Signals, ...]:
