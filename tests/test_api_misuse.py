@@ -4,6 +4,7 @@ option accepted only to fail every request later."""
 
 import asyncio
 import functools
+import json
 import os
 import re
 from pathlib import Path
@@ -13,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from runtime_helpers import config, first_failure
+from runtime_helpers import TINY_CALIBRATION, config, first_failure
 
 from adaspec.config import SamplingParams
 from adaspec.errors import ConfigError, DeviceLayerError, InvalidRequest
@@ -443,6 +444,36 @@ def test_an_event_log_and_a_trace_on_one_path_are_refused_before_the_models_load
     assert str(raised.value) == (f"ADASPEC_TRACE={path}: expected a file of its own; "
                                  "event_log names it too")
     assert not path.exists()
+
+
+@pytest.mark.parametrize("other", ["a link to the log's folder", "the cost-table output"])
+def test_a_trace_that_is_another_outputs_file_by_another_name_is_refused_before_the_models_load(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, other: str) -> None:
+    """Before, a link was compared by its spelling: the trace was refused only when opened,
+    after the models loaded and the event log was created; a trace on the cost-table output
+    made the bundle's save fail after the whole calibration."""
+    folder = tmp_path / "d"
+    folder.mkdir()
+    (tmp_path / "l").symlink_to(folder)
+    log, table = folder / "run.jsonl", folder / "table.json"
+    launch: dict[str, object] = {}
+    if other == "the cost-table output":
+        calibration = tmp_path / "tiny.json"
+        calibration.write_text(json.dumps(TINY_CALIBRATION))
+        launch = {"enable_adaptive_target_verify": True,
+                  "adaptive_target_verify_calibration": str(calibration),
+                  "adaptive_target_verify_cost_table_output": str(table)}
+        trace, named = tmp_path / "l" / "table.json", "adaptive_target_verify_cost_table_output"
+    else:
+        trace, named = tmp_path / "l" / "run.jsonl", "event_log"
+    monkeypatch.setenv("ADASPEC_TRACE", str(trace))
+    runtime = Runtime(config("DSpark", 5, 2, **launch),
+                      options=RuntimeOptions(event_log=str(log)), models=load_reference_models())
+    with pytest.raises(ConfigError) as raised:
+        asyncio.run(runtime.start())
+    assert str(raised.value) == (f"ADASPEC_TRACE={trace}: expected a file of its own; "
+                                 f"{named} names it too")
+    assert list(folder.iterdir()) == []
 
 
 @pytest.mark.parametrize(("device", "shown"), [(1, "1"), (None, "None"), ("tpu", "tpu")])

@@ -121,6 +121,41 @@ def test_config_refuses_an_environment_variable_the_start_would_refuse(
         assert (other.returncode, other.stderr) == (0, "")
 
 
+def test_a_trace_on_the_cost_table_output_and_a_bench_trace_file_are_refused_up_front(
+        tmp_path: Path) -> None:
+    """Before, config passed the first and calibrate refused it after the whole grid; bench
+    ran its first arm, whose runtime created the trace, and then refused the second's."""
+    table = tmp_path / "c.json"
+    environment = {**os.environ, "ADASPEC_TRACE": str(table)}
+    done = subprocess.run(
+        [sys.executable, "-m", "adaspec", "config", *ATV,
+         f"--adaptive_target_verify_cost_table_output={table}"],
+        capture_output=True, text=True, check=False, timeout=120, env=environment)
+    assert (done.returncode, done.stdout, done.stderr) == (2, "", (
+        f"adaspec config: error: ADASPEC_TRACE={table}: expected a file of its own; "
+        "--adaptive_target_verify_cost_table_output names it too\n"))
+    bench = subprocess.run(
+        [sys.executable, "-m", "adaspec", "bench", "--quick", "--arms=none,fixed:1"],
+        capture_output=True, text=True, check=False, timeout=120, cwd=tmp_path,
+        env={**os.environ, "ADASPEC_TRACE": "t.jsonl"})
+    assert (bench.returncode, bench.stdout, bench.stderr) == (2, "", (
+        "adaspec bench: error: ADASPEC_TRACE=t.jsonl: names a file, which one runtime writes; "
+        "bench starts one for every arm and pass: expected it unset, 0, or 1 (the trace on "
+        "standard error)\n"))
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_a_standard_output_that_cannot_spell_the_text_escapes_it() -> None:
+    """Before, PYTHONIOENCODING=ascii made generate's text output (and simulate's table) end
+    in a UnicodeEncodeError traceback."""
+    done = subprocess.run(
+        [sys.executable, "-m", "adaspec", "generate", "--prompt=Caf\u00e9", "--max_tokens=1",
+         "--temperature=0"], capture_output=True, text=True, check=False, timeout=120,
+        env={**os.environ, "PYTHONIOENCODING": "ascii"})
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr
+    assert done.stdout.splitlines()[1].startswith("Caf\\xe9")
+
+
 def test_installed_console_script_runs_config() -> None:
     script = shutil.which("adaspec")
     if script is None:
@@ -364,6 +399,48 @@ def test_a_loop_started_after_a_swallowed_interrupt_runs_nothing() -> None:
     done = subprocess.run([sys.executable, "-c", SWALLOWED_BEFORE_THE_LOOP], capture_output=True,
                           text=True, env=peer_environment(), timeout=PROCESS_LIMIT_S)
     assert (done.returncode, done.stdout, done.stderr) == (0, "interrupted\n", "")
+
+
+A_LONG_WORK_ITEM = """
+import time
+from adaspec.cli import interrupts
+
+interrupts.install("adaspec test")
+
+async def work():  # the fault: device work that holds the loop's thread (a graph prewarm)
+    print("busy", flush=True)
+    until = time.monotonic() + 60
+    while time.monotonic() < until:
+        if interrupts.came():
+            print("signalled", flush=True)
+            while time.monotonic() < until:
+                pass
+    print("gave up", flush=True)
+
+interrupts.run(work())
+"""
+
+
+def test_a_second_signal_ends_a_command_whose_loop_is_busy_at_once() -> None:
+    """Before, the signals reached the command only as loop callbacks: a long work item on
+    the loop's thread held both (two SIGTERMs during generate's graph preparation ended it
+    seconds later)."""
+    import signal
+
+    process = subprocess.Popen([sys.executable, "-c", A_LONG_WORK_ITEM], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=peer_environment())
+    try:
+        assert process.stdout is not None
+        assert process.stdout.readline() == "busy\n"
+        process.send_signal(signal.SIGTERM)
+        assert process.stdout.readline() == "signalled\n"
+        process.send_signal(signal.SIGTERM)
+        out, errors = process.communicate(timeout=PROCESS_LIMIT_S)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert (process.returncode, out, errors) == (143, "", "adaspec test: terminated\n")
 
 
 @pytest.mark.parametrize(("argv", "line"), [

@@ -57,6 +57,7 @@ from adaspec.cli.flags import (
 )
 from adaspec.config import SamplingParams
 from adaspec.config.builtin import builtin_checkpoints, uses_builtin_models
+from adaspec.config.environment import STDERR, TRACE_ENV, trace_destination
 from adaspec.config.flags import coerce
 from adaspec.config.paths import existing_directory, new_file, path_status
 from adaspec.config.requests import MAX_SEED, MAX_TEMPERATURE, MIN_TEMPERATURE
@@ -269,6 +270,12 @@ def check_outputs(choices: Choices, arm_names: Sequence[str],
                   cost_table_output: str | None = None) -> None:
     """Output places are checked before anything runs: nothing is overwritten, and no two
     outputs (the event logs, the plot, the adaptive-verify arm's cost table) are one file."""
+    raw = os.environ.get(TRACE_ENV)
+    if trace_destination(raw) not in (None, STDERR):
+        # Every arm and pass starts a runtime, each of which would write this new file.
+        raise ConfigError(TRACE_ENV, raw, "names a file, which one runtime writes; bench "
+                          "starts one for every arm and pass: expected it unset, 0, or 1 (the "
+                          "trace on standard error)")
     outputs: dict[str, str] = {}  # real path -> the flag that names it
     if cost_table_output is not None:
         outputs[os.path.realpath(cost_table_output)] = \

@@ -79,13 +79,10 @@ def _on_signal(number: int, frame: Any) -> None:
     main.cancel()
 
 
-def _on_loop_signal(number: int) -> None:
-    """The same, as a callback of the loop ``run`` runs: the loop's wakeup descriptor makes
-    it run even when the signal reaches another thread than the one asleep in the loop."""
-    _end_at_a_second(number)
-    _Stop.first = number
-    if _Stop.main is not None and not _Stop.main.done():
-        _Stop.main.cancel()
+def _wake() -> None:
+    """The loop's callback for a signal ``run`` takes: nothing to do. Registering it sets the
+    loop's wakeup descriptor, which wakes the loop's thread (where ``_on_signal`` runs) even
+    when the signal reaches another thread while that one sleeps in the loop."""
 
 
 def _end_at_a_second(number: int) -> None:
@@ -123,7 +120,10 @@ def run(coroutine: Coroutine[Any, Any, T]) -> T:
         taken = [number for number in (signal.SIGINT, signal.SIGTERM)
                  if signal.getsignal(number) is _on_signal]
         for number in taken:
-            loop.add_signal_handler(number, _on_loop_signal, number)
+            loop.add_signal_handler(number, _wake)
+            # The handler itself runs between two bytecodes, not once the loop is free: a
+            # second signal ends the command at once even during a long device work item.
+            signal.signal(number, _on_signal)
         try:
             return await coroutine
         finally:  # ``serve`` may have taken them over meanwhile, and let them go

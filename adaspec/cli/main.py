@@ -16,6 +16,7 @@ bug in adaspec and keeps its traceback.
 import atexit
 import contextlib
 import importlib
+import io
 import logging
 import os
 import signal
@@ -171,6 +172,10 @@ def run_to_stdout(argv: Sequence[str]) -> int:
         _say(f"{command}: error: stdout: closed; expected an open standard output "
              "(redirect it to /dev/null to discard the output)")
         return 2
+    if isinstance(stdout, io.TextIOWrapper) and stdout.errors == "strict":
+        # An encoding that cannot spell a completion's text (PYTHONIOENCODING=ascii, a C
+        # locale) escapes what it lacks, as standard error does, instead of failing the run.
+        stdout.reconfigure(errors="backslashreplace")
     sys.stdout = cast(TextIO, _CheckedStdout(stdout))
     try:
         status = run(argv)

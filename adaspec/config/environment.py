@@ -6,7 +6,7 @@ intra-op threads (``runtime/devices/streams.py`` applies them); ``ADASPEC_TRACE`
 state trace to standard error or to a file (``runtime/trace.py``)."""
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from adaspec.config.launch import LaunchConfig
 from adaspec.config.paths import new_file
@@ -71,14 +71,39 @@ def rank_file(path: str, world_size: int, rank: int) -> str:
     return f"{root}.rank{rank}{suffix}"
 
 
+def trace_file(launch: LaunchConfig) -> str | None:
+    """The file ``ADASPEC_TRACE`` names for this rank of ``launch`` (None: unset, off, or
+    standard error)."""
+    trace = trace_destination(os.environ.get(TRACE_ENV))
+    if trace is None or trace == STDERR:
+        return None
+    return rank_file(trace, launch.world_size, launch.node_rank)
+
+
+def check_own_files(outputs: Sequence[tuple[str, str | None]]) -> None:
+    """Each output (setting, path; None: not written) must be a file of its own: two names
+    of one file (a link, ``./``) would have the second opened refused, or overwrite the
+    first, once the start is over."""
+    seen: dict[str, str] = {}
+    for setting, path in outputs:
+        if path is None:
+            continue
+        same = seen.setdefault(os.path.realpath(path), setting)
+        if same != setting:
+            raise ConfigError(setting, path, f"expected a file of its own; {same} names it too")
+
+
 def check_environment(launch: LaunchConfig) -> None:
     """Refuse, naming the variable, what the launch's start would refuse: a cpu stream or
-    thread count out of range (on ``--device=cpu``), a trace file that could not be created."""
+    thread count out of range (on ``--device=cpu``), a trace file that could not be created
+    or that the launch's cost-table output names too."""
     if launch.device == "cpu":
         cpu_stream_kind()
         raw = os.environ.get(CPU_THREADS_ENV)
         if raw is not None:
             checked_threads(CPU_THREADS_ENV, raw)
-    trace = trace_destination(os.environ.get(TRACE_ENV))
-    if trace is not None and trace != STDERR:
-        new_file(TRACE_ENV, rank_file(trace, launch.world_size, launch.node_rank))
+    trace = trace_file(launch)
+    if trace is not None:
+        new_file(TRACE_ENV, trace)
+        check_own_files([("--adaptive_target_verify_cost_table_output",
+                          launch.adaptive_target_verify_cost_table_output), (TRACE_ENV, trace)])

@@ -24,7 +24,13 @@ import torch
 
 from adaspec.availability import require_device
 from adaspec.config.effective import EffectiveConfig
-from adaspec.config.environment import STDERR, TRACE_ENV, rank_file, trace_destination
+from adaspec.config.environment import (
+    STDERR,
+    TRACE_ENV,
+    check_own_files,
+    rank_file,
+    trace_destination,
+)
 from adaspec.config.launch import (
     PER_RANK_SETTINGS,
     LaunchConfig,
@@ -872,17 +878,20 @@ class Runtime:
         return (None if path is None else self._rank_file(path)), TRACE_ENV
 
     def _check_observer_paths(self) -> None:
-        """Refuse an event log or trace path that could not be created, before the models
-        load and calibrate rather than after."""
+        """Refuse an event log or trace path that could not be created, or two outputs that
+        are one file (the cost-table output included), before the models load and calibrate
+        rather than after."""
         log = None if self.options.event_log is None else self._rank_file(self.options.event_log)
         if log is not None:
             new_file("event_log", log)
         trace_path, setting = self._trace_path()
-        if trace_path and trace_path != STDERR:
+        if trace_path == STDERR:
+            trace_path = None
+        if trace_path is not None:
             new_file(setting, trace_path)
-            if log is not None and os.path.abspath(log) == os.path.abspath(trace_path):
-                raise ConfigError(setting, trace_path, "expected a file of its own; "
-                                  "event_log names it too")
+        check_own_files([("adaptive_target_verify_cost_table_output",
+                          self.launch.adaptive_target_verify_cost_table_output),
+                         ("event_log", log), (setting, trace_path)])
 
     def _close_observers(self) -> None:
         """Detach this run's event log and trace, then close every one of them (the first
