@@ -129,6 +129,29 @@ def test_a_model_that_is_no_string_is_a_400_not_a_missing_model(given: object,
     assert (info.value.status, info.value.code) == (404, "model_not_found")
 
 
+def test_the_servers_signals_go_back_to_the_handlers_they_had() -> None:
+    """Before, they went back to the system's default: a SIGTERM while rank 0 stopped after
+    a lost rank killed it (-15) with no line."""
+    import signal
+
+    def command_handler(number: int, frame: object) -> None:  # the command's own
+        raise AssertionError("not called here")
+
+    async def take_and_give_back() -> object:
+        loop = asyncio.get_running_loop()
+        signals = Signals()
+        signals.install(loop)
+        assert signal.getsignal(signal.SIGTERM) is not command_handler
+        signals.remove(loop)
+        return signal.getsignal(signal.SIGTERM)
+
+    before = signal.signal(signal.SIGTERM, command_handler)
+    try:
+        assert asyncio.run(take_and_give_back()) is command_handler
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def test_a_gzip_body_of_several_members_reads_as_gzip_d_reads_it() -> None:
     first, second = b'{"model": "m", ', b'"prompt": "hi"}'
     assert decoded_body(gzip.compress(first) + gzip.compress(second), "gzip") == first + second

@@ -125,17 +125,14 @@ class Signals:
     def __init__(self) -> None:
         self.drain = asyncio.Event()
         self.now = asyncio.Event()
-        self._installed: list[signal.Signals] = []
+        self._previous: dict[signal.Signals, Any] = {}  # the handlers install replaced
 
     def install(self, loop: asyncio.AbstractEventLoop) -> None:
-        for number in taken_signals():
-            loop.add_signal_handler(number, self._received)
-            self._installed.append(number)
+        self._previous = take_signals(loop, self._received)
 
     def remove(self, loop: asyncio.AbstractEventLoop) -> None:
-        for number in self._installed:
-            loop.remove_signal_handler(number)
-        self._installed.clear()
+        give_back_signals(loop, self._previous)
+        self._previous = {}
 
     def _received(self) -> None:
         (self.now if self.drain.is_set() else self.drain).set()
@@ -165,9 +162,11 @@ async def serve_http(runtime: Runtime, tokenizer: Tokenizer, settings: ServeSett
     finally:
         await runner.cleanup()
         server.close()
-        signals.remove(loop)
-        await runtime.stop()
-        loop.set_exception_handler(loop_handler)
+        try:
+            await runtime.stop()
+        finally:  # a signal while the runtime stops (after a fault, a while) is the drain's
+            signals.remove(loop)
+            loop.set_exception_handler(loop_handler)
     if runtime.fault is not None:  # after the drain began (a rank lost): requests may have failed
         raise ServeFailed(f"the runtime faulted while draining or stopping: {runtime.fault}")
     log.info("stopped")
@@ -208,9 +207,7 @@ async def follow_front(runtime: Runtime, log: Any) -> None:
             log.info("draining", rank=runtime.rank, signal=number.name,
                      until="rank 0 has drained its requests and stops this rank")
 
-    taken = taken_signals()
-    for number in taken:
-        loop.add_signal_handler(number, received, number)
+    previous = take_signals(loop, received, with_number=True)
     try:
         if await _start_unless_signalled(runtime, signalled):
             started = True
@@ -219,8 +216,28 @@ async def follow_front(runtime: Runtime, log: Any) -> None:
         try:
             await runtime.stop()
         finally:  # a second signal while this rank stops still ends it at once
-            for number in taken:
-                loop.remove_signal_handler(number)
+            give_back_signals(loop, previous)
+
+
+def take_signals(loop: asyncio.AbstractEventLoop, handler: Callable[..., object], *,
+                 with_number: bool = False) -> dict[signal.Signals, Any]:
+    """Handle ``taken_signals`` on ``loop`` (passing the number when ``with_number``); the
+    handlers they had, for ``give_back_signals``."""
+    previous = {number: signal.getsignal(number) for number in taken_signals()}
+    for number in previous:
+        loop.add_signal_handler(number, handler, *((number,) if with_number else ()))
+    return previous
+
+
+def give_back_signals(loop: asyncio.AbstractEventLoop,
+                      previous: dict[signal.Signals, Any]) -> None:
+    """The signals back to the handlers they had: removing the loop's handler alone would
+    leave the system's default, and a signal while the command winds down would kill it
+    with nothing said."""
+    for number, handler in previous.items():
+        loop.remove_signal_handler(number)
+        if handler is not None:  # None: one installed outside Python, which stays gone
+            signal.signal(number, handler)
 
 
 def taken_signals() -> tuple[signal.Signals, ...]:
