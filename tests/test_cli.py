@@ -425,8 +425,6 @@ def test_a_second_signal_ends_a_command_whose_loop_is_busy_at_once() -> None:
     """Before, the signals reached the command only as loop callbacks: a long work item on
     the loop's thread held both (two SIGTERMs during generate's graph preparation ended it
     seconds later)."""
-    import signal
-
     process = subprocess.Popen([sys.executable, "-c", A_LONG_WORK_ITEM], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, env=peer_environment())
     try:
