@@ -6,10 +6,10 @@ intra-op threads (``runtime/devices/streams.py`` applies them); ``ADASPEC_TRACE`
 state trace to standard error or to a file (``runtime/trace.py``)."""
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 from adaspec.config.launch import LaunchConfig
-from adaspec.config.paths import new_file
+from adaspec.config.paths import check_own_files, new_file
 from adaspec.errors import ConfigError
 
 CPU_THREADS_ENV = "ADASPEC_CPU_THREADS"
@@ -78,19 +78,6 @@ def trace_file(launch: LaunchConfig) -> str | None:
     if trace is None or trace == STDERR:
         return None
     return rank_file(trace, launch.world_size, launch.node_rank)
-
-
-def check_own_files(outputs: Sequence[tuple[str, str | None]]) -> None:
-    """Each output (setting, path; None: not written) must be a file of its own: two names
-    of one file (a link, ``./``) would have the second opened refused, or overwrite the
-    first, once the start is over."""
-    seen: dict[str, str] = {}
-    for setting, path in outputs:
-        if path is None:
-            continue
-        same = seen.setdefault(os.path.realpath(path), setting)
-        if same != setting:
-            raise ConfigError(setting, path, f"expected a file of its own; {same} names it too")
 
 
 def check_environment(launch: LaunchConfig) -> None:

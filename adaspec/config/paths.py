@@ -12,6 +12,7 @@ shortened, however long it is.
 import errno
 import os
 import stat
+from collections.abc import Sequence
 from pathlib import Path
 from typing import BinaryIO
 
@@ -118,6 +119,19 @@ def new_file(setting: str, path: str) -> None:
         raise ConfigError(setting, path, f"expected a file in a writable directory; this "
                           f"process cannot create files in {show_value(folder)}")
     _probe_creation(setting, path)
+
+
+def check_own_files(outputs: Sequence[tuple[str, str | None]]) -> None:
+    """Each output (setting, path; None: not written) must be a file of its own: two names
+    of one file (a link, ``./``) would have the second opened refused, or overwrite the
+    first, once the start is over."""
+    seen: dict[str, str] = {}
+    for setting, path in outputs:
+        if path is None:
+            continue
+        same = seen.setdefault(os.path.realpath(path), setting)
+        if same != setting:
+            raise ConfigError(setting, path, f"expected a file of its own; {same} names it too")
 
 
 def _probe_creation(setting: str, path: str) -> None:

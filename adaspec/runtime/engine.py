@@ -27,7 +27,6 @@ from adaspec.config.effective import EffectiveConfig
 from adaspec.config.environment import (
     STDERR,
     TRACE_ENV,
-    check_own_files,
     rank_file,
     trace_destination,
 )
@@ -38,7 +37,7 @@ from adaspec.config.launch import (
     launch_field_types,
 )
 from adaspec.config.limits import BUILTIN_DRAFTS, BUILTIN_TARGETS
-from adaspec.config.paths import new_file
+from adaspec.config.paths import check_own_files, new_file
 from adaspec.config.requests import (
     MAX_SEED,
     SamplingParams,

@@ -24,6 +24,7 @@ from aiohttp import web
 from adaspec.errors import AdaspecError, ConfigError, printable
 from adaspec.models.tokenizer import Tokenizer
 from adaspec.runtime.engine import Runtime
+from adaspec.runtime.events.outputs import ObserverFile
 from adaspec.serve.app import DRAINING, FAILED, READY, CompletionServer, ServeSettings
 
 SHUTDOWN_GRACE_S = 2.0
@@ -35,32 +36,12 @@ class ServeFailed(AdaspecError):
     """The runtime stopped under the server (a fault while serving)."""
 
 
-class _LogStream:
-    """The log's stream while it takes lines. One closed, full, or whose reader went away
-    drops them: the server goes on answering (the exit status still says how it ended)."""
-
-    def __init__(self, stream: TextIO | None) -> None:
-        self._stream = stream  # None: started with descriptor 2 closed
-
-    def write(self, text: str) -> None:
-        if self._stream is not None:
-            try:
-                self._stream.write(text)
-            except OSError:
-                self._stream = None
-
-    def flush(self) -> None:
-        if self._stream is not None:
-            try:
-                self._stream.flush()
-            except OSError:
-                self._stream = None
-
-
 def json_logger(stream: TextIO | None) -> Any:
-    """One JSON object per line on ``stream``: the lifecycle and one line per request."""
+    """One JSON object per line on ``stream``: the lifecycle and one line per request. A
+    stream that is closed, full, or whose reader went away drops the lines, not the answers
+    (the exit status still says how the server ended)."""
     return structlog.wrap_logger(
-        structlog.PrintLogger(_LogStream(stream)),  # type: ignore[arg-type]
+        structlog.PrintLogger(ObserverFile(stream, owned=False)),  # type: ignore[arg-type]
         processors=[structlog.processors.add_log_level,
                     structlog.processors.TimeStamper(fmt="iso", utc=True),
                     structlog.processors.format_exc_info,  # a bug's traceback, in its line
@@ -134,7 +115,7 @@ class Signals:
         give_back_signals(loop, self._previous)
         self._previous = {}
 
-    def _received(self) -> None:
+    def _received(self, number: signal.Signals) -> None:
         (self.now if self.drain.is_set() else self.drain).set()
 
 
@@ -207,7 +188,7 @@ async def follow_front(runtime: Runtime, log: Any) -> None:
             log.info("draining", rank=runtime.rank, signal=number.name,
                      until="rank 0 has drained its requests and stops this rank")
 
-    previous = take_signals(loop, received, with_number=True)
+    previous = take_signals(loop, received)
     try:
         if await _start_unless_signalled(runtime, signalled):
             started = True
@@ -219,13 +200,13 @@ async def follow_front(runtime: Runtime, log: Any) -> None:
             give_back_signals(loop, previous)
 
 
-def take_signals(loop: asyncio.AbstractEventLoop, handler: Callable[..., object], *,
-                 with_number: bool = False) -> dict[signal.Signals, Any]:
-    """Handle ``taken_signals`` on ``loop`` (passing the number when ``with_number``); the
-    handlers they had, for ``give_back_signals``."""
+def take_signals(loop: asyncio.AbstractEventLoop, handler: Callable[[signal.Signals], object]
+                 ) -> dict[signal.Signals, Any]:
+    """Handle ``taken_signals`` on ``loop`` (``handler`` gets the number); the handlers they
+    had, for ``give_back_signals``."""
     previous = {number: signal.getsignal(number) for number in taken_signals()}
     for number in previous:
-        loop.add_signal_handler(number, handler, *((number,) if with_number else ()))
+        loop.add_signal_handler(number, handler, number)
     return previous
 
 

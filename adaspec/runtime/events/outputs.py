@@ -7,9 +7,10 @@ from typing import IO
 
 class ObserverFile:
     """Text written to ``stream`` until a write fails; later writes are dropped. ``close``
-    closes the stream when this owns it and returns the first failure (None: all written)."""
+    closes the stream when this owns it and returns the first failure (None: all written).
+    A ``stream`` of None (a standard error the process started without) takes nothing."""
 
-    def __init__(self, stream: IO[str], *, owned: bool = True) -> None:
+    def __init__(self, stream: IO[str] | None, *, owned: bool = True) -> None:
         self._stream: IO[str] | None = stream
         self._owned = owned
         self.failure: OSError | None = None
