@@ -3,6 +3,7 @@
 import contextlib
 import functools
 import json
+import os
 import re
 import signal
 import subprocess
@@ -174,6 +175,20 @@ def test_bad_generate_lines_exit_2_with_one_line(argv: list[str], message: str) 
     assert len(lines) == 1
     assert lines[0].startswith("adaspec generate: error: ")
     assert message in lines[0]
+
+
+def test_a_trace_variable_on_the_event_log_is_named_by_the_flag(tmp_path: Path) -> None:
+    """Before, the runtime's start caught it and named the option: "event_log names it
+    too", where the user gave --event_log."""
+    done = subprocess.run([sys.executable, "-m", "adaspec", "generate", *LAUNCH[:2],
+                           "--prompt", "x", "--max_tokens=4", "--temperature=0",
+                           "--event_log=./same.jsonl"], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path,
+                          env={**os.environ, "ADASPEC_TRACE": "same.jsonl"})
+    assert (done.returncode, done.stdout, done.stderr) == (2, "", (
+        "adaspec generate: error: ADASPEC_TRACE=same.jsonl: expected a file of its own; "
+        "--event_log names it too\n"))
+    assert list(tmp_path.iterdir()) == []
 
 
 @contextlib.contextmanager

@@ -30,7 +30,7 @@ from adaspec.cli.flags import (
     sampling_flag,
 )
 from adaspec.config import SamplingParams, load_config
-from adaspec.config.environment import STDERR
+from adaspec.config.environment import STDERR, TRACE_ENV, trace_file
 from adaspec.config.flags import coerce
 from adaspec.config.launch import LaunchConfig
 from adaspec.config.paths import check_own_files, new_file, read_regular
@@ -193,6 +193,9 @@ def check_outputs(values: dict[str, str], launch: LaunchConfig) -> None:
         raise ConfigError("--event_log", STDERR, EVENT_LOG_NOT_A_STREAM)
     if outputs.get("--trace") == STDERR:  # a stream, no file: probing would create "./-"
         del outputs["--trace"]
+    trace = trace_file(launch)
+    if "trace" not in values and trace is not None:  # --trace wins over the variable
+        outputs[TRACE_ENV] = trace
     for flag, path in outputs.items():
         new_file(flag, path)
     check_own_files(list(outputs.items()))
