@@ -645,6 +645,33 @@ def test_a_second_signal_ends_a_follower_at_once_with_its_line() -> None:
     assert last["reason"] == "a second signal ends this rank at once"
 
 
+
+def test_a_second_signal_during_an_abandoned_start_ends_the_server_at_once() -> None:
+    """Before, the second signal was noted for a drain that never came: the server went on
+    unwinding its start for seconds and exited 0."""
+    server = subprocess.Popen([sys.executable, "-m", "adaspec", "serve", f"--port={free_port()}",
+                               "--max_seqs_per_batch=64"], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, env=peer_environment(), cwd=REPO)
+    try:
+        assert server.stderr is not None
+        for line in iter(server.stderr.readline, ""):  # "" once it ended
+            if '"listening"' in line:  # the start begins
+                break
+        else:
+            raise AssertionError("the server ended before it listened")
+        # Two of a kind pending at once would be taken as one; these two are two, in some order.
+        server.send_signal(signal.SIGINT)
+        server.send_signal(signal.SIGTERM)
+        _, errors = server.communicate(timeout=PROCESS_LIMIT_S)
+    finally:
+        _end(server)
+    lines = [json.loads(line) for line in errors.splitlines()]
+    assert [line["event"] for line in lines[-2:]] == ["stopping", "stopped"], errors
+    assert {lines[-2]["signal"], lines[-1]["signal"]} == {"SIGINT", "SIGTERM"}
+    assert lines[-2]["reason"] == "signalled during the start, which is abandoned"
+    assert lines[-1]["reason"] == "a second signal ends the server at once"
+    assert server.returncode == 128 + signal.Signals[lines[-1]["signal"]]
+
 # --- adaspec bench --url -----------------------------------------------------------------------
 def _bench(*flags: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "adaspec", "bench", *flags],

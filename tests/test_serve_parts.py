@@ -139,7 +139,7 @@ def test_the_servers_signals_go_back_to_the_handlers_they_had() -> None:
 
     async def take_and_give_back() -> object:
         loop = asyncio.get_running_loop()
-        signals = Signals()
+        signals = Signals(json_logger(io.StringIO()))
         signals.install(loop)
         assert signal.getsignal(signal.SIGTERM) is not command_handler
         signals.remove(loop)
@@ -931,7 +931,7 @@ async def test_a_second_signal_cuts_an_answer_its_client_never_reads(
                    + str(len(body)).encode() + b"\r\n\r\n" + body)
     try:
         await asyncio.wait_for(finished.wait(), PROCESS_LIMIT_S)  # all its output is queued
-        signals = Signals()
+        signals = Signals(log)
         signals.drain.set()
         signals.now.set()
         await asyncio.wait_for(_serve_until_drained(mtp_runtime, server, signals, log),

@@ -100,12 +100,18 @@ def aiohttp_logs_as_lines(log: Any) -> Iterator[None]:
 
 
 class Signals:
-    """SIGTERM and SIGINT as events on the loop: the first asks for a drain, the second for
-    an end now."""
+    """SIGTERM and SIGINT as events on the loop. The first asks for a drain (``drain``); one
+    during the start abandons it. A second asks rank 0, once started, to end what is in
+    flight (``now``); anywhere else it ends the process at once, after its log line, with the
+    status a shell gives that signal (128 + its number): a follower's requests are rank 0's,
+    and an abandoned start has none."""
 
-    def __init__(self) -> None:
+    def __init__(self, log: Any, *, rank: int = 0) -> None:
         self.drain = asyncio.Event()
         self.now = asyncio.Event()
+        self.started = False  # set once the runtime started: the drain then has work to do
+        self._log = log
+        self._rank = {"rank": rank} if rank else {}  # a follower's lines name it
         self._previous: dict[signal.Signals, Any] = {}  # the handlers install replaced
 
     def install(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -116,7 +122,25 @@ class Signals:
         self._previous = {}
 
     def _received(self, number: signal.Signals) -> None:
-        (self.now if self.drain.is_set() else self.drain).set()
+        if self.drain.is_set():
+            self._second(number)
+            return
+        self.drain.set()
+        if not self.started:
+            self._log.info("stopping", **self._rank, signal=number.name,
+                           reason="signalled during the start, which is abandoned")
+        elif self._rank:  # rank 0 says so as its drain begins, with what is in flight
+            self._log.info("draining", **self._rank, signal=number.name,
+                           until="rank 0 has drained its requests and stops this rank")
+
+    def _second(self, number: signal.Signals) -> None:
+        if self.started and not self._rank:
+            self.now.set()
+            return
+        self._log.info("stopped", **self._rank, signal=number.name,
+                       reason=f"a second signal ends {'this rank' if self._rank else 'the server'}"
+                              " at once")
+        os._exit(128 + number)
 
 
 async def serve_http(runtime: Runtime, tokenizer: Tokenizer, settings: ServeSettings, *,
@@ -128,7 +152,7 @@ async def serve_http(runtime: Runtime, tokenizer: Tokenizer, settings: ServeSett
     loop = asyncio.get_running_loop()
     loop_handler = loop.get_exception_handler()
     loop.set_exception_handler(loop_errors(log))
-    signals = Signals()
+    signals = Signals(log)
     signals.install(loop)
     try:
         with aiohttp_logs_as_lines(log):
@@ -136,6 +160,7 @@ async def serve_http(runtime: Runtime, tokenizer: Tokenizer, settings: ServeSett
             url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
             log.info("listening", url=url, state=server.state)
             if await _start_unless_signalled(runtime, signals.drain):
+                signals.started = True
                 server.state = READY
                 runtime.subscribe(server.metrics.observe)
                 log.info("ready", url=url, model=settings.model_name)
@@ -169,35 +194,19 @@ async def follow_front(runtime: Runtime, log: Any) -> None:
     """A rank behind rank 0: decode its requests until it stops this rank. A launcher such as
     torchrun signals every rank at once, so the first SIGTERM or SIGINT here only says so:
     rank 0 drains its requests, which need this rank, then stops it. A second signal ends the
-    process at once, with its log line and the status a shell gives that signal (128 + its
-    number); a signal during the start abandons it, as on rank 0."""
+    process at once (``Signals``); a signal during the start abandons it, as on rank 0."""
     loop = asyncio.get_running_loop()
-    signalled = asyncio.Event()
-    started = False
-
-    def received(number: signal.Signals) -> None:
-        if signalled.is_set():
-            log.info("stopped", rank=runtime.rank, signal=number.name,
-                     reason="a second signal ends this rank at once")
-            os._exit(128 + number)
-        signalled.set()
-        if not started:
-            log.info("stopping", rank=runtime.rank, signal=number.name,
-                     reason="signalled during the start, which is abandoned")
-        else:
-            log.info("draining", rank=runtime.rank, signal=number.name,
-                     until="rank 0 has drained its requests and stops this rank")
-
-    previous = take_signals(loop, received)
+    signals = Signals(log, rank=runtime.rank)
+    signals.install(loop)
     try:
-        if await _start_unless_signalled(runtime, signalled):
-            started = True
+        if await _start_unless_signalled(runtime, signals.drain):
+            signals.started = True
             await runtime.serve()
     finally:
         try:
             await runtime.stop()
         finally:  # a second signal while this rank stops still ends it at once
-            give_back_signals(loop, previous)
+            signals.remove(loop)
 
 
 def take_signals(loop: asyncio.AbstractEventLoop, handler: Callable[[signal.Signals], object]
