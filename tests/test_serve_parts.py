@@ -40,6 +40,7 @@ from adaspec.serve.protocol import MAX_BODY_BYTES, ApiError, parse_body, read_co
 from adaspec.serve.server import (
     Signals,
     _serve_until_drained,
+    _start_unless_signalled,
     app_runner,
     json_logger,
     loop_errors,
@@ -356,6 +357,29 @@ async def mtp_runtime() -> AsyncIterator[Runtime]:
     await runtime.start()
     try:
         yield runtime
+    finally:
+        await runtime.stop()
+
+
+class SignalledAsItStarts(Runtime):  # the fault: the signal comes as the start ends
+    def __init__(self, drain: asyncio.Event) -> None:
+        super().__init__(load_config({"speculative_algorithm": "MTP",
+                                      "num_speculative_tokens": 3}))
+        self.drain = drain
+
+    async def start(self) -> None:
+        await super().start()
+        self.drain.set()
+
+
+@pytest.mark.asyncio
+async def test_a_signal_that_comes_as_the_start_ends_still_abandons_it() -> None:
+    """The signal's line has said the start is abandoned. Before, the ended start won: the
+    server said it was ready, then drained."""
+    drain = asyncio.Event()
+    runtime = SignalledAsItStarts(drain)
+    try:
+        assert await _start_unless_signalled(runtime, drain) is False
     finally:
         await runtime.stop()
 

@@ -251,14 +251,15 @@ async def _listen(runner: web.AppRunner, host: str, port: int) -> None:
 
 async def _start_unless_signalled(runtime: Runtime, drain: asyncio.Event) -> bool:
     """Start the runtime unless a signal comes first (False then: ``runtime.stop()``
-    abandons the start). A failed start raises its own error."""
+    abandons the start, or stops one that ended as the signal came, which said it abandons
+    it). A failed start raises its own error."""
     started = asyncio.ensure_future(runtime.start())
     signalled = asyncio.ensure_future(drain.wait())
     done, _ = await asyncio.wait({started, signalled}, return_when=asyncio.FIRST_COMPLETED)
     signalled.cancel()
     if started in done:
         started.result()
-        return True
+        return not drain.is_set()
     started.cancel()
     await asyncio.gather(started, return_exceptions=True)
     return False
