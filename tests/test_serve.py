@@ -721,6 +721,9 @@ def test_bench_url_counts_refused_requests_as_failures_and_exits_1(server: Serve
     (["--url=http://127.0.0.1:99999"], "expected a port in 1..65535"),
     (["--url=http://127.0.0.1:0"], "--url=http://127.0.0.1:0: expected a port in 1..65535"),
     (["--url=http://[::1"], "--url=http://[::1: expected a server's base URL"),
+    (["--url=http://127.0.0.1:9/v1/completions/"],
+     "--url=http://127.0.0.1:9/v1/completions/: expected a server's base URL "
+     "(http://127.0.0.1:9 or http://127.0.0.1:9/v1), not an endpoint's path (/v1/completions)\n"),
     (["--served_model_name=m"], "--served_model_name=m: names a server's model"),
     ([f"--url=http://127.0.0.1:{free_port()}"], "cannot reach"),
 ])

@@ -47,8 +47,16 @@ def check_url(raw: str) -> str:
         port = 0
     if port == 0:  # no server listens on port 0: it only asks the system for a free one
         raise ConfigError("--url", raw, "expected a port in 1..65535")
-    path = parts.path.rstrip("/").removesuffix("/v1")
-    return f"{parts.scheme}://{parts.netloc}{path}"
+    path = parts.path.rstrip("/")
+    if path.endswith(ENDPOINTS):  # bench adds the endpoints: this one would be doubled
+        raise ConfigError("--url", raw, f"expected a server's base URL ({parts.scheme}://"
+                          f"{parts.netloc} or {parts.scheme}://{parts.netloc}/v1), not an "
+                          f"endpoint's path ({path})")
+    return f"{parts.scheme}://{parts.netloc}{path.removesuffix('/v1')}"
+
+
+ENDPOINTS = ("/completions", "/models", "/health", "/metrics")
+"""The last parts of a path that name a server's endpoint, not its base."""
 
 
 NOT_RUNTIME_FLAGS = {
