@@ -1,6 +1,7 @@
 """A launch that asks its models for more than they can draft is refused before anything loads:
 by the library check the runtime calls, by `adaspec config` and by every command."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -119,6 +120,51 @@ def test_config_refuses_a_tp_size_the_builtin_models_cannot_split(
                            "of the model's attention heads (4): each TP rank keeps an equal "
                            "share\n")
     check_builtin_limits(load_config({"nnodes": 4}).launch)  # 4 splits them
+
+
+CONTEXTS_PAST_1024 = {"request_buckets": [1, 2], "contexts": [
+    {"prefill_tokens": 512, "min_kv_length": 1, "max_kv_length": 2000}]}
+VERIFY_CALIBRATION = ["--speculative_algorithm=DSpark", "--num_speculative_tokens=5",
+                      "--enable_adaptive_target_verify=true", "--max_seqs_per_batch=2",
+                      "--adaptive_target_verify_calibration=c.json"]
+
+
+@pytest.mark.parametrize(("flags", "settings", "words"), [
+    (VERIFY_CALIBRATION, CONTEXTS_PAST_1024, "--adaptive_target_verify_calibration=c.json: "
+     "contexts[0].max_kv_length=2000: expected at most the model's context limit 1024"),
+    (VERIFY_CALIBRATION, {"request_buckets": [1, 2], "contexts": [
+        {"prefill_tokens": 1020, "min_kv_length": 1, "max_kv_length": 1024}]},
+     "contexts[0].prefill_tokens=1020: expected at most 772: measuring a point adds up to "
+     "252 tokens, which must stay within max_kv_length=1024"),
+    (VERIFY_CALIBRATION, {"request_buckets": [1, 2], "warmup_steps": 1000000,
+                          "window_steps": 1000000},
+     "contexts=built-in default: a context limit of 1024 tokens cannot hold 12000012 tokens"),
+    (["--speculative_algorithm=MTP", "--num_speculative_tokens=3",
+      "--enable_adaptive_draft_step=true", "--adaptive_draft_step_config=c.json"],
+     {"version": 1, "calibration": CONTEXTS_PAST_1024},
+     "--adaptive_draft_step_config=c.json: calibration.contexts[0].max_kv_length=2000: "
+     "expected at most the model's context limit 1024"),
+])
+def test_config_refuses_calibration_contexts_the_builtin_target_cannot_hold(
+        tmp_path: Path, flags: list[str], settings: dict[str, Any], words: str) -> None:
+    """Before, config passed them and the start refused them once the models had loaded."""
+    (tmp_path / "c.json").write_text(json.dumps(settings))
+    done = subprocess.run([sys.executable, "-m", "adaspec", "config", *flags],
+                          capture_output=True, text=True, check=False, timeout=120,
+                          cwd=tmp_path)
+    assert (done.returncode, done.stdout, done.stderr.count("\n")) == (2, "", 1), done.stderr
+    assert words in done.stderr
+
+
+def test_config_and_the_start_refuse_calibration_contexts_in_the_same_words(
+        tmp_path: Path) -> None:
+    (tmp_path / "c.json").write_text(json.dumps(CONTEXTS_PAST_1024))
+    lines = [subprocess.run([sys.executable, "-m", "adaspec", *command, *VERIFY_CALIBRATION],
+                            capture_output=True, text=True, check=False, timeout=120,
+                            cwd=tmp_path).stderr.partition("error: ")[2]
+             for command in (["config"], ["calibrate",
+                                          "--adaptive_target_verify_cost_table_output=t.json"])]
+    assert lines[0] == lines[1] != ""
 
 
 GENERATE = ["--prompt", "ROMEO.", "--max_tokens=4", "--temperature=0"]

@@ -9,6 +9,7 @@ from adaspec import __version__
 from adaspec.cli.flags import CommandFlags, Flag, launch_settings
 from adaspec.config import RULES, LaunchConfig, load_config
 from adaspec.config.builtin import (
+    builtin_checkpoints,
     check_builtin_limits,
     check_checkpoint_folders,
     check_checkpoint_launch,
@@ -74,8 +75,12 @@ def run(argv: Sequence[str]) -> int:
     # the captured geometry are compared when the runtime starts. Imported here: it loads
     # scipy, which would make every command start slower (and longer to interrupt cleanly).
     from adaspec.policies.bundles import check_saved_table
+    from adaspec.policies.grid import check_calibration_contexts
 
     check_saved_table(effective.launch)
+    known = builtin_checkpoints(effective.launch)
+    if known is not None:  # a checkpoint's context limit is known once it loads
+        check_calibration_contexts(effective, known[1])
     document = {"adaspec_version": __version__, **effective.as_dict()}
     print(json.dumps(document, indent=2))
     return 0

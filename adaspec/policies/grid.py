@@ -9,14 +9,22 @@ slots cannot hold.
 """
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Literal
 
-from adaspec.config.calibration import ContextInterval
-from adaspec.errors import ConfigError
+from adaspec.config.calibration import DEFAULT_CONTEXTS, CalibrationConfig, ContextInterval
+from adaspec.config.effective import EffectiveConfig
+from adaspec.errors import MISSING, ConfigError
 from adaspec.policies.costs import grid_components
 
 DEFAULT_PREFILL = 2048
 DEFAULT_MAX_KV = 4096
+
+Axis = Literal["rows", "depth"]
+
+MIN_FITTED_WINDOW_STEPS = 4
+"""The fewest window steps built-in settings shrink to for a short context; below it a
+window would time too few intervals to mean anything."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,3 +144,95 @@ def check_contexts(contexts: Sequence[ContextInterval], context_limit: int, prog
                               f"expected at most {room}: measuring a point adds up to "
                               f"{progress} tokens, which must stay within max_kv_length="
                               f"{context.max_kv_length}")
+
+
+@dataclass(frozen=True, slots=True)
+class CalibrationSource:
+    """The calibration a launch runs at start: its settings (None: the built-in ones), the
+    axis it measures, what leads a key path in an error about them (``prefix``), and what
+    to name for settings no file gave (``unset``)."""
+
+    settings: CalibrationConfig | None
+    over: Axis
+    prefix: str
+    unset: str
+
+
+def calibration_source(config: EffectiveConfig) -> CalibrationSource | None:
+    """The calibration ``config``'s launch runs at start; None when it runs none (no
+    adaptive control, or adaptive verify priced by a saved table)."""
+    launch = config.launch
+    if launch.enable_adaptive_draft_step:
+        path = launch.adaptive_draft_step_config
+        prefix = _file_prefix("adaptive_draft_step_config", path, "calibration.",
+                              "draft-step calibration: ")
+        unset = ("--adaptive_draft_step_config" if path is None
+                 else f"--adaptive_draft_step_config={path}: calibration")
+        settings = None if config.draft_step is None else config.draft_step.calibration
+        return CalibrationSource(settings, "depth", prefix, unset)
+    if not launch.enable_adaptive_target_verify or \
+            launch.adaptive_target_verify_cost_table is not None:
+        return None
+    prefix = _file_prefix("adaptive_target_verify_calibration",
+                          launch.adaptive_target_verify_calibration, "", "calibration: ")
+    return CalibrationSource(config.target_verify_calibration, "rows", prefix,
+                             "--adaptive_target_verify_calibration")
+
+
+def check_calibration_contexts(config: EffectiveConfig, context_limit: int) -> None:
+    """Refuse the calibration ``config``'s launch would run when its contexts do not fit a
+    target of ``context_limit`` tokens, as the start refuses it (for ``adaspec config``,
+    which knows a built-in target's limit without loading it)."""
+    source = calibration_source(config)
+    if source is None or source.settings is None:  # the built-in settings fit any model
+        return
+    width = config.launch.num_speculative_tokens
+    settings = fitted_to_context(source.settings, width, context_limit, source.unset)
+    effective_contexts(settings, width, context_limit, source.prefix)
+
+
+
+def effective_contexts(settings: CalibrationConfig, width: int, context_limit: int,
+                       prefix: str) -> tuple[ContextInterval, ...]:
+    """The default interval fitted to the model, or the given ones checked against it
+    (``prefix`` leads each key path in an error, as ``probe_grid``'s)."""
+    progress = sampling_progress(width, settings.warmup_steps, settings.window_steps)
+    if settings.contexts == DEFAULT_CONTEXTS:
+        return default_contexts(context_limit, progress, prefix)
+    check_contexts(settings.contexts, context_limit, progress, prefix)
+    return settings.contexts
+
+
+def fitted_to_context(settings: CalibrationConfig, width: int, context_limit: int,
+                      unset: str) -> CalibrationConfig:
+    """Settings no file gave, shortened for a model whose context cannot hold the progress of
+    their windows: fewer window steps, with warm-up kept at a quarter of them, down to
+    ``MIN_FITTED_WINDOW_STEPS``. Settings from a file are the user's and stay as given.
+    ``unset`` names the flag (and section) that would give them."""
+    if settings.source != "default":
+        return settings
+    room = min(context_limit, DEFAULT_CONTEXTS[0].max_kv_length) - 1  # a prefill needs one
+    window = settings.window_steps
+    while sampling_progress(width, window // 4, window) > room:
+        if window <= MIN_FITTED_WINDOW_STEPS:
+            need = sampling_progress(width, MIN_FITTED_WINDOW_STEPS // 4,
+                                     MIN_FITTED_WINDOW_STEPS) + 1
+            raise ConfigError(unset, MISSING,
+                              f"not given, and the built-in calibration needs a context of "
+                              f"at least {need} tokens at width {width}, more than the "
+                              f"model's limit of {context_limit}; give a file with fewer "
+                              "warmup_steps or window_steps")
+        window -= 1
+    if window == settings.window_steps:
+        return settings
+    return replace(settings, warmup_steps=min(settings.warmup_steps, window // 4),
+                   window_steps=window)
+
+
+
+
+def _file_prefix(flag: str, path: str | None, section: str, built_in: str) -> str:
+    """What leads a key path in an error about calibration settings checked against the
+    model at start: the flag and file, as the file's load-time errors name them, and the
+    section the settings sit in; ``built_in`` for settings no file gave."""
+    return built_in if path is None else f"--{flag}={path}: {section}"

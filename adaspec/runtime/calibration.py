@@ -29,15 +29,15 @@ import json
 import logging
 import random
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Literal, TypeVar
+from dataclasses import dataclass, field
+from typing import TypeVar
 
-from adaspec.config.calibration import DEFAULT_CONTEXTS, CalibrationConfig, ContextInterval
+from adaspec.config.calibration import CalibrationConfig, ContextInterval
 from adaspec.config.effective import EffectiveConfig
 from adaspec.config.files import read_json_object
 from adaspec.config.launch import LaunchConfig
 from adaspec.config.requests import SamplingParams
-from adaspec.errors import MISSING, AdaspecError, ConfigError
+from adaspec.errors import AdaspecError, ConfigError
 from adaspec.policies.base import (
     BudgetContext,
     DepthContext,
@@ -55,11 +55,12 @@ from adaspec.policies.bundles import (
 )
 from adaspec.policies.costs import CostSample, fit, grid_components
 from adaspec.policies.grid import (
+    Axis,
     ProbeGrid,
-    check_contexts,
-    default_contexts,
+    calibration_source,
+    effective_contexts,
+    fitted_to_context,
     probe_grid,
-    sampling_progress,
 )
 from adaspec.runtime.devices.buckets import BindingRegistry, BucketGeometry
 from adaspec.runtime.devices.streams import DeviceStream
@@ -73,14 +74,8 @@ from adaspec.runtime.rounds import DeviceContext
 from adaspec.runtime.states import RoundHooks
 
 T = TypeVar("T")
-Axis = Literal["rows", "depth"]
 
 LOG = logging.getLogger("adaspec.calibration")
-
-MIN_FITTED_WINDOW_STEPS = 4
-"""The fewest window steps built-in settings shrink to for a short context; below it a
-window would time too few intervals to mean anything."""
-
 
 class CalibrationError(AdaspecError):
     """A grid point could not be measured."""
@@ -142,43 +137,6 @@ class CalibrationPlan:
         if self.rows_points:
             settings["rows_points"] = [[bucket, rows] for bucket, rows in self.rows_points]
         return settings
-
-
-def effective_contexts(settings: CalibrationConfig, width: int, context_limit: int,
-                       prefix: str) -> tuple[ContextInterval, ...]:
-    """The default interval fitted to the model, or the given ones checked against it
-    (``prefix`` leads each key path in an error, as ``probe_grid``'s)."""
-    progress = sampling_progress(width, settings.warmup_steps, settings.window_steps)
-    if settings.contexts == DEFAULT_CONTEXTS:
-        return default_contexts(context_limit, progress, prefix)
-    check_contexts(settings.contexts, context_limit, progress, prefix)
-    return settings.contexts
-
-
-def fitted_to_context(settings: CalibrationConfig, width: int, context_limit: int,
-                      unset: str) -> CalibrationConfig:
-    """Settings no file gave, shortened for a model whose context cannot hold the progress of
-    their windows: fewer window steps, with warm-up kept at a quarter of them, down to
-    ``MIN_FITTED_WINDOW_STEPS``. Settings from a file are the user's and stay as given.
-    ``unset`` names the flag (and section) that would give them."""
-    if settings.source != "default":
-        return settings
-    room = min(context_limit, DEFAULT_CONTEXTS[0].max_kv_length) - 1  # a prefill needs one
-    window = settings.window_steps
-    while sampling_progress(width, window // 4, window) > room:
-        if window <= MIN_FITTED_WINDOW_STEPS:
-            need = sampling_progress(width, MIN_FITTED_WINDOW_STEPS // 4,
-                                     MIN_FITTED_WINDOW_STEPS) + 1
-            raise ConfigError(unset, MISSING,
-                              f"not given, and the built-in calibration needs a context of "
-                              f"at least {need} tokens at width {width}, more than the "
-                              f"model's limit of {context_limit}; give a file with fewer "
-                              "warmup_steps or window_steps")
-        window -= 1
-    if window == settings.window_steps:
-        return settings
-    return replace(settings, warmup_steps=min(settings.warmup_steps, window // 4),
-                   window_steps=window)
 
 
 def plan_calibration(settings: CalibrationConfig | None, geometry: BucketGeometry,
@@ -526,34 +484,20 @@ def cost_source(config: EffectiveConfig, compatibility: Compatibility,
     """Where a launch's costs come from, checked before any device work: the calibration
     plan it runs at start, or the saved table (checked against ``compatibility``); neither
     without an adaptive control."""
-    launch = config.launch
-    if launch.enable_adaptive_draft_step:
-        assert config.draft_step is not None  # the launch's rules require it
-        prefix = _file_prefix("adaptive_draft_step_config", launch.adaptive_draft_step_config,
-                              "calibration.", "draft-step calibration: ")
-        path = launch.adaptive_draft_step_config
-        unset = ("--adaptive_draft_step_config" if path is None
-                 else f"--adaptive_draft_step_config={path}: calibration")
-        return plan_depth_calibration(config.draft_step.calibration, geometry,
-                                      context_limit, prefix, unset), None
-    if not launch.enable_adaptive_target_verify:
+    source = calibration_source(config)
+    if source is not None and source.over == "depth":
+        assert source.settings is not None  # the launch's rules require a draft-step config
+        return plan_depth_calibration(source.settings, geometry, context_limit, source.prefix,
+                                      source.unset), None
+    if source is not None:
+        return plan_calibration(source.settings, geometry, context_limit, source.prefix,
+                                source.unset), None
+    path = config.launch.adaptive_target_verify_cost_table
+    if path is None or not config.launch.enable_adaptive_target_verify:
         return None, None
-    path = launch.adaptive_target_verify_cost_table
-    if path is None:
-        prefix = _file_prefix("adaptive_target_verify_calibration",
-                              launch.adaptive_target_verify_calibration, "", "calibration: ")
-        return plan_calibration(config.target_verify_calibration, geometry,
-                                context_limit, prefix), None
     saved = load_bundle(path, read_json_object("adaptive_target_verify_cost_table", path))
     saved.check_compatible(compatibility, path, context_limit=context_limit)
     return None, saved
-
-
-def _file_prefix(flag: str, path: str | None, section: str, built_in: str) -> str:
-    """What leads a key path in an error about calibration settings checked against the
-    model at start: the flag and file, as the file's load-time errors name them, and the
-    section the settings sit in; ``built_in`` for settings no file gave."""
-    return built_in if path is None else f"--{flag}={path}: {section}"
 
 
 @dataclass(frozen=True, slots=True)
