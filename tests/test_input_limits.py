@@ -31,7 +31,29 @@ def test_a_launch_flag_of_thousands_of_digits_is_refused_in_one_line(
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert err.startswith("adaspec config: error: --max_seqs_per_batch=999")
-    assert err.endswith("expected an integer of at most 18 digits\n")
+    assert err.endswith("expected an integer of at most 4300 digits\n")
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["config", "--port=9999999999999999999999"],
+     "--port=9999999999999999999999: expected an integer in 1..65535"),
+    (["generate", "--prompt=a", "--temperature=0", "--max_tokens=2",
+      "--seed=99999999999999999999999"],
+     "--seed=99999999999999999999999: expected an integer in 0..1099511627775"),
+    (["generate", "--prompt=a", "--temperature=0", "--max_tokens=99999999999999999999"],
+     "--max_tokens=99999999999999999999: expected an integer in 1..1048576"),
+])
+def test_an_integer_flag_of_many_digits_is_refused_by_its_range(
+        argv: list[str], words: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before, past 18 digits the line gave the digit count, not what the flag takes."""
+    assert cli.run(argv) == 2
+    assert capsys.readouterr().err == f"adaspec {argv[0]}: error: {words}\n"
+
+
+def test_leading_zeros_do_not_count_against_an_integer_flags_digits(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.run(["config", "--max_seqs_per_batch=0000000000000000000016"]) == 0
+    assert '"max_seqs_per_batch": 16,' in capsys.readouterr().out
 
 
 def test_a_policy_width_of_thousands_of_digits_is_refused_in_one_line(

@@ -27,8 +27,10 @@ RETIRED_NAMES: dict[str, str] = {
 }
 
 _INT = re.compile(r"[+-]?[0-9]+")
-MAX_INT_DIGITS = 18
-"""Longer integers are refused as such: no launch setting comes near 10**18."""
+MAX_INT_DIGITS = 4300
+"""Integers with more significant digits are refused as such: int() reads no more by
+default, and takes long to read them where that limit is lifted. Shorter ones are read,
+so the setting's own range names what it takes."""
 
 
 def retired_name_error(setting: str, name: str, value: object) -> ConfigError:
@@ -105,7 +107,7 @@ def coerce(name: str, raw: object, hint: object) -> object:
     elif target is bool and raw.lower() in ("true", "false"):
         return raw.lower() == "true"
     elif target is int and _INT.fullmatch(raw.strip()):
-        if len(raw.strip().lstrip("+-")) > MAX_INT_DIGITS:  # int() refuses thousands of digits
+        if len(raw.strip().lstrip("+-").lstrip("0")) > MAX_INT_DIGITS:
             raise ConfigError(f"--{name}", raw, f"expected an integer of at most "
                               f"{MAX_INT_DIGITS} digits")
         return int(raw)
