@@ -22,22 +22,20 @@ from adaspec.models import ReferenceModels, load_reference_models
 from adaspec.policies.base import BudgetContext, DepthContext, covering_rows
 from adaspec.policies.bundles import Compatibility, CostBundle, bundle_from_dict
 from adaspec.policies.costs import CostSample, grid_components
+from adaspec.policies.grid import Axis
 from adaspec.policies.verify import choose_rows
 from adaspec.runtime.calibration import (
-    Axis,
     ForcedBudget,
     ForcedDepth,
     PointMeasured,
     Samples,
     fit_bundle,
-    plan_calibration,
-    plan_depth_calibration,
-    smaller_batch_rows,
 )
 from adaspec.runtime.devices.buckets import BucketGeometry
 from adaspec.runtime.engine import Runtime, RuntimeOptions
 from adaspec.runtime.events.log import read_event_log
 from adaspec.runtime.events.types import BudgetDecided
+from adaspec.runtime.plans import plan_calibration, plan_depth_calibration, smaller_batch_rows
 
 LAUNCH = {"speculative_algorithm": "DSpark", "num_speculative_tokens": 5,
           "max_seqs_per_batch": 4, "enable_adaptive_target_verify": True}

@@ -15,9 +15,13 @@ import pytest
 from cost_tables import SETTINGS, bundle, saved
 
 from adaspec import cli
+from adaspec.cli.flags import sampling_flag
+from adaspec.cli.serve import _integer as serve_integer
 from adaspec.config import load_config
 from adaspec.config.builtin import builtin_checkpoints
+from adaspec.config.environment import checked_threads
 from adaspec.config.flags import parse_argv
+from adaspec.config.launch import integer_text
 from adaspec.errors import ConfigError
 from adaspec.policies.bundles import load_bundle
 from adaspec.policies.workloads import synthetic
@@ -50,10 +54,23 @@ def test_an_integer_flag_of_many_digits_is_refused_by_its_range(
     assert capsys.readouterr().err == f"adaspec {argv[0]}: error: {words}\n"
 
 
+@pytest.mark.parametrize("zeros", [20, 4400])  # past int()'s 4300 digits too (round 33)
 def test_leading_zeros_do_not_count_against_an_integer_flags_digits(
-        capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.run(["config", "--max_seqs_per_batch=0000000000000000000016"]) == 0
+        zeros: int, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.run(["config", f"--max_seqs_per_batch={'0' * zeros}16"]) == 0
     assert '"max_seqs_per_batch": 16,' in capsys.readouterr().out
+
+
+def test_every_integer_a_user_types_is_read_alike() -> None:
+    """Before, these cut at 18 (or 8) characters and called a zero-padded 5 out of range."""
+    padded = "0" * 30 + "5"
+    assert sampling_flag("top_k", padded) == 5
+    assert serve_integer("max_queued_requests", padded, 1024, 1, 65536) == 5
+    assert checked_threads("ADASPEC_CPU_THREADS", padded) == 5
+    with pytest.raises(ConfigError, match=r"expected an integer in 0\.\.2147483647 \(0: off\)$"):
+        sampling_flag("top_k", "9" * 5000)
+    assert integer_text(" -007 ") == -7
+    assert integer_text("1_0") is integer_text("\u0665") is integer_text("") is None
 
 
 def test_a_policy_width_of_thousands_of_digits_is_refused_in_one_line(

@@ -105,7 +105,7 @@ def test_the_bench_is_a_client_below_the_command_line() -> None:
 
 
 RUNTIME_MODULES = {"__init__", "engine", "pipeline", "rounds", "unified", "split", "calibration",
-                   "drafting", "kv_slots", "requests", "ranks", "trace"}
+                   "plans", "drafting", "kv_slots", "requests", "ranks", "trace"}
 """What serves a round: the runtime's own modules beside states/, events/ and devices/."""
 
 

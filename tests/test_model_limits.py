@@ -23,6 +23,7 @@ from adaspec.errors import ConfigError
 from adaspec.models import load_reference_models
 from adaspec.models.families import FAMILIES
 from adaspec.models.limits import check_model_limits
+from adaspec.runtime.plans import check_calibration
 
 DSPARK_8 = ["--speculative_algorithm=DSpark", "--num_speculative_tokens=8"]
 
@@ -124,8 +125,10 @@ def test_config_refuses_a_tp_size_the_builtin_models_cannot_split(
 
 CONTEXTS_PAST_1024 = {"request_buckets": [1, 2], "contexts": [
     {"prefill_tokens": 512, "min_kv_length": 1, "max_kv_length": 2000}]}
+VERIFY_SETTINGS = {"speculative_algorithm": "DSpark", "num_speculative_tokens": 5,
+                   "enable_adaptive_target_verify": True, "max_seqs_per_batch": 2}
 VERIFY_CALIBRATION = ["--speculative_algorithm=DSpark", "--num_speculative_tokens=5",
-                      "--enable_adaptive_target_verify=true", "--max_seqs_per_batch=2",
+                      "--enable_adaptive_target_verify=true",
                       "--adaptive_target_verify_calibration=c.json"]
 
 
@@ -149,22 +152,47 @@ def test_config_refuses_calibration_contexts_the_builtin_target_cannot_hold(
         tmp_path: Path, flags: list[str], settings: dict[str, Any], words: str) -> None:
     """Before, config passed them and the start refused them once the models had loaded."""
     (tmp_path / "c.json").write_text(json.dumps(settings))
-    done = subprocess.run([sys.executable, "-m", "adaspec", "config", *flags],
-                          capture_output=True, text=True, check=False, timeout=120,
-                          cwd=tmp_path)
+    done = subprocess.run([sys.executable, "-m", "adaspec", "config", *flags,
+                           "--max_seqs_per_batch=2"], capture_output=True, text=True,
+                          check=False, timeout=120, cwd=tmp_path)
     assert (done.returncode, done.stdout, done.stderr.count("\n")) == (2, "", 1), done.stderr
     assert words in done.stderr
 
 
-def test_config_and_the_start_refuse_calibration_contexts_in_the_same_words(
-        tmp_path: Path) -> None:
-    (tmp_path / "c.json").write_text(json.dumps(CONTEXTS_PAST_1024))
-    lines = [subprocess.run([sys.executable, "-m", "adaspec", *command, *VERIFY_CALIBRATION],
-                            capture_output=True, text=True, check=False, timeout=120,
-                            cwd=tmp_path).stderr.partition("error: ")[2]
+@pytest.mark.parametrize(("settings", "flags"), [
+    (CONTEXTS_PAST_1024, ["--max_seqs_per_batch=2"]),
+    # Buckets 1 and 16 share no legal tier: the additive fit cannot join them (round 33).
+    ({"request_buckets": [1, 16]}, ["--max_seqs_per_batch=16"]),
+])
+def test_config_and_the_start_refuse_a_calibration_in_the_same_words(
+        tmp_path: Path, settings: dict[str, Any], flags: list[str]) -> None:
+    (tmp_path / "c.json").write_text(json.dumps(settings))
+    lines = [subprocess.run([sys.executable, "-m", "adaspec", *command, *VERIFY_CALIBRATION,
+                             *flags], capture_output=True, text=True, check=False,
+                            timeout=120, cwd=tmp_path).stderr.partition("error: ")[2]
              for command in (["config"], ["calibrate",
                                           "--adaptive_target_verify_cost_table_output=t.json"])]
     assert lines[0] == lines[1] != ""
+    assert "given twice" not in lines[0]
+
+
+def test_a_calibration_is_checked_without_the_models_context_where_it_is_not_known(
+        tmp_path: Path) -> None:
+    """A checkpoint's context limit is known once it loads: ``config`` checks the grid."""
+    def launch(settings: dict[str, Any], **flags: object) -> Any:
+        path = tmp_path / f"c{len(list(tmp_path.iterdir()))}.json"
+        path.write_text(json.dumps(settings))
+        return load_config({**VERIFY_SETTINGS, **flags,
+                            "adaptive_target_verify_calibration": str(path)})
+
+    past = launch(CONTEXTS_PAST_1024)
+    check_calibration(past, None)
+    with pytest.raises(ConfigError, match=r"max_kv_length=2000: expected at most the model's "):
+        check_calibration(past, 1024)
+    apart = launch({"request_buckets": [1, 16]}, max_seqs_per_batch=16)
+    with pytest.raises(ConfigError, match=r"json: request_buckets=\[1, 16\]: the additive "
+                                          r"grid of their legal tiers"):
+        check_calibration(apart, None)
 
 
 GENERATE = ["--prompt", "ROMEO.", "--max_tokens=4", "--temperature=0"]

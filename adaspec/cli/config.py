@@ -71,16 +71,16 @@ def run(argv: Sequence[str]) -> int:
     check_checkpoint_launch(effective.launch)
     check_checkpoint_folders(effective.launch)
     check_environment(effective.launch)  # the ADASPEC_* variables the start reads
-    # The saved table's contents and the fields the launch fixes; the model identities and
-    # the captured geometry are compared when the runtime starts. Imported here: it loads
-    # scipy, which would make every command start slower (and longer to interrupt cleanly).
+    # The saved table's contents and the fields the launch fixes, and the calibration the
+    # start would run; a checkpoint's identity and context limit are known once it loads.
+    # Imported here: they load scipy, which would make every command start slower (and
+    # longer to interrupt cleanly).
     from adaspec.policies.bundles import check_saved_table
-    from adaspec.policies.grid import check_calibration_contexts
+    from adaspec.runtime.plans import check_calibration
 
     check_saved_table(effective.launch)
     known = builtin_checkpoints(effective.launch)
-    if known is not None:  # a checkpoint's context limit is known once it loads
-        check_calibration_contexts(effective, known[1])
+    check_calibration(effective, None if known is None else known[1])
     document = {"adaspec_version": __version__, **effective.as_dict()}
     print(json.dumps(document, indent=2))
     return 0

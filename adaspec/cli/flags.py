@@ -24,7 +24,12 @@ from adaspec.availability import require_device
 from adaspec.config.builtin import check_builtin_limits, check_checkpoint_launch
 from adaspec.config.files import underflows
 from adaspec.config.flags import parse_argv
-from adaspec.config.launch import LaunchConfig, launch_field_types, torchrun_settings
+from adaspec.config.launch import (
+    LaunchConfig,
+    integer_text,
+    launch_field_types,
+    torchrun_settings,
+)
 from adaspec.config.requests import SamplingParams
 from adaspec.errors import MISSING, AdaspecError, ConfigError, InvalidRequest, OutputWriteError
 
@@ -279,7 +284,6 @@ def flag_lines(flags: Mapping[str, Flag]) -> list[str]:
 
 DECIMAL = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?", re.ASCII)
 """A number as a user writes one: no nan, inf, hex or digit separators (float() takes them)."""
-_INTEGER = re.compile(r"[+-]?\d{1,18}", re.ASCII)
 
 
 def sampling_flag(name: str, raw: str) -> int | float:
@@ -288,9 +292,9 @@ def sampling_flag(name: str, raw: str) -> int | float:
     flag."""
     text = raw.strip()
     value: int | float | None = None
-    if name == "top_k" and _INTEGER.fullmatch(text):
-        value = int(text)
-    elif name != "top_k" and DECIMAL.fullmatch(text) and math.isfinite(float(text)):
+    if name == "top_k":
+        value = integer_text(text)
+    elif DECIMAL.fullmatch(text) and math.isfinite(float(text)):
         value = float(text)  # 1e999 reads as inf: refused with the other non-numbers
         if underflows(text, value):  # a tiny number was asked for, not greedy decoding
             raise ConfigError(f"--{name}", raw, "a nonzero number below the smallest double; "

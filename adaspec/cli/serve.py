@@ -23,7 +23,7 @@ from adaspec.cli.flags import (
 )
 from adaspec.cli.generate import check_outputs
 from adaspec.config import load_config
-from adaspec.config.launch import LaunchConfig
+from adaspec.config.launch import LaunchConfig, integer_text
 from adaspec.config.requests import MAX_SEED
 from adaspec.errors import ConfigError, OutputWriteError
 from adaspec.models.launch import checkpoint_models, command_tokenizer
@@ -57,11 +57,10 @@ SERVE = CommandFlags(
 def _integer(name: str, raw: str | None, default: int, low: int, high: int) -> int:
     if raw is None:
         return default
-    text = raw.strip()
-    if not (text.isascii() and text.isdigit() and len(text) <= 18) or \
-            not low <= int(text) <= high:
+    value = integer_text(raw)
+    if value is None or not low <= value <= high:
         raise ConfigError(f"--{name}", raw, f"expected an integer in {low}..{high}")
-    return int(text)
+    return value
 
 
 def _model_name(raw: str | None, model: str) -> str:

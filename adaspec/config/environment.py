@@ -8,7 +8,7 @@ state trace to standard error or to a file (``runtime/trace.py``)."""
 import os
 from collections.abc import Mapping
 
-from adaspec.config.launch import LaunchConfig
+from adaspec.config.launch import LaunchConfig, integer_text
 from adaspec.config.paths import check_own_files, new_file
 from adaspec.errors import ConfigError
 
@@ -44,13 +44,11 @@ def cpu_stream_kind(environ: Mapping[str, str] | None = None) -> str:
 def checked_threads(setting: str, raw: object) -> int:
     """``raw`` as a thread count in 1..``MAX_CPU_THREADS``, or ``ConfigError`` naming
     ``setting``."""
-    text = str(raw).strip()
-    # The length test comes first: int() refuses strings of thousands of digits itself.
-    if isinstance(raw, bool) or not (text.isascii() and text.isdigit()) or len(text) > 8 \
-            or not 1 <= int(text) <= MAX_CPU_THREADS:
+    value = None if isinstance(raw, bool) else integer_text(str(raw))
+    if value is None or not 1 <= value <= MAX_CPU_THREADS:
         raise ConfigError(setting, raw, f"expected an integer in 1..{MAX_CPU_THREADS} (torch "
                           "intra-op threads of the cpu stream)")
-    return int(text)
+    return value
 
 
 def trace_destination(value: str | None) -> str | None:

@@ -10,13 +10,19 @@ import difflib
 import functools
 import inspect
 import numbers
-import re
 import textwrap
 import typing
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
-from adaspec.config.launch import LaunchConfig, describe_type, launch_field_types
+from adaspec.config.launch import (
+    BEYOND_INTEGERS,
+    MAX_INT_DIGITS,
+    LaunchConfig,
+    describe_type,
+    integer_text,
+    launch_field_types,
+)
 from adaspec.errors import MISSING, ConfigError
 
 # Names the specification retired. They are rejected, never mapped: a launch script that
@@ -26,11 +32,6 @@ RETIRED_NAMES: dict[str, str] = {
     "enable_adaptive_speculative_decode": "enable_adaptive_target_verify",
 }
 
-_INT = re.compile(r"[+-]?[0-9]+")
-MAX_INT_DIGITS = 4300
-"""Integers with more significant digits are refused as such: int() reads no more by
-default, and takes long to read them where that limit is lifted. Shorter ones are read,
-so the setting's own range names what it takes."""
 
 
 def retired_name_error(setting: str, name: str, value: object) -> ConfigError:
@@ -106,11 +107,11 @@ def coerce(name: str, raw: object, hint: object) -> object:
                 return choice
     elif target is bool and raw.lower() in ("true", "false"):
         return raw.lower() == "true"
-    elif target is int and _INT.fullmatch(raw.strip()):
-        if len(raw.strip().lstrip("+-").lstrip("0")) > MAX_INT_DIGITS:
+    elif target is int and (number := integer_text(raw)) is not None:
+        if abs(number) == BEYOND_INTEGERS:  # shown in an error, it could not be printed
             raise ConfigError(f"--{name}", raw, f"expected an integer of at most "
                               f"{MAX_INT_DIGITS} digits")
-        return int(raw)
+        return number  # the setting's own range names what it takes
     elif target is str and raw.strip():
         return raw
     expected = describe_type(hint)

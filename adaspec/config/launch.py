@@ -387,6 +387,27 @@ PER_RANK_SETTINGS = ("node_rank", "host", "port")
 """Launch settings each rank of one launch gives its own value; all others are the same."""
 
 
+MAX_INT_DIGITS = 4300
+"""Integers given as text with more significant digits read as ``BEYOND_INTEGERS``: int()
+reads no more by default, and takes long to read them where that limit is lifted."""
+BEYOND_INTEGERS = 10 ** MAX_INT_DIGITS
+"""Past every integer setting's range, as a longer integer is."""
+_INTEGER_TEXT = re.compile(r"[+-]?[0-9]+")
+
+
+def integer_text(text: str) -> int | None:
+    """``text`` read as every integer a user types is read: ASCII digits after an optional
+    sign, with surrounding space and leading zeros ignored; None for other text (int()
+    alone also takes other scripts' digits and underscores). More than ``MAX_INT_DIGITS``
+    significant digits read as +-``BEYOND_INTEGERS``, refused by any range."""
+    stripped = text.strip()
+    if not _INTEGER_TEXT.fullmatch(stripped):
+        return None
+    sign = -1 if stripped.startswith("-") else 1
+    digits = stripped.lstrip("+-").lstrip("0") or "0"
+    return sign * (BEYOND_INTEGERS if len(digits) > MAX_INT_DIGITS else int(digits))
+
+
 def ascii_digits(text: str, most: int = 8) -> bool:
     """Whether ``text`` is at most ``most`` ASCII digits: what int() reads as a count
     (``isdigit`` alone also takes superscripts, which int() refuses)."""

@@ -13,7 +13,6 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from adaspec.config.calibration import DEFAULT_CONTEXTS, CalibrationConfig, ContextInterval
-from adaspec.config.effective import EffectiveConfig
 from adaspec.errors import MISSING, ConfigError
 from adaspec.policies.costs import grid_components
 
@@ -73,7 +72,7 @@ def probe_grid(width: int, request_buckets: Sequence[int],
     grid = ProbeGrid(width=width, points=tuple(sorted(points)))
     _check_used(grid, target_graph_rows, prefix)
     if model == "additive":
-        check_connected(grid, prefix)
+        check_connected(grid, request_buckets, target_graph_rows, prefix)
     return grid
 
 
@@ -92,13 +91,22 @@ def _check_used(grid: ProbeGrid, target_graph_rows: Sequence[int] | None,
                           f"G={unused[0]} is not a captured tier of any sampled bucket")
 
 
-def check_connected(grid: ProbeGrid, prefix: str = "calibration: ") -> None:
-    """An additive fit is unique only when all buckets and G connect through shared G."""
+def check_connected(grid: ProbeGrid, request_buckets: Sequence[int],
+                    target_graph_rows: Sequence[int] | None, prefix: str) -> None:
+    """An additive fit is unique only when all buckets and G connect through shared G.
+    Refused naming the key that chose them: the G given, or else the buckets whose legal
+    tiers do not meet."""
     pieces = grid_components(grid.points)
-    if pieces > 1:
-        raise ConfigError(f"{prefix}target_graph_rows", list(grid.rows),
+    if pieces <= 1:
+        return
+    if target_graph_rows is not None:
+        raise ConfigError(f"{prefix}target_graph_rows", list(target_graph_rows),
                           f"the additive grid falls into {pieces} groups of buckets with no "
                           "G in common; add a G that the groups share, or use model sps")
+    raise ConfigError(f"{prefix}request_buckets", list(request_buckets),
+                      f"the additive grid of their legal tiers (G {list(grid.rows)}) falls "
+                      f"into {pieces} groups of buckets with no G in common; sample buckets "
+                      "that share a tier, give target_graph_rows, or use model sps")
 
 
 def sampling_progress(width: int, warmup_steps: int, window_steps: int) -> int:
@@ -146,52 +154,6 @@ def check_contexts(contexts: Sequence[ContextInterval], context_limit: int, prog
                               f"{context.max_kv_length}")
 
 
-@dataclass(frozen=True, slots=True)
-class CalibrationSource:
-    """The calibration a launch runs at start: its settings (None: the built-in ones), the
-    axis it measures, what leads a key path in an error about them (``prefix``), and what
-    to name for settings no file gave (``unset``)."""
-
-    settings: CalibrationConfig | None
-    over: Axis
-    prefix: str
-    unset: str
-
-
-def calibration_source(config: EffectiveConfig) -> CalibrationSource | None:
-    """The calibration ``config``'s launch runs at start; None when it runs none (no
-    adaptive control, or adaptive verify priced by a saved table)."""
-    launch = config.launch
-    if launch.enable_adaptive_draft_step:
-        path = launch.adaptive_draft_step_config
-        prefix = _file_prefix("adaptive_draft_step_config", path, "calibration.",
-                              "draft-step calibration: ")
-        unset = ("--adaptive_draft_step_config" if path is None
-                 else f"--adaptive_draft_step_config={path}: calibration")
-        settings = None if config.draft_step is None else config.draft_step.calibration
-        return CalibrationSource(settings, "depth", prefix, unset)
-    if not launch.enable_adaptive_target_verify or \
-            launch.adaptive_target_verify_cost_table is not None:
-        return None
-    prefix = _file_prefix("adaptive_target_verify_calibration",
-                          launch.adaptive_target_verify_calibration, "", "calibration: ")
-    return CalibrationSource(config.target_verify_calibration, "rows", prefix,
-                             "--adaptive_target_verify_calibration")
-
-
-def check_calibration_contexts(config: EffectiveConfig, context_limit: int) -> None:
-    """Refuse the calibration ``config``'s launch would run when its contexts do not fit a
-    target of ``context_limit`` tokens, as the start refuses it (for ``adaspec config``,
-    which knows a built-in target's limit without loading it)."""
-    source = calibration_source(config)
-    if source is None or source.settings is None:  # the built-in settings fit any model
-        return
-    width = config.launch.num_speculative_tokens
-    settings = fitted_to_context(source.settings, width, context_limit, source.unset)
-    effective_contexts(settings, width, context_limit, source.prefix)
-
-
-
 def effective_contexts(settings: CalibrationConfig, width: int, context_limit: int,
                        prefix: str) -> tuple[ContextInterval, ...]:
     """The default interval fitted to the model, or the given ones checked against it
@@ -227,12 +189,3 @@ def fitted_to_context(settings: CalibrationConfig, width: int, context_limit: in
         return settings
     return replace(settings, warmup_steps=min(settings.warmup_steps, window // 4),
                    window_steps=window)
-
-
-
-
-def _file_prefix(flag: str, path: str | None, section: str, built_in: str) -> str:
-    """What leads a key path in an error about calibration settings checked against the
-    model at start: the flag and file, as the file's load-time errors name them, and the
-    section the settings sit in; ``built_in`` for settings no file gave."""
-    return built_in if path is None else f"--{flag}={path}: {section}"

@@ -58,13 +58,7 @@ from adaspec.policies.bundles import (
     launch_fields,
 )
 from adaspec.policies.registry import BUILT_IN_CLASSES, make_budget_policy, make_depth_policy
-from adaspec.runtime.calibration import (
-    CalibrationPlan,
-    CalibrationRun,
-    Progress,
-    calibrate_on_stream,
-    cost_source,
-)
+from adaspec.runtime.calibration import CalibrationRun, Progress, calibrate_on_stream
 from adaspec.runtime.devices.buckets import BindingRegistry, BucketGeometry, preparation_order
 from adaspec.runtime.devices.collectives import (
     Collectives,
@@ -84,6 +78,7 @@ from adaspec.runtime.events.clock import CheckedClock, Clock, MonotonicClock, cl
 from adaspec.runtime.events.types import RequestArrived
 from adaspec.runtime.kv_slots import KvSlotSampling, KvSlotStates
 from adaspec.runtime.pipeline import Pipeline, RuntimeStatistics
+from adaspec.runtime.plans import CalibrationPlan, cost_source
 from adaspec.runtime.ranks import FollowerRefused, RankLink
 from adaspec.runtime.requests import Request, RequestHandle, check_prompt, prompt_ids
 from adaspec.runtime.rounds import CheckedDrafter, DeviceContext, Lockstep, StageHook
