@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from collections import Counter
@@ -590,6 +591,24 @@ def test_a_damaged_checkpoint_and_text_its_tokenizer_cannot_hold_are_one_line(
     assert done.returncode == 2
     assert done.stderr == ("adaspec generate: error: --prompt=ROM\u00c9O.: holds characters the "
                            "checkpoint's tokenizer cannot encode (they would read as <unk>)\n")
+
+
+def test_serve_refuses_a_port_in_use_before_its_checkpoint_loads(
+        llama: Family, tmp_path: Path) -> None:
+    """Before, the checkpoint loaded first: a large one took seconds to say the port was in
+    use. A checkpoint that cannot load shows which came first."""
+    _, target_dir, _, _ = llama
+    damaged = tmp_path / "damaged"
+    shutil.copytree(target_dir, damaged)
+    (damaged / "model.safetensors").write_bytes(b"\0" * 16)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = _run("serve", f"--model={damaged}", f"--port={port}")
+    assert (done.returncode, done.stderr) == (2, f"adaspec serve: error: --port={port}: cannot "
+                                              f"listen on 127.0.0.1:{port}: Address already in "
+                                              "use\n")
 
 
 def test_a_character_the_vocabulary_lacks_is_refused_beside_a_spelled_unknown_token(

@@ -670,7 +670,7 @@ def test_a_second_signal_during_an_abandoned_start_ends_the_server_at_once() -> 
     assert {lines[-2]["signal"], lines[-1]["signal"]} == {"SIGINT", "SIGTERM"}
     assert lines[-2]["reason"] == "signalled during the start, which is abandoned"
     assert lines[-1]["reason"] == "a second signal ends the server at once"
-    assert server.returncode == 128 + signal.Signals[lines[-1]["signal"]]
+    assert server.returncode == 128 + signal.Signals[lines[-2]["signal"]]  # the first's
 
 # --- adaspec bench --url -----------------------------------------------------------------------
 def _bench(*flags: str) -> subprocess.CompletedProcess[str]:

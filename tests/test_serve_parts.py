@@ -32,6 +32,7 @@ from adaspec.bench.load import (
 )
 from adaspec.bench.url import report_text
 from adaspec.config import SamplingParams, load_config
+from adaspec.errors import AdaspecError
 from adaspec.models.tokenizer import ByteTokenizer
 from adaspec.runtime.engine import Runtime
 from adaspec.runtime.events.types import RequestFinished
@@ -362,22 +363,26 @@ async def mtp_runtime() -> AsyncIterator[Runtime]:
 
 
 class SignalledAsItStarts(Runtime):  # the fault: the signal comes as the start ends
-    def __init__(self, drain: asyncio.Event) -> None:
+    def __init__(self, drain: asyncio.Event, fails: bool) -> None:
         super().__init__(load_config({"speculative_algorithm": "MTP",
                                       "num_speculative_tokens": 3}))
-        self.drain = drain
+        self.drain, self.fails = drain, fails
 
     async def start(self) -> None:
         await super().start()
         self.drain.set()
+        if self.fails:  # as a start's collective fails once the signalled peer rank left
+            raise AdaspecError("collective tp_all_reduce over ranks [0, 1] failed; rank 1 "
+                               "stopped")
 
 
 @pytest.mark.asyncio
-async def test_a_signal_that_comes_as_the_start_ends_still_abandons_it() -> None:
+@pytest.mark.parametrize("fails", [False, True], ids=["ended", "failed"])
+async def test_a_signal_that_comes_as_the_start_ends_still_abandons_it(fails: bool) -> None:
     """The signal's line has said the start is abandoned. Before, the ended start won: the
-    server said it was ready, then drained."""
+    server said it was ready, then drained; or it failed with the start's error, exit 2."""
     drain = asyncio.Event()
-    runtime = SignalledAsItStarts(drain)
+    runtime = SignalledAsItStarts(drain, fails)
     try:
         assert await _start_unless_signalled(runtime, drain) is False
     finally:

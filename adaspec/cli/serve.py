@@ -23,6 +23,7 @@ from adaspec.cli.flags import (
 )
 from adaspec.cli.generate import check_outputs
 from adaspec.config import load_config
+from adaspec.config.builtin import uses_builtin_models
 from adaspec.config.launch import LaunchConfig, integer_text
 from adaspec.config.requests import MAX_SEED
 from adaspec.errors import ConfigError, OutputWriteError
@@ -95,7 +96,7 @@ def _check_own_ports(launch: LaunchConfig) -> None:
 
 def run(argv: Sequence[str]) -> int:
     from adaspec.serve.app import ServeSettings
-    from adaspec.serve.server import follow_front, json_logger, serve_http
+    from adaspec.serve.server import check_listenable, follow_front, json_logger, serve_http
 
     parsed = SERVE.parse(argv)
     if parsed.help:
@@ -118,6 +119,8 @@ def run(argv: Sequence[str]) -> int:
                              trace=outputs.get("trace"),
                              calibration_progress=progress_reporter(sys.stderr),
                              command_flags=parsed.given)
+    if launch.node_rank == 0 and not uses_builtin_models(launch):  # they load before it listens
+        check_listenable(launch.host, launch.port)
     models = checkpoint_models(launch, rank_device(launch))
     runtime = Runtime(config, models=models, options=options)
     log = json_logger(sys.stderr)

@@ -103,13 +103,14 @@ class Signals:
     """SIGTERM and SIGINT as events on the loop. The first asks for a drain (``drain``); one
     during the start abandons it. A second asks rank 0, once started, to end what is in
     flight (``now``); anywhere else it ends the process at once, after its log line, with the
-    status a shell gives that signal (128 + its number): a follower's requests are rank 0's,
-    and an abandoned start has none."""
+    status a shell gives the first signal (128 + its number), as every command does: a
+    follower's requests are rank 0's, and an abandoned start has none."""
 
     def __init__(self, log: Any, *, rank: int = 0) -> None:
         self.drain = asyncio.Event()
         self.now = asyncio.Event()
         self.started = False  # set once the runtime started: the drain then has work to do
+        self._first: signal.Signals | None = None  # it gives the exit status, as in commands
         self._log = log
         self._rank = {"rank": rank} if rank else {}  # a follower's lines name it
         self._previous: dict[signal.Signals, Any] = {}  # the handlers install replaced
@@ -122,9 +123,10 @@ class Signals:
         self._previous = {}
 
     def _received(self, number: signal.Signals) -> None:
-        if self.drain.is_set():
-            self._second(number)
+        if self._first is not None:
+            self._second(number, self._first)
             return
+        self._first = number
         self.drain.set()
         if not self.started:
             self._log.info("stopping", **self._rank, signal=number.name,
@@ -133,14 +135,14 @@ class Signals:
             self._log.info("draining", **self._rank, signal=number.name,
                            until="rank 0 has drained its requests and stops this rank")
 
-    def _second(self, number: signal.Signals) -> None:
+    def _second(self, number: signal.Signals, first: signal.Signals) -> None:
         if self.started and not self._rank:
             self.now.set()
             return
         self._log.info("stopped", **self._rank, signal=number.name,
                        reason=f"a second signal ends {'this rank' if self._rank else 'the server'}"
                               " at once")
-        os._exit(128 + number)
+        os._exit(128 + first)
 
 
 async def serve_http(runtime: Runtime, tokenizer: Tokenizer, settings: ServeSettings, *,
@@ -238,9 +240,28 @@ def taken_signals() -> tuple[signal.Signals, ...]:
 
 
 async def _listen(runner: web.AppRunner, host: str, port: int) -> None:
-    site = web.TCPSite(runner, host, port, reuse_address=True)
+    with _listen_errors(host, port):
+        await web.TCPSite(runner, host, port, reuse_address=True).start()
+
+
+def check_listenable(host: str, port: int) -> None:
+    """Refuse, in the words of the server's own listen, a ``host:port`` it could not listen
+    on: for a launch that loads its checkpoints before the server listens (seconds, for a
+    large one), so a port in use is still refused before any model loads."""
+    async def listen_and_close() -> None:
+        with _listen_errors(host, port):
+            server = await asyncio.get_running_loop().create_server(
+                asyncio.Protocol, host, port, reuse_address=True)  # as aiohttp's site binds
+        server.close()
+        await server.wait_closed()
+
+    asyncio.run(listen_and_close())
+
+
+@contextmanager
+def _listen_errors(host: str, port: int) -> Iterator[None]:
     try:
-        await site.start()
+        yield
     except socket.gaierror as error:
         raise ConfigError("--host", host, f"cannot be resolved: {error.strerror}") from None
     except OSError as error:
@@ -252,14 +273,15 @@ async def _listen(runner: web.AppRunner, host: str, port: int) -> None:
 async def _start_unless_signalled(runtime: Runtime, drain: asyncio.Event) -> bool:
     """Start the runtime unless a signal comes first (False then: ``runtime.stop()``
     abandons the start, or stops one that ended as the signal came, which said it abandons
-    it). A failed start raises its own error."""
+    it). A failed start raises its own error, unless a signal came: the start was abandoned,
+    and a launcher signals every rank, so it may have failed for a rank that stopped."""
     started = asyncio.ensure_future(runtime.start())
     signalled = asyncio.ensure_future(drain.wait())
     done, _ = await asyncio.wait({started, signalled}, return_when=asyncio.FIRST_COMPLETED)
     signalled.cancel()
-    if started in done:
+    if started in done and not drain.is_set():
         started.result()
-        return not drain.is_set()
+        return True
     started.cancel()
     await asyncio.gather(started, return_exceptions=True)
     return False
