@@ -73,6 +73,18 @@ def test_every_integer_a_user_types_is_read_alike() -> None:
     assert integer_text("1_0") is integer_text("\u0665") is integer_text("") is None
 
 
+def test_an_interpreter_that_reads_fewer_digits_is_held_to_its_own_limit(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """PYTHONINTMAXSTRDIGITS=640: an integer past it could be neither read nor shown."""
+    before = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(640)
+    try:
+        assert cli.run(["config", f"--port={'9' * 700}"]) == 2
+    finally:
+        sys.set_int_max_str_digits(before)
+    assert capsys.readouterr().err.endswith("...: expected an integer of at most 640 digits\n")
+
+
 def test_a_policy_width_of_thousands_of_digits_is_refused_in_one_line(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     workload, table = tmp_path / "w.jsonl", tmp_path / "costs.json"

@@ -17,11 +17,11 @@ from typing import Literal
 
 from adaspec.config.launch import (
     BEYOND_INTEGERS,
-    MAX_INT_DIGITS,
     LaunchConfig,
     describe_type,
     integer_text,
     launch_field_types,
+    most_int_digits,
 )
 from adaspec.errors import MISSING, ConfigError
 
@@ -110,7 +110,7 @@ def coerce(name: str, raw: object, hint: object) -> object:
     elif target is int and (number := integer_text(raw)) is not None:
         if abs(number) == BEYOND_INTEGERS:  # shown in an error, it could not be printed
             raise ConfigError(f"--{name}", raw, f"expected an integer of at most "
-                              f"{MAX_INT_DIGITS} digits")
+                              f"{most_int_digits()} digits")
         return number  # the setting's own range names what it takes
     elif target is str and raw.strip():
         return raw

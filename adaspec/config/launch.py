@@ -10,6 +10,7 @@ combination rules of the specification in ``adaspec.config.rules``. Settings lef
 import functools
 import ipaddress
 import re
+import sys
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -405,7 +406,13 @@ def integer_text(text: str) -> int | None:
         return None
     sign = -1 if stripped.startswith("-") else 1
     digits = stripped.lstrip("+-").lstrip("0") or "0"
-    return sign * (BEYOND_INTEGERS if len(digits) > MAX_INT_DIGITS else int(digits))
+    return sign * (BEYOND_INTEGERS if len(digits) > most_int_digits() else int(digits))
+
+
+def most_int_digits() -> int:
+    """``MAX_INT_DIGITS``, or fewer where the interpreter reads fewer (set by
+    ``PYTHONINTMAXSTRDIGITS``): a longer integer could be neither read nor shown."""
+    return min(MAX_INT_DIGITS, sys.get_int_max_str_digits() or MAX_INT_DIGITS)
 
 
 def ascii_digits(text: str, most: int = 8) -> bool:
