@@ -7,6 +7,7 @@ import gzip
 import io
 import json
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -32,7 +33,7 @@ from adaspec.bench.load import (
 )
 from adaspec.bench.url import report_text
 from adaspec.config import SamplingParams, load_config
-from adaspec.errors import AdaspecError
+from adaspec.errors import AdaspecError, ConfigError
 from adaspec.models.tokenizer import ByteTokenizer
 from adaspec.runtime.engine import Runtime
 from adaspec.runtime.events.types import RequestFinished
@@ -134,7 +135,6 @@ def test_a_model_that_is_no_string_is_a_400_not_a_missing_model(given: object,
 def test_the_servers_signals_go_back_to_the_handlers_they_had() -> None:
     """Before, they went back to the system's default: a SIGTERM while rank 0 stopped after
     a lost rank killed it (-15) with no line."""
-    import signal
 
     def command_handler(number: int, frame: object) -> None:  # the command's own
         raise AssertionError("not called here")
@@ -381,12 +381,31 @@ class SignalledAsItStarts(Runtime):  # the fault: the signal comes as the start 
 async def test_a_signal_that_comes_as_the_start_ends_still_abandons_it(fails: bool) -> None:
     """The signal's line has said the start is abandoned. Before, the ended start won: the
     server said it was ready, then drained; or it failed with the start's error, exit 2."""
-    drain = asyncio.Event()
-    runtime = SignalledAsItStarts(drain, fails)
+    signals = Signals(json_logger(io.StringIO()))
+    runtime = SignalledAsItStarts(signals.drain, fails)
     try:
-        assert await _start_unless_signalled(runtime, drain) is False
+        assert await _start_unless_signalled(runtime, signals) is False
     finally:
         await runtime.stop()
+    assert (signals.starting, signals.started) == (False, False)
+
+
+@pytest.mark.asyncio
+async def test_a_signal_after_a_failed_start_does_not_say_it_abandons_the_start() -> None:
+    """Round 34: the start failed, then the signal (handled while the server closed) said
+    the start was abandoned, above the start's error."""
+    logged = io.StringIO()
+    signals = Signals(json_logger(logged))
+    runtime = Runtime(load_config({"speculative_algorithm": "MTP", "num_speculative_tokens": 3,
+                                   "max_seqs_per_batch": 65536}))  # refused at the start
+    try:
+        with pytest.raises(ConfigError, match="--max_seqs_per_batch=65536"):
+            await _start_unless_signalled(runtime, signals)
+    finally:
+        await runtime.stop()
+    signals._received(signal.SIGTERM)
+    assert signals.drain.is_set()
+    assert logged.getvalue() == ""
 
 
 def _lines(stream: io.StringIO) -> list[dict[str, object]]:

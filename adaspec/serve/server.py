@@ -109,6 +109,7 @@ class Signals:
     def __init__(self, log: Any, *, rank: int = 0) -> None:
         self.drain = asyncio.Event()
         self.now = asyncio.Event()
+        self.starting = True  # until the start ended, or failed, or was abandoned
         self.started = False  # set once the runtime started: the drain then has work to do
         self._first: signal.Signals | None = None  # it gives the exit status, as in commands
         self._log = log
@@ -128,10 +129,10 @@ class Signals:
             return
         self._first = number
         self.drain.set()
-        if not self.started:
+        if self.starting:
             self._log.info("stopping", **self._rank, signal=number.name,
                            reason="signalled during the start, which is abandoned")
-        elif self._rank:  # rank 0 says so as its drain begins, with what is in flight
+        elif self.started and self._rank:  # rank 0 says so as its drain begins
             self._log.info("draining", **self._rank, signal=number.name,
                            until="rank 0 has drained its requests and stops this rank")
 
@@ -161,8 +162,7 @@ async def serve_http(runtime: Runtime, tokenizer: Tokenizer, settings: ServeSett
             await _listen(runner, host, port)
             url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
             log.info("listening", url=url, state=server.state)
-            if await _start_unless_signalled(runtime, signals.drain):
-                signals.started = True
+            if await _start_unless_signalled(runtime, signals):
                 server.state = READY
                 runtime.subscribe(server.metrics.observe)
                 log.info("ready", url=url, model=settings.model_name)
@@ -201,8 +201,7 @@ async def follow_front(runtime: Runtime, log: Any) -> None:
     signals = Signals(log, rank=runtime.rank)
     signals.install(loop)
     try:
-        if await _start_unless_signalled(runtime, signals.drain):
-            signals.started = True
+        if await _start_unless_signalled(runtime, signals):
             await runtime.serve()
     finally:
         try:
@@ -270,21 +269,27 @@ def _listen_errors(host: str, port: int) -> Iterator[None]:
         raise ConfigError(flag, value, f"cannot listen on {host}:{port}: {reason}") from None
 
 
-async def _start_unless_signalled(runtime: Runtime, drain: asyncio.Event) -> bool:
+async def _start_unless_signalled(runtime: Runtime, signals: Signals) -> bool:
     """Start the runtime unless a signal comes first (False then: ``runtime.stop()``
     abandons the start, or stops one that ended as the signal came, which said it abandons
     it). A failed start raises its own error, unless a signal came: the start was abandoned,
-    and a launcher signals every rank, so it may have failed for a rank that stopped."""
-    started = asyncio.ensure_future(runtime.start())
-    signalled = asyncio.ensure_future(drain.wait())
-    done, _ = await asyncio.wait({started, signalled}, return_when=asyncio.FIRST_COMPLETED)
-    signalled.cancel()
-    if started in done and not drain.is_set():
-        started.result()
-        return True
-    started.cancel()
-    await asyncio.gather(started, return_exceptions=True)
-    return False
+    and a launcher signals every rank, so it may have failed for a rank that stopped. A
+    signal once the start is over no longer says it abandons it."""
+    try:
+        started = asyncio.ensure_future(runtime.start())
+        signalled = asyncio.ensure_future(signals.drain.wait())
+        done, _ = await asyncio.wait({started, signalled},
+                                     return_when=asyncio.FIRST_COMPLETED)
+        signalled.cancel()
+        if started in done and not signals.drain.is_set():
+            started.result()
+            signals.started = True
+            return True
+        started.cancel()
+        await asyncio.gather(started, return_exceptions=True)
+        return False
+    finally:
+        signals.starting = False
 
 
 async def _serve_until_drained(runtime: Runtime, server: CompletionServer, signals: Signals,
