@@ -265,6 +265,13 @@ except KeyboardInterrupt:
 """
 
 
+def _end(process: subprocess.Popen[str]) -> None:
+    """Kill a process a test left running (it failed before the process ended)."""
+    if process.poll() is None:
+        process.kill()
+        process.communicate()
+
+
 @pytest.mark.parametrize(("ctrl_c", "signals", "shutdown", "status", "said"), [
     # A job a script starts in the background ignores Ctrl-C; SIGTERM cancels it all the same.
     (signal.SIG_IGN, [signal.SIGTERM], "ends", 143, "terminated"),
@@ -288,9 +295,7 @@ def test_the_first_signal_cancels_the_main_task_and_decides_the_status(
             process.send_signal(number)
         out, err = process.communicate(timeout=PROCESS_LIMIT_S)
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
+        _end(process)
     assert (process.returncode, out, err) == (status, "", f"adaspec test: {said}\n")
 
 
@@ -315,9 +320,7 @@ def test_an_inherited_ignored_ctrl_c_stays_ignored_while_adaspec_exits() -> None
         process.send_signal(signal.SIGINT)
         out, _ = process.communicate("\n", timeout=PROCESS_LIMIT_S)
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
+        _end(process)
     assert (process.returncode, out) == (0, "ignored\n")
 
 
@@ -435,9 +438,7 @@ def test_a_second_signal_ends_a_command_whose_loop_is_busy_at_once() -> None:
         process.send_signal(signal.SIGTERM)
         out, errors = process.communicate(timeout=PROCESS_LIMIT_S)
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
+        _end(process)
     assert (process.returncode, out, errors) == (143, "", "adaspec test: terminated\n")
 
 
