@@ -395,7 +395,7 @@ EXPECTED_PROMPT = ("expected the prompt's token ids in order: a list or tuple of
     (torch.tensor([[65, 66]]), "Tensor of 2 dimensions and dtype torch.int64"),
     (np.array([65.0]), "ndarray of 1 dimensions and dtype float64"),
     (torch.empty(3, dtype=torch.int64, device="meta"), "Tensor on the meta device"),
-    ([65, 66.0], "66.0"),
+    ([65, 66.0], "66.0"),  # named by its index, as below
 ])
 def test_a_prompt_that_is_no_ordered_sequence_of_ints_is_refused_naming_it(
         prompt: object, shown: str) -> None:
@@ -407,7 +407,8 @@ def test_a_prompt_that_is_no_ordered_sequence_of_ints_is_refused_naming_it(
         try:
             with pytest.raises(InvalidRequest) as raised:
                 runtime.submit(prompt, params)  # type: ignore[arg-type]
-            assert str(raised.value).startswith(f"request field prompt={shown}: "
+            field = "prompt[1]" if shown == "66.0" else "prompt"
+            assert str(raised.value).startswith(f"request field {field}={shown}: "
                                                 f"{EXPECTED_PROMPT}")
         finally:
             await runtime.stop()

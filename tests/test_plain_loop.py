@@ -95,8 +95,8 @@ def test_max_tokens_one_emits_the_prefill_token_only(models: ReferenceModels) ->
 @pytest.mark.parametrize(("prompt", "message"), [
     ([], r"prompts\[0\]=0 tokens: expected 1..1023 tokens"),
     ([65] * 1024, r"prompts\[0\]=1024 tokens: expected 1..1023 tokens"),
-    ([65, 256], r"prompts\[0\]=256: expected token ids in 0..255"),
-    ([-1], r"prompts\[0\]=-1: expected token ids in 0..255")])
+    ([65, 256], r"prompts\[0\]\[1\]=256: expected a token id in 0..255"),
+    ([-1], r"prompts\[0\]\[0\]=-1: expected a token id in 0..255")])
 def test_prompts_the_runtime_would_refuse_are_refused(models: ReferenceModels, prompt: list[int],
                                                       message: str) -> None:
     with pytest.raises(InvalidRequest, match=message):

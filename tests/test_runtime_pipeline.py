@@ -285,8 +285,8 @@ def test_requests_the_launch_cannot_honour_are_refused_before_execution(
         with pytest.raises(InvalidRequest, match=r"request field prompt=1024 tokens: expected "
                                                  r"1\.\.1023 tokens"):
             runtime.submit([65] * 1024, SamplingParams(temperature=0.0, max_tokens=4))
-        with pytest.raises(InvalidRequest, match="request field prompt=300: expected token ids "
-                                                 r"in 0\.\.255"):
+        with pytest.raises(InvalidRequest, match=r"request field prompt\[1\]=300: expected a "
+                                                 r"token id in 0\.\.255"):
             runtime.submit([65, 300], SamplingParams(temperature=0.0, max_tokens=4))
         with pytest.raises(InvalidRequest, match="request field top_k=3: filters sampled "
                                                  "requests only"):

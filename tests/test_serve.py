@@ -162,7 +162,8 @@ REFUSED = [  # (body, status, param named)
     (_base(prompt=None), 400, "prompt"),
     (_base(prompt=""), 400, "prompt"),
     (_base(prompt=[]), 400, "prompt"),
-    (_base(prompt=[65, 300]), 400, "prompt"),
+    (_base(prompt=[65, 300]), 400, "prompt[1]"),  # the id out of the vocabulary, by its index
+    (_base(prompt=[[65], [66, -3]]), 400, "prompt[1][1]"),
     (_base(prompt=["ok", 5]), 400, "prompt[1]"),
     (_base(prompt=["ok", "x" * 1100]), 400, "prompt[1]"),
     (_base(prompt="\ud800"), 400, "prompt"),
@@ -645,6 +646,22 @@ def test_a_second_signal_ends_a_follower_at_once_with_its_line() -> None:
     assert last["reason"] == "a second signal ends this rank at once"
 
 
+def test_a_signal_during_the_start_abandons_it_and_exits_0_as_a_drain() -> None:
+    """The exit status of a server stopped as asked, started or not; its log says which."""
+    server = subprocess.Popen([sys.executable, "-m", "adaspec", "serve", f"--port={free_port()}",
+                               "--max_seqs_per_batch=64"], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, env=peer_environment(), cwd=REPO)
+    try:
+        _wait_for_listening(server)
+        server.send_signal(signal.SIGTERM)
+        _, errors = server.communicate(timeout=PROCESS_LIMIT_S)
+    finally:
+        _end(server)
+    events = [json.loads(line)["event"] for line in errors.splitlines()]
+    assert events[-2:] == ["stopping", "stopped"], errors
+    assert "ready" not in events, errors
+    assert server.returncode == 0, errors
+
 
 def test_a_second_signal_during_an_abandoned_start_ends_the_server_at_once() -> None:
     """Before, the second signal was noted for a drain that never came: the server went on
@@ -653,12 +670,7 @@ def test_a_second_signal_during_an_abandoned_start_ends_the_server_at_once() -> 
                                "--max_seqs_per_batch=64"], stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True, env=peer_environment(), cwd=REPO)
     try:
-        assert server.stderr is not None
-        for line in iter(server.stderr.readline, ""):  # "" once it ended
-            if '"listening"' in line:  # the start begins
-                break
-        else:
-            raise AssertionError("the server ended before it listened")
+        _wait_for_listening(server)
         # Two of a kind pending at once would be taken as one; these two are two, in some order.
         server.send_signal(signal.SIGINT)
         server.send_signal(signal.SIGTERM)
@@ -671,6 +683,16 @@ def test_a_second_signal_during_an_abandoned_start_ends_the_server_at_once() -> 
     assert lines[-2]["reason"] == "signalled during the start, which is abandoned"
     assert lines[-1]["reason"] == "a second signal ends the server at once"
     assert server.returncode == 128 + signal.Signals[lines[-2]["signal"]]  # the first's
+
+
+def _wait_for_listening(server: subprocess.Popen[str]) -> None:
+    """Read the server's log up to its ``listening`` line, where its start begins."""
+    assert server.stderr is not None
+    for line in iter(server.stderr.readline, ""):  # "" once it ended
+        if '"listening"' in line:
+            return
+    raise AssertionError("the server ended before it listened")
+
 
 # --- adaspec bench --url -----------------------------------------------------------------------
 def _bench(*flags: str) -> subprocess.CompletedProcess[str]:

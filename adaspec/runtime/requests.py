@@ -30,18 +30,18 @@ def prompt_ids(prompt: object, field: str = "prompt") -> tuple[int, ...]:
     if isinstance(prompt, str) or not isinstance(prompt, Sequence):
         raise InvalidRequest(field, type(prompt).__name__, PROMPT_EXPECTED)
     ids = []
-    for token in prompt:
+    for index, token in enumerate(prompt):
         if isinstance(token, bool) or not isinstance(token, numbers.Integral):
-            raise InvalidRequest(field, repr(token), f"{PROMPT_EXPECTED} (got an item of type "
-                                 f"{type(token).__name__})")
+            raise InvalidRequest(f"{field}[{index}]", repr(token), f"{PROMPT_EXPECTED} (got an "
+                                 f"item of type {type(token).__name__})")
         ids.append(int(token))
     return tuple(ids)
 
 
 def check_prompt(target: TargetModel, prompt: tuple[int, ...], field: str = "prompt") -> None:
-    """Refuse, naming ``field``, a prompt the target cannot decode: 1 .. context_limit - 1
-    tokens (the first generated token needs a position), ids in the vocabulary. ``prompt``
-    is what ``prompt_ids`` made of it."""
+    """Refuse, naming ``field`` (and the id's index in it), a prompt the target cannot decode:
+    1 .. context_limit - 1 tokens (the first generated token needs a position), ids in the
+    vocabulary. ``prompt`` is what ``prompt_ids`` made of it."""
     limit = target.context_limit - 1
     if not 1 <= len(prompt) <= limit:
         raise InvalidRequest(field, f"{len(prompt)} tokens",
@@ -49,9 +49,10 @@ def check_prompt(target: TargetModel, prompt: tuple[int, ...], field: str = "pro
                              f"{target.context_limit}, and the first generated token "
                              "needs a position)")
     vocab = target.vocab_size
-    bad = next((t for t in prompt if not 0 <= t < vocab), None)
+    bad = next((index for index, token in enumerate(prompt) if not 0 <= token < vocab), None)
     if bad is not None:
-        raise InvalidRequest(field, bad, f"expected token ids in 0..{vocab - 1}")
+        raise InvalidRequest(f"{field}[{bad}]", prompt[bad],
+                             f"expected a token id in 0..{vocab - 1}")
 
 
 class RequestFailed(AdaspecError):

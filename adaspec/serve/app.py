@@ -298,6 +298,9 @@ class CompletionServer:
             if error.field == "prompt":
                 shown = prompt if isinstance(prompt, str) else error.value
                 raise bad_field(field_name, shown, error.expected) from None
+            if error.field.startswith("prompt["):  # one id of the prompt, by its index
+                raise bad_field(field_name + error.field.removeprefix("prompt"), error.value,
+                                error.expected) from None
             raise refused(error) from None
 
     async def _encode(self, text: str) -> list[int]:
