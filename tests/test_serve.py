@@ -575,6 +575,9 @@ def test_rank_0_serves_http_while_the_other_dp_shard_decodes_its_share(
         assert follower.returncode == 0, errors
     finally:
         _end(follower)
+    lines = [json.loads(line) for line in errors.splitlines()]
+    assert [(line["event"], line["rank"]) for line in (lines[0], lines[-1])] == [
+        ("starting", 1), ("stopped", 1)], errors
 
 
 @pytest.mark.parametrize("follower_ends", ["by SIGTERM", "killed"])
@@ -628,12 +631,7 @@ def test_a_second_signal_ends_a_follower_at_once_with_its_line() -> None:
         front = start_server(*common, "--node_rank=0")
         try:
             follower.send_signal(signal.SIGTERM)
-            assert follower.stderr is not None
-            for line in iter(follower.stderr.readline, ""):  # "" once it ended
-                if '"draining"' in line:
-                    break
-            else:
-                raise AssertionError("the follower ended before it said it drains")
+            _wait_for_line(follower, "draining")
             follower.send_signal(signal.SIGTERM)
             _, errors = follower.communicate(timeout=PROCESS_LIMIT_S)
         finally:
@@ -646,13 +644,28 @@ def test_a_second_signal_ends_a_follower_at_once_with_its_line() -> None:
     assert last["reason"] == "a second signal ends this rank at once"
 
 
+def test_a_follower_signalled_while_its_start_waits_for_rank_0_says_it_stopped() -> None:
+    """Before, its log ended at ``stopping``: nothing said the rank had stopped."""
+    follower = _start_follower(_two_ranks("--collective_timeout_s=60"))  # rank 0 never comes
+    try:
+        _wait_for_line(follower, "starting")
+        follower.send_signal(signal.SIGTERM)
+        _, errors = follower.communicate(timeout=PROCESS_LIMIT_S)
+    finally:
+        _end(follower)
+    lines = [json.loads(line) for line in errors.splitlines()]
+    assert [line["event"] for line in lines[-2:]] == ["stopping", "stopped"], errors
+    assert {line["rank"] for line in lines} == {1}, errors
+    assert follower.returncode == 0, errors
+
+
 def test_a_signal_during_the_start_abandons_it_and_exits_0_as_a_drain() -> None:
     """The exit status of a server stopped as asked, started or not; its log says which."""
     server = subprocess.Popen([sys.executable, "-m", "adaspec", "serve", f"--port={free_port()}",
                                "--max_seqs_per_batch=64"], stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True, env=peer_environment(), cwd=REPO)
     try:
-        _wait_for_listening(server)
+        _wait_for_line(server, "listening")  # the start begins
         server.send_signal(signal.SIGTERM)
         _, errors = server.communicate(timeout=PROCESS_LIMIT_S)
     finally:
@@ -670,7 +683,7 @@ def test_a_second_signal_during_an_abandoned_start_ends_the_server_at_once() -> 
                                "--max_seqs_per_batch=64"], stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True, env=peer_environment(), cwd=REPO)
     try:
-        _wait_for_listening(server)
+        _wait_for_line(server, "listening")  # the start begins
         # Two of a kind pending at once would be taken as one; these two are two, in some order.
         server.send_signal(signal.SIGINT)
         server.send_signal(signal.SIGTERM)
@@ -685,13 +698,13 @@ def test_a_second_signal_during_an_abandoned_start_ends_the_server_at_once() -> 
     assert server.returncode == 128 + signal.Signals[lines[-2]["signal"]]  # the first's
 
 
-def _wait_for_listening(server: subprocess.Popen[str]) -> None:
-    """Read the server's log up to its ``listening`` line, where its start begins."""
+def _wait_for_line(server: subprocess.Popen[str], event: str) -> None:
+    """Read the server's log up to its first ``event`` line."""
     assert server.stderr is not None
     for line in iter(server.stderr.readline, ""):  # "" once it ended
-        if '"listening"' in line:
+        if f'"event": "{event}"' in line:
             return
-    raise AssertionError("the server ended before it listened")
+    raise AssertionError(f"the server ended before its {event!r} line")
 
 
 # --- adaspec bench --url -----------------------------------------------------------------------

@@ -196,11 +196,15 @@ async def follow_front(runtime: Runtime, log: Any) -> None:
     """A rank behind rank 0: decode its requests until it stops this rank. A launcher such as
     torchrun signals every rank at once, so the first SIGTERM or SIGINT here only says so:
     rank 0 drains its requests, which need this rank, then stops it. A second signal ends the
-    process at once (``Signals``); a signal during the start abandons it, as on rank 0."""
+    process at once (``Signals``); a signal during the start abandons it, as on rank 0. Its
+    log begins with ``starting`` (the start waits for every rank) and ends with ``stopped``,
+    as rank 0's does with ``listening`` and ``stopped``."""
     loop = asyncio.get_running_loop()
-    signals = Signals(log, rank=runtime.rank)
+    rank = runtime.rank
+    signals = Signals(log, rank=rank)
     signals.install(loop)
     try:
+        log.info("starting", rank=rank, until="every rank has joined the start")
         if await _start_unless_signalled(runtime, signals):
             await runtime.serve()
     finally:
@@ -208,6 +212,7 @@ async def follow_front(runtime: Runtime, log: Any) -> None:
             await runtime.stop()
         finally:  # a second signal while this rank stops still ends it at once
             signals.remove(loop)
+    log.info("stopped", rank=rank)
 
 
 def take_signals(loop: asyncio.AbstractEventLoop, handler: Callable[[signal.Signals], object]
