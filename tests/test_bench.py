@@ -460,6 +460,9 @@ def test_a_run_without_a_fixed_arm_says_so_and_shows_no_interval(tmp_path: Path)
     (["--plot=out.txt"], "--plot=out.txt: expected a .png file name"),
     (["--event_log_dir=/nonexistent/dir"], "--event_log_dir=/nonexistent/dir: expected an "
                                            "existing directory"),
+    # A folder no file can be made in, named by the flag (it was the runtime's "event_log").
+    (["--arms=none", "--event_log_dir=/proc/self"], "--event_log_dir=/proc/self/none.jsonl: "
+                                                    "expected a file in a writable directory"),
     (["--model=/models/other"], "--draft_model: required with --model=/models/other"),
     (["--num_speculative_tokens=five"], "--num_speculative_tokens=five: expected an integer"),
     # An adaptive flag whose arm does not run would be ignored; its file is never read.

@@ -292,6 +292,7 @@ def check_outputs(choices: Choices, arm_names: Sequence[str],
             if path_status("--event_log_dir", os.path.join(folder, log), follow=False):
                 raise ConfigError("--event_log_dir", folder, f"{log} exists already; expected "
                                   "a folder without this bench's logs")
+            new_file("--event_log_dir", os.path.join(folder, log))  # as the runtime names it
             _own_file(outputs, os.path.join(folder, log), f"--event_log_dir={folder}")
     if choices.plot is not None:
         _own_file(outputs, choices.plot, f"--plot={choices.plot}")
