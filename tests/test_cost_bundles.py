@@ -200,6 +200,12 @@ def test_coverage_gaps_have_no_price() -> None:
      r"log-additive"),
     (lambda d: d["profiles"][0]["table"].update(kind={}),
      r"profiles\[0\]\.table\.kind=\{\}: expected sps, additive or log-additive"),
+    # A kind left out (or misspelt) is missing, as any other key: before, it showed as null.
+    (lambda d: d["profiles"][0]["table"].pop("kind"),
+     r"profiles\[0\]\.table\.kind=missing: expected this key: sps, additive or "
+     r"log-additive$"),
+    (lambda d: d["profiles"][0]["table"].update(kind=None),
+     r"profiles\[0\]\.table\.kind=null: expected sps, additive or log-additive$"),
     (lambda d: d["settings"]["points"].append([2, 1]),
      r"settings\.points\[9\]=\[2, 1\]: expected \[Bcap, G\] with Bcap in "
      r"compatibility\.request_buckets and G one of its compatibility\.target_rows"),

@@ -8,6 +8,7 @@ Damaged logs are written by hand from a good one, line by line.
 
 import json
 import re
+import sys
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -321,6 +322,23 @@ def test_a_deeply_nested_line(tmp_path: Path) -> None:
     read_error(damaged(tmp_path, lambda lines: lines.insert(2, "[" * 100_000 + "]" * 100_000
                                                                 + "\n")),
                3, "invalid JSON: nested too deeply; expected one event object per line")
+
+
+def test_an_integer_past_pythons_digit_limit_is_named_in_the_users_terms(
+        tmp_path: Path) -> None:
+    """Before, json's advice to call sys.set_int_max_str_digits() was the message."""
+    digits = sys.get_int_max_str_digits() + 1
+    read_error(damaged(tmp_path, lambda lines: lines.insert(2, f'{{"round": {"1" * digits}}}\n')),
+               3, f"invalid JSON: a number of more than {digits - 1} digits; no value of the "
+                  "file is that long")
+
+
+def test_a_byte_order_mark_is_named_as_the_workload_reader_names_it(tmp_path: Path) -> None:
+    def edit(lines: list[str]) -> None:
+        lines[0] = "\ufeff" + lines[0]
+
+    read_error(damaged(tmp_path, edit), 1,
+               "starts with a byte-order mark; expected UTF-8 JSON lines without one")
 
 
 def test_a_directory_is_not_a_log(tmp_path: Path) -> None:

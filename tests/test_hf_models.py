@@ -404,6 +404,10 @@ def test_a_draft_checkpoint_with_another_tokenizer_is_refused_naming_a_token(
     ('{"model_type": "falcon"}', "model_type='falcon': expected one of llama, mistral, "
                                  "qwen2, gpt2 (tested: llama, gpt2)"),
     ("{not json", "config.json is unreadable: "),
+    # Before, json's advice to call sys.set_int_max_str_digits() ended the line.
+    pytest.param('{"vocab_size": ' + "1" * 4301 + "}",
+                 "config.json is unreadable: a number of more than 4300 digits; no value of "
+                 "the file is that long", id="4301-digits"),
 ])
 def test_a_draft_checkpoint_with_a_bad_config_is_blamed_on_its_config_not_its_tokenizer(
         tmp_path: Path, llama: Family, config: str, words: str) -> None:

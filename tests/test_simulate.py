@@ -552,6 +552,17 @@ def test_a_file_of_neither_format_names_the_workload_flag_and_both_formats(
         'workload, docs/workload.md) or "adaspec-event-log" (an event log)\n')
 
 
+def test_a_first_line_with_an_integer_past_pythons_digits_is_named_so(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A JSON object all the same: before, it was called a line that is no object."""
+    path = tmp_path / "w.jsonl"
+    path.write_text('{"format": "adaspec-event-log", "version": ' + "1" * 4301 + "}\n")
+    assert cli.run(["simulate", f"--workload={path}", "--policy=fixed:1"]) == 2
+    assert capsys.readouterr().err == (
+        f"adaspec simulate: error: --workload={path}:1: invalid JSON: a number of more than "
+        "4300 digits; no value of the file is that long\n")
+
+
 DEPTH_SETTINGS = {"window_size": 2, "update_interval": 1, "switch_min_gain": 0.0}
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from adaspec.cli.flags import CommandFlags, Flag
 from adaspec.config.calibration import DraftStepPolicyConfig
-from adaspec.config.files import read_json_object
+from adaspec.config.files import json_fault, past_int_digits, read_json_object
 from adaspec.config.paths import read_regular
 from adaspec.errors import MISSING, ConfigError, EventLogError, IncompatibleCostTable
 from adaspec.policies.bundles import CostBundle, load_bundle
@@ -135,7 +135,12 @@ def _header_format(text: str, path: str) -> str:
                         if line.strip())
     try:
         header = json.loads(line)
-    except (ValueError, RecursionError):
+    except ValueError as error:
+        if past_int_digits(error):  # an object all the same: not a line of no format
+            raise ConfigError("--workload", f"{path}:{number}",
+                              f"invalid JSON: {json_fault(error)}") from None
+        header = None
+    except RecursionError:
         header = None
     given = header.get("format", MISSING) if isinstance(header, dict) else MISSING
     from adaspec.runtime.events.log import FORMAT as EVENT_LOG_FORMAT

@@ -125,10 +125,15 @@ def check_doubles(data: object) -> None:
                            for index, item in reversed(list(enumerate(value))))
 
 
+def past_int_digits(error: ValueError) -> bool:
+    """Whether json refused an integer longer than Python reads: valid JSON all the same."""
+    return "int_max_str_digits" in str(error)
+
+
 def json_fault(error: ValueError) -> str:
     """What json's own ValueError says, in the user's terms: an integer past Python's digit
     limit comes with advice for a programmer (``sys.set_int_max_str_digits``)."""
-    if "int_max_str_digits" in str(error):
+    if past_int_digits(error):
         return (f"a number of more than {sys.get_int_max_str_digits()} digits; no value of "
                 "the file is that long")
     return str(error)

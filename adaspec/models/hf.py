@@ -45,6 +45,7 @@ from typing import Any, NoReturn
 import torch
 from torch import Tensor
 
+from adaspec.config.files import json_fault
 from adaspec.config.paths import NotRegularFile, open_regular
 from adaspec.config.requests import MAX_STOP_TOKENS, is_neutral
 from adaspec.errors import ConfigError, InvalidRequest, show_value
@@ -192,8 +193,11 @@ def _read_json(path: str, flag: str, name: str) -> Any:
     except _DuplicateKey as error:
         raise ConfigError(flag, path, f"{name} gives the key {error} twice; expected each key "
                           "once (transformers would keep the last silently)") from None
-    except (UnicodeDecodeError, ValueError) as error:
+    except UnicodeDecodeError as error:
         raise ConfigError(flag, path, f"{name} is unreadable: {_reason(error)}") from None
+    except ValueError as error:  # json's words, less its advice to a programmer
+        reason = _reason(ValueError(json_fault(error)))
+        raise ConfigError(flag, path, f"{name} is unreadable: {reason}") from None
 
 
 class _NonFinite(Exception):

@@ -455,6 +455,8 @@ def table_from_dict(data: Mapping[str, object]) -> CostTable:
                 "residual_max_relative"}
     expected = {"sps": {"kind", "rows", "steps_per_second"}, "additive": additive,
                 "log-additive": additive}
+    if "kind" not in data:  # named as the bundle's readers name a missing key, not as null
+        raise ConfigError("kind", "missing", "expected this key: sps, additive or log-additive")
     if not isinstance(kind, str) or kind not in expected:  # a list or object is no kind
         raise ConfigError("kind", kind, "expected sps, additive or log-additive")
     keys = set(data)

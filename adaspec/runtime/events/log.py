@@ -15,6 +15,7 @@ fields and their types); ``check_run`` then checks the events as one run: their 
 ranges of their values, against what the header's launch fixes (``RunShape``).
 """
 
+import codecs
 import dataclasses
 import functools
 import json
@@ -24,7 +25,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, get_args, get_origin
 
-from adaspec.config.files import UnheldNumber, check_doubles, marked_double
+from adaspec.config.files import UnheldNumber, check_doubles, json_fault, marked_double
 from adaspec.config.launch import prepared_rows
 from adaspec.config.paths import NotRegularFile, open_regular
 from adaspec.config.requests import MAX_REQUEST_ID, MAX_SEED, SamplingParams, check_room
@@ -261,6 +262,9 @@ def _read_lines(name: str, file: BinaryIO) -> EventLog:
     first = next(lines, None)
     if first is None:
         raise EventLogError(name, None, "empty file; expected a header line first")
+    if first.startswith(codecs.BOM_UTF8):  # as the workload reader says it, not json's words
+        raise EventLogError(name, 1, "starts with a byte-order mark; expected UTF-8 JSON lines "
+                            "without one")
     header = LogHeader.parse(name, first)
     events = [_event(name, number, raw) for number, raw in enumerate(lines, start=2)]
     return EventLog(header, events)
@@ -291,8 +295,8 @@ def _json_line(name: str, number: int, raw: bytes) -> object:
                             f"{error.colno}{hint}") from None
     except UnheldNumber as error:  # valid JSON, with a number no double holds
         raise EventLogError(name, number, str(error)) from None
-    except ValueError as error:  # a repeated key or NaN: JSON that Python alone accepts
-        raise EventLogError(name, number, f"invalid JSON: {error}") from None
+    except ValueError as error:  # a repeated key, NaN, an integer past Python's digits
+        raise EventLogError(name, number, f"invalid JSON: {json_fault(error)}") from None
     except RecursionError:
         raise EventLogError(name, number, "invalid JSON: nested too deeply; expected one "
                             "event object per line") from None
