@@ -258,3 +258,48 @@ def test_a_rank_told_that_torchruns_agent_hosts_the_store_is_pointed_at_the_agen
                                               r"is the torchrun agent, which TORCHELASTIC_USE_"
                                               r"AGENT_STORE=True says hosts it, started there\?"):
         join_store("tcp://127.0.0.1:1", 2, Gathering(0.0, 0.0, lambda: False))
+
+
+HOST_A_STORE = """
+import datetime, signal, sys
+from torch.distributed import TCPStore
+store = TCPStore("127.0.0.1", int(sys.argv[1]), is_master=True, wait_for_workers=False,
+                 timeout=datetime.timedelta(seconds=60))
+print("up", flush=True)
+signal.pause()
+"""
+
+
+def test_a_store_call_on_a_frozen_rank_0_ends_at_the_answer_limit_not_the_deadline() -> None:
+    """Rank 0 frozen (SIGSTOP) between two of a follower's store calls, its arrival counted
+    and the arrivals not yet: before, the follower waited for the rendezvous deadline."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from rank_launch import free_port
+
+    from adaspec.runtime.devices.rendezvous import arrive, client, publish_layout
+
+    port = free_port()
+    host = subprocess.Popen([sys.executable, "-c", HOST_A_STORE, str(port)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert host.stdout is not None
+        assert host.stdout.readline() == "up\n"
+        store = client("127.0.0.1", port, datetime.timedelta(seconds=PROCESS_LIMIT_S))
+        layout = {"--nnodes": 2, "--dp_size": 1, "--tp_size": 1}
+        publish_layout(store, layout, Gathering(time.monotonic() + 60, 60, lambda: False))
+        host.send_signal(signal.SIGSTOP)
+        gathering = Gathering(time.monotonic() + 3600, 3600, lambda: False, answer_s=0.5)
+        with pytest.raises(CollectiveError) as info:
+            arrive(store, 1, layout, gathering)
+        assert info.value.reason == "rank 0 stopped: its rendezvous store gave no answer for 0.5 s"
+        host.send_signal(signal.SIGCONT)
+        store.check(["unfrozen"])  # after the call left waiting (one at a time): c10d would
+        # print pages of C++ frames for one cut off by the kill below
+    finally:
+        host.send_signal(signal.SIGCONT)
+        host.kill()
+        host.communicate()

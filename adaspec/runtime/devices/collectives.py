@@ -41,6 +41,7 @@ from adaspec.runtime.devices.rendezvous import (
     host_store,
     join_store,
     publish_layout,
+    silence_s,
     tcp_address,
     tell_failure,
     watch,
@@ -260,8 +261,11 @@ class DistributedCollectives:
         watches the others' heartbeats. A failure here is written down for the others."""
         rank, world_size = self.rank, self.world_size
         group = tuple(range(world_size))
+        beat_s = min(1.0, self.timeout.total_seconds() / 8)
+        # The store's calls once it answered (the layout, the arrivals) wait for a frozen
+        # rank 0 no longer than the heartbeats that follow them would.
         gathering = Gathering(time.monotonic() + timeout.total_seconds(),
-                              timeout.total_seconds(), stopped)
+                              timeout.total_seconds(), stopped, answer_s=silence_s(beat_s))
         # What every rank must share to create the same groups: a rank given another
         # layout would wait in new_group until the timeout, never reaching the launch check.
         layout = {"--nnodes": world_size, "--dp_size": self.dp_size, "--tp_size": self.tp_size}
@@ -279,9 +283,8 @@ class DistributedCollectives:
                 watcher = told = client(host, port, timeout)
                 if rank == 0:
                     publish_layout(store, layout, gathering)
-                liveness = self._liveness = Liveness(
-                    host, port, rank, world_size, min(1.0, self.timeout.total_seconds() / 8),
-                    connect_timeout=timeout)
+                liveness = self._liveness = Liveness(host, port, rank, world_size, beat_s,
+                                                     connect_timeout=timeout)
                 arrive(store, rank, layout, gathering)
                 await_every_rank(watcher, rank, world_size, liveness.beat_s, gathering)
             connecting = Connecting(self._connect_groups)

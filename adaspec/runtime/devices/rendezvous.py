@@ -46,14 +46,23 @@ STOPPED = "the start was stopped while waiting for the ranks"
 @dataclass(frozen=True, slots=True)
 class Gathering:
     """One start's wait for the ranks: until ``deadline`` (monotonic), ``timeout_s`` in all,
-    ended early once ``stopped()`` turns true."""
+    ended early once ``stopped()`` turns true. Once the store has answered, a call on it that
+    gives no answer for ``answer_s`` (None: no such limit) means rank 0, which hosts it, is
+    frozen: its wait ends then, not at the deadline."""
 
     deadline: float
     timeout_s: float
     stopped: Callable[[], bool]
+    answer_s: float | None = None
 
     def over(self) -> bool:
         return time.monotonic() >= self.deadline
+
+
+def silence_s(beat_s: float) -> float:
+    """How long a peer's heartbeat, or the store's answer, may be missing before the start
+    counts the rank behind it as stopped."""
+    return max((BEATS_TO_WAIT + 2) * beat_s, MIN_SILENCE_S)
 
 
 def _key(name: str) -> str:
@@ -293,7 +302,7 @@ class _Look:
     def __init__(self, watcher: TCPStore, rank: int, world_size: int, beat_s: float) -> None:
         self.watcher, self.rank, self.world_size = watcher, rank, world_size
         self.group = tuple(range(world_size))
-        self.silence_s = max((BEATS_TO_WAIT + 2) * beat_s, MIN_SILENCE_S)
+        self.silence_s = silence_s(beat_s)
         self.beats: dict[int, tuple[bytes, float]] = {}  # a peer's counter, and when it moved
 
     def step(self) -> list[int]:
@@ -354,12 +363,19 @@ def _answer(work: Callable[[], T], limit_s: float, group: tuple[int, ...]) -> T:
 
 def _until(work: Callable[[], T], gathering: Gathering, group: tuple[int, ...]) -> T:
     """``work`` on the store, waited for in steps until a few seconds past the gathering's
-    deadline, or until it is stopped."""
+    deadline, or its ``answer_s``, or until it is stopped."""
     call = StoreCall(work)
+    began = time.monotonic()
     while call.is_alive():
         call.join(STEP_S)
         _check_stopped(gathering.stopped, group)
-        if call.is_alive() and time.monotonic() >= gathering.deadline + MIN_SILENCE_S:
+        if not call.is_alive():
+            break
+        now = time.monotonic()
+        if gathering.answer_s is not None and now - began >= gathering.answer_s:
+            raise CollectiveError(OP, group, f"rank 0 stopped: its rendezvous store gave no "
+                                  f"answer for {gathering.answer_s:g} s")
+        if now >= gathering.deadline + MIN_SILENCE_S:
             raise CollectiveError(OP, group, "rank 0 stopped: its rendezvous store gave no "
                                   "answer")
     return call.result()
