@@ -243,6 +243,7 @@ ID_ARRAY = ("expected a token id (an integer): an array that starts with a numbe
     ([65, "B"], f"prompt[1]=B: {ID_ARRAY}"),
     ([65.0, 66], f"prompt[0]=65.0: {ID_ARRAY}"),
     (["A", 66], "prompt[1]=66: expected a non-empty string or a non-empty array of token ids"),
+    ([[65], [66, True]], "prompt[1][1]=true: expected a token id (an integer)"),
 ])
 def test_an_item_of_a_prompt_array_is_named_by_what_the_array_holds(
         prompt: list[object], message: str) -> None:

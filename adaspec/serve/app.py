@@ -284,7 +284,7 @@ class CompletionServer:
                 raise bad_field(field_name, token, f"expected token ids in 0..{vocab - 1}")
 
     async def _prompt_ids(self, job: CompletionJob, index: int) -> tuple[int, ...]:
-        field_name = "prompt" if len(job.prompts) == 1 else f"prompt[{index}]"
+        field_name = job.prompt_fields[index]
         prompt = job.prompts[index]
         try:
             ids = await self._encode(prompt) if isinstance(prompt, str) else prompt

@@ -101,6 +101,7 @@ class CompletionJob:
     """A checked completion request: one or more prompts decoded with the same sampling."""
 
     prompts: tuple[str | tuple[int, ...], ...]  # text, or token ids
+    prompt_fields: tuple[str, ...]  # each prompt's place in the body: prompt, or prompt[i]
     params: SamplingParams
     stop_strings: tuple[str, ...]
     stop_id_fields: tuple[tuple[str, int], ...]  # each stop token id and the field it came in
@@ -185,7 +186,7 @@ def read_completion(body: Mapping[str, Any], model: str, *,
                        f"{model!r}", param="model", code="model_not_found")
     stream = _flag(body, "stream")
     include_usage = _stream_options(body.get("stream_options"), stream)
-    prompts = _prompts(body.get("prompt"))
+    prompts, prompt_fields = _prompts(body.get("prompt"))
     stop_strings, stop_ids = _stops(body.get("stop"), body.get("stop_token_ids"))
     params = _sampling(body, tuple(i for _, i in stop_ids), temperature_rule)
     try:
@@ -196,7 +197,8 @@ def read_completion(body: Mapping[str, Any], model: str, *,
     if user is not None and not (isinstance(user, str) and len(user) <= MAX_USER_CHARS):
         raise bad_field("user", user, f"expected a string of at most {MAX_USER_CHARS} "
                         "characters (it is logged)")
-    return CompletionJob(prompts=prompts, params=params, stop_strings=stop_strings,
+    return CompletionJob(prompts=prompts, prompt_fields=prompt_fields, params=params,
+                         stop_strings=stop_strings,
                          stop_id_fields=stop_ids, stream=stream, include_usage=include_usage,
                          user=user)
 
@@ -251,15 +253,17 @@ PROMPT_EXPECTED = ("expected a string, an array of token ids, or an array of (at
                    f"{MAX_PROMPTS}) strings or arrays of token ids")
 
 
-def _prompts(prompt: object) -> tuple[str | tuple[int, ...], ...]:
+def _prompts(prompt: object) -> tuple[tuple[str | tuple[int, ...], ...], tuple[str, ...]]:
+    """The body's prompts, and the field each one is named by in an error: ``prompt`` for
+    the one prompt of a string or an array of ids, ``prompt[i]`` for an array's item."""
     if prompt is None:
         raise ApiError(400, f"prompt: missing; {PROMPT_EXPECTED}", param="prompt")
     if isinstance(prompt, str):
-        return (_text(prompt, "prompt"),)
+        return (_text(prompt, "prompt"),), ("prompt",)
     if not isinstance(prompt, list) or not prompt:
         raise bad_field("prompt", prompt, PROMPT_EXPECTED)
     if all(_is_id(token) for token in prompt):
-        return (tuple(prompt),)
+        return (tuple(prompt),), ("prompt",)
     if isinstance(prompt[0], int | float) and not isinstance(prompt[0], bool):
         # An array that starts with a number is one prompt's token ids: name what is not one.
         index, item = next((i, t) for i, t in enumerate(prompt) if not _is_id(t))
@@ -267,17 +271,22 @@ def _prompts(prompt: object) -> tuple[str | tuple[int, ...], ...]:
                         "that starts with a number is one prompt's token ids")
     if len(prompt) > MAX_PROMPTS:
         raise bad_field("prompt", f"{len(prompt)} prompts", PROMPT_EXPECTED)
-    prompts: list[str | tuple[int, ...]] = []
-    for index, item in enumerate(prompt):
-        field = f"prompt[{index}]"
-        if isinstance(item, str):
-            prompts.append(_text(item, field))
-        elif isinstance(item, list) and item and all(_is_id(token) for token in item):
-            prompts.append(tuple(item))
-        else:
-            raise bad_field(field, item, "expected a non-empty string or a non-empty array "
-                            "of token ids")
-    return tuple(prompts)
+    fields = tuple(f"prompt[{index}]" for index in range(len(prompt)))
+    return tuple(_prompt_item(item, field) for item, field in zip(prompt, fields, strict=True)), \
+        fields
+
+
+def _prompt_item(item: object, field: str) -> str | tuple[int, ...]:
+    """One prompt of an array of prompts: a string, or an array of token ids."""
+    if isinstance(item, str):
+        return _text(item, field)
+    if isinstance(item, list) and item and all(_is_id(token) for token in item):
+        return tuple(item)
+    if isinstance(item, list) and any(_is_id(token) for token in item):  # ids, one is not
+        place, token = next((i, t) for i, t in enumerate(item) if not _is_id(t))
+        raise bad_field(f"{field}[{place}]", token, "expected a token id (an integer)")
+    raise bad_field(field, item, "expected a non-empty string or a non-empty array of token "
+                    "ids")
 
 
 def _is_id(value: object) -> bool:
