@@ -504,6 +504,23 @@ def test_bad_flags_are_refused_in_one_line_before_anything_runs(
     assert captured.err.count("\n") == 1
 
 
+def test_event_logs_are_checked_under_the_names_each_rank_writes(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before, the check looked for none.jsonl: the arm's runtime found the file only as it
+    started (after the arms before it had run), and named its own "event_log"."""
+    from rank_launch import free_port
+
+    kept = tmp_path / "none.rank0.jsonl"
+    kept.write_text("keep\n")
+    assert cli.run(["bench", "--quick", "--arms=none", "--nnodes=2", "--node_rank=0",
+                    f"--master_node_addr=127.0.0.1:{free_port()}", "--collective_timeout_s=20",
+                    f"--event_log_dir={tmp_path}"]) == 2
+    assert capsys.readouterr().err == (
+        f"adaspec bench: error: --event_log_dir={tmp_path}: none.rank0.jsonl exists already; "
+        "expected a folder without this bench's logs\n")
+    assert kept.read_text() == "keep\n"
+
+
 def test_an_adaptive_arm_turned_off_by_its_flag_is_not_run(tmp_path: Path) -> None:
     arms, skipped = plan_arms({"speculative_algorithm": "MTP", "num_speculative_tokens": 3,
                                "enable_adaptive_target_verify": "false"},

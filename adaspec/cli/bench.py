@@ -57,7 +57,7 @@ from adaspec.cli.flags import (
 )
 from adaspec.config import SamplingParams
 from adaspec.config.builtin import builtin_checkpoints, uses_builtin_models
-from adaspec.config.environment import STDERR, TRACE_ENV, trace_destination
+from adaspec.config.environment import STDERR, TRACE_ENV, rank_file, trace_destination
 from adaspec.config.flags import coerce
 from adaspec.config.paths import existing_directory, new_file, path_status
 from adaspec.config.requests import MAX_SEED, MAX_TEMPERATURE, MIN_TEMPERATURE
@@ -266,7 +266,7 @@ def requests_per_level(choices: Choices) -> dict[int, int]:
     return {level: max(8, 2 * level) for level in choices.levels}
 
 
-def check_outputs(choices: Choices, arm_names: Sequence[str],
+def check_outputs(choices: Choices, arms: Sequence[Arm],
                   cost_table_output: str | None = None) -> None:
     """Output places are checked before anything runs: nothing is overwritten, and no two
     outputs (the event logs, the plot, the adaptive-verify arm's cost table) are one file."""
@@ -283,17 +283,20 @@ def check_outputs(choices: Choices, arm_names: Sequence[str],
     if choices.event_log_dir is not None:
         folder = choices.event_log_dir
         existing_directory("--event_log_dir", folder)
-        logged = [name for name in arm_names if name.split("@")[0] != PLAIN]
+        logged = [arm for arm in arms if arm.name.split("@")[0] != PLAIN]
         if not logged:
             raise ConfigError("--event_log_dir", folder, f"expected an arm that writes an "
-                              f"event log; {', '.join(arm_names)} runs outside the runtime")
-        for name in logged:
-            log = event_log_name(name)
-            if path_status("--event_log_dir", os.path.join(folder, log), follow=False):
-                raise ConfigError("--event_log_dir", folder, f"{log} exists already; expected "
-                                  "a folder without this bench's logs")
-            new_file("--event_log_dir", os.path.join(folder, log))  # as the runtime names it
-            _own_file(outputs, os.path.join(folder, log), f"--event_log_dir={folder}")
+                              f"event log; {', '.join(arm.name for arm in arms)} runs outside "
+                              "the runtime")
+        for arm in logged:
+            launch = arm.config.launch  # with several ranks, each writes a file of its own
+            path = rank_file(os.path.join(folder, event_log_name(arm.name)), launch.world_size,
+                             launch.node_rank)
+            if path_status("--event_log_dir", path, follow=False):
+                raise ConfigError("--event_log_dir", folder, f"{os.path.basename(path)} exists "
+                                  "already; expected a folder without this bench's logs")
+            new_file("--event_log_dir", path)
+            _own_file(outputs, path, f"--event_log_dir={folder}")
     if choices.plot is not None:
         _own_file(outputs, choices.plot, f"--plot={choices.plot}")
         if Path(choices.plot).suffix.lower() != ".png":
@@ -520,7 +523,7 @@ def run(argv: Sequence[str]) -> int:
             arms += dp1_twins(settings, arms, widths=choices.widths, quick=choices.quick,
                               levels=choices.levels, scratch=Path(scratch),
                               temperatures=choices.temperatures, cores=available_cores())
-        check_outputs(choices, [arm.name for arm in arms],
+        check_outputs(choices, arms,
                       next((arm.config.launch.adaptive_target_verify_cost_table_output
                             for arm in arms if arm.name == "adaptive-verify"), None))
         threads = torch_threads(arms)  # a bad ADASPEC_CPU_THREADS is refused before any run
