@@ -197,7 +197,10 @@ def test_an_unknown_format(tmp_path: Path) -> None:
     ("1e400", "time: 1e400 is beyond a double; expected a finite number"),
     ("5E-400", "time: 5E-400 is a nonzero number below the smallest double; expected 0 or a "
                "number a double can hold"),
-])
+    # Shown in part: before, the line held the whole number.
+    ("1" * 4000 + ".5", "time: " + "1" * 30 + "\\.\\.\\." + "1" * 18 + "\\.5 \\(4002 "
+     "characters\\) is beyond a double; expected a finite number"),
+], ids=["1e400", "5E-400", "4002-characters"])
 def test_a_number_a_double_cannot_be_is_refused(tmp_path: Path, number: str,
                                                 reason: str) -> None:
     def edit(lines: list[str]) -> None:
@@ -333,11 +336,13 @@ def test_an_integer_past_pythons_digit_limit_is_named_in_the_users_terms(
                   "file is that long")
 
 
-def test_a_byte_order_mark_is_named_as_the_workload_reader_names_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("line", [1, 3])
+def test_a_byte_order_mark_is_named_as_the_workload_reader_names_it(
+        tmp_path: Path, line: int) -> None:
     def edit(lines: list[str]) -> None:
-        lines[0] = "\ufeff" + lines[0]
+        lines[line - 1] = "\ufeff" + lines[line - 1]
 
-    read_error(damaged(tmp_path, edit), 1,
+    read_error(damaged(tmp_path, edit), line,
                "starts with a byte-order mark; expected UTF-8 JSON lines without one")
 
 

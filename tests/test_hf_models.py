@@ -408,6 +408,8 @@ def test_a_draft_checkpoint_with_another_tokenizer_is_refused_naming_a_token(
     pytest.param('{"vocab_size": ' + "1" * 4301 + "}",
                  "config.json is unreadable: a number of more than 4300 digits; no value of "
                  "the file is that long", id="4301-digits"),
+    ('\ufeff{"model_type": "llama"}', "config.json is unreadable: a byte-order mark before "
+                                       "the JSON; expected UTF-8 without one"),
 ])
 def test_a_draft_checkpoint_with_a_bad_config_is_blamed_on_its_config_not_its_tokenizer(
         tmp_path: Path, llama: Family, config: str, words: str) -> None:

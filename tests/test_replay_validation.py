@@ -459,15 +459,19 @@ def seed_too_large(records: Records) -> None:
     records[0]["seeds"]["run"] = 1 << 40
 
 
-def request_id_past_int64(records: Records) -> None:
+def request_id_past_int64(records: Records, past: int = 2**63) -> None:
     for record in records:
         if record.get("request_id") == 2:
-            record["request_id"] = 2**63
+            record["request_id"] = past
     for record in records:
         for ids in (record.get("request_ids"), record.get("context", {}).get("request_ids"),
                     record.get("feedback", {}).get("request_ids")):
             if ids is not None:
-                ids[:] = [2**63 if id == 2 else id for id in ids]
+                ids[:] = [past if id == 2 else id for id in ids]
+
+
+def request_id_of_4000_digits(records: Records) -> None:
+    request_id_past_int64(records, int("1" * 4000))
 
 
 IN_ORDER = ("(a round's stages complete once each, in the order draft, consensus, pack, "
@@ -674,6 +678,11 @@ DAMAGE: dict[str, tuple[Callable[[Records], None], int, str]] = {
         request_id_past_int64, 4, 'request_arrived event of request 9223372036854775808: '
         'field "request_id" expected an integer in 2..9223372036854775807 (requests arrive in '
         "increasing id order), got 9223372036854775808"),
+    # Shown in part: before, the line held the whole number, twice.
+    "request id of 4000 digits": (
+        request_id_of_4000_digits, 4, f'request_arrived event of request {"1" * 57}...: field '
+        '"request_id" expected an integer in 2..9223372036854775807 (requests arrive in '
+        f'increasing id order), got {"1" * 57}...'),
     "a setting given under a second label": (
         source_under_a_second_label, 1, 'header "config.launch.sources" gives '
         'speculative_algorithm as "flag" and num_speculative_tokens as "bogus"; a launch gives '

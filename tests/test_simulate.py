@@ -552,15 +552,27 @@ def test_a_file_of_neither_format_names_the_workload_flag_and_both_formats(
         'workload, docs/workload.md) or "adaspec-event-log" (an event log)\n')
 
 
-def test_a_first_line_with_an_integer_past_pythons_digits_is_named_so(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """A JSON object all the same: before, it was called a line that is no object."""
+HEADER = '{"format": "adaspec-workload", "version": 1, "width": 3}\n'
+
+
+@pytest.mark.parametrize(("text", "line", "fault"), [
+    ('{"format": "adaspec-event-log", "version": ' + "1" * 4301 + "}\n", 1,
+     "invalid JSON: a number of more than 4300 digits; no value of the file is that long"),
+    (HEADER + '{"kv_length": ' + "1" * 4301 + "}\n", 2,
+     "invalid JSON: a number of more than 4300 digits; no value of the file is that long"),
+    (HEADER + '\ufeff{"kv_length": 8}\n', 2, "expected one JSON object per line (a "
+     "byte-order mark before the JSON; expected UTF-8 without one)"),
+], ids=["header-digits", "round-digits", "round-bom"])
+def test_a_line_json_reads_but_python_cannot_is_named_in_the_users_terms(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, line: int,
+        fault: str) -> None:
+    """Objects all the same: before, the first line was called one that is no object, and a
+    later one got json's advice to a programmer."""
     path = tmp_path / "w.jsonl"
-    path.write_text('{"format": "adaspec-event-log", "version": ' + "1" * 4301 + "}\n")
+    path.write_text(text, encoding="utf-8")
     assert cli.run(["simulate", f"--workload={path}", "--policy=fixed:1"]) == 2
     assert capsys.readouterr().err == (
-        f"adaspec simulate: error: --workload={path}:1: invalid JSON: a number of more than "
-        "4300 digits; no value of the file is that long\n")
+        f"adaspec simulate: error: --workload={path}:{line}: {fault}\n")
 
 
 DEPTH_SETTINGS = {"window_size": 2, "update_interval": 1, "switch_min_gain": 0.0}

@@ -74,10 +74,11 @@ def exact_double(text: str) -> float:
     for a double (1e400 reads as inf) or a nonzero one too small (``underflows``), as the
     flags refuse them too."""
     value = float(text)
+    shown = text if len(text) <= 60 else f"{text[:30]}...{text[-20:]} ({len(text)} characters)"
     if not math.isfinite(value):
-        raise ValueError(f"{text} is beyond a double; expected a finite number")
+        raise ValueError(f"{shown} is beyond a double; expected a finite number")
     if underflows(text, value):
-        raise ValueError(f"{text} is a nonzero number below the smallest double; expected 0 "
+        raise ValueError(f"{shown} is a nonzero number below the smallest double; expected 0 "
                          "or a number a double can hold")
     return value
 
@@ -132,10 +133,13 @@ def past_int_digits(error: ValueError) -> bool:
 
 def json_fault(error: ValueError) -> str:
     """What json's own ValueError says, in the user's terms: an integer past Python's digit
-    limit comes with advice for a programmer (``sys.set_int_max_str_digits``)."""
+    limit and a byte-order mark come with advice for a programmer
+    (``sys.set_int_max_str_digits``, ``utf-8-sig``)."""
     if past_int_digits(error):
         return (f"a number of more than {sys.get_int_max_str_digits()} digits; no value of "
                 "the file is that long")
+    if str(error).startswith("Unexpected UTF-8 BOM"):
+        return "a byte-order mark before the JSON; expected UTF-8 without one"
     return str(error)
 
 

@@ -34,7 +34,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from adaspec.config.calibration import MAX_TOKENS_IN_CONTEXT, DraftStepPolicyConfig, json_type
-from adaspec.config.files import UnheldNumber, check_doubles, json_fault, marked_double
+from adaspec.config.files import (
+    UnheldNumber,
+    check_doubles,
+    json_fault,
+    marked_double,
+    past_int_digits,
+)
 from adaspec.config.limits import MAX_PARALLEL_SIZE
 from adaspec.config.requests import MAX_REQUEST_ID
 from adaspec.errors import MISSING, ConfigError, show_value
@@ -173,6 +179,9 @@ def _json(source: str, number: int, text: str) -> Any:
     except UnheldNumber as error:  # valid JSON, with a number no double holds
         raise ConfigError("--workload", f"{source}:{number}", str(error)) from None
     except ValueError as error:
+        if past_int_digits(error):  # one JSON object all the same
+            raise ConfigError("--workload", f"{source}:{number}",
+                              f"invalid JSON: {json_fault(error)}") from None
         raise ConfigError("--workload", f"{source}:{number}",
                           f"expected one JSON object per line ({json_fault(error)})") from None
     except RecursionError:

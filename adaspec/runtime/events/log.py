@@ -15,7 +15,6 @@ fields and their types); ``check_run`` then checks the events as one run: their 
 ranges of their values, against what the header's launch fixes (``RunShape``).
 """
 
-import codecs
 import dataclasses
 import functools
 import json
@@ -262,9 +261,6 @@ def _read_lines(name: str, file: BinaryIO) -> EventLog:
     first = next(lines, None)
     if first is None:
         raise EventLogError(name, None, "empty file; expected a header line first")
-    if first.startswith(codecs.BOM_UTF8):  # as the workload reader says it, not json's words
-        raise EventLogError(name, 1, "starts with a byte-order mark; expected UTF-8 JSON lines "
-                            "without one")
     header = LogHeader.parse(name, first)
     events = [_event(name, number, raw) for number, raw in enumerate(lines, start=2)]
     return EventLog(header, events)
@@ -282,6 +278,9 @@ def _json_line(name: str, number: int, raw: bytes) -> object:
         raise EventLogError(name, number, f"not UTF-8 text (byte {error.start + 1})") from None
     if not text.strip():
         raise EventLogError(name, number, "blank line; expected one JSON object per line")
+    if text.startswith("\ufeff"):  # as the workload reader says it, not in json's words
+        raise EventLogError(name, number, "starts with a byte-order mark; expected UTF-8 JSON "
+                            "lines without one")
     try:
         data = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant,
                           parse_float=marked_double)
@@ -559,9 +558,10 @@ class _RunWalk:
 
     def fail(self, line: int, event: Event, reason: str) -> EventLogError:
         number = getattr(event, "round", None)
-        subject = event.kind if number is None else f"{event.kind} event of round {number}"
+        subject = event.kind if number is None else \
+            f"{event.kind} event of round {_show(number)}"
         if isinstance(event, RequestArrived | RequestFinished):
-            subject = f"{event.kind} event of request {event.request_id}"
+            subject = f"{event.kind} event of request {_show(event.request_id)}"
         return EventLogError(self.path, line, f"{subject}: {reason}")
 
     def step(self, line: int, event: Event) -> None:
