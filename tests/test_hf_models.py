@@ -257,12 +257,25 @@ def test_a_sliding_window_applies_to_the_layers_transformers_applies_it_to(
     ({"dtype": "int8"}, "config.json dtype=int8: expected a floating dtype (float32, "
                         "bfloat16, float16, ...)"),
     ({"torch_dtype": "bool"}, "config.json torch_dtype=bool: expected a floating dtype"),
+    # Before, transformers' or torch's own words, naming no field: a division by zero, a
+    # padding index outside the embedding, a torch attribute, its type names.
+    ({"dtype": "float64x"}, "config.json dtype=float64x: expected a floating dtype"),
+    ({"num_key_value_heads": 0}, "config.json num_key_value_heads=0: expected a positive "
+                                 "integer"),
+    ({"num_attention_heads": -2}, "config.json num_attention_heads=-2: expected a positive "),
+    ({"model_type": "gpt2", "n_head": 0}, "config.json n_head=0: expected a positive integer"),
+    ({"vocab_size": 97, "pad_token_id": 5000}, "config.json pad_token_id 5000 is outside the "
+                                               "vocabulary of 97 tokens; expected an id in "
+                                               "0..96, or null"),
+    ({"rope_parameters": "default"}, "config.json rope_parameters='default': expected an "
+                                     "object (rope_type and its settings), or null"),
 ])
 def test_a_config_adaspec_cannot_decode_as_transformers_does_is_refused(
         tmp_path: Path, fields: dict[str, object], words: str) -> None:
     """longrope switches its frequencies with the longest position of a forward: a verify
     crossing the switch decoded otherwise than transformers (from the 17th token of a
-    40-token greedy run); transformers refuses a dtype that is not floating."""
+    40-token greedy run); transformers refuses a dtype that is not floating; a field
+    transformers or torch would trip on is named before they run."""
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **fields}))
     with pytest.raises(ConfigError) as info:
         load_hf_models(str(tmp_path))
@@ -1022,6 +1035,19 @@ def test_a_config_transformers_refuses_is_blamed_on_config_json(
             load()
         assert str(info.value).startswith(f"--model={folder}: config.json cannot be loaded: ")
         assert words in str(info.value)
+
+
+def test_a_tokenizer_config_that_is_no_object_is_named_so(llama: Family, tmp_path: Path
+                                                         ) -> None:
+    """Before, transformers' AttributeError: "'list' object has no attribute 'get'"."""
+    from adaspec.models.hf import hf_tokenizer
+
+    _, target_dir, _, _ = llama
+    folder = _copy(target_dir, tmp_path / "tokenizer")
+    (folder / "tokenizer_config.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError) as info:
+        hf_tokenizer(str(folder))
+    assert str(info.value) == f"--model={folder}: tokenizer_config.json is no JSON object"
 
 
 def test_the_tokenizer_tells_the_checkpoints_end_of_sequence_tokens(

@@ -26,6 +26,7 @@ same path (tested for greedy output with sliding windows); any other ``model_typ
 naming it.
 """
 
+import contextlib
 import contextvars
 import functools
 import itertools
@@ -268,6 +269,8 @@ def read_config(path: str, flag: str) -> dict[str, Any]:
     _check_window(config, flag, path)
     _check_rope(config, flag, path)
     _check_dtype(config, flag, path)
+    _check_heads(config, flag, path)
+    _check_padding(config, flag, path)
     if not any(name.endswith(".safetensors") for name in os.listdir(folder)):
         raise ConfigError(flag, path, "has no *.safetensors weights (other formats are not "
                           "loaded)")
@@ -285,6 +288,9 @@ so greedy output would not be the checkpoint's."""
 
 def _check_rope(config: dict[str, Any], flag: str, path: str) -> None:
     for field in ("rope_parameters", "rope_scaling"):
+        if not isinstance(config.get(field), dict | None):  # transformers names its types
+            raise ConfigError(flag, path, f"config.json {field}={config[field]!r}: expected "
+                              "an object (rope_type and its settings), or null")
         for rope in _rope_settings(config.get(field)):
             kind = rope.get("rope_type", rope.get("type"))
             if kind in _FORWARD_DEPENDENT_ROPE:
@@ -304,13 +310,45 @@ def _rope_settings(value: object) -> list[dict[str, Any]]:
 
 
 def _check_dtype(config: dict[str, Any], flag: str, path: str) -> None:
-    """transformers refuses to build a model in a dtype that is not floating."""
+    """transformers refuses to build a model in a dtype that is not floating, and names no
+    field for a name torch lacks."""
     for field in ("dtype", "torch_dtype"):
         name = config.get(field)
-        dtype = getattr(torch, name, None) if isinstance(name, str) else None
-        if isinstance(dtype, torch.dtype) and not dtype.is_floating_point:
+        if not isinstance(name, str) or name == "auto":
+            continue
+        dtype = getattr(torch, name, None)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ConfigError(flag, path, f"config.json {field}={name}: expected a floating "
                               "dtype (float32, bfloat16, float16, ...)")
+
+
+_HEAD_FIELDS = ("num_attention_heads", "num_key_value_heads", "n_head")
+"""Head counts of the supported configs; transformers divides by them unchecked."""
+
+
+def _check_heads(config: dict[str, Any], flag: str, path: str) -> None:
+    for field in _HEAD_FIELDS:
+        heads = config.get(field)
+        if heads is not None and (isinstance(heads, bool) or not isinstance(heads, int)
+                                  or heads < 1):
+            raise ConfigError(flag, path, f"config.json {field}={heads!r}: expected a positive "
+                              "integer")
+
+
+_PADDED_EMBEDDINGS = ("llama", "mistral", "qwen2")
+"""Model types whose token embedding takes ``pad_token_id`` as its padding index."""
+
+
+def _check_padding(config: dict[str, Any], flag: str, path: str) -> None:
+    """torch refuses a padding index outside the embedding without naming the field."""
+    pad, vocab = config.get("pad_token_id"), config.get("vocab_size")
+    if (config.get("model_type") not in _PADDED_EMBEDDINGS or not isinstance(pad, int)
+            or isinstance(pad, bool) or not isinstance(vocab, int) or isinstance(vocab, bool)):
+        return
+    if not -vocab <= pad < vocab:
+        raise ConfigError(flag, path, f"config.json pad_token_id {pad} is outside the "
+                          f"vocabulary of {vocab} tokens; expected an id in 0..{vocab - 1}, "
+                          "or null")
 
 
 def _check_window(config: dict[str, Any], flag: str, path: str) -> None:
@@ -686,6 +724,9 @@ def hf_tokenizer(path: str, flag: str = "--model") -> Any:
     _require_transformers(flag, path)
     from transformers import AutoTokenizer
 
+    with contextlib.suppress(FileNotFoundError):  # transformers reads it unchecked
+        if not isinstance(_read_json(path, flag, "tokenizer_config.json"), dict):
+            raise ConfigError(flag, path, "tokenizer_config.json is no JSON object")
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as error:  # missing or damaged tokenizer files
