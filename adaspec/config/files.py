@@ -110,6 +110,19 @@ def marked_double(text: str) -> float:
         return marked
 
 
+def marked_integer(text: str) -> int | float:
+    """``parse_int`` for JSON whose reader then calls ``check_doubles``: an integer longer
+    than this interpreter reads is refused there, naming its key, as a number no double
+    holds is."""
+    limit = sys.get_int_max_str_digits()
+    digits = len(text.lstrip("-"))
+    if 0 < limit < digits:
+        marked = _Unheld(0.0)
+        marked.reason = f"an integer of {digits} digits; expected at most {limit}"
+        return marked
+    return int(text)
+
+
 def check_doubles(data: object) -> None:
     """Raise UnheldNumber for the first number of ``data`` (read with ``marked_double``)
     that no double holds, naming its path."""

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from adaspec.config.files import UnheldNumber, check_doubles, marked_double
+from adaspec.config.files import UnheldNumber, check_doubles, marked_double, marked_integer
 from adaspec.config.requests import (
     IDLE_FILTER,
     MAX_STOP_TOKENS,
@@ -118,7 +118,7 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         raise ApiError(400, "the request body is not UTF-8; expected a JSON object") from None
     try:
         body = json.loads(text, parse_constant=_no_constant, object_pairs_hook=_no_duplicates,
-                          parse_float=marked_double)
+                          parse_float=marked_double, parse_int=marked_integer)
         check_doubles(body)  # 1e-400 would read as 0.0: a temperature of it, as greedy
     except UnheldNumber as error:
         raise ApiError(400, str(error), param=error.key) from None
