@@ -144,6 +144,10 @@ def test_event_log_and_trace_flags_write_files_that_replay(
     # /proc passes the permission check and still creates no file: found before loading.
     (["--prompt", "x", "--max_tokens=4", "--temperature=0", "--event_log=/proc/x.jsonl"],
      "--event_log=/proc/x.jsonl: expected a file this process can create"),
+    # ADASPEC_TRACE's switches: before, --trace=1 wrote a file named 1.
+    (["--prompt", "x", "--max_tokens=4", "--temperature=0", "--trace=1"],
+     "--trace=1: expected a file path; --trace=- traces to standard error (as ADASPEC_TRACE=1 "
+     "does), and no --trace is off (./1 names a file 1)"),
     (["--prompt", "x", "--max_tokens=4", "--temperature=0", "--event_log=-"],
      "--event_log=-: expected a file path: replay reads an event log back from its file, so "
      "none is written to a stream ('-' sends the state trace to stderr)"),

@@ -191,6 +191,10 @@ def check_outputs(values: dict[str, str], launch: LaunchConfig) -> None:
             launch.adaptive_target_verify_cost_table_output
     if outputs.get("--event_log") == STDERR:
         raise ConfigError("--event_log", STDERR, EVENT_LOG_NOT_A_STREAM)
+    if outputs.get("--trace") in ("0", "1"):  # ADASPEC_TRACE's switches, not file names
+        raise ConfigError("--trace", outputs["--trace"], f"expected a file path; --trace="
+                          f"{STDERR} traces to standard error (as ADASPEC_TRACE=1 does), and no "
+                          "--trace is off (./1 names a file 1)")
     if outputs.get("--trace") == STDERR:  # a stream, no file: probing would create "./-"
         del outputs["--trace"]
     trace = trace_file(launch)
