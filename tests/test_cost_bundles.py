@@ -119,7 +119,12 @@ def test_coverage_gaps_have_no_price() -> None:
      r"bundle; "),
     (lambda d: d["compatibility"].pop("device"), r"compatibility\.device=missing"),
     (lambda d: d["compatibility"].update(unified="no"),
-     r"compatibility\.unified=no: expected true or false"),
+     r"compatibility\.unified=no: expected true or false, got a string$"),
+    # Before, "unified=false: expected true or false": a string that reads as the boolean.
+    (lambda d: d["compatibility"].update(unified="false"),
+     r"compatibility\.unified=false: expected true or false, got a string$"),
+    (lambda d: d["compatibility"].update(unified=0),
+     r"compatibility\.unified=0: expected true or false, got an integer$"),
     (lambda d: d["profiles"][0]["table"].update(theta=[0.0, 0.002, 0.001, 0.003, 0.004, 0.005]),
      r"profiles\[0\]\.table\.theta=.*expected values that never fall"),
     (lambda d: d["profiles"][0]["table"].update(alpha=[0.0]),

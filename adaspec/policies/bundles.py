@@ -636,7 +636,8 @@ def _check_compatibility_types(data: Mapping[str, object]) -> None:
     for name in ("draft_width", "dp_size", "tp_size"):
         require_int(name, data[name], 1, 1 << 20)
     if not isinstance(data["unified"], bool):
-        raise ConfigError("unified", data["unified"], "expected true or false")
+        raise ConfigError("unified", data["unified"], f"expected true or false, got "
+                          f"{json_type(data['unified'])}")
     buckets = data["request_buckets"]
     if not isinstance(buckets, list) or not _increasing(buckets):
         raise ConfigError("request_buckets", buckets, f"expected a list of strictly increasing "
