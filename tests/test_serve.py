@@ -662,12 +662,7 @@ def test_a_second_signal_ends_a_follower_at_once_with_its_line() -> None:
 def test_a_follower_signalled_while_its_start_waits_for_rank_0_says_it_stopped() -> None:
     """Before, its log ended at ``stopping``: nothing said the rank had stopped."""
     follower = _start_follower(_two_ranks("--collective_timeout_s=60"))  # rank 0 never comes
-    try:
-        _wait_for_line(follower, "starting")
-        follower.send_signal(signal.SIGTERM)
-        _, errors = follower.communicate(timeout=PROCESS_LIMIT_S)
-    finally:
-        _end(follower)
+    errors = _signalled_at(follower, "starting", signal.SIGTERM)
     lines = [json.loads(line) for line in errors.splitlines()]
     assert [line["event"] for line in lines[-2:]] == ["stopping", "stopped"], errors
     assert {line["rank"] for line in lines} == {1}, errors
@@ -676,15 +671,8 @@ def test_a_follower_signalled_while_its_start_waits_for_rank_0_says_it_stopped()
 
 def test_a_signal_during_the_start_abandons_it_and_exits_0_as_a_drain() -> None:
     """The exit status of a server stopped as asked, started or not; its log says which."""
-    server = subprocess.Popen([sys.executable, "-m", "adaspec", "serve", f"--port={free_port()}",
-                               "--max_seqs_per_batch=64"], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True, env=peer_environment(), cwd=REPO)
-    try:
-        _wait_for_line(server, "listening")  # the start begins
-        server.send_signal(signal.SIGTERM)
-        _, errors = server.communicate(timeout=PROCESS_LIMIT_S)
-    finally:
-        _end(server)
+    server = _slow_starting_server()
+    errors = _signalled_at(server, "listening", signal.SIGTERM)  # as the start begins
     events = [json.loads(line)["event"] for line in errors.splitlines()]
     assert events[-2:] == ["stopping", "stopped"], errors
     assert "ready" not in events, errors
@@ -694,23 +682,33 @@ def test_a_signal_during_the_start_abandons_it_and_exits_0_as_a_drain() -> None:
 def test_a_second_signal_during_an_abandoned_start_ends_the_server_at_once() -> None:
     """Before, the second signal was noted for a drain that never came: the server went on
     unwinding its start for seconds and exited 0."""
-    server = subprocess.Popen([sys.executable, "-m", "adaspec", "serve", f"--port={free_port()}",
-                               "--max_seqs_per_batch=64"], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True, env=peer_environment(), cwd=REPO)
-    try:
-        _wait_for_line(server, "listening")  # the start begins
-        # Two of a kind pending at once would be taken as one; these two are two, in some order.
-        server.send_signal(signal.SIGINT)
-        server.send_signal(signal.SIGTERM)
-        _, errors = server.communicate(timeout=PROCESS_LIMIT_S)
-    finally:
-        _end(server)
+    server = _slow_starting_server()
+    # Two of a kind pending at once would be taken as one; these two are two, in some order.
+    errors = _signalled_at(server, "listening", signal.SIGINT, signal.SIGTERM)
     lines = [json.loads(line) for line in errors.splitlines()]
     assert [line["event"] for line in lines[-2:]] == ["stopping", "stopped"], errors
     assert {lines[-2]["signal"], lines[-1]["signal"]} == {"SIGINT", "SIGTERM"}
     assert lines[-2]["reason"] == "signalled during the start, which is abandoned"
     assert lines[-1]["reason"] == "a second signal ends the server at once"
     assert server.returncode == 128 + signal.Signals[lines[-2]["signal"]]  # the first's
+
+
+def _slow_starting_server() -> subprocess.Popen[str]:
+    """``adaspec serve`` with a start long enough to be signalled during it; stderr kept."""
+    return subprocess.Popen([sys.executable, "-m", "adaspec", "serve", f"--port={free_port()}",
+                             "--max_seqs_per_batch=64"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=peer_environment(), cwd=REPO)
+
+
+def _signalled_at(server: subprocess.Popen[str], event: str, *numbers: signal.Signals) -> str:
+    """The rest of the server's log once ``numbers`` were sent at its ``event`` line."""
+    try:
+        _wait_for_line(server, event)
+        for number in numbers:
+            server.send_signal(number)
+        return server.communicate(timeout=PROCESS_LIMIT_S)[1]
+    finally:
+        _end(server)
 
 
 def _wait_for_line(server: subprocess.Popen[str], event: str) -> None:
