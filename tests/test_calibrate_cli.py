@@ -56,12 +56,14 @@ def test_a_launch_calibrate_cannot_use_is_one_line_on_stderr(
     ("costs\n.json", "expected a plain file path"),
     ("/proc/self/costs.json", "expected a file in a writable directory; this process cannot "
                               "create files in /proc/self"),
+    # Before, a calibration wrote its table to a file named "-" in the working folder.
+    ("-", "expected a file path, not a switch, a stream or a home folder (./- names a file so)"),
 ])
 def test_an_output_calibrate_could_not_write_is_refused_before_calibrating(
         name: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     calibration = tmp_path / "tiny.json"
     calibration.write_text(json.dumps(TINY_CALIBRATION))
-    output = name if name.startswith("/") else f"{tmp_path}/{name}"  # keeps a trailing /
+    output = name if name.startswith("/") or name == "-" else f"{tmp_path}/{name}"  # keeps a /
     assert cli.run(["calibrate", *LAUNCH, f"--adaptive_target_verify_calibration={calibration}",
                     f"--adaptive_target_verify_cost_table_output={output}"]) == 2
     captured = capsys.readouterr()

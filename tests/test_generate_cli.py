@@ -144,10 +144,20 @@ def test_event_log_and_trace_flags_write_files_that_replay(
     # /proc passes the permission check and still creates no file: found before loading.
     (["--prompt", "x", "--max_tokens=4", "--temperature=0", "--event_log=/proc/x.jsonl"],
      "--event_log=/proc/x.jsonl: expected a file this process can create"),
-    # ADASPEC_TRACE's switches: before, --trace=1 wrote a file named 1.
+    # ADASPEC_TRACE's switches: before, --trace=1 wrote a file named 1, --trace=off one named
+    # off; an output flag wrote files named 0, - or ~.
     (["--prompt", "x", "--max_tokens=4", "--temperature=0", "--trace=1"],
      "--trace=1: expected a file path; --trace=- traces to standard error (as ADASPEC_TRACE=1 "
-     "does), and no --trace is off (./1 names a file 1)"),
+     "does), and no --trace is off (./1 names a file so)"),
+    (["--prompt", "x", "--max_tokens=4", "--temperature=0", "--trace=Off"],
+     "--trace=Off: expected a file path; --trace=- traces to standard error"),
+    (["--prompt", "x", "--max_tokens=4", "--temperature=0", "--event_log=false"],
+     "--event_log=false: expected a file path, not a switch, a stream or a home folder "
+     "(./false names a file so)"),
+    (["--prompt", "x", "--max_tokens=4", "--temperature=0", "--event_log=0"],
+     "--event_log=0: expected a file path, not a switch"),
+    (["--prompt", "x", "--max_tokens=4", "--temperature=0", "--event_log=~"],
+     "--event_log=~: expected a file path, not a switch"),
     (["--prompt", "x", "--max_tokens=4", "--temperature=0", "--event_log=-"],
      "--event_log=-: expected a file path: replay reads an event log back from its file, so "
      "none is written to a stream ('-' sends the state trace to stderr)"),

@@ -33,7 +33,7 @@ from adaspec.config import SamplingParams, load_config
 from adaspec.config.environment import STDERR, TRACE_ENV, trace_file
 from adaspec.config.flags import coerce
 from adaspec.config.launch import LaunchConfig
-from adaspec.config.paths import check_own_files, new_file, read_regular
+from adaspec.config.paths import SWITCH_WORDS, check_own_files, new_file, read_regular
 from adaspec.config.requests import MAX_SEED, check_request
 from adaspec.errors import (
     MISSING,
@@ -191,10 +191,10 @@ def check_outputs(values: dict[str, str], launch: LaunchConfig) -> None:
             launch.adaptive_target_verify_cost_table_output
     if outputs.get("--event_log") == STDERR:
         raise ConfigError("--event_log", STDERR, EVENT_LOG_NOT_A_STREAM)
-    if outputs.get("--trace") in ("0", "1"):  # ADASPEC_TRACE's switches, not file names
+    if outputs.get("--trace", "-").strip().lower() in SWITCH_WORDS:  # ADASPEC_TRACE's
         raise ConfigError("--trace", outputs["--trace"], f"expected a file path; --trace="
                           f"{STDERR} traces to standard error (as ADASPEC_TRACE=1 does), and no "
-                          "--trace is off (./1 names a file 1)")
+                          f"--trace is off (./{outputs['--trace'].strip()} names a file so)")
     if outputs.get("--trace") == STDERR:  # a stream, no file: probing would create "./-"
         del outputs["--trace"]
     trace = trace_file(launch)

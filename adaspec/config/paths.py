@@ -101,12 +101,21 @@ def _size(count: int) -> str:
     return f"{count // 2**20} MiB" if count >= 2**20 else f"{count} bytes"
 
 
+SWITCH_WORDS = ("0", "1", "true", "false", "yes", "no", "on", "off")
+"""Values that read as a switch (``ADASPEC_TRACE`` takes them so), not as a file's name."""
+
+
 def new_file(setting: str, path: str) -> None:
     """Refuse an output that could not be created: not a plain file path (unprintable, or
     naming a folder), existing already (a dangling link included, since creating the file
-    would follow it), or in a directory that is missing or that this process cannot write."""
+    would follow it), or in a directory that is missing or that this process cannot write.
+    A switch word, ``-`` or ``~`` is refused too: a file of that name in the working folder
+    is more likely a surprise than what was meant (``./off`` names one)."""
     if not path:
         raise ConfigError(setting, path, "expected a file name")
+    if path.strip().lower() in (*SWITCH_WORDS, "-", "~"):
+        raise ConfigError(setting, path, "expected a file path, not a switch, a stream or a "
+                          f"home folder (./{path.strip()} names a file so)")
     if not path.isprintable() or os.path.basename(path) in ("", ".", ".."):
         raise ConfigError(setting, path, "expected a plain file path: printable, naming a "
                           "file rather than a folder")
