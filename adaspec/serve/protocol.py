@@ -6,11 +6,17 @@ anything is queued: a field the server does not implement is never ignored.
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from adaspec.config.files import UnheldNumber, check_doubles, marked_double, marked_integer
+from adaspec.config.files import (
+    UnheldNumber,
+    check_doubles,
+    marked_double,
+    marked_integer,
+    past_int_digits,
+)
 from adaspec.config.requests import (
     IDLE_FILTER,
     MAX_STOP_TOKENS,
@@ -110,6 +116,13 @@ class CompletionJob:
     user: str | None
 
 
+def _read_json(text: str, parse_int: Callable[[str], object]) -> Any:
+    body = json.loads(text, parse_constant=_no_constant, object_pairs_hook=_no_duplicates,
+                      parse_float=marked_double, parse_int=parse_int)
+    check_doubles(body)  # 1e-400 would read as 0.0: a temperature of it, as greedy
+    return body
+
+
 def parse_body(raw: bytes) -> dict[str, Any]:
     """The request body as a JSON object; anything else is a 400 saying what is wrong."""
     try:
@@ -117,9 +130,7 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     except UnicodeDecodeError:
         raise ApiError(400, "the request body is not UTF-8; expected a JSON object") from None
     try:
-        body = json.loads(text, parse_constant=_no_constant, object_pairs_hook=_no_duplicates,
-                          parse_float=marked_double, parse_int=marked_integer)
-        check_doubles(body)  # 1e-400 would read as 0.0: a temperature of it, as greedy
+        body = _read_json(text, int)
     except UnheldNumber as error:
         raise ApiError(400, str(error), param=error.key) from None
     except json.JSONDecodeError as error:
@@ -129,6 +140,11 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         raise ApiError(400, "the request body nests too deeply; expected a JSON object of "
                        "completion parameters") from None
     except ValueError as error:  # an integer of thousands of digits
+        if past_int_digits(error):  # read again to name its field; a hook on every integer
+            try:  # would slow the token ids of every prompt
+                _read_json(text, marked_integer)
+            except UnheldNumber as marked:
+                raise ApiError(400, str(marked), param=marked.key) from None
         raise ApiError(400, f"the request body holds a number JSON cannot be read into "
                        f"({' '.join(str(error).split())[:80]}); expected numbers of at most "
                        "a few digits") from None
