@@ -269,6 +269,15 @@ def test_a_sliding_window_applies_to_the_layers_transformers_applies_it_to(
                                                "0..96, or null"),
     ({"rope_parameters": "default"}, "config.json rope_parameters='default': expected an "
                                      "object (rope_type and its settings), or null"),
+    # Before, the first verify of the graph preparation failed in transformers' masks.
+    ({"model_type": "qwen2", "layer_types": ["sliding_attention", "full_attention"],
+      "use_sliding_window": False, "sliding_window": None},
+     "config.json layer_types names sliding_attention layers while use_sliding_window=false "
+     "and sliding_window=null give them no window; expected use_sliding_window=true with a "
+     "sliding_window, or no sliding_attention layer"),
+    ({"model_type": "qwen2", "layer_types": ["sliding_attention"], "use_sliding_window": True},
+     "config.json layer_types names sliding_attention layers while use_sliding_window=true "
+     "and sliding_window=null"),
 ])
 def test_a_config_adaspec_cannot_decode_as_transformers_does_is_refused(
         tmp_path: Path, fields: dict[str, object], words: str) -> None:

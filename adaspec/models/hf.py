@@ -356,6 +356,8 @@ def _check_window(config: dict[str, Any], flag: str, path: str) -> None:
     hide every key, and the model would emit token 0 for ever; transformers cannot run it)
     on a model type whose attention applies it."""
     window = config.get("sliding_window")
+    if config.get("model_type") == "qwen2":
+        _check_qwen2_layer_types(config, flag, path)
     # Only Qwen2 switches its window with use_sliding_window (off when absent), and then only
     # on its sliding_attention layers; Mistral applies the window whatever that field says.
     if window is None or (config.get("model_type") == "qwen2"
@@ -372,6 +374,23 @@ def _check_window(config: dict[str, Any], flag: str, path: str) -> None:
                           "attention applies no window (transformers' generate only trims "
                           "its cache to it); expected null, or a model_type whose attention "
                           f"applies it ({', '.join(_WINDOWED_TYPES)})")
+
+
+def _check_qwen2_layer_types(config: dict[str, Any], flag: str, path: str) -> None:
+    """Layers a Qwen2 config names ``sliding_attention`` need a window: transformers drops
+    ``sliding_window`` when ``use_sliding_window`` is off, and its masks then fail at the
+    first forward, so the checkpoint is refused here, by its fields, before it loads."""
+    types = config.get("layer_types")
+    if not isinstance(types, list) or "sliding_attention" not in types:
+        return
+    use, window = config.get("use_sliding_window", False), config.get("sliding_window")
+    if use and window is not None:  # truthy, as transformers reads it
+        return
+    raise ConfigError(flag, path, "config.json layer_types names sliding_attention layers "
+                      f"while use_sliding_window={json.dumps(use)} and sliding_window="
+                      f"{json.dumps(window)} give them no window; expected "
+                      "use_sliding_window=true with a sliding_window, or no "
+                      "sliding_attention layer")
 
 
 def _qwen2_slides(config: dict[str, Any], path: str) -> bool:
