@@ -118,6 +118,15 @@ def test_coverage_gaps_have_no_price() -> None:
      r': version: missing; expected the integer 1 \(an object with "profiles" is a versioned '
      r"bundle; "),
     (lambda d: d["compatibility"].pop("device"), r"compatibility\.device=missing"),
+    # Before, any string passed: simulate priced a "Foo" run, a launch named a mismatch.
+    (lambda d: d["compatibility"].update(algorithm="Foo"),
+     r"compatibility\.algorithm=Foo: expected DSpark or MTP$"),
+    (lambda d: d["compatibility"].update(algorithm="none"),
+     r"compatibility\.algorithm=none: expected DSpark or MTP$"),
+    (lambda d: d["compatibility"].update(device="tpu"),
+     r"compatibility\.device=tpu: expected cpu, cuda or npu$"),
+    (lambda d: d["compatibility"].update(device="CPU"),
+     r"compatibility\.device=CPU: expected cpu, cuda or npu$"),
     (lambda d: d["compatibility"].update(unified="no"),
      r"compatibility\.unified=no: expected true or false, got a string$"),
     # Before, "unified=false: expected true or false": a string that reads as the boolean.

@@ -22,6 +22,7 @@ each axis reaching the launch's largest, so no round the launch runs goes unpric
 
 import json
 import os
+import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -38,7 +39,7 @@ from adaspec.config.calibration import (
 )
 from adaspec.config.files import read_json_object
 from adaspec.config.flags import RETIRED_NAMES, retired_name_error
-from adaspec.config.launch import LaunchConfig
+from adaspec.config.launch import Device, LaunchConfig
 from adaspec.errors import MISSING, ConfigError, IncompatibleCostTable
 from adaspec.policies.base import covering_tier
 from adaspec.policies.costs import (
@@ -353,6 +354,7 @@ def _priced(profile: CostProfile | None, num_reqs_bucket: int, second: int) -> f
 
 
 _BUNDLE_ONLY_KEYS = ("format", "compatibility", "settings", "profiles")
+_ALGORITHMS = ("DSpark", "MTP")  # the algorithms whose rounds a table prices
 """Keys of a versioned bundle that no legacy table has."""
 
 
@@ -629,10 +631,21 @@ def _check_contexts_listed(contexts: object, profiles: Sequence[CostProfile]) ->
                               f"{context.min_kv_length}..{context.max_kv_length})")
 
 
-def _check_compatibility_types(data: Mapping[str, object]) -> None:
+def _check_names(data: Mapping[str, object]) -> None:
+    """The compatibility's strings; a table prices one algorithm's rounds on one device, so
+    another value there would be priced as if it were one of them (or refused only as a
+    launch's mismatch)."""
     for name in ("target", "draft", "algorithm", "device"):
         if not isinstance(data[name], str):
             raise ConfigError(name, data[name], f"expected a string, got {json_type(data[name])}")
+    for name, allowed in (("algorithm", _ALGORITHMS), ("device", typing.get_args(Device))):
+        if data[name] not in allowed:
+            raise ConfigError(name, data[name],
+                              f"expected {', '.join(allowed[:-1])} or {allowed[-1]}")
+
+
+def _check_compatibility_types(data: Mapping[str, object]) -> None:
+    _check_names(data)
     for name in ("draft_width", "dp_size", "tp_size"):
         require_int(name, data[name], 1, 1 << 20)
     if not isinstance(data["unified"], bool):
