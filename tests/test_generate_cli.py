@@ -205,6 +205,22 @@ def test_a_trace_variable_on_the_event_log_is_named_by_the_flag(tmp_path: Path) 
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_trace_flag_wins_over_the_trace_variable(tmp_path: Path) -> None:
+    """``--trace`` takes the variable's place, as --help and docs/runtime.md say: the
+    variable is not read then, so its file is neither written nor checked (here it names an
+    existing file, which it alone would be refused for)."""
+    (tmp_path / "taken.jsonl").write_text("kept\n")
+    done = subprocess.run([sys.executable, "-m", "adaspec", "generate", *LAUNCH[:2],
+                           "--prompt", "x", "--max_tokens=4", "--temperature=0",
+                           "--trace=flag.jsonl"], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path,
+                          env={**os.environ, "ADASPEC_TRACE": "taken.jsonl"})
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "taken.jsonl").read_text() == "kept\n"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["flag.jsonl", "taken.jsonl"]
+    assert '"to": "' in (tmp_path / "flag.jsonl").read_text()
+
+
 @contextlib.contextmanager
 def long_generate(trace: str, *flags: str, ctrl_c: Any = signal.SIG_DFL
                   ) -> Iterator[subprocess.Popen[str]]:

@@ -59,8 +59,8 @@ RUN_FLAGS = {
     "seed": Flag(metavar="S", help="seed of every random draw (default 0)"),
     "event_log": Flag(metavar="FILE", help="write the event log here (the file must not "
                       "exist)"),
-    "trace": Flag(metavar="FILE", help="write the state trace here (the file must not "
-                  "exist)"),
+    "trace": Flag(metavar="FILE", help="write the state trace here, in place of "
+                  "ADASPEC_TRACE, which is then not read (the file must not exist)"),
 }
 """The flags of every command that decodes requests (generate, serve): the seed of its random
 draws and the files a run writes."""

@@ -103,8 +103,8 @@ class RuntimeOptions:
     """Write the event log (JSON lines) here; the file must not exist. An ``os.PathLike``
     is kept as its str."""
     trace: str | None = None
-    """Write the state trace (one JSON line per transition) here; off when None and
-    ``ADASPEC_TRACE`` is unset."""
+    """Write the state trace (one JSON line per transition) here, in place of
+    ``ADASPEC_TRACE`` (not read then); off when None and that variable is unset."""
     clock: Clock | None = None
     """Time source of events and the trace (a virtual clock in tests): seconds as a finite
     real number that never goes back. A reading that is none fails the start, or every
