@@ -368,6 +368,27 @@ def adaptive_policy_without_costs(records: Records) -> None:
     records[0]["policies"]["budget"]["name"] = "adaptive-verify"
 
 
+def third_policy(records: Records) -> None:
+    records[0]["policies"]["extra"] = {"name": "x", "settings": {}}
+
+
+def stray_key_of_a_policy(records: Records) -> None:
+    records[0]["policies"]["depth"]["extra"] = 5
+
+
+def no_drafter_recorded(records: Records) -> None:
+    records[0]["models"]["draft"] = "none"
+
+
+def shard_sizes_of_one_shard(records: Records) -> None:
+    context = records[at(records, "budget_decided", 4)]["context"]
+    context["shard_sizes"] = [context["num_reqs"]]
+
+
+def budget_context_without_ids(records: Records) -> None:
+    records[at(records, "budget_decided", 4)]["context"]["request_ids"] = []
+
+
 def seventeen_stop_tokens(records: Records) -> None:
     records[request_event(records, "request_arrived", 0)]["sampling"]["stop"] = [1] * 17
 
@@ -591,6 +612,25 @@ DAMAGE: dict[str, tuple[Callable[[Records], None], int, str]] = {
     "adaptive policy without a cost table": (
         adaptive_policy_without_costs, 1, "header policies: budget_policy=adaptive-verify: "
         "needs a cost table (calibrated at start, or the one an event log's header carries)"),
+    # Before, each of these five replayed as "all decisions match": a third policy and a
+    # stray key were never read, a drafting run said it had no drafter, a one-shard batch gave
+    # DP sizes (which lifted the KV bound check), a policy saw no request ids.
+    "third header policy": (
+        third_policy, 1, 'header "policies" must hold exactly "depth" and "budget", got '
+        '["depth", "budget", "extra"]'),
+    "stray key of a header policy": (
+        stray_key_of_a_policy, 1, 'header "policies.depth" must be {"name": string, '
+        '"settings": object}, got {"name": "fixed", "settings": {}, "extra": 5}'),
+    "no drafter recorded for a drafting run": (
+        no_drafter_recorded, 1, 'header "models.draft" expected a drafter\'s identity '
+        '(speculative_algorithm=DSpark in its config), got "none"'),
+    "DP shard sizes in a one-shard run": (
+        shard_sizes_of_one_shard, 49, 'budget_decided event of round 4: field '
+        '"context.shard_sizes" expected [] with one DP shard (the header\'s dp_size=1), got '
+        "[2]"),
+    "budget context without request ids": (
+        budget_context_without_ids, 49, 'budget_decided event of round 4: field '
+        '"context.request_ids" expected 2 ids, got []'),
     "seventeen stop tokens": (
         seventeen_stop_tokens, 2, "request_arrived event of request 0: sampling: request "
         "field stop=17 token ids: expected at most 16 stop token ids"),

@@ -343,10 +343,17 @@ def _header_problem(data: Mapping[str, Any]) -> str | None:
     if type(limit) is not int or limit < 2:
         return (f'header "context_limit" must be an integer >= 2 (the target\'s context '
                 f"limit), got {_show(limit)}")
+    return _policies_problem(data["policies"])
+
+
+def _policies_problem(policies: Mapping[str, Any]) -> str | None:
+    if set(policies) != {"depth", "budget"}:  # a third entry would be kept and never read
+        return (f'header "policies" must hold exactly "depth" and "budget", got '
+                f"{_show(list(policies))}")
     for role in ("depth", "budget"):
-        entry = data["policies"].get(role)
-        if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)
-                and isinstance(entry.get("settings"), dict)):
+        entry = policies[role]
+        if not (isinstance(entry, dict) and set(entry) == {"name", "settings"}
+                and isinstance(entry["name"], str) and isinstance(entry["settings"], dict)):
             return (f'header "policies.{role}" must be {{"name": string, "settings": '
                     f"object}}, got {_show(entry)}")
     return None
@@ -663,10 +670,9 @@ class _RunWalk:
                      context.num_reqs_bucket, "the bucket of its decisions")
         batches = dict(context.batches())
         own = batches.get(self.shape.shard, ())
-        if context.request_ids:
-            self._expect(line, event, "request_ids", list(event.request_ids), list(own),
-                         "the request ids of its budget context" + (
-                             f" for shard {self.shape.shard}" if context.shard_sizes else ""))
+        self._expect(line, event, "request_ids", list(event.request_ids), list(own),
+                     "the request ids of its budget context" + (
+                         f" for shard {self.shape.shard}" if context.shard_sizes else ""))
         count = len(own) if context.shard_sizes else context.num_reqs
         if len(set(event.request_ids)) != len(event.request_ids) or \
                 len(event.request_ids) != count:
@@ -766,13 +772,17 @@ class _RunWalk:
 
     def _check_batch_ids(self, line: int, event: BudgetDecided, context: BudgetContext
                          ) -> None:
-        sizes = context.shard_sizes
-        if sizes and (len(sizes) != self.shape.dp_size or max(sizes) != context.num_reqs):
+        sizes, shards = context.shard_sizes, self.shape.dp_size
+        if shards == 1 and sizes:  # one shard decides for its own batch: no sizes to give
+            raise self.fail(line, event, _field("context.shard_sizes", list(sizes), "[] with "
+                            "one DP shard (the header's dp_size=1)"))
+        if shards > 1 and (len(sizes) != shards or max(sizes) != context.num_reqs):
             raise self.fail(line, event, _field("context.shard_sizes", list(sizes), f"one B "
-                            f"per DP shard ({self.shape.dp_size}), the largest "
-                            f"B={context.num_reqs}"))
+                            f"per DP shard ({shards}), the largest B={context.num_reqs}"))
+        # The runtime gives every decision its batch's ids; without them a policy that pools
+        # per-request history would be replayed from other inputs than the run's.
         count = sum(sizes) if sizes else context.num_reqs
-        if context.request_ids and len(context.request_ids) != count:
+        if len(context.request_ids) != count:
             raise self.fail(line, event, _field("context.request_ids",
                                                 list(context.request_ids), f"{count} ids"))
 

@@ -251,6 +251,7 @@ def check_recorded_run(header: LogHeader, events: Sequence[Event], path: str
     launch = _recorded_launch(header, path)
     lag = _recorded_lag(header, launch, path)
     _check_context_limit(header, path)
+    _check_draft_identity(header, launch, path)
     costs = _header_costs(header, path)
     _check_built_in_policies(header, costs, path)
     run = _with_launch_policies(header, RecordedRun(
@@ -458,6 +459,19 @@ def _check_context_limit(header: LogHeader, path: str) -> None:
         raise EventLogError(path, 1, f'header "context_limit" expected {limit} (the '
                             f'built-in target {model}\'s, whose identity "models.target" '
                             f"records), got {_brief(header.context_limit)}")
+
+
+def _check_draft_identity(header: LogHeader, launch: LaunchConfig, path: str) -> None:
+    """A run drafts with a drafter exactly when its algorithm is not none (a start refuses a
+    model set without the one its algorithm uses), and the header records "none" for no
+    drafter: the two must agree, or the header describes a run that never was."""
+    draft, algorithm = header.models["draft"], launch.speculative_algorithm
+    drafting = algorithm != "none"
+    if (draft == "none") == drafting:
+        expected = "a drafter's identity" if drafting else '"none"'
+        raise EventLogError(path, 1, f'header "models.draft" expected {expected} '
+                            f"(speculative_algorithm={algorithm} in its config), got "
+                            f"{_brief(draft)}")
 
 
 def _header_costs(header: LogHeader, path: str) -> CostBundle | None:
