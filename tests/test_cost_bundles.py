@@ -220,6 +220,17 @@ def test_coverage_gaps_have_no_price() -> None:
      r"log-additive$"),
     (lambda d: d["profiles"][0]["table"].update(kind=None),
      r"profiles\[0\]\.table\.kind=null: expected sps, additive or log-additive$"),
+    # Before, an entry held only to its keys' types: a negative or inverted interval, or one
+    # listed twice, loaded (simulate priced with the table as if calibrated so).
+    (lambda d: d["settings"]["contexts"].append({"prefill_tokens": -5, "min_kv_length": -9,
+                                                 "max_kv_length": -20}),
+     r"settings\.contexts\[1\]\.prefill_tokens=-5: expected an integer in 1\.\.16777216$"),
+    (lambda d: d["settings"]["contexts"].append({"prefill_tokens": 5, "min_kv_length": 9,
+                                                 "max_kv_length": 2}),
+     r"settings\.contexts\[1\]\.max_kv_length=2: expected at least min_kv_length=9"),
+    (lambda d: d["settings"]["contexts"].append(d["settings"]["contexts"][0]),
+     r"settings\.contexts\[1\]=.*expected KV intervals that do not overlap; it overlaps "
+     r"1\.\.1024$"),
     (lambda d: d["settings"]["points"].append([2, 1]),
      r"settings\.points\[9\]=\[2, 1\]: expected \[Bcap, G\] with Bcap in "
      r"compatibility\.request_buckets and G one of its compatibility\.target_rows"),

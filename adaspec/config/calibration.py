@@ -6,7 +6,7 @@ from a file; checks against the launch (width, prepared buckets) live in the loa
 """
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
@@ -190,12 +190,7 @@ class CalibrationConfig:
                 or not all(isinstance(c, ContextInterval) for c in self.contexts)):
             raise ConfigError("contexts", _as_list(self.contexts),
                               "expected a non-empty list of context intervals")
-        ordered = sorted(enumerate(self.contexts), key=lambda item: item[1].min_kv_length)
-        for (_, low), (index, high) in zip(ordered, ordered[1:], strict=False):
-            if low.overlaps(high):
-                raise ConfigError(f"contexts[{index}]", high.as_dict(),
-                                  f"expected KV intervals that do not overlap; it overlaps "
-                                  f"{low.min_kv_length}..{low.max_kv_length}")
+        check_disjoint(self.contexts)
 
     def as_dict(self) -> dict[str, object]:
         rows = None if self.target_graph_rows is None else list(self.target_graph_rows)
@@ -210,6 +205,16 @@ class CalibrationConfig:
             "windows_per_point": self.windows_per_point,
             "token_seed": self.token_seed,
         }
+
+
+def check_disjoint(contexts: Sequence[ContextInterval]) -> None:
+    """Calibrated intervals never share a KV length: one length would be priced by two."""
+    ordered = sorted(enumerate(contexts), key=lambda item: item[1].min_kv_length)
+    for (_, low), (index, high) in zip(ordered, ordered[1:], strict=False):
+        if low.overlaps(high):
+            raise ConfigError(f"contexts[{index}]", high.as_dict(),
+                              f"expected KV intervals that do not overlap; it overlaps "
+                              f"{low.min_kv_length}..{low.max_kv_length}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -33,6 +33,7 @@ from adaspec.config.calibration import (
     MAX_STEPS,
     MAX_TOKENS_IN_CONTEXT,
     ContextInterval,
+    check_disjoint,
     json_type,
     key_prefix,
     require_int,
@@ -618,11 +619,15 @@ def _check_contexts_listed(contexts: object, profiles: Sequence[CostProfile]) ->
     """Each profile covers one of the intervals the settings say were calibrated."""
     listed = _list("contexts", contexts)
     keys = {"prefill_tokens", "min_kv_length", "max_kv_length"}
+    intervals = []
     for index, entry in enumerate(listed):
         if not (isinstance(entry, dict) and set(entry) == keys
                 and all(type(v) is int for v in entry.values())):
             raise ConfigError(f"contexts[{index}]", entry, "expected an object of exactly the "
                               f"integers {', '.join(sorted(keys))}")
+        with key_prefix(f"contexts[{index}]."):  # held to the calibration file's rules
+            intervals.append(ContextInterval(**entry))
+    check_disjoint(intervals)
     for index, profile in enumerate(profiles):
         context = profile.context
         if context.as_dict() not in listed:
