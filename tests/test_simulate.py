@@ -240,6 +240,17 @@ def test_a_workload_header_without_a_required_key_says_it_is_missing(
     assert str(raised.value) == f"--workload=w.jsonl:1: {message}"
 
 
+def test_a_header_after_blank_lines_is_named_by_its_own_line() -> None:
+    """Blank lines are skipped before the header as between rounds; before, a fault of a
+    header on line 3 was named as line 1's."""
+    lines = synthetic("drift", rounds=2).as_lines()
+    assert parse_workload(["", " ", *lines], "w.jsonl") == parse_workload(lines, "w.jsonl")
+    header = {**json.loads(lines[0]), "width": 0}
+    with pytest.raises(ConfigError) as raised:
+        parse_workload(["", " ", json.dumps(header), *lines[1:]], "w.jsonl")
+    assert str(raised.value) == "--workload=w.jsonl:3: width=0: expected an integer in 1..64"
+
+
 def test_a_workload_request_without_its_id_says_it_is_missing() -> None:
     lines = synthetic("drift", rounds=2).as_lines()
     bad = json.loads(lines[1])

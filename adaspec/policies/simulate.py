@@ -116,33 +116,34 @@ def parse_workload(lines: Iterable[str], source: str) -> Workload:
     """A workload from its JSON lines; errors name the file, the line and the field."""
     rows = iter(enumerate(lines, start=1))
     header: Any = None
+    at = f"{source}:1"  # the header's line: blank lines before it are skipped, as after it
     for number, text in rows:
         if text.strip():
-            header = _json(source, number, text)
+            header, at = _json(source, number, text), f"{source}:{number}"
             break
     if not isinstance(header, dict) or header.get("format") != WORKLOAD_FORMAT:
-        raise ConfigError("--workload", f"{source}:1",
+        raise ConfigError("--workload", at,
                           f'expected a first line {{"format": "{WORKLOAD_FORMAT}", '
                           '"version": 1, "width": W}')
     version = header.get("version", MISSING)
     if type(version) is not int or version != WORKLOAD_VERSION:  # true is no version
-        raise ConfigError("--workload", f"{source}:1", f"{_field('version', version)} "
+        raise ConfigError("--workload", at, f"{_field('version', version)} "
                           f"expected {WORKLOAD_VERSION}")
     unknown = sorted(set(header) - _HEADER_FIELDS)
     if unknown:
-        raise ConfigError("--workload", f"{source}:1", f"{show_value(unknown[0])}: not a "
+        raise ConfigError("--workload", at, f"{show_value(unknown[0])}: not a "
                           f"header field; expected {', '.join(sorted(_HEADER_FIELDS))}")
     name = header.get("name", "")
     if not isinstance(name, str):
-        raise ConfigError("--workload", f"{source}:1", f"{_field('name', name)} expected a "
+        raise ConfigError("--workload", at, f"{_field('name', name)} expected a "
                           "string")
     width = header.get("width", MISSING)
     if type(width) is not int or not 1 <= width <= 64:
-        raise ConfigError("--workload", f"{source}:1", f"{_field('width', width)} expected an "
+        raise ConfigError("--workload", at, f"{_field('width', width)} expected an "
                           "integer in 1..64")
     dp_size = header.get("dp_size", 1)
     if type(dp_size) is not int or not 1 <= dp_size <= MAX_PARALLEL_SIZE:
-        raise ConfigError("--workload", f"{source}:1", f"{_field('dp_size', dp_size)} expected "
+        raise ConfigError("--workload", at, f"{_field('dp_size', dp_size)} expected "
                           f"an integer in 1..{MAX_PARALLEL_SIZE}")
     rounds = [_round(_json(source, number, text), width, dp_size, f"{source}:{number}")
               for number, text in rows if text.strip()]
