@@ -16,7 +16,7 @@ import pytest
 import torch
 from runtime_helpers import TINY_CALIBRATION, config, first_failure
 
-from adaspec.config import SamplingParams
+from adaspec.config import SamplingParams, load_config
 from adaspec.errors import ConfigError, DeviceLayerError, InvalidRequest
 from adaspec.models import load_reference_models
 from adaspec.policies.fixed import FixedDepth, FullBudget
@@ -153,6 +153,29 @@ def test_runtime_options_take_path_likes_and_protocol_objects(tmp_path: Path) ->
                              calibration_progress=print)
     assert options.event_log == os.fspath(tmp_path / "run.jsonl")
     assert options.trace == os.fspath(tmp_path / "trace.jsonl")
+
+
+@pytest.mark.parametrize(("launch", "option", "message"), [
+    ({"speculative_algorithm": "none"}, "depth_policy",
+     "RuntimeOptions.depth_policy=fixed: expected None with speculative_algorithm=none: that "
+     "launch drafts nothing, so there is no draft depth or verify width to decide"),
+    ({"speculative_algorithm": "none"}, "budget_policy",
+     "RuntimeOptions.budget_policy=full: expected None with speculative_algorithm=none"),
+    ({"speculative_algorithm": "MTP", "num_speculative_tokens": 3,
+      "enable_unified_mtp_graph": True}, "depth_policy",
+     "RuntimeOptions.depth_policy=fixed: expected None with enable_unified_mtp_graph=true: a "
+     "unified graph runs each round at the depth it was prepared for"),
+])
+def test_an_own_policy_the_launch_cannot_follow_is_refused_at_construction(
+        launch: dict[str, object], option: str, message: str) -> None:
+    """Before, the runtime started and every request failed at round 0 ("chose depth 1;
+    expected an integer 1..0", "this unified binding was prepared for ... depth 3"), or a
+    budget policy was asked and never followed."""
+    policy = FixedDepth() if option == "depth_policy" else FullBudget()
+    options = RuntimeOptions(**{option: policy})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError) as raised:
+        Runtime(load_config(launch), options=options)
+    assert str(raised.value).startswith(message)
 
 
 class UnreadableSeconds(float):

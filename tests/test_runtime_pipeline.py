@@ -363,6 +363,37 @@ def test_budget_policies_get_every_legal_tier(models: ReferenceModels) -> None:
     assert seen[0].legal_rows == (8, 12, 16, 24, 32, 48)  # Draft5, Bcap 8: every legal G
 
 
+class AnchorsOnly:
+    """A budget policy that verifies no draft: the smallest legal G (Bcap rows)."""
+
+    name = "anchors-only"
+
+    def decide(self, context: BudgetContext) -> int:
+        return context.legal_rows[0]
+
+    def observe(self, feedback: RoundFeedback) -> None:
+        """Nothing to learn."""
+
+    def statistics(self) -> PolicyStatistics:
+        return PolicyStatistics(self.name, 0, 0)
+
+    def settings(self) -> dict[str, object]:
+        return {}
+
+
+@pytest.mark.parametrize("launch", [{}, {"enable_unified_mtp_graph": True}],
+                         ids=["split", "unified"])
+def test_an_own_budget_policy_is_verified_as_picked_on_a_fixed_width_launch(
+        models: ReferenceModels, target_only: list[tuple[int, ...]],
+        launch: dict[str, Any]) -> None:
+    """Before, such a launch prepared full width only and every pick fell back to it unsaid:
+    the policy chose to verify nothing and each round verified all three drafts."""
+    results = decode(config("MTP", 3, 1, enable_graph=True, **launch), PROMPTS[:3], greedy(3),
+                     models, options=RuntimeOptions(budget_policy=AnchorsOnly()))
+    assert [r.verified for r in results] == [0, 0, 0]
+    assert [r.token_ids for r in results] == target_only[:3]
+
+
 def test_a_recorded_run_replays_identically_and_an_edited_log_diverges_at_its_round(
         models: ReferenceModels, tmp_path: Path) -> None:
     log = tmp_path / "run.jsonl"

@@ -112,9 +112,11 @@ class RuntimeOptions:
     stage_hook: StageHook | None = None
     """Called as each stage's device work starts (fault injection in tests)."""
     depth_policy: DepthPolicy | None = None
-    """Replaces the configured draft-depth policy (counterfactual runs, tests)."""
+    """Replaces the configured draft-depth policy (counterfactual runs, tests); refused
+    without speculation and with unified graphs, which run one depth."""
     budget_policy: BudgetPolicy | None = None
-    """Replaces the configured budget policy."""
+    """Replaces the configured budget policy; with graphs, every legal G is then prepared, as
+    for adaptive target verify, so that each pick is verified as picked."""
     calibration_progress: Progress | None = None
     """Called after each calibration window (a progress bar); default: one structured log
     line per window on the ``adaspec.calibration`` logger."""
@@ -155,6 +157,25 @@ class RuntimeOptions:
             _check_protocol(f"RuntimeOptions.{name}", getattr(self, name), protocol,
                             f"a {protocol.__name__} (adaspec.policies.base) or None")
             _check_recordable(f"RuntimeOptions.{name}", getattr(self, name))
+
+
+def _check_policies_for_launch(options: RuntimeOptions, launch: LaunchConfig) -> None:
+    """An own policy the launch could not follow is refused before anything runs, not by
+    every request failing at its first round: without speculation there is no depth to
+    choose nor draft to verify, and a unified graph runs each round at its prepared depth."""
+    algorithm = launch.speculative_algorithm
+    for name in ("depth_policy", "budget_policy"):
+        policy = getattr(options, name)
+        if policy is not None and algorithm == "none":
+            raise ConfigError(f"RuntimeOptions.{name}", policy.name, "expected None with "
+                              "speculative_algorithm=none: that launch drafts nothing, so "
+                              "there is no draft depth or verify width to decide")
+    if options.depth_policy is not None and launch.enable_graph \
+            and launch.enable_unified_mtp_graph:
+        raise ConfigError("RuntimeOptions.depth_policy", options.depth_policy.name,
+                          "expected None with enable_unified_mtp_graph=true: a unified graph "
+                          "runs each round at the depth it was prepared for (the launch rules "
+                          "refuse adaptive draft steps with it for the same reason)")
 
 
 def _option_path(name: str, value: object) -> str | None:
@@ -420,6 +441,7 @@ class Runtime:
         self.config = config
         self.launch = config.launch
         self.options = options or RuntimeOptions()
+        _check_policies_for_launch(self.options, self.launch)
         given = self.options.clock
         self.clock: Clock = MonotonicClock() if given is None else CheckedClock(given)
         self.bus = EventBus()
@@ -749,7 +771,10 @@ class Runtime:
         if not launch.enable_graph:
             return None
         assert self._stream is not None
-        pairs = geometry.planned_bindings(adaptive=adaptive_budget(launch))
+        # An own budget policy may pick any legal G, as adaptive target verify may: every one
+        # is prepared, else a pick would fall back to full width unsaid.
+        pairs = geometry.planned_bindings(adaptive=adaptive_budget(launch)
+                                          or self.options.budget_policy is not None)
         width = launch.num_speculative_tokens
         # Fails at once for a device without graph capture, before anything is prepared.
         binding_factory(models.target, width, launch.device)
