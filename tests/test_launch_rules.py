@@ -110,6 +110,12 @@ RULE_CASES = [
      "--disable_graph_warmup=true",
      "--disable_graph_warmup=true: --enable_unified_mtp_graph=true needs "
      "--disable_graph_warmup=false"),
+    # Before, accepted: the round ran as one unit whatever the flag said.
+    ("--speculative_algorithm=MTP --num_speculative_tokens=3 --enable_unified_mtp_graph=true "
+     "--enable_task_pipeline=false",
+     "--enable_task_pipeline=false: --enable_unified_mtp_graph=true needs "
+     "--enable_task_pipeline=true (drop --enable_task_pipeline=false or set "
+     "--enable_unified_mtp_graph=false)"),
     ("--python_graph_backend=cudagraph",
      "--python_graph_backend=cudagraph: --device=cpu and --enable_graph=true need "
      "--python_graph_backend=eager_buckets (eager_buckets runs on --device=cpu, cudagraph runs on "

@@ -166,6 +166,10 @@ RULES: tuple[Rule, ...] = (
          "Unified graphs capture each complete round, so graphs must be on"),
     Rule((UNIFIED,), eq("disable_graph_warmup", False),
          "Unified startup captures its tiers during warmup"),
+    Rule((UNIFIED,), eq("enable_task_pipeline", True),
+         "A unified graph runs the whole round as one device unit, so there are no stages to "
+         "run one by one; never silently ignored",
+         "drop --enable_task_pipeline=false or set --enable_unified_mtp_graph=false"),
     # --- graphs and device ---------------------------------------------------------------------
     *(Rule((eq("device", device), eq("enable_graph", True)),
            eq("python_graph_backend", backend, None),
