@@ -1,6 +1,7 @@
 """Sampling parameters: ranges, refused features named by field, and launch-dependent rules."""
 
 import dataclasses
+import functools
 import json
 from collections import OrderedDict
 from types import MappingProxyType
@@ -10,7 +11,7 @@ import pytest
 
 from adaspec.config import SamplingParams, check_request, load_config, load_config_from_argv
 from adaspec.config.flags import launch_config_from_settings
-from adaspec.config.requests import refuse_idle_filter
+from adaspec.config.requests import check_recorded_request, refuse_idle_filter
 from adaspec.errors import InvalidRequest, UnsupportedRequest
 
 ATV = {"speculative_algorithm": "DSpark", "num_speculative_tokens": 7,
@@ -197,14 +198,17 @@ def test_unified_graphs_refuse_positive_temperature_instead_of_decoding_greedily
 ])
 def test_a_greedy_request_with_a_filter_is_refused_as_the_cli_and_http_refuse_it(
         fields: dict[str, object], shown: str) -> None:
-    """Runtime.submit refuses it; check_request does not (it decodes exactly, and logs that
-    recorded such requests still replay)."""
+    """Runtime.submit refuses it, and so does check_request, which says before execution
+    what submit refuses (before, it passed such a request that submit then refused); an
+    event log's requests are held to the launch alone, so logs that recorded one replay."""
     params = SamplingParams.from_request(fields)
-    check_request(params, launch_config_from_settings({}))
-    with pytest.raises(InvalidRequest) as info:
-        refuse_idle_filter(params)
-    assert str(info.value) == (f"request field {shown}: filters sampled requests only; "
-                               "expected a positive temperature with it")
+    check_recorded_request(params, launch_config_from_settings({}))
+    for check in (refuse_idle_filter, functools.partial(check_request,
+                                                        launch=launch_config_from_settings({}))):
+        with pytest.raises(InvalidRequest) as info:
+            check(params)
+        assert str(info.value) == (f"request field {shown}: filters sampled requests only; "
+                                   "expected a positive temperature with it")
     check_request(SamplingParams(temperature=0.5, **{k: v for k, v in fields.items()
                                                      if k != "temperature"}),
                   launch_config_from_settings({}))

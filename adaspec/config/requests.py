@@ -281,7 +281,16 @@ def _not_number(value: object) -> str:
 
 
 def check_request(params: SamplingParams, launch: LaunchConfig) -> None:
-    """Refuse, before execution, a request this launch cannot decode exactly."""
+    """Refuse, before execution, what ``Runtime.submit`` refuses: a request this launch
+    cannot decode exactly, or a filter on a greedy request."""
+    check_recorded_request(params, launch)
+    refuse_idle_filter(params)
+
+
+def check_recorded_request(params: SamplingParams, launch: LaunchConfig) -> None:
+    """Refuse a request this launch cannot decode exactly: what an event log's requests are
+    held to (a filter on a greedy one decodes exactly, and logs recorded before that was
+    refused still replay)."""
     if not isinstance(params, SamplingParams):
         raise TypeError(f"check_request(params={reprlib.repr(params)}): expected a "
                         "SamplingParams (SamplingParams.from_request reads a dict)")
@@ -303,9 +312,7 @@ def check_request(params: SamplingParams, launch: LaunchConfig) -> None:
 
 
 def refuse_idle_filter(params: SamplingParams) -> None:
-    """Refuse a filter on a greedy request, as the commands and the server do. Not part of
-    ``check_request``: such a request decodes exactly, and logs recorded before this rule
-    still replay."""
+    """Refuse a filter on a greedy request, as the commands and the server do."""
     name = idle_filter(params)
     if name is not None:
         raise InvalidRequest(name, getattr(params, name), IDLE_FILTER)

@@ -43,7 +43,6 @@ from adaspec.config.requests import (
     SamplingParams,
     check_request,
     check_room,
-    refuse_idle_filter,
 )
 from adaspec.errors import MISSING, AdaspecError, ConfigError, DeviceLayerError, InvalidRequest
 from adaspec.models.checkpoint import ReferenceModels, load_reference_models
@@ -1034,8 +1033,7 @@ class Runtime:
                                  "or SamplingParams.from_request(fields)")
         pipeline = self._running()
         self._front_only("submit")
-        check_request(params, self.launch)
-        refuse_idle_filter(params)
+        check_request(params, self.launch)  # a filter on a greedy request included
         ids = prompt_ids(prompt)
         check_prompt(pipeline.ctx.target, ids)
         check_room(pipeline.ctx.context_limit, len(ids), params.max_tokens)

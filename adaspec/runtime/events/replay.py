@@ -28,7 +28,7 @@ from adaspec.config.builtin import builtin_target_limit
 from adaspec.config.calibration import key_prefix
 from adaspec.config.effective import effective_value, execution_shape
 from adaspec.config.launch import LaunchConfig, launch_field_types
-from adaspec.config.requests import check_request
+from adaspec.config.requests import check_recorded_request
 from adaspec.errors import (
     ConfigError,
     EventLogError,
@@ -273,7 +273,8 @@ def check_recorded_run(header: LogHeader, events: Sequence[Event], path: str
                                context_limit=run.context_limit,
                                unified=launch.enable_unified_mtp_graph,
                                tiers_only=launch.captures_tiers_only,
-                               check_request=functools.partial(check_request, launch=launch),
+                               check_request=functools.partial(check_recorded_request,
+                                                             launch=launch),
                                shard=launch.dp_rank),
               path)
     return run
