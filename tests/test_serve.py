@@ -780,3 +780,18 @@ def test_bench_url_refuses_what_does_not_apply_in_one_line(flags: list[str], wor
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1, done.stderr
     assert words in done.stderr
+
+
+def test_bench_url_under_torchrun_is_refused_naming_the_variable() -> None:
+    """Before, every rank ran the whole load and printed a report of its own."""
+    environment = {**peer_environment(), "RANK": "1", "WORLD_SIZE": "2",
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    done = subprocess.run([sys.executable, "-m", "adaspec", "bench",
+                           f"--url=http://127.0.0.1:{free_port()}", "--requests=1"],
+                          capture_output=True, text=True, env=environment, cwd=REPO,
+                          timeout=PROCESS_LIMIT_S, check=False)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == ("adaspec bench: error: RANK=1: set by a launcher such as torchrun; "
+                           "bench --url is one client process (each rank would send its own "
+                           "load and print its own report): run it once, without the "
+                           "launcher\n")

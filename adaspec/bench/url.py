@@ -7,7 +7,7 @@ import asyncio
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -21,6 +21,7 @@ from adaspec.bench.load import (
 )
 from adaspec.bench.run import shipped_prompts
 from adaspec.config import SamplingParams
+from adaspec.config.launch import TORCHRUN_ENV
 from adaspec.errors import ConfigError, printable
 
 URL_FLAGS = ("url", "served_model_name", "quick", "concurrency", "requests", "max_tokens",
@@ -70,9 +71,16 @@ NOT_RUNTIME_FLAGS = {
 do not apply configure the runtime the bench would start)."""
 
 
-def refuse_runtime_flags(given: Sequence[tuple[str, str]], launch_argv: Sequence[str]) -> None:
+def refuse_runtime_flags(given: Sequence[tuple[str, str]], launch_argv: Sequence[str],
+                         environ: Mapping[str, str]) -> None:
     """Refuse, in one line naming it, the first flag given that does not apply with --url,
-    with the reason it does not."""
+    with the reason it does not; and a start by torchrun, whose every rank would send a
+    whole load of its own."""
+    launcher = next((name for name in TORCHRUN_ENV if name in environ), None)
+    if launcher is not None:
+        raise ConfigError(launcher, environ[launcher], "set by a launcher such as torchrun; "
+                          "bench --url is one client process (each rank would send its own "
+                          "load and print its own report): run it once, without the launcher")
     for name, value in given:
         if name not in URL_FLAGS:
             raise ConfigError(f"--{name}", value or True, NOT_RUNTIME_FLAGS.get(

@@ -128,7 +128,8 @@ BENCH = CommandFlags(
                     "(adaspec serve or another; http://HOST:PORT): tokens/s and TTFT, TPOT "
                     "and end-to-end latency percentiles per concurrency level; only "
                     "--concurrency, --requests, --max_tokens, --temperature, the filters, "
-                    "--quick, --json and --served_model_name apply"),
+                    "--quick, --json and --served_model_name apply (no runtime starts, so no "
+                    "ADASPEC_* variable is read)"),
         "served_model_name": Flag(metavar="NAME", help="with --url: the model requests name "
                                   "(default: the one the server lists)"),
     })
@@ -482,7 +483,7 @@ def _run_url(argv: Sequence[str], args: BenchArgs, choices: Choices) -> int:
     if "url" not in args.values:
         raise ConfigError("--served_model_name", args.values["served_model_name"],
                           "names a server's model; expected --url with it")
-    refuse_runtime_flags(BENCH.parse(argv).given, args.launch_argv)
+    refuse_runtime_flags(BENCH.parse(argv).given, args.launch_argv, os.environ)
     params = SamplingParams(temperature=0.0, top_k=choices.top_k, top_p=choices.top_p,
                             min_p=choices.min_p, max_tokens=choices.max_tokens)
     return run_url(args.values["url"], args.values.get("served_model_name"),
