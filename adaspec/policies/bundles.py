@@ -355,8 +355,10 @@ def _priced(profile: CostProfile | None, num_reqs_bucket: int, second: int) -> f
 
 
 _BUNDLE_ONLY_KEYS = ("format", "compatibility", "settings", "profiles")
-_ALGORITHMS = ("DSpark", "MTP")  # the algorithms whose rounds a table prices
 """Keys of a versioned bundle that no legacy table has."""
+
+_ALGORITHMS = ("DSpark", "MTP")
+"""The algorithms whose rounds a cost table prices."""
 
 
 def bundle_from_dict(data: Mapping[str, object], source: str) -> CostBundle:
