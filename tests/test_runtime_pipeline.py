@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from runtime_helpers import config, decode, lossless_prompts, max_tokens_of
+from runtime_helpers import CyclingDepth, config, decode, lossless_prompts, max_tokens_of
 
 from adaspec import cli
 from adaspec.config import SamplingParams
@@ -24,7 +24,7 @@ from adaspec.runtime.engine import Runtime, RuntimeOptions
 from adaspec.runtime.events.clock import VirtualClock
 from adaspec.runtime.events.log import read_event_log
 from adaspec.runtime.events.replay import replay
-from adaspec.runtime.events.types import RoundRetired, RoundSubmitted
+from adaspec.runtime.events.types import BudgetDecided, RoundRetired, RoundSubmitted
 from adaspec.runtime.pipeline import Pipeline
 from adaspec.runtime.requests import RequestFailed
 from adaspec.runtime.states import RoundState
@@ -392,6 +392,20 @@ def test_an_own_budget_policy_is_verified_as_picked_on_a_fixed_width_launch(
                      models, options=RuntimeOptions(budget_policy=AnchorsOnly()))
     assert [r.verified for r in results] == [0, 0, 0]
     assert [r.token_ids for r in results] == target_only[:3]
+
+
+def test_an_own_depth_policys_shallow_rounds_verify_the_rows_they_cover(
+        models: ReferenceModels, target_only: list[tuple[int, ...]], tmp_path: Path) -> None:
+    """Before, such a launch prepared full width only: a round of depth 1 decided G = 2B
+    and ran 4B rows, the fallback seen only as the log's bound_rows."""
+    log = tmp_path / "run.jsonl"
+    results = decode(config("MTP", 3, 4, enable_graph=True), PROMPTS[:4], greedy(4), models,
+                     options=RuntimeOptions(depth_policy=CyclingDepth(), event_log=str(log)))
+    assert [r.token_ids for r in results] == target_only[:4]
+    _, events = read_event_log(str(log))
+    decided = [e for e in events if isinstance(e, BudgetDecided)]
+    assert {e.context.depth for e in decided} == {1, 2, 3}
+    assert [e.bound_rows for e in decided] == [e.num_rows for e in decided]
 
 
 def test_a_recorded_run_replays_identically_and_an_edited_log_diverges_at_its_round(

@@ -281,8 +281,9 @@ def _not_number(value: object) -> str:
 
 
 def check_request(params: SamplingParams, launch: LaunchConfig) -> None:
-    """Refuse, before execution, what ``Runtime.submit`` refuses: a request this launch
-    cannot decode exactly, or a filter on a greedy request."""
+    """Refuse, before execution, what ``Runtime.submit`` refuses of the request alone: what
+    this launch cannot decode exactly, and a filter on a greedy request. What needs the
+    prompt or the model (room in the context, stop ids in the vocabulary) submit checks."""
     check_recorded_request(params, launch)
     refuse_idle_filter(params)
 

@@ -111,8 +111,9 @@ class RuntimeOptions:
     stage_hook: StageHook | None = None
     """Called as each stage's device work starts (fault injection in tests)."""
     depth_policy: DepthPolicy | None = None
-    """Replaces the configured draft-depth policy (counterfactual runs, tests); refused
-    without speculation and with unified graphs, which run one depth."""
+    """Replaces the configured draft-depth policy (counterfactual runs, tests); with graphs,
+    every legal G is then prepared, so a shallower round verifies the rows it covers.
+    Refused without speculation and with unified graphs, which run one depth."""
     budget_policy: BudgetPolicy | None = None
     """Replaces the configured budget policy; with graphs, every legal G is then prepared, as
     for adaptive target verify, so that each pick is verified as picked."""
@@ -770,10 +771,11 @@ class Runtime:
         if not launch.enable_graph:
             return None
         assert self._stream is not None
-        # An own budget policy may pick any legal G, as adaptive target verify may: every one
-        # is prepared, else a pick would fall back to full width unsaid.
-        pairs = geometry.planned_bindings(adaptive=adaptive_budget(launch)
-                                          or self.options.budget_policy is not None)
+        # An own policy may make any legal G the round's, as the adaptive controls may (a
+        # budget policy by its pick, a depth policy by the rows a shallower round covers):
+        # every one is prepared, else such a round would fall back to full width unsaid.
+        own = self.options.budget_policy is not None or self.options.depth_policy is not None
+        pairs = geometry.planned_bindings(adaptive=adaptive_budget(launch) or own)
         width = launch.num_speculative_tokens
         # Fails at once for a device without graph capture, before anything is prepared.
         binding_factory(models.target, width, launch.device)
