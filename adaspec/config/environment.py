@@ -9,7 +9,7 @@ import os
 from collections.abc import Mapping
 
 from adaspec.config.launch import LaunchConfig, integer_text
-from adaspec.config.paths import check_own_files, new_file
+from adaspec.config.paths import SWITCH_OFF, SWITCH_ON, check_own_files, new_file
 from adaspec.errors import ConfigError
 
 CPU_THREADS_ENV = "ADASPEC_CPU_THREADS"
@@ -28,8 +28,7 @@ TRACE_ENV = "ADASPEC_TRACE"
 STDERR = "-"
 """The trace path that means standard error."""
 
-_SWITCHES = {"1": STDERR, "true": STDERR, "yes": STDERR, "on": STDERR,
-             "0": None, "false": None, "no": None, "off": None, "": None}
+_SWITCHES = {**dict.fromkeys(SWITCH_ON, STDERR), **dict.fromkeys((*SWITCH_OFF, ""), None)}
 
 
 def cpu_stream_kind(environ: Mapping[str, str] | None = None) -> str:

@@ -101,7 +101,9 @@ def _size(count: int) -> str:
     return f"{count // 2**20} MiB" if count >= 2**20 else f"{count} bytes"
 
 
-SWITCH_WORDS = ("0", "1", "true", "false", "yes", "no", "on", "off")
+SWITCH_ON = ("1", "true", "yes", "on")
+SWITCH_OFF = ("0", "false", "no", "off")
+SWITCH_WORDS = SWITCH_ON + SWITCH_OFF
 """Values that read as a switch (``ADASPEC_TRACE`` takes them so), not as a file's name."""
 
 

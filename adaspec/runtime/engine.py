@@ -170,8 +170,7 @@ def _check_policies_for_launch(options: RuntimeOptions, launch: LaunchConfig) ->
             raise ConfigError(f"RuntimeOptions.{name}", policy.name, "expected None with "
                               "speculative_algorithm=none: that launch drafts nothing, so "
                               "there is no draft depth or verify width to decide")
-    if options.depth_policy is not None and launch.enable_graph \
-            and launch.enable_unified_mtp_graph:
+    if options.depth_policy is not None and launch.enable_unified_mtp_graph:  # graphs on
         raise ConfigError("RuntimeOptions.depth_policy", options.depth_policy.name,
                           "expected None with enable_unified_mtp_graph=true: a unified graph "
                           "runs each round at the depth it was prepared for (the launch rules "
