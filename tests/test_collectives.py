@@ -303,3 +303,56 @@ def test_a_store_call_on_a_frozen_rank_0_ends_at_the_answer_limit_not_the_deadli
         host.send_signal(signal.SIGCONT)
         host.kill()
         host.communicate()
+
+
+def test_a_store_call_on_a_killed_rank_0_is_named_as_the_heartbeat_watch_names_it() -> None:
+    """Rank 0 killed between two of a follower's store calls: before, c10d's socket error
+    ("Connection reset by peer") was the start's reason."""
+    import subprocess
+    import sys
+    import time
+
+    from rank_launch import free_port
+
+    from adaspec.runtime.devices.rendezvous import arrive, client, publish_layout
+
+    port = free_port()
+    host = subprocess.Popen([sys.executable, "-c", HOST_A_STORE, str(port)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert host.stdout is not None
+        assert host.stdout.readline() == "up\n"
+        store = client("127.0.0.1", port, datetime.timedelta(seconds=PROCESS_LIMIT_S))
+        layout = {"--nnodes": 2, "--dp_size": 1, "--tp_size": 1}
+        publish_layout(store, layout, Gathering(time.monotonic() + 60, 60, lambda: False))
+    finally:
+        host.kill()
+        host.communicate()
+    with pytest.raises(CollectiveError) as info:
+        arrive(store, 1, layout, Gathering(time.monotonic() + 3600, 3600, lambda: False))
+    assert info.value.reason == "rank 0 stopped: its rendezvous store is gone"
+
+
+def test_a_store_that_accepts_then_goes_away_is_named_gone_at_once() -> None:
+    """Rank 0 killed between a follower's first contact and its store client's connect:
+    c10d's client retries a refused connect until its timeout, and the wait used to end
+    there naming another service on the port."""
+    import socket
+    import threading
+    import time
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def answer_once_then_go() -> None:
+        contact, _ = listener.accept()
+        contact.close()
+        listener.close()
+
+    gone = threading.Thread(target=answer_once_then_go, daemon=True)
+    gone.start()
+    with pytest.raises(CollectiveError) as info:
+        join_store(f"tcp://127.0.0.1:{port}", 2,
+                   Gathering(time.monotonic() + 30, 30, lambda: False))
+    gone.join()
+    assert info.value.reason == "rank 0 stopped: its rendezvous store is gone"

@@ -41,6 +41,7 @@ from adaspec.runtime.devices.rendezvous import (
     host_store,
     join_store,
     publish_layout,
+    reached,
     silence_s,
     tcp_address,
     tell_failure,
@@ -280,11 +281,13 @@ class DistributedCollectives:
         connecting = None
         try:
             with _collective("init_process_group", group):
-                watcher = told = client(host, port, timeout)
+                watcher = told = reached(lambda: client(host, port, timeout), (host, port),
+                                         gathering, group)
                 if rank == 0:
                     publish_layout(store, layout, gathering)
-                liveness = self._liveness = Liveness(host, port, rank, world_size, beat_s,
-                                                     connect_timeout=timeout)
+                liveness = self._liveness = reached(
+                    lambda: Liveness(host, port, rank, world_size, beat_s,
+                                     connect_timeout=timeout), (host, port), gathering, group)
                 arrive(store, rank, layout, gathering)
                 await_every_rank(watcher, rank, world_size, liveness.beat_s, gathering)
             connecting = Connecting(self._connect_groups)

@@ -41,6 +41,7 @@ STEP_S = 0.1
 OP = "init_process_group"
 MIN_SILENCE_S = 3.0  # a start-up on a loaded host may starve an idle heartbeat thread briefly
 STOPPED = "the start was stopped while waiting for the ranks"
+GONE = "rank 0 stopped: its rendezvous store is gone"
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,10 +137,12 @@ def join_store(init_method: str, world_size: int, gathering: Gathering) -> TCPSt
                           gathering.timeout_s, gathering.stopped)
     timeout = datetime.timedelta(seconds=handshake.deadline - time.monotonic())
     try:
-        return _until(lambda: client(host, port, timeout), handshake, group)
-    except (CollectiveError, RuntimeError, ValueError) as error:
-        if isinstance(error, CollectiveError) and error.reason == STOPPED:
+        return _until(lambda: client(host, port, timeout), handshake, group, (host, port))
+    except CollectiveError as error:
+        if error.reason == STOPPED:
             raise
+        if _refused((host, port)):  # it accepted, then went away: rank 0 was killed
+            raise CollectiveError(OP, group, GONE) from None
         raise CollectiveError(OP, group, (
             f"{host}:{port} accepts connections but no rendezvous store answered there within "
             f"{gathering.timeout_s:g} s; is another service on that port?")) from None
@@ -357,13 +360,25 @@ def _answer(work: Callable[[], T], limit_s: float, group: tuple[int, ...]) -> T:
         raise CollectiveError(OP, group, f"rank 0 stopped: its rendezvous store gave no "
                               f"answer for {limit_s:g} s") from None
     except (RuntimeError, ValueError):
-        raise CollectiveError(OP, group, "rank 0 stopped: its rendezvous store is gone"
-                              ) from None
+        raise CollectiveError(OP, group, GONE) from None
 
 
-def _until(work: Callable[[], T], gathering: Gathering, group: tuple[int, ...]) -> T:
+def reached(connect: Callable[[], T], address: tuple[str, int], gathering: Gathering,
+            group: tuple[int, ...]) -> T:
+    """A connection to rank 0's store once it has answered, within the gathering (no answer
+    limit: a loaded host may accept slowly). c10d's client keeps retrying a refused connect
+    until its timeout: a store that refuses once it was found has gone away (rank 0 killed),
+    which ends the wait at once."""
+    whole = Gathering(gathering.deadline, gathering.timeout_s, gathering.stopped)
+    return _until(connect, whole, group, address)
+
+
+def _until(work: Callable[[], T], gathering: Gathering, group: tuple[int, ...],
+           address: tuple[str, int] | None = None) -> T:
     """``work`` on the store, waited for in steps until a few seconds past the gathering's
-    deadline, or its ``answer_s``, or until it is stopped."""
+    deadline, or its ``answer_s``, or until it is stopped, or until nothing listens at
+    ``address`` any more. A store that goes away (rank 0 killed) fails the start naming
+    rank 0, as the heartbeat watch does."""
     call = StoreCall(work)
     began = time.monotonic()
     while call.is_alive():
@@ -371,6 +386,8 @@ def _until(work: Callable[[], T], gathering: Gathering, group: tuple[int, ...]) 
         _check_stopped(gathering.stopped, group)
         if not call.is_alive():
             break
+        if address is not None and _refused(address):
+            raise CollectiveError(OP, group, GONE)
         now = time.monotonic()
         if gathering.answer_s is not None and now - began >= gathering.answer_s:
             raise CollectiveError(OP, group, f"rank 0 stopped: its rendezvous store gave no "
@@ -378,7 +395,20 @@ def _until(work: Callable[[], T], gathering: Gathering, group: tuple[int, ...]) 
         if now >= gathering.deadline + MIN_SILENCE_S:
             raise CollectiveError(OP, group, "rank 0 stopped: its rendezvous store gave no "
                                   "answer")
-    return call.result()
+    try:
+        return call.result()
+    except (RuntimeError, ValueError):
+        raise CollectiveError(OP, group, GONE) from None
+
+
+def _refused(address: tuple[str, int]) -> bool:
+    try:
+        socket.create_connection(address, timeout=1.0).close()
+    except ConnectionRefusedError:
+        return True
+    except OSError:  # unreachable for now, or slow: not known to be gone
+        return False
+    return False
 
 
 def _fail(store: TCPStore, reason: str) -> str:
