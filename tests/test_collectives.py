@@ -356,3 +356,32 @@ def test_a_store_that_accepts_then_goes_away_is_named_gone_at_once() -> None:
                    Gathering(time.monotonic() + 30, 30, lambda: False))
     gone.join()
     assert info.value.reason == "rank 0 stopped: its rendezvous store is gone"
+
+
+def test_a_backend_connect_cut_by_a_killed_rank_0_is_named_as_the_watch_names_it() -> None:
+    """The backend's connect waits on rank 0's store; a kill then failed the start with
+    c10d's socket message ("Failed to recv, got 0 bytes ...") whenever the backend's error
+    came before the heartbeat watch's next look."""
+    import subprocess
+    import sys
+
+    from rank_launch import free_port
+
+    from adaspec.runtime.devices.rendezvous import Connecting, client, watch
+
+    port = free_port()
+    host = subprocess.Popen([sys.executable, "-c", HOST_A_STORE, str(port)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert host.stdout is not None
+        assert host.stdout.readline() == "up\n"
+        limit = datetime.timedelta(seconds=PROCESS_LIMIT_S)
+        watcher, backend = client("127.0.0.1", port, limit), client("127.0.0.1", port, limit)
+    finally:
+        host.kill()
+        host.communicate()
+    # The backend's own wait on the store, as gloo's full-mesh connect makes it.
+    connecting = Connecting(lambda: backend.wait(["backend/rank_0"]))
+    with pytest.raises(CollectiveError) as info:
+        watch(connecting, watcher, 1, 2, 1.0, lambda: False)
+    assert info.value.reason == "rank 0 stopped: its rendezvous store is gone"

@@ -254,7 +254,9 @@ class Connecting(threading.Thread):
 def watch(connecting: Connecting, watcher: TCPStore, rank: int, world_size: int,
           beat_s: float, stopped: Callable[[], bool]) -> None:
     """Wait for ``connecting`` to end, raising what it raised; fail first, as in
-    await_every_rank, when a rank wrote a failure or fell silent, or the start is stopped."""
+    await_every_rank, when a rank wrote a failure or fell silent, or the start is stopped.
+    A connection that failed gets one more look first: the backend names a rank 0 killed
+    meanwhile in socket terms, where the look names it (or a failure another rank wrote)."""
     group = tuple(range(world_size))
     look = _Look(watcher, rank, world_size, beat_s)
     while connecting.is_alive():
@@ -264,6 +266,7 @@ def watch(connecting: Connecting, watcher: TCPStore, rank: int, world_size: int,
         look.step()
         _check_stopped(stopped, group)
     if connecting.error is not None:
+        look.step()
         raise connecting.error
 
 
