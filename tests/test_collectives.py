@@ -5,7 +5,13 @@ Multi-rank tests run real gloo ranks (tests/gloo_peer.py), one process each, sta
 and waited on with a hard limit, so a hang fails the test instead of stalling the suite.
 """
 
+import contextlib
 import datetime
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +20,7 @@ import torch
 import torch.distributed as dist
 from gloo_job import PROCESS_LIMIT_S, TIMEOUT_MARGIN_S, GlooJob
 from gloo_peer import DIED_EXIT_CODE
+from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, unstubbed
 
 from adaspec.errors import CollectiveError, ConfigError, DeviceUnavailable
 from adaspec.runtime.devices.collectives import (
@@ -270,17 +277,13 @@ signal.pause()
 """
 
 
-def test_a_store_call_on_a_frozen_rank_0_ends_at_the_answer_limit_not_the_deadline() -> None:
-    """Rank 0 frozen (SIGSTOP) between two of a follower's store calls, its arrival counted
-    and the arrivals not yet: before, the follower waited for the rendezvous deadline."""
-    import signal
-    import subprocess
-    import sys
-    import time
-
+@contextlib.contextmanager
+def _rank_0_store() -> Iterator[tuple[subprocess.Popen[str], TCPStore]]:
+    """A store hosted by another process, as rank 0 hosts it, and a follower's client of it
+    with the layout published; the process is ended (thawed first) however the test left it."""
     from rank_launch import free_port
 
-    from adaspec.runtime.devices.rendezvous import arrive, client, publish_layout
+    from adaspec.runtime.devices.rendezvous import client, publish_layout
 
     port = free_port()
     host = subprocess.Popen([sys.executable, "-c", HOST_A_STORE, str(port)],
@@ -289,47 +292,48 @@ def test_a_store_call_on_a_frozen_rank_0_ends_at_the_answer_limit_not_the_deadli
         assert host.stdout is not None
         assert host.stdout.readline() == "up\n"
         store = client("127.0.0.1", port, datetime.timedelta(seconds=PROCESS_LIMIT_S))
-        layout = {"--nnodes": 2, "--dp_size": 1, "--tp_size": 1}
-        publish_layout(store, layout, Gathering(time.monotonic() + 60, 60, lambda: False))
+        publish_layout(store, LAYOUT, Gathering(time.monotonic() + 60, 60, lambda: False))
+        yield host, store
+    finally:
+        host.send_signal(signal.SIGCONT)
+        _kill(host)
+        assert host.stdout is not None
+        host.stdout.close()
+
+
+LAYOUT = {"--nnodes": 2, "--dp_size": 1, "--tp_size": 1}
+
+
+def _kill(host: subprocess.Popen[str]) -> None:
+    host.kill()
+    host.wait()
+
+
+def test_a_store_call_on_a_frozen_rank_0_ends_at_the_answer_limit_not_the_deadline() -> None:
+    """Rank 0 frozen (SIGSTOP) between two of a follower's store calls, its arrival counted
+    and the arrivals not yet: before, the follower waited for the rendezvous deadline."""
+    from adaspec.runtime.devices.rendezvous import arrive
+
+    with _rank_0_store() as (host, store):
         host.send_signal(signal.SIGSTOP)
         gathering = Gathering(time.monotonic() + 3600, 3600, lambda: False, answer_s=0.5)
         with pytest.raises(CollectiveError) as info:
-            arrive(store, 1, layout, gathering)
+            arrive(store, 1, LAYOUT, gathering)
         assert info.value.reason == "rank 0 stopped: its rendezvous store gave no answer for 0.5 s"
         host.send_signal(signal.SIGCONT)
         store.check(["unfrozen"])  # after the call left waiting (one at a time): c10d would
         # print pages of C++ frames for one cut off by the kill below
-    finally:
-        host.send_signal(signal.SIGCONT)
-        host.kill()
-        host.communicate()
 
 
 def test_a_store_call_on_a_killed_rank_0_is_named_as_the_heartbeat_watch_names_it() -> None:
     """Rank 0 killed between two of a follower's store calls: before, c10d's socket error
     ("Connection reset by peer") was the start's reason."""
-    import subprocess
-    import sys
-    import time
+    from adaspec.runtime.devices.rendezvous import arrive
 
-    from rank_launch import free_port
-
-    from adaspec.runtime.devices.rendezvous import arrive, client, publish_layout
-
-    port = free_port()
-    host = subprocess.Popen([sys.executable, "-c", HOST_A_STORE, str(port)],
-                            stdout=subprocess.PIPE, text=True)
-    try:
-        assert host.stdout is not None
-        assert host.stdout.readline() == "up\n"
-        store = client("127.0.0.1", port, datetime.timedelta(seconds=PROCESS_LIMIT_S))
-        layout = {"--nnodes": 2, "--dp_size": 1, "--tp_size": 1}
-        publish_layout(store, layout, Gathering(time.monotonic() + 60, 60, lambda: False))
-    finally:
-        host.kill()
-        host.communicate()
-    with pytest.raises(CollectiveError) as info:
-        arrive(store, 1, layout, Gathering(time.monotonic() + 3600, 3600, lambda: False))
+    with _rank_0_store() as (host, store):
+        _kill(host)
+        with pytest.raises(CollectiveError) as info:
+            arrive(store, 1, LAYOUT, Gathering(time.monotonic() + 3600, 3600, lambda: False))
     assert info.value.reason == "rank 0 stopped: its rendezvous store is gone"
 
 
@@ -339,7 +343,6 @@ def test_a_store_that_accepts_then_goes_away_is_named_gone_at_once() -> None:
     there naming another service on the port."""
     import socket
     import threading
-    import time
 
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
@@ -362,26 +365,14 @@ def test_a_backend_connect_cut_by_a_killed_rank_0_is_named_as_the_watch_names_it
     """The backend's connect waits on rank 0's store; a kill then failed the start with
     c10d's socket message ("Failed to recv, got 0 bytes ...") whenever the backend's error
     came before the heartbeat watch's next look."""
-    import subprocess
-    import sys
-
-    from rank_launch import free_port
-
     from adaspec.runtime.devices.rendezvous import Connecting, client, watch
 
-    port = free_port()
-    host = subprocess.Popen([sys.executable, "-c", HOST_A_STORE, str(port)],
-                            stdout=subprocess.PIPE, text=True)
-    try:
-        assert host.stdout is not None
-        assert host.stdout.readline() == "up\n"
-        limit = datetime.timedelta(seconds=PROCESS_LIMIT_S)
-        watcher, backend = client("127.0.0.1", port, limit), client("127.0.0.1", port, limit)
-    finally:
-        host.kill()
-        host.communicate()
-    # The backend's own wait on the store, as gloo's full-mesh connect makes it.
-    connecting = Connecting(lambda: backend.wait(["backend/rank_0"]))
-    with pytest.raises(CollectiveError) as info:
-        watch(connecting, watcher, 1, 2, 1.0, lambda: False)
+    with _rank_0_store() as (host, watcher):
+        backend = client("127.0.0.1", watcher.port,
+                         datetime.timedelta(seconds=PROCESS_LIMIT_S))
+        _kill(host)
+        # The backend's own wait on the store, as gloo's full-mesh connect makes it.
+        connecting = Connecting(lambda: backend.wait(["backend/rank_0"]))
+        with pytest.raises(CollectiveError) as info:
+            watch(connecting, watcher, 1, 2, 1.0, lambda: False)
     assert info.value.reason == "rank 0 stopped: its rendezvous store is gone"
