@@ -2,6 +2,8 @@
 stdout, and one-line errors for a launch it cannot calibrate."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -36,6 +38,38 @@ def test_calibrate_saves_the_bundle_and_prints_a_summary(
     # The same output again is refused before anything runs.
     assert cli.run(["calibrate", *argv]) == 2
     assert capsys.readouterr().err.strip().endswith("choose a new output file")
+
+
+SIGNAL_AFTER_THE_SAVE = """
+import os, signal, sys
+from adaspec.cli.main import main
+from adaspec.policies.bundles import CostBundle
+
+save = CostBundle.save
+
+def save_then_interrupt(bundle, path):  # the injected fault: Ctrl-C as the save ends
+    save(bundle, path)
+    os.kill(os.getpid(), signal.SIGINT)
+
+CostBundle.save = save_then_interrupt
+sys.argv = ["adaspec", "calibrate", *sys.argv[1:]]
+main()
+"""
+
+
+def test_a_signal_after_the_table_was_saved_says_it_is_saved(tmp_path: Path) -> None:
+    """Before, the line said only "interrupted", and a rerun with the same output was refused
+    as an existing file: the table, whole, looked lost."""
+    calibration, output = tmp_path / "tiny.json", tmp_path / "costs.json"
+    calibration.write_text(json.dumps(TINY_CALIBRATION))
+    done = subprocess.run(
+        [sys.executable, "-c", SIGNAL_AFTER_THE_SAVE, *LAUNCH,
+         f"--adaptive_target_verify_calibration={calibration}",
+         f"--adaptive_target_verify_cost_table_output={output}"],
+        capture_output=True, text=True, timeout=600, check=False)
+    assert (done.returncode, done.stderr.splitlines()[-1], done.stdout) == (
+        130, f"adaspec calibrate: interrupted; the cost table was saved whole to {output}", "")
+    assert json.loads(output.read_text())["compatibility"]["draft_width"] == 5
 
 
 @pytest.mark.parametrize(("argv", "message"), [

@@ -13,7 +13,7 @@ import contextlib
 import os
 import signal
 import sys
-from collections.abc import Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -30,6 +30,7 @@ class _Stop:
     main: "asyncio.Task[Any] | None" = None  # the task ``run`` runs, while it runs
     loop: asyncio.AbstractEventLoop | None = None
     command = "adaspec"
+    done: Callable[[], str | None] | None = None  # see ``tell_done``
 
 
 def install(command: str) -> None:
@@ -60,8 +61,17 @@ def status() -> int:
     return TERMINATED if _Stop.first == signal.SIGTERM else INTERRUPTED
 
 
+def tell_done(done: Callable[[], str | None] | None) -> None:
+    """``done()`` says what the command had finished when a signal stopped it (None: nothing
+    worth saying), as part of its stopped line: a file saved whole, which a rerun with the
+    same path would refuse to overwrite. Each command starts with none."""
+    _Stop.done = done
+
+
 def stopped_line(command: str) -> str:
-    return f"{command}: {'terminated' if status() == TERMINATED else 'interrupted'}"
+    line = f"{command}: {'terminated' if status() == TERMINATED else 'interrupted'}"
+    done = None if _Stop.done is None else _Stop.done()
+    return line if done is None else f"{line}; {done}"
 
 
 def taken_by_adaspec(number: int) -> bool:
