@@ -40,36 +40,52 @@ def test_calibrate_saves_the_bundle_and_prints_a_summary(
     assert capsys.readouterr().err.strip().endswith("choose a new output file")
 
 
-SIGNAL_AFTER_THE_SAVE = """
+SIGNALLED_SAVE = """
 import os, signal, sys
 from adaspec.cli.main import main
 from adaspec.policies.bundles import CostBundle
 
-save = CostBundle.save
+save, to_json = CostBundle.save, CostBundle.to_json
 
 def save_then_interrupt(bundle, path):  # the injected fault: Ctrl-C as the save ends
     save(bundle, path)
     os.kill(os.getpid(), signal.SIGINT)
 
-CostBundle.save = save_then_interrupt
-sys.argv = ["adaspec", "calibrate", *sys.argv[1:]]
+def interrupt_twice_while_writing(bundle):  # the injected fault: the file is open, empty
+    os.kill(os.getpid(), signal.SIGINT)
+    os.kill(os.getpid(), signal.SIGINT)  # a second one ends the process at once
+    return to_json(bundle)
+
+if sys.argv[1] == "after":
+    CostBundle.save = save_then_interrupt
+else:
+    CostBundle.to_json = interrupt_twice_while_writing
+sys.argv = ["adaspec", *sys.argv[2:]]
 main()
 """
 
 
-def test_a_signal_after_the_table_was_saved_says_it_is_saved(tmp_path: Path) -> None:
-    """Before, the line said only "interrupted", and a rerun with the same output was refused
-    as an existing file: the table, whole, looked lost."""
+@pytest.mark.parametrize("command", [["calibrate"],
+                                     ["generate", "--prompt=abc", "--max_tokens=4",
+                                      "--temperature=0"]])
+@pytest.mark.parametrize("when", ["after", "during"])
+def test_a_signal_says_the_table_was_saved_only_once_it_is_whole(
+        tmp_path: Path, command: list[str], when: str) -> None:
+    """Before, the line said only "interrupted" with the whole table on disk, and a rerun with
+    the same output was refused as an existing file: the table looked lost. A second signal
+    while the file is written ends the process before the table is whole: no claim then."""
     calibration, output = tmp_path / "tiny.json", tmp_path / "costs.json"
     calibration.write_text(json.dumps(TINY_CALIBRATION))
     done = subprocess.run(
-        [sys.executable, "-c", SIGNAL_AFTER_THE_SAVE, *LAUNCH,
+        [sys.executable, "-c", SIGNALLED_SAVE, when, *command, *LAUNCH,
          f"--adaptive_target_verify_calibration={calibration}",
          f"--adaptive_target_verify_cost_table_output={output}"],
         capture_output=True, text=True, timeout=600, check=False)
-    assert (done.returncode, done.stderr.splitlines()[-1], done.stdout) == (
-        130, f"adaspec calibrate: interrupted; the cost table was saved whole to {output}", "")
-    assert json.loads(output.read_text())["compatibility"]["draft_width"] == 5
+    said = f"adaspec {command[0]}: interrupted"
+    if when == "after":
+        said += f"; the cost table was saved whole to {output}"
+        assert json.loads(output.read_text())["compatibility"]["draft_width"] == 5
+    assert (done.returncode, done.stderr.splitlines()[-1], done.stdout) == (130, said, "")
 
 
 @pytest.mark.parametrize(("argv", "message"), [

@@ -11,7 +11,6 @@ too. The summary (or ``--json``) goes to stdout.
 
 import json
 import logging
-import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -127,9 +126,7 @@ def run(argv: Sequence[str]) -> int:
     models = checkpoint_models(launch, rank_device(launch))
     runtime = Runtime(config, models=models, options=RuntimeOptions(
         calibration_progress=progress_reporter(sys.stderr)))
-    # The output was checked not to exist: one there now is the table this run saved whole.
-    interrupts.tell_done(lambda: f"the cost table was saved whole to {output}"
-                         if runtime.is_front and os.path.exists(output) else None)
+    interrupts.tell_saved_table(lambda: runtime.saved_cost_table)
     started = time.perf_counter()
     with _logging_to(sys.stderr):
         interrupts.run(_start_and_stop(runtime))

@@ -310,6 +310,7 @@ def run(argv: Sequence[str]) -> int:
                              command_flags=GENERATE.parse(argv).given)
     models = checkpoint_models(config.launch, rank_device(config.launch))
     runtime = Runtime(config, models=models, options=options)
+    interrupts.tell_saved_table(lambda: runtime.saved_cost_table)
     results, seconds, failed = interrupts.run(decode(runtime, prompt_ids, params))
     if config.launch.world_size > 1:  # every rank says what it committed: they must agree
         interrupts.say(f"rank {runtime.rank}: commit digest {runtime.commit_digest()}")

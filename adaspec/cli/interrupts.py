@@ -68,6 +68,12 @@ def tell_done(done: Callable[[], str | None] | None) -> None:
     _Stop.done = done
 
 
+def tell_saved_table(saved: Callable[[], str | None]) -> None:
+    """The stopped line names the cost table file ``saved()`` returns once it is complete."""
+    tell_done(lambda: None if (path := saved()) is None
+              else f"the cost table was saved whole to {path}")
+
+
 def stopped_line(command: str) -> str:
     line = f"{command}: {'terminated' if status() == TERMINATED else 'interrupted'}"
     done = None if _Stop.done is None else _Stop.done()

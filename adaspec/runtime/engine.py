@@ -464,6 +464,9 @@ class Runtime:
         self._start_ended: asyncio.Event | None = None  # set once the start has ended
         self.costs: CostBundle | None = None
         """The immutable cost table installed at start (adaptive target verify only)."""
+        self.saved_cost_table: str | None = None
+        """Where the start saved the table it calibrated, once that file is complete (the
+        front only, with an output file)."""
 
     # --- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -833,6 +836,7 @@ class Runtime:
         output = self.launch.adaptive_target_verify_cost_table_output
         if output is not None and bundle is not None:
             bundle.save(output)
+            self.saved_cost_table = output
         return bundle
 
     async def _shared(self, bundle: CostBundle | None) -> CostBundle:
