@@ -639,12 +639,14 @@ def test_a_signal_to_every_rank_drains_the_stream_in_flight_through_the_follower
 
 def test_a_second_signal_ends_a_follower_at_once_with_its_line() -> None:
     """Before, the first signal gave the follower's signals back to their default action:
-    the second killed it (-15) with nothing said."""
+    the second killed it (-15) with nothing said. The follower's start may end after rank
+    0's: signalled before its ``ready`` line, it abandons its start instead of draining."""
     common = _two_ranks()
     follower = _start_follower(common)
     try:
         front = start_server(*common, "--node_rank=0")
         try:
+            _wait_for_line(follower, "ready")
             follower.send_signal(signal.SIGTERM)
             _wait_for_line(follower, "draining")
             follower.send_signal(signal.SIGTERM)

@@ -197,8 +197,9 @@ async def follow_front(runtime: Runtime, log: Any) -> None:
     torchrun signals every rank at once, so the first SIGTERM or SIGINT here only says so:
     rank 0 drains its requests, which need this rank, then stops it. A second signal ends the
     process at once (``Signals``); a signal during the start abandons it, as on rank 0. Its
-    log begins with ``starting`` (the start waits for every rank) and ends with ``stopped``,
-    as rank 0's does with ``listening`` and ``stopped``."""
+    log begins with ``starting`` (the start waits for every rank), says ``ready`` once this
+    rank's start is over (a signal before then abandons it) and ends with ``stopped``, as
+    rank 0's does with ``listening``, ``ready`` and ``stopped``."""
     loop = asyncio.get_running_loop()
     rank = runtime.rank
     signals = Signals(log, rank=rank)
@@ -206,6 +207,7 @@ async def follow_front(runtime: Runtime, log: Any) -> None:
     try:
         log.info("starting", rank=rank, until="every rank has joined the start")
         if await _start_unless_signalled(runtime, signals):
+            log.info("ready", rank=rank, until="rank 0 stops this rank")
             await runtime.serve()
     finally:
         try:
