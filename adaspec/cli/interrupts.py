@@ -30,7 +30,7 @@ class _Stop:
     main: "asyncio.Task[Any] | None" = None  # the task ``run`` runs, while it runs
     loop: asyncio.AbstractEventLoop | None = None
     command = "adaspec"
-    done: Callable[[], str | None] | None = None  # see ``tell_done``
+    saved_table: Callable[[], str | None] | None = None  # see ``tell_saved_table``
 
 
 def install(command: str) -> None:
@@ -61,23 +61,17 @@ def status() -> int:
     return TERMINATED if _Stop.first == signal.SIGTERM else INTERRUPTED
 
 
-def tell_done(done: Callable[[], str | None] | None) -> None:
-    """``done()`` says what the command had finished when a signal stopped it (None: nothing
-    worth saying), as part of its stopped line: a file saved whole, which a rerun with the
-    same path would refuse to overwrite. Each command starts with none."""
-    _Stop.done = done
-
-
-def tell_saved_table(saved: Callable[[], str | None]) -> None:
-    """The stopped line names the cost table file ``saved()`` returns once it is complete."""
-    tell_done(lambda: None if (path := saved()) is None
-              else f"the cost table was saved whole to {path}")
+def tell_saved_table(saved: Callable[[], str | None] | None) -> None:
+    """The stopped line names the cost table file ``saved()`` returns (None: none, or not
+    yet complete): a rerun with the same path would refuse to overwrite it. Each command
+    starts with none."""
+    _Stop.saved_table = saved
 
 
 def stopped_line(command: str) -> str:
     line = f"{command}: {'terminated' if status() == TERMINATED else 'interrupted'}"
-    done = None if _Stop.done is None else _Stop.done()
-    return line if done is None else f"{line}; {done}"
+    path = None if _Stop.saved_table is None else _Stop.saved_table()
+    return line if path is None else f"{line}; the cost table was saved whole to {path}"
 
 
 def taken_by_adaspec(number: int) -> bool:

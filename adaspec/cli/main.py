@@ -35,7 +35,7 @@ from adaspec.cli.interrupts import (
     say,
     status,
     stopped_line,
-    tell_done,
+    tell_saved_table,
 )
 from adaspec.errors import AdaspecError, show_value
 
@@ -97,7 +97,7 @@ def run(argv: Sequence[str]) -> int:
         _say(f"adaspec: error: command={show_value(argv[0])}: unknown; expected one of "
              f"{', '.join(COMMANDS)}")
         return 2
-    tell_done(None)
+    tell_saved_table(None)
     try:
         return command(argv[1:])
     except AdaspecError as error:
